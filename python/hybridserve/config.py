@@ -1,0 +1,218 @@
+"""The model's shape, read from a HF ``config.json``: the one fact every part shares.
+
+Pure Python (no torch): the capacity planner, the engine, the model and the
+checkpoint generator all read the shape from here. Both HF spellings are accepted:
+``model_type`` ``qwen3_5_text`` (the causal LM, fields at top level) and ``qwen3_5``
+(the vision-language wrapper, text fields nested under ``text_config``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from hybridserve.errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "half": 2,
+    "float8_e4m3fn": 1,
+    "fp8": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name (``"bfloat16"``, ``"float32"``, ...)."""
+    name = str(dtype).removeprefix("torch.")
+    try:
+        return DTYPE_BYTES[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}"
+        ) from None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a Qwen3.5 hybrid (attention + Gated DeltaNet) language model."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    layer_types: tuple[str, ...]
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10_000_000.0
+    partial_rotary_factor: float = 0.25
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "bfloat16"
+    eos_token_ids: tuple[int, ...] = ()
+    model_type: str = "qwen3_5_text"
+    # The raw text-config dict, for whatever a consumer needs beyond the fields above.
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived quantities -------------------------------------------------
+    @property
+    def full_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+
+    @property
+    def linear_attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+
+    @property
+    def num_full_attention_layers(self) -> int:
+        return len(self.full_attention_layers)
+
+    @property
+    def num_linear_attention_layers(self) -> int:
+        return len(self.linear_attention_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def linear_key_dim(self) -> int:
+        """Channels of q (and of k) in one DeltaNet layer: key heads x key head dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels through the causal conv1d: q, k and v concatenated."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    # ---- loading ------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> "ModelConfig":
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r}: hybridserve serves Qwen3.5 hybrid "
+                f"models ({' or '.join(SUPPORTED_MODEL_TYPES)}); check config.json"
+            )
+        top = cfg
+        if model_type == "qwen3_5":
+            text = cfg.get("text_config")
+            if not isinstance(text, dict):
+                raise ConfigError(
+                    "config.json has model_type 'qwen3_5' but no 'text_config' object; "
+                    "a Qwen3.5 VL checkpoint nests the language model's fields there"
+                )
+        else:
+            text = cfg
+
+        def need(key: str) -> Any:
+            if key not in text:
+                raise ConfigError(f"config.json is missing required field {key!r}")
+            return text[key]
+
+        num_layers = int(need("num_hidden_layers"))
+        layer_types = text.get("layer_types")
+        if layer_types is None:
+            interval = int(text.get("full_attention_interval", 4))
+            layer_types = [
+                LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION
+                for i in range(num_layers)
+            ]
+        layer_types = tuple(layer_types)
+        if len(layer_types) != num_layers:
+            raise ConfigError(
+                f"layer_types has {len(layer_types)} entries but num_hidden_layers is {num_layers}"
+            )
+        bad = sorted(set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION})
+        if bad:
+            raise ConfigError(f"unknown layer types {bad} in layer_types")
+
+        rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+        rope_theta = float(rope.get("rope_theta", text.get("rope_theta", 10_000_000.0)))
+        partial = float(
+            rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        )
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"rope_type {rope_type!r} is not supported; only 'default' is")
+
+        eos = text.get("eos_token_id", top.get("eos_token_id"))
+        if eos is None:
+            eos_ids: tuple[int, ...] = ()
+        elif isinstance(eos, int):
+            eos_ids = (eos,)
+        else:
+            eos_ids = tuple(int(e) for e in eos)
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        return cls(
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_hidden_layers=num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads", heads)),
+            head_dim=int(text.get("head_dim", hidden // heads)),
+            linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+            linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+            linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+            linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+            linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+            layer_types=layer_types,
+            max_position_embeddings=int(text.get("max_position_embeddings", 32768)),
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            partial_rotary_factor=partial,
+            tie_word_embeddings=bool(
+                text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))
+            ),
+            torch_dtype=str(
+                text.get("dtype") or text.get("torch_dtype") or top.get("dtype")
+                or top.get("torch_dtype") or "bfloat16"
+            ),
+            eos_token_ids=eos_ids,
+            model_type=model_type,
+            raw=dict(text),
+        )
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str]) -> "ModelConfig":
+        """Read a ``config.json`` file, or the one inside a checkpoint directory."""
+        path = os.fspath(path)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"no config.json at {path!r}; pass a checkpoint directory") from None
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path!r} is not valid JSON: {e}") from None
+        return cls.from_dict(cfg)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("raw")
+        d["layer_types"] = list(self.layer_types)
+        d["eos_token_ids"] = list(self.eos_token_ids)
+        return d

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The project's test command (README): installs what it needs, builds and installs
+# the real wheel, then runs the Rust tests (unit, proptest, stress, loom) and pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+echo "== pip: pinned test requirements"
+"$PY" -m pip install --quiet --disable-pip-version-check -r requirements/test.txt
+
+echo "== wheel: pip install . (maturin, release build)"
+"$PY" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
+
+echo "== cargo test (core: unit, proptest, stress)"
+cargo test --release -p hybridserve-core
+
+echo "== cargo test under loom (bounded model check of the lock-free allocator)"
+RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
+    cargo test --release -p hybridserve-core --test loom_allocator
+
+echo "== pytest"
+# Run from the repository root with importlib mode: tests import the installed
+# wheel, never the source tree (which has no compiled _core).
+"$PY" -m pytest -q tests
