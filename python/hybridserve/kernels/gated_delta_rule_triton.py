@@ -1,0 +1,226 @@
+"""Fused recurrent Gated DeltaNet (gated delta rule) over state slots, in Triton.
+
+Contract (identical to
+:func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`):
+
+* ``q``, ``k``: ``[T, Hk, K]``; ``v``: ``[T, H, V]``; ``g`` (log decay, <= 0) and
+  ``beta``: ``[T, H]``. ``Hk`` divides ``H``; value head ``h`` reads query/key head
+  ``h // (H // Hk)`` (HF's ``repeat_interleave``), so grouped q/k need no copy. With
+  ``Hk == H`` this is exactly the reference's layout.
+* ``state``: float32 pool ``[S, H, K, V]``, updated in place: sequence ``b`` reads
+  slot ``state_slots[b]`` (or zeros when ``has_initial_state[b]`` is false) and leaves
+  its final state there.
+* ``query_start_loc``: int ``[B+1]``, sequence ``b`` owns tokens
+  ``query_start_loc[b] : query_start_loc[b+1]`` (a decode step is one token, a prefill
+  chunk many).
+* Per token, in float32: optional l2norm of q and k (``x / sqrt(sum x^2 + 1e-6)``,
+  like HF/FLA), ``q *= scale``, ``S *= exp(g)``, ``S += k (beta (v - k^T S))^T``,
+  ``o = S^T q``. Returns ``o`` ``[T, H, V]`` in ``v``'s dtype.
+
+Launch: grid ``(B, H, cdiv(V, BLOCK_V))``. Columns of the state are independent
+under the delta rule (``k^T S`` is per column), so each program keeps one
+``[K, BLOCK_V]`` float32 tile of one sequence's state in registers, streams that
+sequence's tokens through it in order, and writes the tile back once. Fused: the
+l2norms, the scale, the decay, the state read/write and the output. Cost per program
+``O(q_len * K * BLOCK_V)`` FLOPs; state memory traffic is one read and one write per
+sequence regardless of ``q_len``. This is the decode kernel; it is also correct for
+prefill (token by token), where a chunked kernel would use tensor cores better.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["gated_delta_rule_recurrent_triton"]
+
+
+@triton.jit
+def _gated_delta_rule_recurrent_kernel(
+    o_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    query_start_loc_ptr,
+    state_slots_ptr,
+    has_initial_state_ptr,
+    scale,
+    stride_q_t,
+    stride_q_h,
+    stride_k_t,
+    stride_k_h,
+    stride_v_t,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    stride_g_t,
+    stride_g_h,
+    stride_b_t,
+    stride_b_h,
+    stride_s_s,
+    stride_s_h,
+    stride_s_k,
+    stride_s_v,
+    HEAD_RATIO: tl.constexpr,  # H // Hk
+    K_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    v_block = tl.program_id(2)
+    qk_head = head // HEAD_RATIO
+
+    bos = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    eos = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
+    if eos == bos:
+        return  # no tokens this step: the slot keeps its state (even if has_initial_state is 0)
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+
+    offs_k = tl.arange(0, K_PAD)
+    offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < K_DIM
+    v_ok = offs_v < V_DIM
+    tile_ok = k_ok[:, None] & v_ok[None, :]
+    s_ptrs = (
+        state_ptr
+        + slot * stride_s_s
+        + head * stride_s_h
+        + offs_k[:, None] * stride_s_k
+        + offs_v[None, :] * stride_s_v
+    )
+    # Padded rows/columns of the tile stay exactly 0 through every update below
+    # (k and v are 0 there), so they never leak into the reductions.
+    has_init = tl.load(has_initial_state_ptr + seq) != 0
+    s = tl.load(s_ptrs, mask=tile_ok & has_init, other=0.0).to(tl.float32)
+
+    for t in range(bos, eos):
+        q = tl.load(q_ptr + t * stride_q_t + qk_head * stride_q_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_k_t + qk_head * stride_k_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_v_t + head * stride_v_h + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_g_t + head * stride_g_h).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_b_t + head * stride_b_h).to(tl.float32)
+        if USE_L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+
+        s = s * tl.exp(g)
+        kv_mem = tl.sum(s * k[:, None], axis=0)
+        delta = (v - kv_mem) * beta
+        s = s + k[:, None] * delta[None, :]
+        o = tl.sum(s * q[:, None], axis=0)
+        tl.store(o_ptr + t * stride_o_t + head * stride_o_h + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+
+    tl.store(s_ptrs, s, mask=tile_ok)
+
+
+def _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state) -> None:
+    """Shape/dtype/device checks that need no device sync; raise ValueError saying what to fix."""
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must both be [T, Hk, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if v.dim() != 3 or v.shape[0] != q.shape[0]:
+        raise ValueError(f"v must be [T={q.shape[0]}, H, V], got {tuple(v.shape)}")
+    t, hk, kd = q.shape
+    _, h, vd = v.shape
+    if hk == 0 or h % hk != 0:
+        raise ValueError(f"value heads ({h}) must be a multiple of query/key heads ({hk})")
+    for name, x in (("g", g), ("beta", beta)):
+        if tuple(x.shape) != (t, h):
+            raise ValueError(f"{name} must be [T={t}, H={h}], got {tuple(x.shape)}")
+    if state.dim() != 4 or tuple(state.shape[1:]) != (h, kd, vd):
+        raise ValueError(f"state must be [S, H={h}, K={kd}, V={vd}], got {tuple(state.shape)}")
+    if state.dtype != torch.float32:
+        raise ValueError(f"state must be float32 (the recurrence accumulates in it), got {state.dtype}")
+    b = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    if b < 0 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1:
+        raise ValueError(
+            f"state_slots must be [B] and query_start_loc [B+1], got {tuple(state_slots.shape)} "
+            f"and {tuple(query_start_loc.shape)}"
+        )
+    if has_initial_state.dim() != 1 or has_initial_state.shape[0] != b:
+        raise ValueError(f"has_initial_state must be [B={b}], got {tuple(has_initial_state.shape)}")
+    for name, x in (("query_start_loc", query_start_loc), ("state_slots", state_slots)):
+        if x.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension (call .contiguous())")
+    devs = {x.device for x in (q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+
+
+def gated_delta_rule_recurrent_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Run the gated delta rule for every sequence from its slot's state; see the module doc.
+
+    ``state`` is updated in place. Slot ids are not range-checked (a device sync per
+    layer); distinct sequences must use distinct slots, since their programs run
+    concurrently.
+    """
+    _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
+    t, hk, kd = q.shape
+    _, h, vd = v.shape
+    num_seqs = state_slots.shape[0]
+    o = torch.empty_like(v)
+    if num_seqs == 0:
+        return o
+    if has_initial_state.dtype == torch.bool:
+        # Same bytes, viewed as int8 (no copy): the kernel tests "!= 0" on a plain byte.
+        has_initial_state = has_initial_state.view(torch.int8)
+    k_pad = triton.next_power_of_2(kd)
+    # Keep the register tile at <= 4096 float32 (16 KiB): K=128 -> 32 columns.
+    block_v = min(triton.next_power_of_2(vd), max(8, 4096 // k_pad))
+    grid = (num_seqs, h, triton.cdiv(vd, block_v))
+    _gated_delta_rule_recurrent_kernel[grid](
+        o,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        query_start_loc,
+        state_slots,
+        has_initial_state,
+        float(scale),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        o.stride(0),
+        o.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        *state.stride(),
+        HEAD_RATIO=h // hk,
+        K_DIM=kd,
+        V_DIM=vd,
+        K_PAD=k_pad,
+        BLOCK_V=block_v,
+        USE_L2NORM=bool(use_qk_l2norm),
+        num_warps=4,
+    )
+    return o
