@@ -97,8 +97,10 @@ def _gated_delta_rule_recurrent_kernel(
     )
     # Padded rows/columns of the tile stay exactly 0 through every update below
     # (k and v are 0 there), so they never leak into the reductions.
-    has_init = tl.load(has_initial_state_ptr + seq) != 0
-    s = tl.load(s_ptrs, mask=tile_ok & has_init, other=0.0).to(tl.float32)
+    if tl.load(has_initial_state_ptr + seq) != 0:
+        s = tl.load(s_ptrs, mask=tile_ok, other=0.0)
+    else:
+        s = tl.zeros([K_PAD, BLOCK_V], tl.float32)
 
     for t in range(bos, eos):
         q = tl.load(q_ptr + t * stride_q_t + qk_head * stride_q_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
