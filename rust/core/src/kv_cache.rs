@@ -1,0 +1,348 @@
+//! The KV cache manager: block allocator + per-sequence block tables + prefix
+//! cache. This is what the scheduler talks to. Single-threaded (`&mut self`);
+//! the allocator underneath is lock-free for callers that need that.
+//!
+//! # Block life cycle
+//! ```text
+//!   free --allocate--> referenced (count >= 1) --last ref dropped--> free      (uncached)
+//!                                               \-> parked (cached, count 0, LRU)
+//!   parked --prefix hit--> referenced;   parked --evicted (no free block left)--> referenced by the allocating table
+//! ```
+//! Invariants held after every call (checked by `tests/prop_kv_cache.rs`):
+//! 1. Each block's refcount equals the number of (table, position) pairs holding
+//!    it; cached blocks with count 0 are exactly the LRU contents.
+//! 2. `num_free_blocks() == free-list length + parked blocks`, and
+//!    `num_used_blocks() == num_blocks() - num_free_blocks()`.
+//! 3. A table's `blocks.len() == ceil(num_tokens / block_size)`.
+//! 4. A block written by `append_slots` (the tail being filled) is referenced by
+//!    that table only: a shared partly-filled tail is copied first.
+//! 5. A prefix hit returns blocks whose registered token ids equal the prompt's,
+//!    whole prefix included (see [`crate::prefix_cache`]).
+
+use crate::allocator::BlockAllocator;
+use crate::block_table::{BlockTable, ChainLink};
+use crate::error::CoreError;
+use crate::prefix_cache::{hash_block, Lookup, PrefixCache, ROOT_GENERATION, ROOT_HASH};
+use crate::BlockId;
+
+/// Cumulative counters since construction.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvStats {
+    /// `match_prefix` calls (with prefix caching enabled).
+    pub prefix_queries: u64,
+    /// Prompt tokens offered to `match_prefix`.
+    pub prefix_query_tokens: u64,
+    /// Tokens covered by hits.
+    pub prefix_hit_tokens: u64,
+    /// Queries that hit at least one block.
+    pub prefix_hits: u64,
+    /// `append_slots` calls refused for lack of blocks.
+    pub alloc_failures: u64,
+    /// Parked cached blocks reclaimed for a new use.
+    pub evictions: u64,
+    /// Copy-on-write copies of shared partly-filled tails.
+    pub cow_copies: u64,
+}
+
+pub struct KvCacheManager {
+    alloc: BlockAllocator,
+    block_size: u32,
+    cache: Option<PrefixCache>,
+    stats: KvStats,
+}
+
+impl KvCacheManager {
+    /// `num_blocks` blocks of `block_size` token slots each. Slot ids
+    /// (`block * block_size + offset`) must fit an `int32`.
+    pub fn new(num_blocks: u32, block_size: u32, enable_prefix_caching: bool) -> Result<Self, CoreError> {
+        if num_blocks == 0 {
+            return Err(CoreError::InvalidArgument(
+                "num_blocks must be >= 1; give the KV cache more memory or lower block_size".into(),
+            ));
+        }
+        if block_size == 0 {
+            return Err(CoreError::InvalidArgument("block_size must be >= 1 (16 is the usual choice)".into()));
+        }
+        if num_blocks as u64 * block_size as u64 > i32::MAX as u64 {
+            return Err(CoreError::InvalidArgument(format!(
+                "num_blocks * block_size = {} exceeds the int32 slot-id range ({}); lower num_blocks or block_size",
+                num_blocks as u64 * block_size as u64,
+                i32::MAX
+            )));
+        }
+        Ok(KvCacheManager {
+            alloc: BlockAllocator::new(num_blocks),
+            block_size,
+            cache: enable_prefix_caching.then(|| PrefixCache::new(num_blocks, block_size)),
+            stats: KvStats::default(),
+        })
+    }
+
+    #[inline]
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    #[inline]
+    pub fn num_blocks(&self) -> u32 {
+        self.alloc.num_blocks()
+    }
+
+    #[inline]
+    pub fn prefix_caching_enabled(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    /// Blocks allocatable now: the free list plus parked (evictable) cached blocks.
+    #[inline]
+    pub fn num_free_blocks(&self) -> u32 {
+        self.alloc.num_free() + self.num_cached_blocks()
+    }
+
+    #[inline]
+    pub fn num_used_blocks(&self) -> u32 {
+        self.num_blocks() - self.num_free_blocks()
+    }
+
+    /// Unreferenced cached blocks kept for reuse (they count as free).
+    #[inline]
+    pub fn num_cached_blocks(&self) -> u32 {
+        self.cache.as_ref().map_or(0, |c| c.num_parked())
+    }
+
+    /// Blocks registered in the prefix cache, referenced or not.
+    pub fn num_cache_entries(&self) -> u32 {
+        self.cache.as_ref().map_or(0, |c| c.num_entries())
+    }
+
+    /// Current refcount of block `b` (0 for free or parked).
+    #[inline]
+    pub fn refcount(&self, b: BlockId) -> u32 {
+        self.alloc.refcount(b)
+    }
+
+    /// Whether block `b` holds a prefix-cache entry.
+    pub fn is_cached(&self, b: BlockId) -> bool {
+        self.cache.as_ref().is_some_and(|c| (b as usize) < self.alloc.num_blocks() as usize && c.is_cached(b))
+    }
+
+    /// Parked blocks, next eviction first (O(parked); tests and debugging).
+    pub fn lru_order(&self) -> Vec<BlockId> {
+        self.cache.as_ref().map_or_else(Vec::new, |c| c.lru_order())
+    }
+
+    /// Free-list contents (O(free); tests and debugging).
+    pub fn free_list(&self) -> Vec<BlockId> {
+        self.alloc.free_list_snapshot()
+    }
+
+    /// Blocks `append_slots(table, n)` would take now: new blocks past the
+    /// reserved capacity plus one copy-on-write of a shared partly-filled tail. O(1).
+    pub fn blocks_needed(&self, table: &BlockTable, num_new_tokens: usize) -> u32 {
+        if num_new_tokens == 0 {
+            return 0;
+        }
+        let bs = self.block_size as usize;
+        let cap = table.blocks.len() * bs;
+        let total = table.num_tokens + num_new_tokens;
+        let new = if total > cap { (total - cap).div_ceil(bs) } else { 0 };
+        (new + self.tail_needs_copy(table) as usize) as u32
+    }
+
+    #[inline]
+    fn tail_needs_copy(&self, table: &BlockTable) -> bool {
+        table.num_tokens % self.block_size as usize != 0
+            && table.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1)
+    }
+
+    /// One block with refcount 1: from the free list, else by evicting the least
+    /// recently parked cached block. Callers check capacity first.
+    fn take_block(&mut self) -> BlockId {
+        if let Ok(b) = self.alloc.allocate() {
+            return b;
+        }
+        let cache = self.cache.as_mut().expect("capacity was checked: a parked block must exist");
+        let b = cache.oldest_parked().expect("capacity was checked: a parked block must exist");
+        cache.unpark(b);
+        cache.remove(b);
+        self.alloc.revive(b).expect("parked block has count 0");
+        self.stats.evictions += 1;
+        b
+    }
+
+    /// Drops one reference; a cached block reaching 0 is parked (most recent end
+    /// of the LRU), any other goes back to the free list.
+    fn drop_ref(&mut self, b: BlockId) {
+        match self.cache.as_mut() {
+            Some(cache) if cache.is_cached(b) => {
+                if self.alloc.decref_retain(b).expect("table held a dead block") == 0 {
+                    cache.park(b);
+                }
+            }
+            _ => {
+                self.alloc.decref(b).expect("table held a dead block");
+            }
+        }
+    }
+
+    /// For an EMPTY table: pushes the longest run of cached full blocks matching
+    /// `tokens` (chained hash of parent hash, block token ids, `extra_key`,
+    /// verified on hit), leaving at least one token to compute, i.e. at most
+    /// `(tokens.len() - 1) / block_size` blocks. Hit blocks gain a reference
+    /// (parked ones are revived). Returns the tokens covered, now
+    /// `table.num_tokens()`. O(hit blocks * block_size). A non-empty table or a
+    /// disabled cache returns 0 and changes nothing.
+    pub fn match_prefix(&mut self, table: &mut BlockTable, tokens: &[u32], extra_key: u64) -> usize {
+        let Some(cache) = self.cache.as_mut() else { return 0 };
+        if !table.blocks.is_empty() || table.num_tokens != 0 {
+            return 0;
+        }
+        self.stats.prefix_queries += 1;
+        self.stats.prefix_query_tokens += tokens.len() as u64;
+        let bs = self.block_size as usize;
+        let max_blocks = tokens.len().saturating_sub(1) / bs;
+        let (mut parent_hash, mut parent_gen) = (ROOT_HASH, ROOT_GENERATION);
+        table.chain.clear();
+        table.chain_broken = false;
+        for i in 0..max_blocks {
+            let blk = &tokens[i * bs..(i + 1) * bs];
+            let h = hash_block(parent_hash, blk, extra_key);
+            let Lookup::Hit(b, g) = cache.lookup(h, parent_gen, blk, extra_key) else { break };
+            if cache.is_parked(b) {
+                cache.unpark(b);
+                self.alloc.revive(b).expect("parked block has count 0");
+            } else {
+                self.alloc.incref(b).expect("cached unparked block is referenced");
+            }
+            table.blocks.push(b);
+            table.chain.push(ChainLink { hash: h, generation: g });
+            (parent_hash, parent_gen) = (h, g);
+        }
+        let hit = table.blocks.len() * bs;
+        table.num_tokens = hit;
+        self.stats.prefix_hit_tokens += hit as u64;
+        self.stats.prefix_hits += (hit > 0) as u64;
+        hit
+    }
+
+    /// Reserves KV slots for the next `n` tokens of `table`: copies a shared
+    /// partly-filled tail first (pushing `(src, dst)` onto `copies`), then
+    /// allocates blocks as the last one fills. Appends the `n` slot ids
+    /// (`block * block_size + offset`, in token order) to `slots`. All or nothing:
+    /// on `Err(OutOfBlocks)` nothing changed except `alloc_failures += 1`.
+    /// O(n / block_size + 1) plus the pushes.
+    pub fn append_slots(
+        &mut self,
+        table: &mut BlockTable,
+        n: usize,
+        slots: &mut Vec<i32>,
+        copies: &mut Vec<(BlockId, BlockId)>,
+    ) -> Result<(), CoreError> {
+        if n == 0 {
+            return Ok(());
+        }
+        let needed = self.blocks_needed(table, n);
+        let free = self.num_free_blocks();
+        if needed > free {
+            self.stats.alloc_failures += 1;
+            return Err(CoreError::OutOfBlocks { needed, free });
+        }
+        let bs = self.block_size as usize;
+        if self.tail_needs_copy(table) {
+            let src = *table.blocks.last().unwrap();
+            let dst = self.take_block();
+            // src stays referenced by the other sharers (its count was > 1).
+            self.drop_ref(src);
+            *table.blocks.last_mut().unwrap() = dst;
+            copies.push((src, dst));
+            self.stats.cow_copies += 1;
+        }
+        let total = table.num_tokens + n;
+        while table.blocks.len() * bs < total {
+            let b = self.take_block();
+            table.blocks.push(b);
+        }
+        slots.reserve(n);
+        let bs32 = self.block_size;
+        for t in table.num_tokens..total {
+            let b = table.blocks[t / bs];
+            slots.push((b * bs32 + (t % bs) as u32) as i32);
+        }
+        table.num_tokens = total;
+        Ok(())
+    }
+
+    /// Registers the table's FULL blocks not yet in its hash chain. `tokens` holds
+    /// the sequence's token ids at least up to `table.num_tokens()` (fewer: only
+    /// the blocks they cover). Call it once their KV is computed. Incremental:
+    /// each block is hashed once over the table's life. A block whose content is
+    /// already cached under another physical block is not registered twice (the
+    /// table keeps its copy; later blocks chain onto the existing entry).
+    pub fn cache_full_blocks(&mut self, table: &mut BlockTable, tokens: &[u32], extra_key: u64) {
+        let Some(cache) = self.cache.as_mut() else { return };
+        if table.chain_broken {
+            return;
+        }
+        let bs = self.block_size as usize;
+        let full = table.num_tokens.min(tokens.len()) / bs;
+        for i in table.chain.len()..full {
+            let (parent_hash, parent_gen) = match table.chain.last() {
+                Some(l) => (l.hash, l.generation),
+                None => (ROOT_HASH, ROOT_GENERATION),
+            };
+            let blk = &tokens[i * bs..(i + 1) * bs];
+            let h = hash_block(parent_hash, blk, extra_key);
+            let g = match cache.lookup(h, parent_gen, blk, extra_key) {
+                Lookup::Hit(_, g) => g,
+                Lookup::Miss => cache.insert(table.blocks[i], h, parent_gen, blk, extra_key),
+                Lookup::Conflict(old) => {
+                    if cache.is_parked(old) {
+                        // An orphan (its parent entry was evicted) or a collision
+                        // nobody uses: drop it so live content can be cached.
+                        cache.unpark(old);
+                        cache.remove(old);
+                        self.alloc.release(old).expect("parked block has count 0");
+                        cache.insert(table.blocks[i], h, parent_gen, blk, extra_key)
+                    } else {
+                        table.chain_broken = true;
+                        return;
+                    }
+                }
+            };
+            table.chain.push(ChainLink { hash: h, generation: g });
+        }
+    }
+
+    /// A child sharing every block of `parent` (each refcount +1) and its hash
+    /// chain. The child's or parent's next append into a shared partly-filled
+    /// tail copies it. O(blocks).
+    pub fn fork(&mut self, parent: &BlockTable) -> BlockTable {
+        for &b in &parent.blocks {
+            self.alloc.incref(b).expect("forked table held a dead block");
+        }
+        parent.clone()
+    }
+
+    /// Drops every block reference, tail first: cached blocks reaching 0 are
+    /// parked in that order (so a chain is evicted from its end), others freed.
+    /// Leaves `table` empty and reusable. O(blocks).
+    pub fn free(&mut self, table: &mut BlockTable) {
+        while let Some(b) = table.blocks.pop() {
+            self.drop_ref(b);
+        }
+        table.num_tokens = 0;
+        table.chain.clear();
+        table.chain_broken = false;
+    }
+
+    /// Unused slots in the table's last block.
+    #[inline]
+    pub fn tail_waste(&self, table: &BlockTable) -> usize {
+        table.blocks.len() * self.block_size as usize - table.num_tokens
+    }
+
+    #[inline]
+    pub fn stats(&self) -> KvStats {
+        self.stats
+    }
+}
