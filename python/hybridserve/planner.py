@@ -759,8 +759,8 @@ def capacity_report(
             raise ConfigError("give either the pool size or the device memory")
         pool = pool_from_device(device_memory, weights, utilization=utilization, reserve=reserve)
         pool_source = (
-            f"{format_bytes(device_memory)} x {utilization} - weights "
-            f"{format_bytes(weights)} - reserve {format_bytes(reserve)}"
+            f"{_num(device_memory / 1e9)} GB x {utilization} - weights "
+            f"{_num(weights / 1e9)} GB - reserve {format_bytes(reserve)}"
         )
     bb = block_bytes(config, block_size, kv_dtype)
     shared = None

@@ -1,0 +1,270 @@
+"""The ``hybridserve`` command line: one subcommand per entry of :data:`SUBCOMMANDS`.
+
+``main(argv)`` returns the exit status (0 success, 2 bad input) instead of exiting, so
+tests and embedding code can call it; the console script hands it to ``sys.exit``.
+A new subcommand (``serve``) is one more :class:`Subcommand` in the dict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hybridserve.errors import HybridServeError
+
+EXIT_OK = 0
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    """``add_arguments`` fills the subcommand's parser; ``run`` returns the exit status."""
+
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+# ---- argument types (argparse turns ArgumentTypeError into exit 2 + usage) -----------
+
+
+def _size(text: str) -> int:
+    from hybridserve.planner import parse_size
+
+    try:
+        return parse_size(text)
+    except HybridServeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text.replace(",", "").replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a whole number; write e.g. 32768"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    if text.strip() == "0":
+        return 0
+    return _positive_int(text)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; write e.g. 0.9") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} must be a fraction of device memory in (0, 1]; write e.g. 0.9"
+        )
+    return value
+
+
+def _dtype(text: str) -> str:
+    from hybridserve.config import DTYPE_BYTES
+
+    name = text.removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; use one of {', '.join(sorted(DTYPE_BYTES))}"
+        )
+    return name
+
+
+# ---- plan ----------------------------------------------------------------------------
+
+
+def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", metavar="CONFIG", help="a config.json, or a checkpoint directory")
+    mem = p.add_argument_group("memory (the pool is --pool-mib, else derived from the device)")
+    mem.add_argument(
+        "--device-memory", type=_size, default="80GB", metavar="SIZE",
+        help="device memory: 80GB (decimal), 80GiB or 81559MiB (default: 80GB)",
+    )
+    mem.add_argument(
+        "--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
+        help="fraction of device memory hybridserve may use (default: 0.9)",
+    )
+    mem.add_argument(
+        "--reserve", type=_size, default="2GiB", metavar="SIZE",
+        help="runtime reserve for activations and the CUDA context (default: 2GiB)",
+    )
+    mem.add_argument(
+        "--pool-mib", type=_positive_int, metavar="N",
+        help="give the KV + state pool size in MiB directly (e.g. 23859), ignoring the above",
+    )
+    p.add_argument(
+        "--context", type=_positive_int, default=32768, metavar="L",
+        help="tokens per session (default: 32768)",
+    )
+    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument(
+        "--kv-dtype", type=_dtype, default=None,
+        help="KV cache dtype (default: the model's dtype)",
+    )
+    p.add_argument(
+        "--omit-conv-state", action="store_true",
+        help="leave the DeltaNet conv state out of the session counts, as the seed does",
+    )
+    share = p.add_argument_group("scenarios")
+    share.add_argument(
+        "--shared-prefix", type=_non_negative_int, metavar="P",
+        help="sessions share their first P tokens (with --sessions)",
+    )
+    share.add_argument("--sessions", type=_positive_int, metavar="K", help="number of sessions sharing the prefix")
+    share.add_argument("--n", type=_positive_int, default=1, help="samples per request (default: 1)")
+    share.add_argument(
+        "--prompt-len", type=_non_negative_int, metavar="P",
+        help="with --n > 1: the shared prompt's length (default: context - 1, i.e. each "
+        "sample has written its first token)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    from hybridserve import planner as pl
+    from hybridserve.config import ModelConfig
+
+    checkpoint_dir = args.config if os.path.isdir(args.config) else None
+    if checkpoint_dir is not None and not any(
+        f.endswith(".safetensors") for f in os.listdir(checkpoint_dir)
+    ):
+        checkpoint_dir = None  # a directory with only config.json: count parameters
+    config = ModelConfig.from_json(args.config)
+    if (args.shared_prefix is None) != (args.sessions is None):
+        raise _BadInput("--shared-prefix P and --sessions K go together; give both")
+    if args.prompt_len is not None and args.n == 1:
+        raise _BadInput("--prompt-len only matters with --n greater than 1")
+    report = pl.capacity_report(
+        config,
+        context_len=args.context,
+        pool_bytes=None if args.pool_mib is None else args.pool_mib * pl.MiB,
+        device_memory=args.device_memory,
+        utilization=args.gpu_memory_utilization,
+        reserve=args.reserve,
+        checkpoint_dir=checkpoint_dir,
+        block_size=args.block_size,
+        kv_dtype=args.kv_dtype,
+        include_conv=not args.omit_conv_state,
+        shared_prefix_len=args.shared_prefix,
+        sessions=args.sessions,
+        n=args.n,
+        prompt_len=args.prompt_len,
+    )
+    d = report.to_dict()
+    d["config"] = os.fspath(args.config)
+    if args.json:
+        print(json.dumps(d, indent=2))
+    else:
+        print(render_plan(report, config_name=os.fspath(args.config)))
+    return EXIT_OK
+
+
+def render_plan(report, config_name: str = "") -> str:
+    """The readable table of ``hybridserve plan`` (the seed's table, then the scenarios)."""
+    from hybridserve.planner import format_bytes as fb
+    from hybridserve.planner import format_mib
+
+    r = report
+    L = r.context_len
+    conv_note = "counted" if r.conv_state_counted else "not counted (--omit-conv-state)"
+    rows: list[tuple[str, str]] = [
+        ("layers", f"{r.num_layers} = {r.num_full_attention_layers} full attention + "
+                   f"{r.num_linear_attention_layers} Gated DeltaNet"),
+        (f"KV per token ({r.kv_dtype})", f"{r.kv_bytes_per_token:,} B ({fb(r.kv_bytes_per_token)})"),
+        (f"KV per sequence at the native {r.max_position_embeddings:,} tokens", fb(r.kv_bytes_at_native_max)),
+        (f"one {r.block_size}-token block (all attention layers)", fb(r.block_bytes)),
+        ("DeltaNet matrix state per sequence (float32)", fb(r.state_bytes_per_sequence)),
+        (f"DeltaNet conv state per sequence ({r.model_dtype}; {conv_note})",
+         fb(r.conv_state_bytes_per_sequence)),
+        ("weights", f"{fb(r.weight_bytes)} = {r.weight_bytes / 1e9:,.2f} GB ({r.weight_source})"),
+        ("pool for KV + state", f"{format_mib(r.pool_bytes)} ({fb(r.pool_bytes)}; {r.pool_source})"),
+        (f"one {L:,}-token session, paged",
+         f"{fb(r.kv_bytes_per_sequence)} KV + {fb(r.state_bytes_per_sequence)} state"
+         + (f" + {fb(r.conv_state_bytes_per_sequence)} conv" if r.conv_state_counted else "")
+         + f" = {format_mib(r.session_bytes_paged)}"
+         + (f" ({format_mib(r.session_bytes_paged_without_conv)} without conv)" if r.conv_state_counted else "")),
+        ("one session reserving the native maximum", format_mib(r.session_bytes_reserved_max)),
+        (f"sessions that fit at {L:,} tokens, paged", f"{r.sessions_paged:,}"),
+        ("sessions that fit, reserving the native maximum", f"{r.sessions_reserved_max:,}"),
+    ]
+    if r.shared_prefix is not None:
+        s = r.shared_prefix
+        rows += [
+            (f"{s.count} sessions sharing a {s.shared_len:,}-token prefix",
+             f"{s.shared_blocks:,} shared blocks + {s.count} x {s.private_blocks:,} own = "
+             f"{s.total_blocks:,} blocks, {format_mib(s.total_bytes)} "
+             f"(without sharing {format_mib(s.bytes_without_sharing)})"),
+            ("sessions that fit with the shared prefix",
+             f"{s.max_count:,} (without sharing {s.max_count_without_sharing:,})"),
+        ]
+    if r.parallel_sampling is not None:
+        p = r.parallel_sampling
+        q = p.per_request
+        rows += [
+            (f"one request of n={p.n} samples, {q.shared_len:,}-token prompt",
+             f"{q.shared_blocks:,} shared blocks + {p.n} x {q.private_blocks:,} own = "
+             f"{q.total_blocks:,} blocks + {p.n} state slots = {format_mib(p.bytes_per_request)}"),
+            (f"requests of n={p.n} that fit",
+             f"{p.requests_that_fit:,} ({p.sequences_that_fit:,} sequences; without sharing "
+             f"{p.requests_that_fit_without_sharing:,})"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    head = f"hybridserve plan: {config_name} ({r.model_type})" if config_name else "hybridserve plan"
+    lines = [head, ""] + [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+class _BadInput(Exception):
+    """Input that argparse's types cannot see alone (combinations of options)."""
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "plan": Subcommand(
+        help="memory plan: KV and DeltaNet state per session, sessions that fit (paged vs reserved)",
+        add_arguments=_add_plan_arguments,
+        run=_run_plan,
+    ),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridserve",
+        description="Serving engine for hybrid attention/Gated-DeltaNet models (Qwen3.5).",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, cmd in SUBCOMMANDS.items():
+        sp = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        cmd.add_arguments(sp)
+        sp.set_defaults(_run=cmd.run, _parser=sp)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (0 ok, 2 bad input)."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse already printed usage + the message
+        return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
+    try:
+        return args._run(args)
+    except (HybridServeError, _BadInput) as e:
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())
