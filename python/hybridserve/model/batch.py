@@ -1,0 +1,116 @@
+"""The inputs of one model step over a flattened batch (prefill chunks and decodes mixed)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One step over ``B`` sequences whose scheduled tokens are concatenated into ``T`` rows.
+
+    All tensors live on the model's device. Sequence ``b`` owns rows
+    ``query_start_loc[b]:query_start_loc[b+1]`` (in any mix: a whole prompt, a prefill
+    chunk continuing earlier ones, or one decode token); those rows are the LAST
+    ``q_len`` of its ``seq_lens[b]`` tokens.
+
+    * ``input_ids`` int64 ``[T]``; ``positions`` int64 ``[T]`` (absolute, from 0).
+    * ``slot_mapping`` int64 ``[T]``: where each row's K/V goes in the paged cache,
+      ``block * block_size + offset``; negative = padding row, not written.
+    * ``query_start_loc`` int32 ``[B+1]``, ``seq_lens`` int32 ``[B]`` (tokens with K/V
+      after this step: computed before + scheduled now).
+    * ``block_tables`` int32 ``[B, max_blocks]``, padded with 0 past each sequence's end.
+    * ``state_slots`` int64 ``[B]``: the DeltaNet state slot of each sequence;
+      ``has_initial_state`` bool ``[B]``: False = conv and recurrent state start from
+      zeros (a new or recomputed sequence), True = continue from the slot.
+    * ``logits_indices`` int64 ``[S]``: rows of ``T`` whose logits are wanted, in the
+      order the logits come back; only these rows go through the final norm's output
+      projection (the LM head).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+    state_slots: torch.Tensor
+    has_initial_state: torch.Tensor
+    logits_indices: torch.Tensor
+    # Host copies the caller may already have; unused by the model today (the CPU
+    # reference ops read the tensors), kept so a runner can avoid device syncs later.
+    query_start_loc_host: list[int] | None = field(default=None, repr=False)
+    seq_lens_host: list[int] | None = field(default=None, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first inconsistent field. O(B) host work."""
+        t, b = self.num_tokens, self.num_seqs
+        for name, n in (("positions", t), ("slot_mapping", t), ("query_start_loc", b + 1),
+                        ("state_slots", b), ("has_initial_state", b)):
+            got = int(getattr(self, name).shape[0])
+            if got != n:
+                raise ValueError(f"ForwardBatch.{name} has {got} entries, expected {n}")
+        if self.block_tables.dim() != 2 or self.block_tables.shape[0] != b:
+            raise ValueError(
+                f"ForwardBatch.block_tables must be [B={b}, max_blocks], got {tuple(self.block_tables.shape)}"
+            )
+        qsl = self.query_start_loc.tolist()
+        if qsl[0] != 0 or qsl[-1] != t or any(x > y for x, y in zip(qsl, qsl[1:])):
+            raise ValueError(f"ForwardBatch.query_start_loc {qsl} must rise from 0 to T={t}")
+        lens = self.seq_lens.tolist()
+        for i, n in enumerate(lens):
+            if n < qsl[i + 1] - qsl[i]:
+                raise ValueError(
+                    f"sequence {i} schedules {qsl[i + 1] - qsl[i]} tokens but seq_lens says {n} in total"
+                )
+        if self.logits_indices.numel() and (
+            int(self.logits_indices.min()) < 0 or int(self.logits_indices.max()) >= t
+        ):
+            raise ValueError(f"ForwardBatch.logits_indices must index rows 0..{t - 1}")
+
+    @classmethod
+    def from_lists(
+        cls,
+        *,
+        input_ids: Sequence[int],
+        positions: Sequence[int],
+        slot_mapping: Sequence[int],
+        query_start_loc: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        state_slots: Sequence[int],
+        has_initial_state: Sequence[bool],
+        logits_indices: Sequence[int],
+        device: torch.device | str = "cpu",
+    ) -> "ForwardBatch":
+        """Build a batch from host lists; ragged ``block_tables`` are padded with 0."""
+        width = max((len(r) for r in block_tables), default=0) or 1
+        tables = [list(r) + [0] * (width - len(r)) for r in block_tables]
+
+        def t(x, dtype):
+            return torch.tensor(list(x), dtype=dtype, device=device)
+
+        return cls(
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            slot_mapping=t(slot_mapping, torch.int64),
+            query_start_loc=t(query_start_loc, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(tables), width),
+            state_slots=t(state_slots, torch.int64),
+            has_initial_state=t(has_initial_state, torch.bool),
+            logits_indices=t(logits_indices, torch.int64),
+            query_start_loc_host=list(query_start_loc),
+            seq_lens_host=list(seq_lens),
+        )

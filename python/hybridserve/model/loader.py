@@ -1,0 +1,133 @@
+"""Loading a HF Qwen3.5 checkpoint directory into :class:`Qwen3_5ForServing`."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import torch
+from safetensors import safe_open
+
+from hybridserve.config import ModelConfig
+from hybridserve.errors import CheckpointError
+from hybridserve.model.cache import resolve_dtype
+from hybridserve.model.qwen3_5 import Qwen3_5ForServing
+
+# Checkpoint prefixes of the language model: causal-LM naming, then the VL wrapper's.
+_LM_PREFIXES = ("model.language_model.", "model.")
+# Weights of other parts of a VL / MTP checkpoint that serving text does not use.
+_SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The safetensors files of a checkpoint: the index's shards, or the single file."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.exists(os.path.join(model_dir, f))]
+        if missing:
+            raise CheckpointError(f"shard(s) {missing} named by {index} are missing from {model_dir}")
+        return [os.path.join(model_dir, f) for f in files]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not found:
+        raise CheckpointError(
+            f"no safetensors weights in {model_dir!r}: expected model.safetensors or "
+            "model.safetensors.index.json with its shards"
+        )
+    return [os.path.join(model_dir, f) for f in found]
+
+
+def local_name(name: str) -> str | None:
+    """Checkpoint tensor name -> model parameter name; None for tensors serving skips."""
+    if name.startswith(_SKIPPED_PREFIXES):
+        return None
+    if name == "lm_head.weight":
+        return name
+    for prefix in _LM_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
+               device: str | torch.device = "cpu", progress: bool = True,
+               ) -> tuple[Qwen3_5ForServing, ModelConfig]:
+    """Load config + weights; every parameter is checked for presence and shape.
+
+    Raises ConfigError (from :class:`ModelConfig`) for an unsupported ``model_type``,
+    CheckpointError naming the tensor for a missing or mis-shaped one. Tensors of the
+    vision tower and MTP head are skipped; unknown tensors are ignored with a warning.
+    Weights are cast to ``dtype`` on the way in; peak extra memory is one tensor.
+    """
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"checkpoint directory {model_dir!r} does not exist")
+    config = ModelConfig.from_json(model_dir)
+    dtype = resolve_dtype(dtype)
+    device = torch.device(device)
+    files = checkpoint_files(model_dir)
+
+    model = Qwen3_5ForServing(config, dtype=dtype, device="meta")
+    model.to_empty(device=device)
+    model.tie_weights()
+    params = dict(model.named_parameters(remove_duplicate=True))
+    expected = model.checkpoint_shapes()
+    loaded: set[str] = set()
+    unknown: list[str] = []
+
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        tqdm = None
+    bar = tqdm(total=len(expected), desc=f"Loading {os.path.basename(model_dir.rstrip('/'))}",
+               unit="tensor", disable=not progress or tqdm is None) if tqdm else None
+    try:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    local = local_name(name)
+                    if local is None:
+                        continue
+                    if local not in expected:
+                        if not (local == "lm_head.weight" and config.tie_word_embeddings):
+                            unknown.append(name)
+                        continue
+                    t = f.get_slice(name)
+                    shape = tuple(t.get_shape())
+                    if shape != expected[local]:
+                        raise CheckpointError(
+                            f"tensor {name!r} in {os.path.basename(path)} has shape {list(shape)}, "
+                            f"but config.json implies {list(expected[local])}; the weights do not "
+                            "match this config"
+                        )
+                    with torch.no_grad():
+                        params[local].copy_(f.get_tensor(name).to(dtype))
+                    loaded.add(local)
+                    if bar is not None:
+                        bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+
+    missing = [n for n in expected if n not in loaded]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise CheckpointError(
+            f"checkpoint {model_dir!r} is missing {len(missing)} tensor(s): {shown}{more} "
+            "(names relative to 'model.' / 'model.language_model.')"
+        )
+    if unknown:
+        warnings.warn(f"ignored {len(unknown)} unexpected tensor(s) in {model_dir}: {unknown[:5]}",
+                      stacklevel=2)
+    model.eval()
+    return model, config

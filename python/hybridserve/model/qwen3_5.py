@@ -1,0 +1,274 @@
+"""Qwen3.5 hybrid decoder (full attention + Gated DeltaNet) for serving.
+
+Numerically follows ``transformers``' ``Qwen3_5ForCausalLM`` (the oracle in tests),
+reorganised for a flattened varlen batch: there is no batch dimension, every
+sequence's rows are contiguous, attention reads the paged KV cache and DeltaNet
+layers read and write their sequence's state slot. Parameter names match the HF
+checkpoint with the ``model.`` prefix removed, so loading is a rename.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.config import FULL_ATTENTION, ModelConfig
+from hybridserve.kernels import ops
+from hybridserve.model.batch import ForwardBatch
+from hybridserve.model.cache import HybridCache, resolve_dtype
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm scaled by ``1 + weight`` (weight stored centred on 0), computed in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """DeltaNet's output norm: ``weight * rmsnorm(x) * silu(gate)`` (plain, not 1-centred)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # HF rounds to the model dtype before the weight and again after the gate.
+        y = self.weight * xf.to(dtype)
+        return (y * F.silu(gate.float())).to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding:
+    """Partial rotary (first ``rotary_dim`` channels, half-split layout). Text-only
+    positions, so HF's multimodal rope sections collapse to ordinary rope."""
+
+    def __init__(self, config: ModelConfig):
+        self.rotary_dim = config.rotary_dim
+        self.theta = config.rope_theta
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        inv = self._inv_freq.get(positions.device)
+        if inv is None:
+            exps = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+            inv = (1.0 / (self.theta ** exps)).to(positions.device)
+            self._inv_freq[positions.device] = inv
+        freqs = positions.float()[:, None] * inv[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[T, H, D]``, cos/sin ``[T, rotary_dim]``."""
+        r = cos.shape[-1]
+        x_rot, x_pass = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+        x_rot = x_rot * cos[:, None, :] + rotated * sin[:, None, :]
+        return torch.cat([x_rot, x_pass], dim=-1)
+
+
+class Attention(nn.Module):
+    """Gated GQA attention over the paged cache (q/k norm, partial rope, sigmoid gate)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_heads = c.num_attention_heads
+        self.num_kv_heads = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        self.scale = c.head_dim ** -0.5
+        bias = bool(c.raw.get("attention_bias", False))
+        # q_proj yields the query and the output gate interleaved per head: [q_h | gate_h].
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim * 2, bias=bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch: ForwardBatch, cache: HybridCache):
+        t = x.shape[0]
+        qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]
+        gate = gate.reshape(t, -1)
+        q = self.q_norm(q)
+        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        k_cache, v_cache = cache.kv(self.layer_idx)
+        ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        o = ops.paged_attention(q.contiguous(), k_cache, v_cache, batch.query_start_loc,
+                                batch.seq_lens, batch.block_tables, self.scale)
+        o = o.reshape(t, -1) * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet token mixer over state slots (causal conv1d + gated delta rule)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.num_k_heads = c.linear_num_key_heads
+        self.num_v_heads = c.linear_num_value_heads
+        self.head_k_dim = c.linear_key_head_dim
+        self.head_v_dim = c.linear_value_head_dim
+        self.key_dim = c.linear_key_dim
+        self.value_dim = c.linear_value_dim
+        self.conv_dim = c.linear_conv_dim
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
+                f"linear_num_key_heads ({self.num_k_heads})"
+            )
+        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        # Depthwise conv weight kept in the checkpoint's [C, 1, W] shape.
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, c.linear_conv_kernel_dim))
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, c.hidden_size, bias=False)
+
+    def forward(self, x, batch: ForwardBatch, cache: HybridCache):
+        t = x.shape[0]
+        conv_state, rec_state = cache.state(self.layer_idx)
+        mixed = self.in_proj_qkv(x)
+        z = self.in_proj_z(x)
+        b = self.in_proj_b(x)
+        a = self.in_proj_a(x)
+        mixed = ops.causal_conv1d(mixed, self.conv1d.weight[:, 0, :], None, conv_state,
+                                  batch.query_start_loc, batch.state_slots,
+                                  batch.has_initial_state, "silu")
+        q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
+        rep = self.num_v_heads // self.num_k_heads
+        if rep > 1:
+            # Key head j serves value heads j*rep .. j*rep+rep-1 (HF's repeat_interleave).
+            q = q.repeat_interleave(rep, dim=1)
+            k = k.repeat_interleave(rep, dim=1)
+        beta = torch.sigmoid(b)
+        # In float32: in fp16 exp(A_log) could overflow.
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        o = ops.gated_delta_rule(q, k, v, g, beta, rec_state, batch.query_start_loc,
+                                 batch.state_slots, batch.has_initial_state,
+                                 self.head_k_dim ** -0.5, True)
+        o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(o.reshape(t, self.value_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.is_attention = config.layer_types[layer_idx] == FULL_ATTENTION
+        if self.is_attention:
+            self.self_attn = Attention(config, layer_idx)
+        else:
+            self.linear_attn = GatedDeltaNet(config, layer_idx)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, h, cos, sin, batch, cache):
+        x = self.input_layernorm(h)
+        if self.is_attention:
+            x = self.self_attn(x, cos, sin, batch, cache)
+        else:
+            x = self.linear_attn(x, batch, cache)
+        h = h + x
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Qwen3_5ForServing(nn.Module):
+    """The whole decoder plus LM head; one call = one step of the flattened batch.
+
+    Parameters are named as in a ``Qwen3_5ForCausalLM`` checkpoint without the leading
+    ``model.`` (``embed_tokens.weight``, ``layers.3.self_attn.q_proj.weight``, ...,
+    ``norm.weight``, ``lm_head.weight``). With ``tie_word_embeddings`` the LM head is
+    the embedding matrix (one Parameter, absent from :meth:`checkpoint_shapes`).
+    """
+
+    def __init__(self, config: ModelConfig, dtype: str | torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
+        super().__init__()
+        self.config = config
+        dtype = resolve_dtype(dtype)
+        with torch.device(device):
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+            self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+            self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+        self.rotary = RotaryEmbedding(config)
+        self.to(dtype)
+        self.requires_grad_(False)
+        self.eval()
+
+    def tie_weights(self) -> None:
+        """Make the LM head the embedding matrix when the config ties them (again after
+        ``to_empty``, which gives each module its own new tensor)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint must provide (local names), with its shape."""
+        shapes = {name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=True)}
+        if self.config.tie_word_embeddings:
+            shapes.pop("lm_head.weight", None)
+        return shapes
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
+        """Run one step; returns float32 logits ``[S, vocab]`` for ``batch.logits_indices``.
+
+        Writes the step's K/V into ``cache`` at ``batch.slot_mapping`` and leaves every
+        scheduled sequence's DeltaNet state (conv + recurrent) in its slot advanced past
+        the scheduled tokens, so the next step continues with ``has_initial_state=True``.
+        """
+        h = self.embed_tokens(batch.input_ids)
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, batch, cache)
+        # Only the sampled rows need the final norm and the (large) LM head.
+        h = self.norm(h.index_select(0, batch.logits_indices))
+        return self.lm_head(h).float()

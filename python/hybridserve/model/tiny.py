@@ -1,0 +1,221 @@
+"""Tiny Qwen3.5 checkpoints with deterministic random weights, in real HF formats.
+
+Used by tests (the HF model loads the same directory as the oracle), by benchmarks
+(the ~10M-parameter ``bench`` preset) and by ``serve``'s embedded default. A checkpoint
+is ``config.json`` + safetensors (single or sharded, causal-LM or VL tensor naming)
++ a byte-level ``tokenizer.json`` + ``tokenizer_config.json`` with a chat template,
+so ``transformers.AutoTokenizer.from_pretrained(dir)`` works offline.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from hybridserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
+
+LIN, FULL = LINEAR_ATTENTION, FULL_ATTENTION
+
+# Token ids of the byte-level tokenizer: byte b is id b, then the special tokens.
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+ENDOFTEXT_ID, IM_START_ID, IM_END_ID = 256, 257, 258
+
+_BASE: dict[str, Any] = {
+    "vocab_size": 272,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "eos_token_id": IM_END_ID,
+    "pad_token_id": ENDOFTEXT_ID,
+    "bos_token_id": None,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # 4 layers, 3 DeltaNet then attention; GQA 2:1, head_dim 32 (rotary 8);
+    # DeltaNet 2 key heads serving 4 value heads (grouped), conv kernel 4.
+    "test-a": {
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "layer_types": [LIN, LIN, LIN, FULL],
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "rope_theta": 10_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
+    },
+    # 6 layers in a custom pattern; GQA 6:1, head_dim 16 (rotary 8 via factor 0.5);
+    # DeltaNet heads ungrouped with different k/v dims, conv kernel 3; tied embeddings.
+    "test-b": {
+        "hidden_size": 48, "intermediate_size": 96, "num_hidden_layers": 6,
+        "layer_types": [LIN, FULL, LIN, LIN, FULL, LIN],
+        "num_attention_heads": 6, "num_key_value_heads": 1, "head_dim": 16,
+        "linear_num_key_heads": 3, "linear_num_value_heads": 3,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 3,
+        "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5, "tie_word_embeddings": True,
+    },
+    # ~10M parameters, the Qwen3.5 layer pattern (every 4th layer full attention).
+    "bench": {
+        "hidden_size": 256, "intermediate_size": 1280, "num_hidden_layers": 8,
+        "layer_types": [LIN, LIN, LIN, FULL] * 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+        "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
+    },
+}
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def text_config(preset: str = "test-a", **overrides: Any) -> dict[str, Any]:
+    """The ``qwen3_5_text`` config dict of a preset, with overrides applied."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown tiny preset {preset!r}; choose one of {sorted(PRESETS)}")
+    cfg = {**_BASE, **PRESETS[preset], **overrides}
+    rope_theta = cfg.pop("rope_theta")
+    partial = cfg.pop("partial_rotary_factor")
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta,
+                              "partial_rotary_factor": partial}
+    cfg["model_type"] = "qwen3_5_text"
+    if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
+        raise ValueError("layer_types must have num_hidden_layers entries")
+    if cfg["vocab_size"] < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)} for the byte tokenizer")
+    return cfg
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, gen: torch.Generator) -> torch.Tensor:
+    """Weights that keep activations O(1) through the stack, so logits are not flat."""
+    leaf = name.rsplit(".", 2)
+    if name.endswith("A_log"):
+        # Decay rates spread over fast and slow heads.
+        return torch.empty(shape).uniform_(0.05, 2.0, generator=gen).log()
+    if name.endswith("dt_bias"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=gen)  # plain RMSNorm weight
+    if name.endswith("norm.weight"):
+        return 0.1 * torch.randn(shape, generator=gen)  # zero-centred (1 + w)
+    if name.endswith("conv1d.weight"):
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    if name == "embed_tokens.weight":
+        return torch.randn(shape, generator=gen)
+    if len(shape) == 2:
+        std = 1.0 / math.sqrt(shape[1])
+        if leaf[-2] in ("o_proj", "out_proj", "down_proj"):
+            std /= math.sqrt(2 * config.num_hidden_layers)
+        return std * torch.randn(shape, generator=gen)
+    return 0.02 * torch.randn(shape, generator=gen)  # biases
+
+
+def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Deterministic float32 weights (local names) for ``config``."""
+    from hybridserve.model.qwen3_5 import Qwen3_5ForServing
+
+    shapes = Qwen3_5ForServing(config, device="meta").checkpoint_shapes()
+    gen = torch.Generator().manual_seed(seed)
+    return {name: _init_tensor(name, shape, config, gen).contiguous() for name, shape in shapes.items()}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096) -> None:
+    """Byte-level tokenizer: id b for byte b, ids 256.. for the special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    assert tok.token_to_id("<|im_end|>") == IM_END_ID
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": None,
+            "eos_token": "<|im_end|>",
+            "pad_token": "<|endoftext|>",
+            "unk_token": None,
+            "model_max_length": model_max_length,
+            "chat_template": CHAT_TEMPLATE,
+        }, f, indent=2)
+
+
+def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "test-a", seed: int = 0,
+                          dtype: str = "float32", shards: int = 1, vl_naming: bool = False,
+                          **overrides: Any) -> str:
+    """Write a complete tiny checkpoint to ``out_dir`` (created) and return its path.
+
+    ``overrides`` replace fields of the preset's text config. Same ``preset``,
+    ``overrides`` and ``seed`` give the same weights whatever ``dtype``, ``shards`` or
+    ``vl_naming``. ``vl_naming`` writes the ``qwen3_5`` VL layout (nested text_config,
+    ``model.language_model.*`` names, plus a few ``model.visual.*`` and ``mtp.*`` tensors
+    that a text server must skip).
+    """
+    out_dir = os.fspath(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    text = text_config(preset, **overrides)
+    text["dtype"] = dtype
+    config = ModelConfig.from_dict(text)
+    tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    local = random_state_dict(config, seed)
+    prefix = "model.language_model." if vl_naming else "model."
+    tensors = {("lm_head.weight" if n == "lm_head.weight" else prefix + n): t.to(tdtype)
+               for n, t in local.items()}
+    if vl_naming:
+        gen = torch.Generator().manual_seed(seed + 1)
+        tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 4, 4, generator=gen).to(tdtype)
+        tensors["mtp.fc.weight"] = torch.randn(4, 8, generator=gen).to(tdtype)
+        cfg = {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": text,
+            "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8,
+                              "num_heads": 1, "intermediate_size": 16, "out_hidden_size": text["hidden_size"]},
+            "tie_word_embeddings": text["tie_word_embeddings"],
+            "eos_token_id": text["eos_token_id"],
+        }
+    else:
+        cfg = {**text, "architectures": ["Qwen3_5ForCausalLM"]}
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+
+    names = list(tensors)
+    if shards <= 1:
+        save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        per = -(-len(names) // shards)
+        weight_map = {}
+        for i in range(shards):
+            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[i * per:(i + 1) * per]}
+            save_file(part, os.path.join(out_dir, fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in part})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
+        json.dump({"eos_token_id": text["eos_token_id"], "pad_token_id": text["pad_token_id"]}, f)
+    write_tokenizer(out_dir, text["vocab_size"], text["max_position_embeddings"])
+    return out_dir
