@@ -72,6 +72,25 @@ def test_matches_reference(h, hk, kd, vd, dtype, l2):
     torch.testing.assert_close(state, state_want, atol=1e-5, rtol=1e-5)
 
 
+def test_strided_views_of_a_fused_projection():
+    # As in the model: q, k, v are column slices of one [T, 2*Hk*K + H*V] projection,
+    # and g / beta non-contiguous views.
+    h, kd, vd = 2, 32, 16
+    q, k, v, g, beta, state, qsl, slots, init = _case(h, h, kd, vd, torch.float32, seed=5)
+    t = q.shape[0]
+    fused = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=1)
+    qv, kv, vv = torch.split(fused, [h * kd, h * kd, h * vd], dim=1)
+    gb = torch.stack([g, beta], dim=2)
+    state_want = state.clone()
+    want = gated_delta_rule_recurrent_ref(q, k, v, g, beta, state_want, qsl, slots, init, 0.2)
+    got = gated_delta_rule_recurrent_triton(
+        qv.reshape(t, h, kd), kv.reshape(t, h, kd), vv.reshape(t, h, vd), gb[..., 0], gb[..., 1],
+        state, qsl.long(), slots.long(), init, 0.2,
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, state_want, atol=1e-5, rtol=1e-5)
+
+
 def test_decode_after_prefill_continues_from_the_slot():
     # Two launches (a prefill chunk, then one decode token) equal one reference pass.
     h, kd, vd = 2, 32, 32

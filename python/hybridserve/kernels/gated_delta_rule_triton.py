@@ -51,10 +51,13 @@ def _gated_delta_rule_recurrent_kernel(
     scale,
     stride_q_t,
     stride_q_h,
+    stride_q_d,
     stride_k_t,
     stride_k_h,
+    stride_k_d,
     stride_v_t,
     stride_v_h,
+    stride_v_d,
     stride_o_t,
     stride_o_h,
     stride_g_t,
@@ -103,9 +106,9 @@ def _gated_delta_rule_recurrent_kernel(
         s = tl.zeros([K_PAD, BLOCK_V], tl.float32)
 
     for t in range(bos, eos):
-        q = tl.load(q_ptr + t * stride_q_t + qk_head * stride_q_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + t * stride_k_t + qk_head * stride_k_h + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + t * stride_v_t + head * stride_v_h + offs_v, mask=v_ok, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + t * stride_q_t + qk_head * stride_q_h + offs_k * stride_q_d, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_k_t + qk_head * stride_k_h + offs_k * stride_k_d, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_v_t + head * stride_v_h + offs_v * stride_v_d, mask=v_ok, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + t * stride_g_t + head * stride_g_h).to(tl.float32)
         beta = tl.load(beta_ptr + t * stride_b_t + head * stride_b_h).to(tl.float32)
         if USE_L2NORM:
@@ -151,9 +154,6 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_st
     for name, x in (("query_start_loc", query_start_loc), ("state_slots", state_slots)):
         if x.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in its last dimension (call .contiguous())")
     devs = {x.device for x in (q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)}
     if len(devs) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
@@ -182,7 +182,7 @@ def gated_delta_rule_recurrent_triton(
     t, hk, kd = q.shape
     _, h, vd = v.shape
     num_seqs = state_slots.shape[0]
-    o = torch.empty_like(v)
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # contiguous: the kernel stores rows with unit stride
     if num_seqs == 0:
         return o
     if has_initial_state.dtype == torch.bool:
@@ -204,12 +204,9 @@ def gated_delta_rule_recurrent_triton(
         state_slots,
         has_initial_state,
         float(scale),
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
         o.stride(0),
         o.stride(1),
         g.stride(0),

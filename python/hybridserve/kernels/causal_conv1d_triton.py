@@ -1,0 +1,184 @@
+"""Depthwise causal conv1d over a flattened varlen batch with state slots, in Triton.
+
+Contract (identical to :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref`):
+``x`` ``[T, C]`` with sequences delimited by ``query_start_loc`` ``[B+1]``;
+``weight`` ``[C, W]`` (``2 <= W <= 4``; Qwen3.5 uses 4), ``bias`` ``[C]`` or None;
+``conv_state`` pool ``[S, C, W-1]`` holding each sequence's last ``W-1`` inputs,
+oldest first. Sequence ``b`` starts from ``conv_state[state_slots[b]]`` if
+``has_initial_state[b]`` else zeros, and leaves its last ``W-1`` inputs there (in
+place; a sequence with no tokens this step leaves its slot untouched).
+``y[t, c] = act(bias[c] + sum_j weight[c, j] * x_ext[t - (W-1) + j, c])`` in float32,
+returned in ``x``'s dtype; ``act`` is SiLU or identity.
+
+Launch: grid ``(B, cdiv(C, BLOCK_C))``. Each program owns one sequence's channel
+block and walks its tokens in order, keeping the previous ``W-1`` inputs in registers
+(three ``[BLOCK_C]`` vectors, zero-weighted when ``W < 4``), so every input is read
+once and the state is read at the start and written at the end by the same program
+(no race between sequences' reads of the old state and writes of the new). Fused:
+state read, convolution, bias, activation, state write. ``O(q_len * C * W)`` FLOPs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["causal_conv1d_triton"]
+
+
+@triton.jit
+def _causal_conv1d_kernel(
+    y_ptr,
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    conv_state_ptr,
+    query_start_loc_ptr,
+    state_slots_ptr,
+    has_initial_state_ptr,
+    num_channels,
+    stride_x_t,
+    stride_x_c,
+    stride_y_t,
+    stride_y_c,
+    stride_w_c,
+    stride_w_j,
+    stride_cs_s,
+    stride_cs_c,
+    stride_cs_j,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    c_block = tl.program_id(1)
+    bos = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    eos = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
+    if eos == bos:
+        return
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < num_channels
+
+    # Weight for x[t - i] is weight[:, WIDTH-1-i]; taps beyond the width weigh 0.
+    w0 = tl.load(weight_ptr + offs_c * stride_w_c + (WIDTH - 1) * stride_w_j, mask=c_ok, other=0.0).to(tl.float32)
+    w1 = tl.load(weight_ptr + offs_c * stride_w_c + (WIDTH - 2) * stride_w_j, mask=c_ok, other=0.0).to(tl.float32)
+    w2 = tl.zeros([BLOCK_C], tl.float32)
+    w3 = tl.zeros([BLOCK_C], tl.float32)
+    if WIDTH >= 3:
+        w2 = tl.load(weight_ptr + offs_c * stride_w_c + (WIDTH - 3) * stride_w_j, mask=c_ok, other=0.0).to(tl.float32)
+    if WIDTH >= 4:
+        w3 = tl.load(weight_ptr + offs_c * stride_w_c + (WIDTH - 4) * stride_w_j, mask=c_ok, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+    else:
+        bias = tl.zeros([BLOCK_C], tl.float32)
+
+    # r_i = x[t - i]; before the sequence's first token here it comes from the state,
+    # whose column W-1-i holds x[-i].
+    cs = conv_state_ptr + slot * stride_cs_s + offs_c * stride_cs_c
+    r1 = tl.zeros([BLOCK_C], tl.float32)
+    r2 = tl.zeros([BLOCK_C], tl.float32)
+    r3 = tl.zeros([BLOCK_C], tl.float32)
+    if tl.load(has_initial_state_ptr + seq) != 0:
+        r1 = tl.load(cs + (WIDTH - 2) * stride_cs_j, mask=c_ok, other=0.0).to(tl.float32)
+        if WIDTH >= 3:
+            r2 = tl.load(cs + (WIDTH - 3) * stride_cs_j, mask=c_ok, other=0.0).to(tl.float32)
+        if WIDTH >= 4:
+            r3 = tl.load(cs + (WIDTH - 4) * stride_cs_j, mask=c_ok, other=0.0).to(tl.float32)
+
+    for t in range(bos, eos):
+        xt = tl.load(x_ptr + t * stride_x_t + offs_c * stride_x_c, mask=c_ok, other=0.0).to(tl.float32)
+        acc = bias + w0 * xt + w1 * r1 + w2 * r2 + w3 * r3
+        if SILU:
+            acc = acc * tl.sigmoid(acc)
+        tl.store(y_ptr + t * stride_y_t + offs_c * stride_y_c, acc.to(y_ptr.dtype.element_ty), mask=c_ok)
+        r3 = r2
+        r2 = r1
+        r1 = xt
+
+    out_ty = conv_state_ptr.dtype.element_ty
+    tl.store(cs + (WIDTH - 2) * stride_cs_j, r1.to(out_ty), mask=c_ok)
+    if WIDTH >= 3:
+        tl.store(cs + (WIDTH - 3) * stride_cs_j, r2.to(out_ty), mask=c_ok)
+    if WIDTH >= 4:
+        tl.store(cs + (WIDTH - 4) * stride_cs_j, r3.to(out_ty), mask=c_ok)
+
+
+def causal_conv1d_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Causal depthwise conv over every sequence from its slot's state; see the module doc.
+
+    Slot ids are not range-checked (a device sync per layer); distinct sequences must
+    use distinct slots, since their programs run concurrently.
+    """
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}; use 'silu' or None")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, C], got shape {tuple(x.shape)}")
+    c = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != c:
+        raise ValueError(f"weight must be [C={c}, W] (squeeze HF's [C, 1, W]), got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if not 2 <= width <= 4:
+        raise ValueError(f"conv width {width} unsupported by the Triton kernel (2..4); use the reference")
+    if bias is not None and tuple(bias.shape) != (c,):
+        raise ValueError(f"bias must be [C={c}] or None, got {tuple(bias.shape)}")
+    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (c, width - 1):
+        raise ValueError(f"conv_state must be [S, C={c}, W-1={width - 1}], got {tuple(conv_state.shape)}")
+    b = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    if b < 0 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1:
+        raise ValueError(
+            f"state_slots must be [B] and query_start_loc [B+1], got {tuple(state_slots.shape)} "
+            f"and {tuple(query_start_loc.shape)}"
+        )
+    if has_initial_state.dim() != 1 or has_initial_state.shape[0] != b:
+        raise ValueError(f"has_initial_state must be [B={b}], got {tuple(has_initial_state.shape)}")
+    for name, t in (("query_start_loc", query_start_loc), ("state_slots", state_slots)):
+        if t.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
+    tensors = [x, weight, conv_state, query_start_loc, state_slots, has_initial_state]
+    if bias is not None:
+        tensors.append(bias)
+    devs = {t.device for t in tensors}
+    if len(devs) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if b == 0:
+        return y
+    if has_initial_state.dtype == torch.bool:
+        has_initial_state = has_initial_state.view(torch.int8)  # same bytes, no copy
+    block_c = min(256, triton.next_power_of_2(c))
+    grid = (b, triton.cdiv(c, block_c))
+    _causal_conv1d_kernel[grid](
+        y,
+        x,
+        weight,
+        bias if bias is not None else weight,  # placeholder pointer, never read
+        conv_state,
+        query_start_loc,
+        state_slots,
+        has_initial_state,
+        c,
+        *x.stride(),
+        *y.stride(),
+        *weight.stride(),
+        *conv_state.stride(),
+        WIDTH=width,
+        HAS_BIAS=bias is not None,
+        SILU=activation is not None,
+        BLOCK_C=block_c,
+        num_warps=2 if block_c <= 128 else 4,
+    )
+    return y
