@@ -1,8 +1,9 @@
 """The kernel entry points the model calls; each dispatches to an implementation.
 
-Today every op runs its plain-PyTorch reference (the CPU path). The Triton kernels
-plug in here ("if the tensor is on CUDA and Triton is available, use Triton") without
-the model changing: the signatures below are the contract for both.
+Tensors on CUDA run the Triton kernels (``*_triton.py``) when Triton imports; anything
+else runs the plain-PyTorch reference (the CPU path). Set ``HYBRIDSERVE_NO_TRITON=1``
+to force the references everywhere (debugging). The signatures below are the contract
+for both.
 """
 
 from __future__ import annotations
@@ -14,20 +15,57 @@ from hybridserve.kernels.causal_conv1d import causal_conv1d_ref
 from hybridserve.kernels.gated_delta_rule import gated_delta_rule_ref
 from hybridserve.kernels.paged_attention import paged_attention_ref
 
+# --- Triton dispatch (owned by the kernels/Triton work; keep it to this block) ---
+_TRITON_IMPORTS: bool | None = None
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    """True when ``t`` is on CUDA and Triton imports (probed once, lazily).
+
+    The kernel modules are imported only on this path, so CPU-only processes never
+    import Triton and the interpreter setting of the tests is not captured early.
+    """
+    global _TRITON_IMPORTS
+    if not t.is_cuda:
+        return False
+    if _TRITON_IMPORTS is None:
+        import importlib.util
+        import os
+
+        _TRITON_IMPORTS = (
+            os.environ.get("HYBRIDSERVE_NO_TRITON", "") not in ("1", "true", "yes")
+            and importlib.util.find_spec("triton") is not None
+        )
+    return _TRITON_IMPORTS
+# --- end of Triton dispatch ---
+
 
 def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     """See :func:`hybridserve.kernels.cache_write.write_kv_ref`."""
+    if _use_triton(key):
+        from hybridserve.kernels.cache_write_triton import write_kv_triton
+
+        return write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
     write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> torch.Tensor:
     """See :func:`hybridserve.kernels.paged_attention.paged_attention_ref`."""
+    if _use_triton(q):
+        from hybridserve.kernels.paged_attention_triton import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
     return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
 
 
 def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_slots, has_initial_state,
                   activation="silu") -> torch.Tensor:
     """See :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref`."""
+    if _use_triton(x) and 2 <= weight.shape[-1] <= 4:
+        from hybridserve.kernels.causal_conv1d_triton import causal_conv1d_triton
+
+        return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_slots,
+                                    has_initial_state, activation)
     return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, state_slots,
                              has_initial_state, activation)
 
@@ -35,5 +73,11 @@ def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_slots, has
 def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state,
                      scale, use_qk_l2norm=True) -> torch.Tensor:
     """See :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`."""
+    if _use_triton(q):
+        # The recurrent kernel serves decode and prefill alike (no chunked Triton kernel yet).
+        from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_recurrent_triton
+
+        return gated_delta_rule_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_slots,
+                                                 has_initial_state, scale, use_qk_l2norm)
     return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, state_slots,
                                 has_initial_state, scale, use_qk_l2norm)
