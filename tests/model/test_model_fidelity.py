@@ -1,0 +1,170 @@
+"""Qwen3_5ForServing against HF Qwen3_5ForCausalLM on the same tiny checkpoints.
+
+Every logits row our model produces is compared (1e-4 relative, float32) with HF's
+logits at the same position of the same token sequence, run whole and without a cache;
+greedy tokens must be identical.
+"""
+
+import random
+
+import pytest
+import torch
+
+PRESETS = ["test-a", "test-b"]
+
+
+def _prompt(rng, n, vocab=259):
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def _greedy_append(wanted, logits, only=None):
+    for (seq, _), row in zip(wanted, logits):
+        if only is None or seq in only:
+            seq.tokens.append(int(row.argmax()))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_batch_of_four_decoded_together(preset, block_size, our_models, hf_models, make_book,
+                                        new_cache, recorder):
+    model, config = our_models[preset]
+    rec = recorder(hf_models[preset])
+    rng = random.Random(block_size)
+    book = make_book(64, block_size, 8, seed=block_size)
+    cache = new_cache(config, block_size)
+    seqs = [book.new_seq(_prompt(rng, n)) for n in (3, 17, 33, 9)]
+    batch, wanted = book.step([(s, len(s.tokens)) for s in seqs])
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    _greedy_append(wanted, logits)
+    for _ in range(5):
+        batch, wanted = book.step([(s, 1) for s in seqs])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+    rec.check(min_rows=24)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_chunked_prefill_at_awkward_sizes_mixed_with_decodes(preset, our_models, hf_models, make_book,
+                                                             new_cache, recorder):
+    model, config = our_models[preset]
+    rec = recorder(hf_models[preset])
+    rng = random.Random(1)
+    book = make_book(64, 16, 8, seed=3)
+    cache = new_cache(config, 16)
+    running = [book.new_seq(_prompt(rng, n)) for n in (5, 20)]
+    batch, wanted = book.step([(s, len(s.tokens)) for s in running])
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    _greedy_append(wanted, logits)
+    # A 60-token prompt in chunks of 7 and 13 (not multiples of the block size nor of
+    # each other); its chunk ends are checked mid-prompt too, the decodes every step.
+    long = book.new_seq(_prompt(rng, 60))
+    chunks = [7, 13, 7, 13, 7, 13]
+    assert sum(chunks) == 60
+    for n in chunks:
+        batch, wanted = book.step([(running[0], 1), (long, n), (running[1], 1)], extra_logit_rows=[long])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits, only=running + ([long] if long.computed == 60 else []))
+    for _ in range(2):
+        batch, wanted = book.step([(s, 1) for s in (long, *running)])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+    rec.check(min_rows=2 + 6 * 3 + 6)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_n2_fork_after_prefill_shares_prompt_blocks(preset, our_models, hf_models, make_book, new_cache,
+                                                    recorder):
+    model, config = our_models[preset]
+    rec = recorder(hf_models[preset])
+    book = make_book(64, 16, 8, seed=5)
+    cache = new_cache(config, 16)
+    parent = book.new_seq(_prompt(random.Random(2), 21))  # one full block + a partial tail
+    batch, wanted = book.step([(parent, 21)])
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    child, block_pairs, slot_pairs = book.fork(parent)
+    assert child.blocks[0] == parent.blocks[0] and child.blocks[1] != parent.blocks[1]
+    cache.copy_blocks(torch.tensor(block_pairs))
+    cache.copy_state_slots(torch.tensor(slot_pairs))
+    # The two samples take different first tokens (best and second best) so that any
+    # state leaking between them would show.
+    top2 = logits[0].topk(2).indices.tolist()
+    parent.tokens.append(top2[0])
+    child.tokens.append(top2[1])
+    for _ in range(4):
+        batch, wanted = book.step([(child, 1), (parent, 1)])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+    rec.check(min_rows=9)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preempted_sequence_recomputes_to_the_same_logits(preset, our_models, hf_models, make_book,
+                                                          new_cache, recorder):
+    model, config = our_models[preset]
+    rec = recorder(hf_models[preset])
+    rng = random.Random(4)
+    book = make_book(16, 16, 3, seed=9)
+    cache = new_cache(config, 16, num_blocks=16, num_slots=3)
+    victim = book.new_seq(_prompt(rng, 18))
+    other = book.new_seq(_prompt(rng, 6))
+    batch, wanted = book.step([(victim, 18), (other, 6)])
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    _greedy_append(wanted, logits)
+    for _ in range(2):
+        batch, wanted = book.step([(victim, 1), (other, 1)])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+    # Preempt: the victim's blocks and slot go back and are overwritten by a newcomer.
+    book.free(victim)
+    newcomer = book.new_seq(_prompt(rng, 40))
+    batch, wanted = book.step([(newcomer, 40), (other, 1)])
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    _greedy_append(wanted, logits)
+    # Recompute: prompt + generated tokens prefilled again from an empty state.
+    book.free(newcomer)
+    book.recompute(victim)
+    batch, wanted = book.step([(other, 1), (victim, len(victim.tokens))])
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    _greedy_append(wanted, logits)
+    for _ in range(2):
+        batch, wanted = book.step([(victim, 1), (other, 1)])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+    rec.check(min_rows=14)
+
+
+def test_hf_cached_generation_matches_our_greedy_decode(our_models, hf_models, tiny_dirs, make_book,
+                                                        new_cache):
+    """HF's own cached step-by-step generate() as a second oracle for decode."""
+    model, config = our_models["test-a"]
+    hf = hf_models["test-a"]
+    prompt = _prompt(random.Random(11), 13)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                          output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                          pad_token_id=0)
+    book = make_book(32, 16, 2, seed=1)
+    cache = new_cache(config, 16)
+    seq = book.new_seq(prompt)
+    batch, _ = book.step([(seq, 13)])
+    ours = [model(batch, cache)[0]]
+    for _ in range(7):
+        seq.tokens.append(int(ours[-1].argmax()))
+        batch, _ = book.step([(seq, 1)])
+        ours.append(model(batch, cache)[0])
+    seq.tokens.append(int(ours[-1].argmax()))
+    assert seq.tokens == out.sequences[0].tolist()
+    for mine, ref in zip(ours, out.logits):
+        torch.testing.assert_close(mine, ref[0].float(), rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
