@@ -164,12 +164,13 @@ def test_config_b_by_hand():
     # Session of 5,000 tokens: ceil(5000/32) = 157 blocks x 98,304 = 15,433,728 B
     # + 196,608 + 9,216 = 15,639,552 B.
     assert pl.paged_sequence_bytes(c, 5_000, 32, "float8_e4m3fn") == 15_639_552
-    # Native 8,192 tokens: 8,192 x 3,072 = 25,165,824 + 205,824 = 25,371,648 B.
-    assert pl.reserved_sequence_bytes(c, "float8_e4m3fn") == 25_371_648
+    # Native 8,192 tokens = 256 blocks of 32: 8,192 x 3,072 = 25,165,824 + 205,824
+    # = 25,371,648 B.
+    assert pl.reserved_sequence_bytes(c, 32, "float8_e4m3fn") == 25_371_648
     # Pool of 100 MiB = 104,857,600 B: 6 paged (7 x 15,639,552 = 109,476,864 > pool),
     # 4 reserved (5 x 25,371,648 = 126,858,240 > pool; 4 x = 101,486,592).
     assert pl.sessions_paged(c, 100 * MiB, 5_000, 32, "float8_e4m3fn") == 6
-    assert pl.sessions_reserved_max(c, 100 * MiB, "float8_e4m3fn") == 4
+    assert pl.sessions_reserved_max(c, 100 * MiB, 32, "float8_e4m3fn") == 4
 
 
 def _hf_param_count(d: dict) -> int:
@@ -424,6 +425,26 @@ def test_size_pools_seed(seed_cfg):
     assert "22,390 blocks" in lines[0] and "1 MiB" in lines[0]
     assert "10 slots" in lines[1] and "144 MiB" in lines[1] and "2.8125 MiB" in lines[1]
     assert pl.format_max_concurrency(plan, 32_768) == "max concurrency at 32,768 tokens: 10"
+    # The same pools under the reserve-maximum policy: 262,144 / 16 = 16,384 blocks per
+    # sequence; 22,390 // 16,384 = 1 -- the seed's single session.
+    assert plan.reserved_blocks_per_sequence == 16_384
+    assert pl.max_concurrency_reserved(plan) == 1
+
+
+def test_reserve_max_rounds_to_whole_blocks():
+    # A native maximum of 1,000 tokens is reserved as ceil(1000/16) = 63 blocks of
+    # 16,384 B = 1,032,192 B, + one 158,976 B slot = 1,191,168 B (config A otherwise).
+    c = ModelConfig.from_dict({**CONFIG_A, "max_position_embeddings": 1_000})
+    assert pl.reserved_blocks_per_sequence(c, 16) == 63
+    assert pl.reserved_sequence_bytes(c, 16) == 1_191_168
+    assert pl.sessions_reserved_max(c, 10 * MiB, 16) == 8
+    # size_pools for 100-token sessions: each costs 7 blocks + a slot = 273,664 B ->
+    # 38 slots (38 x 273,664 = 10,399,232); blocks (10,485,760 - 38 x 158,976) // 16,384
+    # = 4,444,672 // 16,384 = 271. Paged: min(38, 271 // 7 = 38); reserved: 271 // 63 = 4.
+    plan = pl.size_pools(c, 10 * MiB, 16, expected_context_len=100)
+    assert (plan.num_state_slots, plan.num_blocks) == (38, 271)
+    assert pl.max_concurrency(plan, 100) == 38
+    assert pl.max_concurrency_reserved(plan) == 4
 
 
 def test_size_pools_errors():

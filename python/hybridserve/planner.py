@@ -337,13 +337,26 @@ def paged_sequence_bytes(
     ) + state_slot_bytes(config, include_conv)
 
 
+def reserved_blocks_per_sequence(config: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE) -> int:
+    """Blocks the reserve-the-maximum policy (the pre-paging baseline) takes per sequence
+    at admission: ``max_position_embeddings`` rounded up to whole blocks."""
+    return blocks_for_tokens(config.max_position_embeddings, block_size)
+
+
 def reserved_sequence_bytes(
-    config: ModelConfig, kv_dtype: str | None = None, include_conv: bool = True
+    config: ModelConfig,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_dtype: str | None = None,
+    include_conv: bool = True,
 ) -> int:
     """Bytes one sequence holds when it reserves KV for ``max_position_embeddings`` up
-    front (the pre-paging baseline), whatever its actual length, plus one state slot."""
-    return config.max_position_embeddings * kv_bytes_per_token(
-        config, kv_dtype
+    front (the pre-paging baseline), whatever its actual length, plus one state slot.
+
+    The reservation is in whole blocks, as the engine's reserve-maximum policy takes
+    it; for the usual power-of-two maxima that is exactly max x per-token bytes.
+    """
+    return reserved_blocks_per_sequence(config, block_size) * block_bytes(
+        config, block_size, kv_dtype
     ) + state_slot_bytes(config, include_conv)
 
 
@@ -368,10 +381,14 @@ def sessions_paged(
 
 
 def sessions_reserved_max(
-    config: ModelConfig, pool_bytes: int, kv_dtype: str | None = None, include_conv: bool = True
+    config: ModelConfig,
+    pool_bytes: int,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_dtype: str | None = None,
+    include_conv: bool = True,
 ) -> int:
     """Sequences that fit in ``pool_bytes`` when each reserves the native maximum."""
-    return _fit(pool_bytes, reserved_sequence_bytes(config, kv_dtype, include_conv))
+    return _fit(pool_bytes, reserved_sequence_bytes(config, block_size, kv_dtype, include_conv))
 
 
 @dataclass(frozen=True)
@@ -544,6 +561,8 @@ class PoolPlan:
     kv_pool_bytes: int
     state_pool_bytes: int
     unused_bytes: int
+    #: Blocks one sequence takes under the reserve-the-maximum baseline policy.
+    reserved_blocks_per_sequence: int = 0
     expected_context_len: int | None = None
     max_num_seqs: int | None = None
 
@@ -635,6 +654,7 @@ def size_pools(
         kv_pool_bytes=kv_pool,
         state_pool_bytes=state_pool,
         unused_bytes=pool_bytes - kv_pool - state_pool,
+        reserved_blocks_per_sequence=reserved_blocks_per_sequence(config, block_size),
         expected_context_len=expected_context_len,
         max_num_seqs=max_num_seqs,
     )
@@ -647,6 +667,18 @@ def max_concurrency(plan: PoolPlan, context_len: int) -> int:
     limit = plan.num_state_slots
     if plan.block_bytes:
         limit = min(limit, plan.num_blocks // blocks_for_tokens(context_len, plan.block_size))
+    if plan.max_num_seqs is not None:
+        limit = min(limit, plan.max_num_seqs)
+    return limit
+
+
+def max_concurrency_reserved(plan: PoolPlan) -> int:
+    """Sequences that can run at once in ``plan``'s pools when each reserves the native
+    maximum up front (the baseline policy): min(slots, blocks // reserved blocks
+    [, max_num_seqs]), whatever the sequences' actual lengths. O(1)."""
+    limit = plan.num_state_slots
+    if plan.block_bytes:
+        limit = min(limit, plan.num_blocks // plan.reserved_blocks_per_sequence)
     if plan.max_num_seqs is not None:
         limit = min(limit, plan.max_num_seqs)
     return limit
@@ -803,12 +835,16 @@ def capacity_report(
         session_bytes_paged_without_conv=paged_sequence_bytes(
             config, context_len, block_size, kv_dtype, include_conv=False
         ),
-        session_bytes_reserved_max=reserved_sequence_bytes(config, kv_dtype, include_conv),
+        session_bytes_reserved_max=reserved_sequence_bytes(
+            config, block_size, kv_dtype, include_conv
+        ),
         sessions_paged=sessions_paged(config, pool, context_len, block_size, kv_dtype, include_conv),
         sessions_paged_without_conv=sessions_paged(
             config, pool, context_len, block_size, kv_dtype, include_conv=False
         ),
-        sessions_reserved_max=sessions_reserved_max(config, pool, kv_dtype, include_conv),
+        sessions_reserved_max=sessions_reserved_max(
+            config, pool, block_size, kv_dtype, include_conv
+        ),
         shared_prefix=shared,
         parallel_sampling=sampling,
     )
@@ -835,6 +871,7 @@ __all__ = [
     "weight_bytes",
     "pool_from_device",
     "paged_sequence_bytes",
+    "reserved_blocks_per_sequence",
     "reserved_sequence_bytes",
     "sessions_paged",
     "sessions_reserved_max",
@@ -845,6 +882,7 @@ __all__ = [
     "PoolPlan",
     "size_pools",
     "max_concurrency",
+    "max_concurrency_reserved",
     "format_pool_log",
     "format_max_concurrency",
     "CapacityReport",
