@@ -1,0 +1,206 @@
+"""Incremental detokenization and stop conditions, per sample.
+
+Decoding one token at a time is wrong for byte-level and SentencePiece tokenizers: a
+token can be half of a UTF-8 character (decoding it alone gives U+FFFD) and a token's
+leading space can depend on the token before it. ``IncrementalDetokenizer`` therefore
+decodes a short window of trailing tokens twice (without and with the new tokens) and
+emits the difference, and holds text back while it ends in an incomplete character.
+
+``StopChecker`` finds stop strings in the growing text; ``check_stop_token`` decides
+the token-level finish (EOS, stop_token_ids, max_tokens); ``CompletionText`` ties the
+three together for one completion and yields stream-safe deltas.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from hybridserve.sampling import SamplingParams
+
+REPLACEMENT_CHAR = "\ufffd"
+
+# Prompt tokens decoded as left context for the first generated token (vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET): enough for SentencePiece's leading-space
+# rule and for byte-level merges across the prompt/output boundary.
+_CONTEXT_TOKENS = 5
+
+# One character is at most 4 UTF-8 bytes, so at most 4 byte-level tokens. When more
+# pending tokens still decode to a trailing U+FFFD, the model produced invalid UTF-8
+# (or U+FFFD itself): emit it rather than stall the stream forever.
+_MAX_PENDING_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Turns one sample's token ids into text, one token at a time.
+
+    ``tokenizer`` is anything with ``decode(ids, skip_special_tokens=...)`` (a
+    transformers tokenizer or a ``tokenizers.Tokenizer``). Each ``append`` decodes at
+    most a few trailing tokens (O(window), not O(length)). The concatenation of all
+    deltas plus ``flush()`` equals ``tokenizer.decode(output_ids)`` for text that is
+    valid UTF-8; a delta never ends in half a character while more tokens may complete it.
+    """
+
+    def __init__(
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # Only the context window of the prompt is kept; the sample's own tokens are
+        # needed from prefix_offset on.
+        context = list(prompt_token_ids[-_CONTEXT_TOKENS:]) if prompt_token_ids else []
+        self._ids: list[int] = context
+        self._prefix_offset = 0          # start of the left-context window in _ids
+        self._read_offset = len(context)  # first token whose text is not emitted yet
+        self.output_text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def append(self, token_id: int) -> str:
+        """Add one generated token; return the newly completed text (may be "")."""
+        self._ids.append(int(token_id))
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        pending = len(self._ids) - self._read_offset
+        if len(new_text) <= len(prefix_text) or (
+            new_text.endswith(REPLACEMENT_CHAR) and pending < _MAX_PENDING_TOKENS
+        ):
+            return ""
+        delta = new_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        # The window only needs the tokens from _prefix_offset on: keep memory bounded.
+        if self._prefix_offset > 0:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        self.output_text += delta
+        return delta
+
+    def flush(self) -> str:
+        """Text of tokens still held back (an incomplete character at the end of the
+        generation, decoded with U+FFFD); call once when the sample finishes."""
+        if self._read_offset == len(self._ids):
+            return ""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        new_text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset = self._read_offset = len(self._ids)
+        delta = new_text[len(prefix_text) :]
+        self.output_text += delta
+        return delta
+
+
+class StopChecker:
+    """Finds the first stop string in a completion's text.
+
+    Matches may straddle old and new text. When several stop strings occur, the one
+    that starts earliest wins (ties: the first in ``stop``).
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        self.stop = [s for s in stop if s]
+        self.include = include_stop_str_in_output
+        self.max_len = max((len(s) for s in self.stop), default=0)
+
+    def check(self, text: str, num_new_chars: int) -> tuple[str | None, str]:
+        """Look for a stop string that ends within the last ``num_new_chars`` chars.
+
+        Returns (the stop string, the text truncated before it, or after it when
+        include_stop_str_in_output) or (None, text). O(num_new_chars + max stop length)
+        per stop string.
+        """
+        if not self.stop or num_new_chars <= 0:
+            return None, text
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            start = max(0, len(text) - num_new_chars - len(s) + 1)
+            idx = text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None, text
+        idx, s = best
+        return s, text[: idx + len(s)] if self.include else text[:idx]
+
+    def stream_safe_length(self, text: str, finished: bool) -> int:
+        """How many leading characters of ``text`` may be streamed now: all when
+        finished; otherwise all but the last (longest stop - 1), which could be the
+        start of a stop string that must not reach the client (vLLM's holdback)."""
+        if finished or self.include or self.max_len == 0:
+            return len(text)
+        return max(0, len(text) - (self.max_len - 1))
+
+
+def check_stop_token(
+    token_id: int, num_output_tokens: int, params: SamplingParams, eos_token_id: int | None
+) -> tuple[str | None, int | None]:
+    """Token-level finish after a completion's ``num_output_tokens``-th token ``token_id``.
+
+    Returns (finish_reason, stop_reason): ("stop", None) for EOS (unless ignore_eos),
+    ("stop", token_id) for a stop_token_id, ("length", None) at max_tokens, else
+    (None, None). EOS and stop tokens count only once min_tokens is reached, and win
+    over length when both apply to the same token.
+    """
+    if num_output_tokens >= params.min_tokens:
+        if eos_token_id is not None and token_id == eos_token_id and not params.ignore_eos:
+            return "stop", None
+        if token_id in params.stop_token_ids:
+            return "stop", token_id
+    if num_output_tokens >= params.max_tokens:
+        return "length", None
+    return None, None
+
+
+class CompletionText:
+    """Text, stop strings and streaming for one completion.
+
+    Per generated token call ``append(token_id)``; it returns the stop string when one
+    ends the completion (then ``text`` is already truncated per
+    include_stop_str_in_output). ``take_delta(finished)`` returns the text not yet
+    streamed that is safe to stream; when ``finished`` it returns everything left.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.stops = StopChecker(params.stop, params.include_stop_str_in_output)
+        self.min_tokens = params.min_tokens
+        self.num_tokens = 0
+        self.text = ""
+        self._streamed = 0
+        self.stop_string: str | None = None
+
+    def append(self, token_id: int) -> str | None:
+        if self.stop_string is not None:
+            raise RuntimeError("CompletionText.append after a stop string finished the completion")
+        self.num_tokens += 1
+        delta = self.detokenizer.append(token_id)
+        if not delta:
+            return None
+        self.text += delta
+        # As vLLM: stop strings are not looked for before min_tokens.
+        if self.num_tokens < self.min_tokens:
+            return None
+        hit, self.text = self.stops.check(self.text, len(delta))
+        self.stop_string = hit
+        return hit
+
+    def finish(self) -> None:
+        """Emit held-back bytes of an incomplete final character (no stop check)."""
+        if self.stop_string is None:
+            self.text += self.detokenizer.flush()
+
+    def take_delta(self, finished: bool) -> str:
+        end = self.stops.stream_safe_length(self.text, finished)
+        end = max(end, self._streamed)
+        delta = self.text[self._streamed : end]
+        self._streamed = end
+        return delta
+
+
+__all__ = [
+    "IncrementalDetokenizer",
+    "StopChecker",
+    "CompletionText",
+    "check_stop_token",
+    "REPLACEMENT_CHAR",
+]

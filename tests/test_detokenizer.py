@@ -1,0 +1,283 @@
+"""Incremental detokenization and stop conditions against brute-force oracles: the
+tokenizer's own full decode, Python's str.find over the whole text, and vLLM's rules
+for token-level stops written out as a table."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from hybridserve.detokenizer import (
+    REPLACEMENT_CHAR,
+    CompletionText,
+    IncrementalDetokenizer,
+    StopChecker,
+    check_stop_token,
+)
+from hybridserve.sampling import SamplingParams
+
+CORPUS = [
+    "hello world, the quick brown fox jumps over the lazy dog.",
+    "Stop here. END of story; the end.",
+    "naïve café déjà vu",
+]
+
+TEXTS = [
+    "hello world",
+    "héllo wörld, ça va?",
+    "emoji 😀🎉 and 世界 mixed with ascii",
+    "🎉",
+    "a  b\n\tc",
+    "ÿ€𝄞 κόσμε",
+]
+
+
+def gpt2_byte_chars() -> dict[int, str]:
+    """GPT-2's byte -> printable-character map used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+@pytest.fixture(scope="module")
+def raw_tokenizer() -> Tokenizer:
+    # A small vocabulary trained on mostly-ASCII text, so multi-byte characters are
+    # split across several byte tokens.
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS * 20, trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(raw_tokenizer) -> PreTrainedTokenizerFast:
+    return PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer, eos_token="<|endoftext|>")
+
+
+def byte_token(tok, byte: int) -> int:
+    return tok.get_vocab()[gpt2_byte_chars()[byte]]
+
+
+def stream(tok, prompt_ids, output_ids, skip_special_tokens=True):
+    d = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens)
+    deltas = [d.append(t) for t in output_ids]
+    return d, deltas
+
+
+@pytest.mark.parametrize("which", ["hf", "raw"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_deltas_concatenate_to_full_decode_and_never_split_characters(which, text, request):
+    tok = request.getfixturevalue("hf_tokenizer" if which == "hf" else "raw_tokenizer")
+    encode = (lambda s: tok.encode(s).ids) if which == "raw" else (lambda s: tok.encode(s))
+    prompt = encode("Stop here. ")
+    out = encode(text)
+    d, deltas = stream(tok, prompt, out)
+    assert d.flush() == ""
+    assert "".join(deltas) == d.output_text == tok.decode(out) == text
+    for delta in deltas:
+        assert REPLACEMENT_CHAR not in delta
+    # Text is emitted as soon as it is complete: after i tokens the stream holds the
+    # full decode of those tokens minus only a trailing incomplete character.
+    for i in range(1, len(out) + 1):
+        assert "".join(deltas[:i]) == tok.decode(out[:i]).rstrip(REPLACEMENT_CHAR)
+
+
+def test_multibyte_characters_really_are_split(raw_tokenizer):
+    # Guards the test above: it only means something if some characters span tokens.
+    ids = raw_tokenizer.encode("😀世").ids
+    assert len(ids) >= 4
+    _, deltas = stream(raw_tokenizer, [], ids)
+    assert deltas.count("") >= 2
+
+
+def test_random_texts_round_trip(hf_tokenizer):
+    rng = random.Random(0)
+    alphabet = list("abc XYZ.,\n") + ["é", "ß", "😀", "世", "𝄞", "Ω"]
+    for _ in range(30):
+        prompt_text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 10)))
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 25)))
+        out = hf_tokenizer.encode(text)
+        _, deltas = stream(hf_tokenizer, hf_tokenizer.encode(prompt_text), out)
+        assert "".join(deltas) == text
+        assert all(REPLACEMENT_CHAR not in x for x in deltas)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens(hf_tokenizer, skip):
+    eos = hf_tokenizer.eos_token_id
+    out = hf_tokenizer.encode("hello") + [eos] + hf_tokenizer.encode(" world")
+    _, deltas = stream(hf_tokenizer, [], out, skip_special_tokens=skip)
+    assert "".join(deltas) == hf_tokenizer.decode(out, skip_special_tokens=skip)
+    assert ("<|endoftext|>" in "".join(deltas)) is not skip
+
+
+def test_generation_ending_mid_character_is_flushed(raw_tokenizer):
+    ids = raw_tokenizer.encode("ok 世").ids[:-1]  # drop the last byte of 世
+    d, deltas = stream(raw_tokenizer, [], ids)
+    assert "".join(deltas) == "ok "
+    tail = d.flush()
+    assert tail.endswith(REPLACEMENT_CHAR)
+    assert "".join(deltas) + tail == raw_tokenizer.decode(ids)
+    assert d.flush() == ""
+
+
+def test_invalid_utf8_does_not_stall_the_stream(raw_tokenizer):
+    # Lone continuation bytes can never complete a character: text must still come
+    # out within 4 tokens, and everything decodes as the full decode does.
+    bad = byte_token(raw_tokenizer, 0x80)
+    ids = [bad] * 9 + raw_tokenizer.encode("ab").ids
+    d, deltas = stream(raw_tokenizer, [], ids)
+    run = 0
+    for delta in deltas:
+        run = 0 if delta else run + 1
+        assert run < 4
+    assert "".join(deltas) + d.flush() == raw_tokenizer.decode(ids)
+
+
+# ---------------------------------------------------------------- stop strings
+def brute_force_stop(chunks, stop, include):
+    """Feed chunks one by one; at the first chunk after which any stop string occurs
+    in the whole text, truncate at the earliest occurrence (ties: first in list)."""
+    text = ""
+    for chunk in chunks:
+        text += chunk
+        found = [(text.find(s), k, s) for k, s in enumerate(stop) if s in text]
+        if found:
+            idx, _, s = min(found)
+            return s, text[: idx + len(s)] if include else text[:idx]
+    return None, text
+
+
+def test_stop_checker_matches_brute_force():
+    rng = random.Random(1)
+    for _ in range(400):
+        text = "".join(rng.choice("abcab ") for _ in range(rng.randrange(0, 30)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 8)))) if len(text) > 1 else []
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])] if text else []
+        stop = ["".join(rng.choice("abc ") for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(1, 4))]
+        include = rng.random() < 0.5
+        checker = StopChecker(stop, include)
+        got = (None, "")
+        acc = ""
+        for chunk in chunks:
+            acc += chunk
+            hit, truncated = checker.check(acc, len(chunk))
+            got = (hit, truncated)
+            if hit:
+                break
+        assert got == brute_force_stop(chunks, stop, include), (chunks, stop, include)
+
+
+def test_stream_holdback_never_leaks_a_stop_string():
+    rng = random.Random(2)
+    for _ in range(200):
+        text = "".join(rng.choice("xyz") for _ in range(rng.randrange(1, 25)))
+        stop = ["".join(rng.choice("xyz") for _ in range(rng.randrange(2, 5)))]
+        checker = StopChecker(stop, include_stop_str_in_output=False)
+        acc, streamed, hit = "", "", None
+        for ch in text:
+            acc += ch
+            hit, acc = checker.check(acc, 1)
+            end = checker.stream_safe_length(acc, finished=hit is not None)
+            streamed += acc[len(streamed):max(end, len(streamed))]
+            if hit:
+                break
+        if hit is None:
+            streamed += acc[len(streamed):]
+        assert streamed == brute_force_stop(list(text), stop, False)[1]
+        for k in range(len(streamed)):
+            assert stop[0] not in streamed[: k + 1]
+
+
+# ---------------------------------------------------------------- token stops
+@pytest.mark.parametrize(
+    "token,n_out,kw,want",
+    [
+        (7, 1, {}, (None, None)),
+        (2, 1, {}, ("stop", None)),                        # EOS
+        (2, 1, {"ignore_eos": True}, (None, None)),
+        (5, 3, {"stop_token_ids": [5]}, ("stop", 5)),
+        (5, 1, {"stop_token_ids": [5], "min_tokens": 2}, (None, None)),
+        (2, 1, {"min_tokens": 2}, (None, None)),
+        (2, 2, {"min_tokens": 2}, ("stop", None)),
+        (7, 16, {}, ("length", None)),                     # default max_tokens=16
+        (2, 4, {"max_tokens": 4}, ("stop", None)),         # the model's stop wins over length
+        (7, 4, {"max_tokens": 4, "ignore_eos": True}, ("length", None)),
+    ],
+)
+def test_check_stop_token(token, n_out, kw, want):
+    assert check_stop_token(token, n_out, SamplingParams(**kw), eos_token_id=2) == want
+
+
+# ---------------------------------------------------------------- CompletionText
+@pytest.mark.parametrize("include", [False, True])
+def test_completion_text_stops_and_streams(hf_tokenizer, include):
+    params = SamplingParams(stop=["END", "never"], include_stop_str_in_output=include)
+    out = hf_tokenizer.encode("the quick fox END of story")
+    ct = CompletionText(hf_tokenizer, hf_tokenizer.encode("Stop here."), params)
+    streamed = ""
+    hit = None
+    for t in out:
+        hit = ct.append(t)
+        streamed += ct.take_delta(finished=hit is not None)
+        if hit:
+            break
+    assert hit == "END"
+    expected = "the quick fox END" if include else "the quick fox "
+    assert ct.text == streamed == expected
+    with pytest.raises(RuntimeError):
+        ct.append(out[0])
+
+
+def test_completion_text_min_tokens_defers_stop_strings(hf_tokenizer):
+    out = hf_tokenizer.encode("END then END")
+    first_end_tokens = len(hf_tokenizer.encode("END"))
+    params = SamplingParams(stop=["END"], min_tokens=first_end_tokens + 1)
+    ct = CompletionText(hf_tokenizer, [], params)
+    hits = [ct.append(t) for t in out]
+    assert hits[-1] == "END" and all(h is None for h in hits[:-1])
+    assert ct.text == "END then "
+
+
+def test_completion_text_finish_flushes_partial_character(raw_tokenizer):
+    ids = raw_tokenizer.encode("hi 😀").ids[:-2]
+    ct = CompletionText(raw_tokenizer, [], SamplingParams(stop=["zzz"]))
+    streamed = ""
+    for t in ids:
+        assert ct.append(t) is None
+        streamed += ct.take_delta(finished=False)
+    assert len(streamed) < len("hi ")  # "zzz" holds back 2 chars; the emoji is held
+    ct.finish()
+    streamed += ct.take_delta(True)
+    assert streamed == ct.text == raw_tokenizer.decode(ids)
+
+
+def test_sentencepiece_style_leading_space_uses_prompt_context():
+    # Metaspace ("▁word") decoders drop the leading space of the first token decoded:
+    # the first generated token's space only survives with the prompt as left context.
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(
+        CORPUS * 20, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False)
+    )
+    ids = tok.encode("hello world the fox").ids
+    for split in range(1, len(ids)):
+        _, deltas = stream(tok, ids[:split], ids[split:])
+        assert tok.decode(ids[:split]) + "".join(deltas) == tok.decode(ids)
