@@ -53,6 +53,11 @@ def paged_attention_ref(
         if q_len > seq_len:
             raise ValueError(f"sequence {b} has {q_len} queries but only {seq_len} tokens in total")
         n_blocks = -(-seq_len // block_size)
+        if n_blocks > block_tables.shape[1]:
+            raise ValueError(
+                f"sequence {b} has {seq_len} tokens ({n_blocks} blocks of {block_size}) but its "
+                f"block table has only {block_tables.shape[1]} entries"
+            )
         blocks = block_tables[b, :n_blocks].to(device=k_cache.device, dtype=torch.long)
         k = k_cache[blocks].reshape(-1, hkv, d)[:seq_len].float()
         v = v_cache[blocks].reshape(-1, hkv, d)[:seq_len].float()
