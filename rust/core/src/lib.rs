@@ -20,6 +20,7 @@ pub mod error;
 pub mod kv_cache;
 pub mod prefix_cache;
 pub mod state_pool;
+pub mod scheduler;
 
 pub use allocator::BlockAllocator;
 pub use block_table::BlockTable;

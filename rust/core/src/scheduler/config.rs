@@ -1,0 +1,106 @@
+//! Scheduler settings and their validation.
+
+use crate::CoreError;
+
+/// Everything that shapes admission and the per-step budget.
+///
+/// Aging: a waiting request's effective priority is
+/// `priority - (steps waited) / aging_interval_steps` (continuous, not floored),
+/// so two requests compare by the static key `priority * aging_interval_steps +
+/// arrival_step` (then by arrival order). `aging_interval_steps = 0` turns aging
+/// off (pure priority, FCFS within a priority).
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    pub num_blocks: u32,
+    pub block_size: u32,
+    pub num_state_slots: u32,
+    /// Sequences per step (an n>1 request counts n from admission on).
+    pub max_num_seqs: u32,
+    /// Tokens per step across all sequences (decodes count 1 each).
+    pub max_num_batched_tokens: u32,
+    pub max_model_len: u32,
+    pub enable_prefix_caching: bool,
+    /// Cap on one sequence's prefill chunk per step (0 = no cap beyond the budget).
+    pub long_prefill_token_threshold: u32,
+    /// `add_request` answers QueueFull beyond this many waiting requests.
+    pub max_waiting_requests: u32,
+    /// ... or beyond this many tokens still to prefill in the waiting queue.
+    pub max_waiting_tokens: u64,
+    /// Steps of waiting that improve the effective priority by one (0 = no aging).
+    pub aging_interval_steps: u32,
+    /// Pre-paging baseline: admit only when `ceil(max_model_len / block_size)`
+    /// blocks per sequence can be reserved against the whole pool.
+    pub reserve_max_context: bool,
+    /// Finished requests whose outputs stay readable (`output_tokens`); older
+    /// ones are forgotten first-in first-out.
+    pub max_finished_retained: u32,
+}
+
+impl SchedulerConfig {
+    pub fn new(
+        num_blocks: u32,
+        block_size: u32,
+        num_state_slots: u32,
+        max_num_seqs: u32,
+        max_num_batched_tokens: u32,
+        max_model_len: u32,
+    ) -> Self {
+        SchedulerConfig {
+            num_blocks,
+            block_size,
+            num_state_slots,
+            max_num_seqs,
+            max_num_batched_tokens,
+            max_model_len,
+            enable_prefix_caching: true,
+            long_prefill_token_threshold: 0,
+            max_waiting_requests: u32::MAX,
+            max_waiting_tokens: u64::MAX,
+            aging_interval_steps: 256,
+            reserve_max_context: false,
+            max_finished_retained: 4096,
+        }
+    }
+
+    /// Blocks one sequence of `max_model_len` tokens occupies.
+    pub fn max_blocks_per_seq(&self) -> u32 {
+        self.max_model_len.div_ceil(self.block_size.max(1))
+    }
+
+    pub fn validate(&self) -> Result<(), CoreError> {
+        let bad = |m: String| Err(CoreError::InvalidArgument(m));
+        if self.block_size == 0 || self.num_blocks == 0 {
+            return bad(format!(
+                "num_blocks ({}) and block_size ({}) must be positive",
+                self.num_blocks, self.block_size
+            ));
+        }
+        if self.num_state_slots == 0 {
+            return bad("num_state_slots must be positive".into());
+        }
+        if self.max_num_seqs == 0 {
+            return bad("max_num_seqs must be positive".into());
+        }
+        if self.max_model_len < 2 {
+            return bad(format!("max_model_len ({}) must be at least 2", self.max_model_len));
+        }
+        if self.max_num_batched_tokens < self.max_num_seqs {
+            return bad(format!(
+                "max_num_batched_tokens ({}) must be >= max_num_seqs ({}) so every running \
+                 sequence can decode in one step; raise max_num_batched_tokens or lower max_num_seqs",
+                self.max_num_batched_tokens, self.max_num_seqs
+            ));
+        }
+        if (self.num_blocks as u64) * (self.block_size as u64) > i32::MAX as u64 {
+            return bad(format!(
+                "num_blocks * block_size ({}) must fit an int32 slot id; lower num_blocks",
+                self.num_blocks as u64 * self.block_size as u64
+            ));
+        }
+        if self.max_model_len.div_ceil(self.block_size) > self.num_blocks {
+            // Not fatal for paged admission, but a request of max_model_len could
+            // never fit: add_request refuses such requests one by one instead.
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,46 @@
+//! Counters and per-request events kept by the scheduler.
+
+/// A snapshot of the scheduler's gauges and cumulative counters.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerStats {
+    pub num_blocks: u32,
+    pub free_blocks: u32,
+    pub used_blocks: u32,
+    pub cached_blocks: u32,
+    pub num_slots: u32,
+    pub free_slots: u32,
+    pub used_slots: u32,
+    pub alloc_failures: u64,
+    /// Unused slots in the last blocks of running sequences (O(running) to compute).
+    pub tail_waste: u64,
+    pub prefix_queries: u64,
+    pub prefix_query_tokens: u64,
+    pub prefix_hits: u64,
+    pub prefix_hit_tokens: u64,
+    pub evictions: u64,
+    pub cow_copies: u64,
+    pub preemptions: u64,
+    pub num_running_requests: u32,
+    pub num_running_seqs: u32,
+    pub num_waiting_requests: u32,
+    pub waiting_tokens: u64,
+    pub steps: u64,
+    pub last_step_tokens: u32,
+    pub last_step_seqs: u32,
+    pub finished_requests: u64,
+    pub aborted_requests: u64,
+    /// Blocks reserved by the `reserve_max_context` policy (0 when paged).
+    pub reserved_blocks: u64,
+}
+
+/// One per request, the first time it is scheduled: its queue delay and class,
+/// so the engine can slice time-to-schedule by class.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ScheduledEvent {
+    pub request_id: String,
+    pub request_class: String,
+    /// `now` of the first schedule() that included it.
+    pub time: f64,
+    /// `time - arrival_time`.
+    pub queue_delay: f64,
+}

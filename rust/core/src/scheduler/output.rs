@@ -1,0 +1,112 @@
+//! The per-step plan and the per-step update result. Both are buffers owned by the
+//! scheduler and cleared (not reallocated) every step.
+
+use super::request::FinishReason;
+
+/// The plan of one step. Entries `b in 0..B` are in batch order: decodes first,
+/// then prefill chunks. Per-token arrays have `T = query_start_loc[B]` entries,
+/// entry `b` owning `query_start_loc[b]..query_start_loc[b+1]`.
+///
+/// Block tables: the caller keeps a persistent `int32[max_num_seqs,
+/// max_blocks_per_seq]` buffer. Entry `b` reads row `block_table_rows[b]`; before
+/// running the step the caller applies `buf[bt_update_rows[k], bt_update_cols[k]]
+/// = bt_update_values[k]`. Updates name only columns whose value changed (new
+/// blocks, a copy-on-write tail, a row reassigned to a new sequence), so the cost
+/// per step is O(B + new blocks), independent of context length. Columns past a
+/// sequence's `ceil(seq_len / block_size)` blocks may hold stale ids: ignore them.
+///
+/// `slot_mapping[t] == -1` means the KV of that token is already in the cache
+/// (prefix-cache hit): do not write it. The token is still fed, because the
+/// DeltaNet layers need every token (`num_computed_tokens == 0` means the
+/// sequence's DeltaNet state starts from zeros).
+///
+/// Copies (`block_copies`, `state_copies`, pairs `(src, dst)`) must be performed
+/// before anything else of the step, including zero-initialising fresh states.
+#[derive(Debug, Default, Clone)]
+pub struct SchedulerOutput {
+    /// Scheduler-internal request handle per entry (see `Scheduler::request_id`).
+    pub req_indices: Vec<u32>,
+    pub sample_indices: Vec<i32>,
+    pub seq_ids: Vec<i64>,
+    pub num_scheduled_tokens: Vec<i32>,
+    pub query_start_loc: Vec<i32>,
+    pub num_computed_tokens: Vec<i32>,
+    pub seq_lens: Vec<i32>,
+    pub input_ids: Vec<i32>,
+    pub positions: Vec<i32>,
+    pub slot_mapping: Vec<i32>,
+    pub state_slots: Vec<i32>,
+    /// Tokens to sample from the entry's last position: 0 (mid-prefill), 1, or n
+    /// (last prompt chunk of an unforked n>1 request).
+    pub num_samples: Vec<i32>,
+    pub block_table_rows: Vec<i32>,
+    pub bt_update_rows: Vec<i32>,
+    pub bt_update_cols: Vec<i32>,
+    pub bt_update_values: Vec<i32>,
+    /// Flattened `(src, dst)` block pairs.
+    pub block_copies: Vec<i32>,
+    /// Flattened `(src_slot, dst_slot)` pairs.
+    pub state_copies: Vec<i32>,
+    /// Requests preempted in this step (back in the waiting queue), by handle.
+    pub preempted: Vec<u32>,
+    /// Sequences finished outside `update()` (abort, finish) since the last plan.
+    pub finished: Vec<(String, u32, FinishReason)>,
+    /// Entries `0..num_decodes` are decodes.
+    pub num_decodes: usize,
+}
+
+impl SchedulerOutput {
+    pub fn num_seqs(&self) -> usize {
+        self.req_indices.len()
+    }
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+    pub fn total_samples(&self) -> usize {
+        self.num_samples.iter().map(|&x| x as usize).sum()
+    }
+    pub(crate) fn clear(&mut self) {
+        self.req_indices.clear();
+        self.sample_indices.clear();
+        self.seq_ids.clear();
+        self.num_scheduled_tokens.clear();
+        self.query_start_loc.clear();
+        self.num_computed_tokens.clear();
+        self.seq_lens.clear();
+        self.input_ids.clear();
+        self.positions.clear();
+        self.slot_mapping.clear();
+        self.state_slots.clear();
+        self.num_samples.clear();
+        self.block_table_rows.clear();
+        self.bt_update_rows.clear();
+        self.bt_update_cols.clear();
+        self.bt_update_values.clear();
+        self.block_copies.clear();
+        self.state_copies.clear();
+        self.preempted.clear();
+        self.finished.clear();
+        self.num_decodes = 0;
+    }
+}
+
+/// What `update()` did: one row per new token, in batch order (the n tokens of a
+/// forking entry in sample order), and the sequences that finished.
+#[derive(Debug, Default, Clone)]
+pub struct StepUpdate {
+    pub req_indices: Vec<u32>,
+    pub sample_indices: Vec<i32>,
+    pub tokens: Vec<i32>,
+    /// `(request handle, sample index, reason)`; the handle stays valid until the
+    /// next `update()` at least.
+    pub finished: Vec<(u32, u32, FinishReason)>,
+}
+
+impl StepUpdate {
+    pub(crate) fn clear(&mut self) {
+        self.req_indices.clear();
+        self.sample_indices.clear();
+        self.tokens.clear();
+        self.finished.clear();
+    }
+}
