@@ -21,7 +21,6 @@ All byte counts are exact integers; nothing here rounds except where it says so
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import struct
@@ -36,7 +35,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 
 #: The DeltaNet matrix state is kept in float32 whatever the model dtype: the
-#: recurrence accumulates over the whole sequence and bf16 drifts (HF does the same).
+#: recurrence accumulates over the whole sequence, where bf16 rounding would drift.
 MATRIX_STATE_DTYPE = "float32"
 
 DEFAULT_BLOCK_SIZE = 16
@@ -85,8 +84,8 @@ def parse_size(text: str) -> int:
 def format_bytes(nbytes: int | float) -> str:
     """A byte count in the largest binary unit that keeps it >= 1: ``2.8125 MiB``, ``16 GiB``.
 
-    Up to 4 decimals, trailing zeros dropped, thousands separated (``23,859 MiB`` stays
-    in MiB only if asked via :func:`format_mib`).
+    Up to 4 decimals, trailing zeros dropped, thousands separated. For a fixed unit
+    (pools are quoted in MiB) use :func:`format_mib`.
     """
     n = float(nbytes)
     for unit, scale in (("TiB", 1 << 40), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
@@ -109,9 +108,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _positive_int(name: str, value: Any, hint: str = "") -> int:
+def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}{hint}")
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
 
 
@@ -432,7 +431,8 @@ def sharing_plan(
     kv_dtype: str | None = None,
     include_conv: bool = True,
 ) -> SharingPlan:
-    """Memory of ``count`` sequences sharing a ``shared_len``-token prefix (see :class:`SharingPlan`)."""
+    """Memory of ``count`` sequences sharing a ``shared_len``-token prefix (see
+    :class:`SharingPlan`). O(1)."""
     _check_context(config, context_len)
     _positive_int("number of sequences", count)
     if not 0 <= shared_len <= context_len:
@@ -459,7 +459,7 @@ def sharing_plan(
         bytes_without_sharing=count * paged_sequence_bytes(
             config, context_len, block_size, kv_dtype, include_conv
         ),
-        max_count=_fit(pool_bytes - shared_bytes, per_seq_private) if pool_bytes >= shared_bytes else 0,
+        max_count=_fit(pool_bytes - shared_bytes, per_seq_private),
         max_count_without_sharing=sessions_paged(
             config, pool_bytes, context_len, block_size, kv_dtype, include_conv
         ),
