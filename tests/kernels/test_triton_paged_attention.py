@@ -6,6 +6,9 @@ sequence, a sequence with no queries this step and one whose queries cross sever
 query blocks, with block ids shuffled over a pool larger than needed (the unused
 blocks hold random data, so following the wrong table entry shows).
 
+Split-KV (``num_kv_splits``) is forced in its own test, since off-GPU the automatic
+choice is always one split.
+
 Tolerances: float32 ``atol = rtol = 2e-5`` (the kernel uses exp2 with a pre-scaled
 log2(e) and an online softmax, the reference exp and a two-pass softmax; both
 accumulate in float32, observed error ~1e-6). float16 ``atol = rtol = 2e-3``
@@ -68,6 +71,17 @@ def test_mixed_batch_matches_reference(block_size, hkv, group, d, dtype):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("splits", [2, 8])
+def test_split_kv_matches_reference(splits):
+    # Splits beyond a short sequence's tiles get no keys (max -inf, sum 0) and must
+    # drop out of the merge; long ones span several tiles per split.
+    seqs = [(150, 1), (3, 1), (97, 3), (20, 2)]
+    q, k_cache, v_cache, qsl, seq_lens, tables = _batch(seqs, 16, 1, 4, 32, torch.float32, seed=splits)
+    got = paged_attention_triton(q, k_cache, v_cache, qsl, seq_lens, tables, 0.2, num_kv_splits=splits)
+    want = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, 0.2)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
 def test_strided_views_and_int64_indices():
     # The kernel takes strides: q as a slice of a fused projection, caches as views
     # into a larger [2, ...] K/V buffer, int64 index tensors.
@@ -90,6 +104,7 @@ def test_strided_views_and_int64_indices():
         (lambda a: a.update(seq_lens=a["seq_lens"][:1]), "batch sizes disagree"),
         (lambda a: a.update(block_tables=a["block_tables"].float()), "int32 or int64"),
         (lambda a: a.update(v_cache=a["v_cache"].half()), "dtype"),
+        (lambda a: a.update(num_kv_splits=3), "power of two"),
     ],
 )
 def test_bad_input_raises_clear_error(change, match):

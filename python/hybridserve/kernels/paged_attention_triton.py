@@ -29,6 +29,12 @@ following the block table per key (``TILE_N`` and ``block_size`` are independent
 stopping at the last key its latest query can see, with an online softmax
 (running max and sum, rescaled accumulator) in float32. Both products are ``tl.dot``.
 Cost per program: ``O(ctx * BLOCK_M * D)`` FLOPs, ``O(ctx * D)`` bytes of K/V.
+
+Split-KV (long decodes): when the grid above is too small to fill the GPU, a third
+grid axis of ``NUM_SPLITS`` programs divides each sequence's visible keys into equal
+runs of whole tiles; each writes its unnormalised float32 accumulator, running max
+and sum, and a second launch (grid ``(T, Hq)``) merges them by log-sum-exp. The
+result equals the single-pass one up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -87,6 +93,8 @@ def _paged_attention_kernel(
     stride_v_d,
     stride_bt_b,
     stride_bt_j,
+    part_acc_ptr,  # NUM_SPLITS > 1 only: float32 [T, Hq, NUM_SPLITS, HEAD_PAD]
+    part_ml_ptr,  # NUM_SPLITS > 1 only: float32 [T, Hq, NUM_SPLITS, 2] (max, sum)
     HEAD_DIM: tl.constexpr,
     HEAD_PAD: tl.constexpr,
     GROUP: tl.constexpr,  # query heads per KV head
@@ -94,9 +102,11 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # rows per program: >= BLOCK_Q * GROUP, a power of two
     TILE_N: tl.constexpr,  # keys per inner iteration
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # > 1: this program covers one of NUM_SPLITS key ranges
 ):
     q_block_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
+    split = tl.program_id(2)
 
     seq = _find_seq_idx(query_start_loc_ptr, q_block_idx, num_seqs, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -128,9 +138,16 @@ def _paged_attention_kernel(
     num_keys = context_len + last_q + 1
     offs_n = tl.arange(0, TILE_N)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt_b
-    for start_n in range(0, num_keys, TILE_N):
+    key_lo = 0
+    key_hi = num_keys
+    if NUM_SPLITS > 1:
+        # Whole tiles per split, so only the last tile of the last split is ragged.
+        tiles_per_split = tl.cdiv(tl.cdiv(num_keys, TILE_N), NUM_SPLITS)
+        key_lo = split * tiles_per_split * TILE_N
+        key_hi = tl.minimum(key_lo + tiles_per_split * TILE_N, num_keys)
+    for start_n in range(key_lo, key_hi, TILE_N):
         key_idx = start_n + offs_n
-        key_ok = key_idx < num_keys
+        key_ok = key_idx < key_hi
         phys = tl.load(bt_row + (key_idx // block_size) * stride_bt_j, mask=key_ok, other=0).to(tl.int64)
         slot = key_idx % block_size
 
@@ -164,10 +181,54 @@ def _paged_attention_kernel(
         acc += tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    o_off = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS == 1:
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        out = acc / l_safe[:, None]
+        o_off = q_rows[:, None] * stride_o_t + head[:, None] * stride_o_h + offs_d[None, :] * stride_o_d
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    else:
+        # Unnormalised partials; a split that saw no visible key leaves m = -inf, l = 0.
+        hq = tl.num_programs(1) * GROUP
+        part = (q_rows * hq + head) * NUM_SPLITS + split  # [BLOCK_M], int64
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m_i, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l_i, mask=row_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,
+    part_acc_ptr,
+    part_ml_ptr,
+    num_heads,
+    stride_o_t,
+    stride_o_h,
+    stride_o_d,
+    HEAD_DIM: tl.constexpr,
+    HEAD_PAD: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Log-sum-exp merge of the splits of one (token, head): sum_s 2^(m_s - M) acc_s / same for l."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, HEAD_PAD)
+    base = (tok * num_heads + head) * NUM_SPLITS
+    m = tl.load(part_ml_ptr + (base + offs_s) * 2)
+    l = tl.load(part_ml_ptr + (base + offs_s) * 2 + 1)
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max > float("-inf"), m_max, 0.0)
+    w = tl.math.exp2(m - m_max)  # 0 for empty splits (m = -inf)
+    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * HEAD_PAD + offs_d[None, :])
+    num = tl.sum(acc * w[:, None], axis=0)
+    den = tl.sum(l * w, axis=0)
+    den = tl.where(den > 0.0, den, 1.0)
+    out = num / den
+    tl.store(
+        out_ptr + tok * stride_o_t + head * stride_o_h + offs_d * stride_o_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_DIM,
+    )
 
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -210,6 +271,28 @@ def _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables) -> None
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
+def _auto_splits(q: torch.Tensor, programs: int, max_keys: int) -> int:
+    """Key-range splits that fill the GPU when there are few (query block, KV head) programs.
+
+    ``max_keys`` is the block-table width times the block size: a bound known on the
+    host without a device sync. Splitting pays when programs are fewer than SMs and
+    contexts can be long; each split keeps at least 256 keys of work.
+    """
+    if not q.is_cuda:
+        return 1
+    idx = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    sms = _SM_COUNT[idx]
+    if programs >= sms or max_keys < 1024:
+        return 1
+    want = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+    return max(1, min(16, want, triton.next_power_of_2(max_keys // 256 + 1) // 2))
+
+
 def paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -218,14 +301,23 @@ def paged_attention_triton(
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     scale: float,
+    num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Causal paged attention for a flattened mixed prefill/decode batch; see the module doc.
+
+    ``num_kv_splits`` (a power of two): split each sequence's keys into that many
+    ranges processed by separate programs, then merge them by log-sum-exp (a second,
+    tiny launch); ``None`` picks it from the SM count (1 off-GPU or when the batch
+    already fills the device). Extra memory with splits: ``T * Hq * splits * (D + 2)``
+    float32.
 
     Index values (sequence lengths, block ids) are not validated here: that would cost
     a device sync per layer; the scheduler guarantees them and the reference path
     raises on them in tests.
     """
     _check(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables)
+    if num_kv_splits is not None and (num_kv_splits < 1 or num_kv_splits & (num_kv_splits - 1)):
+        raise ValueError(f"num_kv_splits must be a power of two >= 1 or None, got {num_kv_splits}")
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
     block_size = k_cache.shape[1]
@@ -245,8 +337,14 @@ def paged_attention_triton(
     # (tf32 would cost ~1e-3 relative); half types are exact in either mode.
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
 
-    grid = (t // block_q + num_seqs, hkv)
-    _paged_attention_kernel[grid](
+    q_blocks = t // block_q + num_seqs
+    splits = num_kv_splits or _auto_splits(q, q_blocks * hkv, block_tables.shape[1] * block_size)
+    if splits > 1:
+        part_acc = torch.empty(t, hq, splits, head_pad, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(t, hq, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part_acc = part_ml = out  # never touched
+    _paged_attention_kernel[(q_blocks, hkv, splits)](
         out,
         q,
         k_cache,
@@ -262,6 +360,8 @@ def paged_attention_triton(
         *k_cache.stride(),
         *v_cache.stride(),
         *block_tables.stride(),
+        part_acc,
+        part_ml,
         HEAD_DIM=d,
         HEAD_PAD=head_pad,
         GROUP=group,
@@ -269,6 +369,19 @@ def paged_attention_triton(
         BLOCK_M=block_m,
         TILE_N=tile_n,
         DOT_PRECISION=precision,
+        NUM_SPLITS=splits,
         num_warps=4 if head_pad <= 128 else 8,
     )
+    if splits > 1:
+        _merge_splits_kernel[(t, hq)](
+            out,
+            part_acc,
+            part_ml,
+            hq,
+            *out.stride(),
+            HEAD_DIM=d,
+            HEAD_PAD=head_pad,
+            NUM_SPLITS=splits,
+            num_warps=4,
+        )
     return out
