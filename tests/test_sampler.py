@@ -117,13 +117,23 @@ def assert_same_distribution(got: torch.Tensor, ref: list[float], greedy: bool) 
 
 
 # ---------------------------------------------------------------- processing
-@pytest.mark.parametrize("vocab", [7, 50])
-def test_processed_logits_match_reference(vocab):
+@pytest.mark.parametrize(
+    "vocab,overrides",
+    [
+        (7, {}),
+        (50, {}),
+        # Every row truncated to few tokens first: top_p runs on a top-k of the
+        # survivors instead of a full sort.
+        (50, {"top_k": 5, "top_p": 0.6, "temperature": 0.9}),
+        (50, {"min_p": 0.2, "top_p": 0.8, "temperature": 1.0}),
+    ],
+)
+def test_processed_logits_match_reference(vocab, overrides):
     rng = random.Random(vocab)
     torch.manual_seed(vocab)
     sampler = Sampler()
     for _ in range(40):
-        rows = random_rows(rng, 6, vocab)
+        rows = random_rows(rng, 6, vocab, **overrides)
         logits = torch.randn(6, vocab) * 3
         before = logits.clone()
         got = sampler.process(logits, rows)
@@ -371,3 +381,25 @@ def test_exact_boundaries_of_min_p_and_top_p():
         kept = int(torch.isfinite(got[i]).sum())
         assert kept == sum(1 for v in ref if v != NEG_INF)
     assert [int(torch.isfinite(g).sum()) for g in got] == [4, 2]
+
+
+def test_fork_rows_expand_in_order_and_match_reference():
+    rng = random.Random(5)
+    vocab = 16
+    logits = torch.randn(3, vocab, dtype=torch.bfloat16)  # any float dtype is accepted
+    rows = [
+        SamplingRow(random_params(rng, temperature=0.7), [1, 2], [3], make_generator(1, 0)),
+        SamplingRow(random_params(rng, temperature=1.1, n=3), [4], [], num_samples=3,
+                    generators=[make_generator(2, i) for i in range(3)]),
+        SamplingRow(random_params(rng, temperature=0.0), [], [5, 5], None),
+    ]
+    got = Sampler().process(logits, rows)
+    assert got.shape == (5, vocab) and got.dtype == torch.float32
+    for s, i in enumerate([0, 1, 1, 1, 2]):
+        r = rows[i]
+        ref = ref_process(logits[i].float().tolist(), r.params, r.prompt_token_ids, r.output_token_ids)
+        assert_same_distribution(got[s], ref, r.params.greedy)
+    out = Sampler()(logits, rows)
+    assert len(out.token_ids) == 5
+    for s, i in enumerate([0, 1, 1, 1, 2]):
+        assert torch.isfinite(got[s, out.token_ids[s]]), "a dropped token was sampled"

@@ -209,10 +209,7 @@ class Sampler:
             ).unsqueeze(1)
             x.masked_fill_(probs < threshold, float("-inf"))
         top_ks = [vocab if p.greedy or p.top_k == 0 else min(p.top_k, vocab) for p in params]
-        top_ps = [1.0 if p.greedy else p.top_p for p in params]
-        if any(tp < 1.0 for tp in top_ps):
-            x = self._top_k_top_p_sorted(x, top_ks, top_ps)
-        elif any(k < vocab for k in top_ks):
+        if any(k < vocab for k in top_ks):
             kmax = max(k for k in top_ks if k < vocab)
             values = torch.topk(x, kmax, dim=-1).values
             ks = torch.tensor([min(k, kmax) for k in top_ks], device=device) - 1
@@ -221,27 +218,39 @@ class Sampler:
             no_k = torch.tensor([k == vocab for k in top_ks], device=device).unsqueeze(1)
             kth.masked_fill_(no_k, float("-inf"))
             x.masked_fill_(x < kth, float("-inf"))
+        p_rows = [s for s, p in enumerate(params) if not p.greedy and p.top_p < 1.0]
+        if p_rows:
+            top_ps = [params[s].top_p for s in p_rows]
+            if len(p_rows) == num:
+                x = self._top_p(x, top_ps)
+            else:
+                idx = torch.tensor(p_rows, device=device)
+                x.index_copy_(0, idx, self._top_p(x.index_select(0, idx), top_ps))
         return x
 
     @staticmethod
-    def _top_k_top_p_sorted(x: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-        device = x.device
+    def _top_p(x: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+        """Nucleus filter of rows already cut by min_p/top_k (dropped = -inf).
+
+        Only the surviving tokens need ordering, so when min_p or top_k left few of
+        them a top-k over the survivors replaces the full O(V log V) sort.
+        """
         vocab = x.shape[1]
-        # Ascending sort: the kept set is a suffix, so cumsum gives the mass below.
-        sorted_x, order = x.sort(dim=-1, descending=False)
-        ks = torch.tensor(top_ks, device=device, dtype=torch.long)
-        kth = sorted_x.gather(1, (vocab - ks).unsqueeze(1))
-        sorted_x.masked_fill_(sorted_x < kth, float("-inf"))
-        probs = sorted_x.softmax(dim=-1)
-        below = probs.cumsum(dim=-1)
-        ps = torch.tensor(top_ps, device=device, dtype=torch.float32).unsqueeze(1)
-        # mass strictly above token j = 1 - below[j]; drop iff that is >= p.
-        # Rows with top_p == 1 keep everything, also tokens whose probability
-        # underflows to 0 (their processed logprob stays finite).
-        drop = (below <= 1 - ps) & (ps < 1.0)
-        drop[:, -1] = False
-        sorted_x.masked_fill_(drop, float("-inf"))
-        return torch.empty_like(x).scatter_(1, order, sorted_x)
+        survivors = int(torch.isfinite(x).sum(dim=-1).max())
+        if survivors <= vocab // 4:
+            values, order = torch.topk(x, max(survivors, 1), dim=-1)
+        else:
+            values, order = x.sort(dim=-1, descending=True)
+        probs = values.softmax(dim=-1)
+        # Mass strictly before each token in descending order (an exclusive cumsum);
+        # a token is kept iff that mass is < p, so the top token (mass 0 < p) stays.
+        cumulative = probs.cumsum(dim=-1)
+        before = torch.zeros_like(cumulative)
+        before[:, 1:] = cumulative[:, :-1]
+        ps = torch.tensor(top_ps, device=x.device, dtype=torch.float32).unsqueeze(1)
+        drop = before >= ps
+        values.masked_fill_(drop, float("-inf"))
+        return torch.full_like(x, float("-inf")).scatter_(1, order, values)
 
     @staticmethod
     def _apply_min_tokens(x: torch.Tensor, batch: _Batch, vocab: int) -> None:
