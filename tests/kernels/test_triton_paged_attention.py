@@ -36,8 +36,10 @@ def _batch(seqs, block_size, hkv, group, d, dtype, seed):
     num_blocks = sum(blocks_per_seq) + 5
     perm = torch.randperm(num_blocks, generator=gen)
     max_blocks = max(blocks_per_seq) + 2
-    # Entries past a sequence's blocks are out-of-range ids: reading one would fail or show.
-    tables = torch.full((len(seqs), max_blocks), num_blocks + 1000, dtype=torch.int32)
+    # Entries past a sequence's blocks name other sequences' (random) blocks: attending
+    # to keys from one would show. They must be valid ids: the reference's batched
+    # decode path gathers up to the longest decode's block count for every decode.
+    tables = torch.randint(0, num_blocks, (len(seqs), max_blocks), generator=gen, dtype=torch.int32)
     used = 0
     for b, n in enumerate(blocks_per_seq):
         tables[b, :n] = perm[used : used + n].to(torch.int32)
@@ -69,6 +71,18 @@ def test_mixed_batch_matches_reference(block_size, hkv, group, d, dtype):
     assert got.dtype == q.dtype and got.shape == q.shape
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("group", [1, 3])
+def test_prefill_heavy_batch_uses_wide_query_blocks(group):
+    # >= 64 queries per sequence on average selects 64-row programs; the decode and the
+    # short chunk share the launch and must still be right.
+    seqs = [(130, 130), (70, 66), (9, 1)]
+    q, k_cache, v_cache, qsl, seq_lens, tables = _batch(seqs, 16, 2, group, 32, torch.float32, seed=group)
+    assert q.shape[0] >= 64 * len(seqs)
+    got = paged_attention_triton(q, k_cache, v_cache, qsl, seq_lens, tables, 0.2)
+    want = paged_attention_ref(q, k_cache, v_cache, qsl, seq_lens, tables, 0.2)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("splits", [2, 8])

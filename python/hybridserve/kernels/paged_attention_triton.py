@@ -327,9 +327,12 @@ def paged_attention_triton(
         return out
 
     group = hq // hkv
-    # tl.dot needs every dimension >= 16; 16 rows keep decode (1 query token) waste low
-    # for small groups, larger groups get one token per program.
-    block_m = max(16, triton.next_power_of_2(group))
+    # tl.dot needs every dimension >= 16. Decode-heavy batches: 16 rows keep the waste
+    # of 1-token sequences low (a group of >= 16 heads fills them alone). Prefill-heavy
+    # batches (>= 64 queries per sequence on average, known from shapes alone): 64 rows
+    # per program read each K/V tile for 4x as many queries.
+    rows = 64 if t >= 64 * num_seqs else 16
+    block_m = max(rows, triton.next_power_of_2(group))
     block_q = max(1, block_m // group)
     head_pad = max(16, triton.next_power_of_2(d))
     tile_n = 32 if head_pad <= 128 else 16
