@@ -12,7 +12,8 @@ Processing order is vLLM v1's, per sample row:
 5. min_p: tokens with probability < min_p * (top probability) dropped.
 6. top_k: tokens whose logit is below the k-th largest dropped (ties at the k-th kept).
 7. top_p: in descending probability order, a token is kept iff the probability mass of
-   the tokens strictly before it is < top_p (so the most likely token always stays).
+   the tokens strictly before it is < top_p (so the most likely token always stays);
+   tokens tied with the last kept one are kept too.
 8. sample from softmax of what is left, with the exponential race
    ``argmax(p / q), q ~ Exp(1)`` (equivalent to a categorical draw).
 
@@ -233,14 +234,17 @@ class Sampler:
         """Nucleus filter of rows already cut by min_p/top_k (dropped = -inf).
 
         Only the surviving tokens need ordering, so when min_p or top_k left few of
-        them a top-k over the survivors replaces the full O(V log V) sort.
+        them a top-k over the survivors replaces the full O(V log V) sort. Tokens tied
+        with the last kept logit are kept too (as top_k keeps ties): the kept set then
+        depends on the logit values only, not on how a sort orders equal values, which
+        bf16 logits produce often.
         """
         vocab = x.shape[1]
         survivors = int(torch.isfinite(x).sum(dim=-1).max())
         if survivors <= vocab // 4:
-            values, order = torch.topk(x, max(survivors, 1), dim=-1)
+            values = torch.topk(x, max(survivors, 1), dim=-1).values
         else:
-            values, order = x.sort(dim=-1, descending=True)
+            values = x.sort(dim=-1, descending=True).values
         probs = values.softmax(dim=-1)
         # Mass strictly before each token in descending order (an exclusive cumsum);
         # a token is kept iff that mass is < p, so the top token (mass 0 < p) stays.
@@ -248,9 +252,9 @@ class Sampler:
         before = torch.zeros_like(cumulative)
         before[:, 1:] = cumulative[:, :-1]
         ps = torch.tensor(top_ps, device=x.device, dtype=torch.float32).unsqueeze(1)
-        drop = before >= ps
-        values.masked_fill_(drop, float("-inf"))
-        return torch.full_like(x, float("-inf")).scatter_(1, order, values)
+        # `before` is non-decreasing, so the kept tokens are a prefix of `values`.
+        last_kept = values.masked_fill(before >= ps, float("inf")).amin(dim=-1, keepdim=True)
+        return x.masked_fill(x < last_kept, float("-inf"))
 
     @staticmethod
     def _apply_min_tokens(x: torch.Tensor, batch: _Batch, vocab: int) -> None:
