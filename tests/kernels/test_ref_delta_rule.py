@@ -25,13 +25,13 @@ def _inputs(lens, h=3, kd=8, vd=6, seed=0):
 
 @pytest.mark.parametrize("impl", ["recurrent", "chunked", "dispatch"])
 def test_matches_hf_per_sequence(impl):
-    lens = [5, 1, 37, 20]
+    lens = [5, 1, 37, 1, 20, 1]  # decodes and prefills of different lengths interleaved
     h, kd, vd = 3, 8, 6
     q, k, v, g, beta, qsl = _inputs(lens, h, kd, vd)
     gen = torch.Generator().manual_seed(1)
-    pool = torch.randn(6, h, kd, vd, generator=gen)
-    slots = torch.tensor([4, 0, 2, 5])
-    init = torch.tensor([True, False, True, False])
+    pool = torch.randn(9, h, kd, vd, generator=gen)
+    slots = torch.tensor([4, 0, 2, 7, 5, 8])
+    init = torch.tensor([True, False, True, True, False, False])
     pool_before = pool.clone()
     fn = {"recurrent": gated_delta_rule_recurrent_ref,
           "chunked": lambda *a, **kw: gated_delta_rule_chunked_ref(*a, **kw, chunk_size=16),
@@ -46,7 +46,7 @@ def test_matches_hf_per_sequence(impl):
         torch.testing.assert_close(o[s:e], ref_o[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(pool[slots[b]], ref_s[0], rtol=1e-4, atol=1e-5)
     # Slots nobody used stay untouched.
-    for untouched in (1, 3):
+    for untouched in (1, 3, 6):
         assert torch.equal(pool[untouched], pool_before[untouched])
 
 

@@ -41,44 +41,55 @@ def _recurrent_one(q, k, v, g, beta, state):
     return out, state
 
 
-def _chunked_one(q, k, v, g, beta, state, chunk_size):
-    """One sequence in chunks; same shapes as ``_recurrent_one``."""
-    h, length, kd = q.shape
+def _chunked(q, k, v, g, beta, state, chunk_size):
+    """Chunked form over any leading batch dims: q,k [..., H, L, K], v [..., H, L, V],
+    g/beta [..., H, L], state [..., H, K, V]; float32. Returns (o, final state)."""
+    *lead, length, kd = q.shape
     vd = v.shape[-1]
-    pad = (-length) % chunk_size
+    c = chunk_size
+    pad = (-length) % c
     if pad:
+        # Padding tokens have k = v = beta = 0 and g = 0: they neither decay nor write.
         q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
-    n = (length + pad) // chunk_size
-    c = chunk_size
-    q = q.reshape(h, n, c, kd)
-    k = k.reshape(h, n, c, kd)
-    v = v.reshape(h, n, c, vd)
-    g = g.reshape(h, n, c)
-    beta = beta.reshape(h, n, c)
+    n = (length + pad) // c
+    q = q.reshape(*lead, n, c, kd)
+    k = k.reshape(*lead, n, c, kd)
+    v = v.reshape(*lead, n, c, vd)
+    g = g.reshape(*lead, n, c)
+    beta = beta.reshape(*lead, n, c)
     k_beta = k * beta[..., None]
     v_beta = v * beta[..., None]
     cum = g.cumsum(dim=-1)  # log of the decay from the chunk start to each position
     upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
     # decay[i, j] = prod of decays over (j, i], zero above the diagonal.
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
-    # Lower-triangular system (I + A) of the UT transform; strictly-lower part is A.
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    system = torch.tril(system, -1) + torch.eye(c, dtype=q.dtype, device=q.device)
+    # The UT transform: T = (I + A)^-1 with A the strictly-lower part of (beta k) k^T * decay.
+    # A is nilpotent, so (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: log2(c) batched
+    # matmuls instead of a triangular solve, which is slow for many small systems on CPU.
+    neg_a = -torch.tril((k_beta @ k.transpose(-1, -2)) * decay, -1)
+    inv = neg_a + torch.eye(c, dtype=q.dtype, device=q.device)
+    power = neg_a
+    for _ in range(max(0, (c - 1).bit_length() - 1)):
+        power = power @ power
+        inv = inv + inv @ power
     intra = (q @ k.transpose(-1, -2)) * decay
-    u = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(
-        system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True
-    )
+    u = inv @ v_beta
+    w = inv @ (k_beta * cum.exp()[..., None])
     q_dec = q * cum.exp()[..., None]
     k_dec = k * (cum[..., -1:] - cum).exp()[..., None]
     chunk_decay = cum[..., -1].exp()[..., None, None]
-    out = torch.empty(h, n, c, vd, dtype=q.dtype, device=q.device)
+    out = torch.empty(*lead, n, c, vd, dtype=q.dtype, device=q.device)
     for i in range(n):
-        v_new = u[:, i] - w[:, i] @ state
-        out[:, i] = q_dec[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + k_dec[:, i].transpose(-1, -2) @ v_new
-    return out.reshape(h, n * c, vd)[:, :length], state
+        v_new = u[..., i, :, :] - w[..., i, :, :] @ state
+        out[..., i, :, :] = q_dec[..., i, :, :] @ state + intra[..., i, :, :] @ v_new
+        state = state * chunk_decay[..., i, :, :] + k_dec[..., i, :, :].transpose(-1, -2) @ v_new
+    return out.reshape(*lead, n * c, vd)[..., :length, :], state
+
+
+def _chunked_one(q, k, v, g, beta, state, chunk_size):
+    """One sequence in chunks; same shapes as ``_recurrent_one``."""
+    return _chunked(q, k, v, g, beta, state, chunk_size)
 
 
 def _run(one, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state,
@@ -149,14 +160,50 @@ def gated_delta_rule_ref(
     q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
     use_qk_l2norm=True, chunk_size=64,
 ) -> torch.Tensor:
-    """The CPU path: per sequence, the recurrence for short runs (decode), chunks for long.
+    """The CPU path; same contract as :func:`gated_delta_rule_recurrent_ref`.
 
-    Same contract as :func:`gated_delta_rule_recurrent_ref`.
+    Vectorised across sequences: all single-token runs (decodes) advance in one batched
+    recurrent step; all longer runs are padded to a common length (padding tokens are
+    inert) and go through the chunked form as one batch. Extra work is the padding,
+    at most (B - 1) * max run length tokens.
     """
-    def one(qb, kb, vb, gb, bb, s0):
-        if qb.shape[1] < 16:
-            return _recurrent_one(qb, kb, vb, gb, bb, s0)
-        return _chunked_one(qb, kb, vb, gb, bb, s0, chunk_size)
+    qsl = _as_list(query_start_loc)
+    slots = _as_list(state_slots)
+    init = _as_list(has_initial_state)
+    dev = q.device
+    o = torch.empty_like(v)
+    lens = [qsl[b + 1] - qsl[b] for b in range(len(slots))]
+    for group in ([b for b, n in enumerate(lens) if n == 1], [b for b, n in enumerate(lens) if n > 1]):
+        if not group:
+            continue
+        longest = max(lens[b] for b in group)
+        # [n, longest] row indices into the step's tokens; T (one past the end) = inert padding.
+        t = q.shape[0]
+        idx = torch.full((len(group), longest), t, dtype=torch.long)
+        for i, b in enumerate(group):
+            idx[i, : lens[b]] = torch.arange(qsl[b], qsl[b + 1])
+        idx = idx.to(dev)
 
-    return _run(one, q, k, v, g, beta, state, query_start_loc, state_slots,
-                has_initial_state, scale, use_qk_l2norm)
+        def padded(x):
+            x = torch.cat([x.float(), x.new_zeros((1, *x.shape[1:]), dtype=torch.float32)])
+            return x[idx].transpose(1, 2)  # [n, H, longest, ...]
+
+        qb, kb, vb, gb, bb = (padded(x) for x in (q, k, v, g, beta))
+        if use_qk_l2norm:
+            qb, kb = _l2norm(qb), _l2norm(kb)
+        qb = qb * scale
+        dst = torch.tensor([slots[b] for b in group], device=dev)
+        keep = torch.tensor([bool(init[b]) for b in group], device=dev)
+        s0 = state.index_select(0, dst) * keep[:, None, None, None]
+        if longest == 1:
+            ob, s1 = _recurrent_one(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
+                                    gb.flatten(0, 1), bb.flatten(0, 1), s0.flatten(0, 1))
+            ob, s1 = ob.unflatten(0, qb.shape[:2]), s1.unflatten(0, qb.shape[:2])
+        else:
+            c = min(chunk_size, -(-longest // 16) * 16)
+            ob, s1 = _chunked(qb, kb, vb, gb, bb, s0, c)
+        state.index_copy_(0, dst, s1)
+        ob = ob.transpose(1, 2)  # [n, longest, H, V]
+        for i, b in enumerate(group):
+            o[qsl[b]:qsl[b + 1]] = ob[i, : lens[b]].to(v.dtype)
+    return o

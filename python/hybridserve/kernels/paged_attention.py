@@ -45,10 +45,14 @@ def paged_attention_ref(
     qsl = _as_list(query_start_loc)
     lens = _as_list(seq_lens)
     out = torch.empty_like(q)
+    decodes = [b for b in range(len(lens)) if qsl[b + 1] - qsl[b] == 1]
+    if len(decodes) > 1:
+        _decode_batch(q, k_cache, v_cache, qsl, lens, block_tables, scale, decodes, out)
+    done = set(decodes) if len(decodes) > 1 else set()
     for b, seq_len in enumerate(lens):
         start, end = qsl[b], qsl[b + 1]
         q_len = end - start
-        if q_len == 0:
+        if q_len == 0 or b in done:
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {b} has {q_len} queries but only {seq_len} tokens in total")
@@ -73,3 +77,33 @@ def paged_attention_ref(
         probs = torch.softmax(scores, dim=-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def _decode_batch(q, k_cache, v_cache, qsl, lens, block_tables, scale, decodes, out):
+    """All one-query sequences at once: gather their blocks, mask past each length."""
+    _, block_size, hkv, d = k_cache.shape
+    hq = q.shape[1]
+    group = hq // hkv
+    seq_lens = [lens[b] for b in decodes]
+    n_blocks = -(-max(seq_lens) // block_size)
+    if n_blocks > block_tables.shape[1]:
+        raise ValueError(
+            f"a decode sequence has {max(seq_lens)} tokens ({n_blocks} blocks of {block_size}) but "
+            f"the block tables have only {block_tables.shape[1]} entries"
+        )
+    dev = k_cache.device
+    sel = torch.tensor(decodes, device=block_tables.device)
+    tables = block_tables.index_select(0, sel)[:, :n_blocks].to(device=dev, dtype=torch.long)
+    n = len(decodes)
+    k = k_cache[tables].reshape(n, n_blocks * block_size, hkv, d).float()
+    v = v_cache[tables].reshape(n, n_blocks * block_size, hkv, d).float()
+    rows = torch.tensor([qsl[b] for b in decodes], device=q.device)
+    qb = q.index_select(0, rows).float().reshape(n, hkv, group, d)
+    scores = torch.einsum("nhgd,nkhd->nhgk", qb, k) * scale
+    length = torch.tensor(seq_lens, device=dev)
+    # The query is the last token, so causality reduces to "key index < seq_len".
+    invalid = torch.arange(n_blocks * block_size, device=dev)[None, :] >= length[:, None]
+    scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.einsum("nhgk,nkhd->nhgd", probs, v).reshape(n, hq, d)
+    out[rows] = o.to(out.dtype)
