@@ -157,9 +157,11 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
 class Sampler:
     """Draws one token per sample from a step's logits; stateless across steps.
 
-    Cost per call: O(S * V) for S samples and vocabulary V, plus a sort of the rows
-    that use top_p (O(S V log V)) or a top-k of the rows that use only top_k, plus
-    O(tokens) to count the prompt/output tokens of rows with penalties.
+    Cost per call: O(S * V) for S samples and vocabulary V; a top-k when rows use
+    top_k; for rows with top_p, a top-k over the tokens min_p/top_k left or, when
+    most of the vocabulary survives, a full sort (O(V log V) per row); O(tokens) to
+    count the prompt/output tokens of rows with penalties; one device->host copy of
+    the tokens (plus the logprobs when asked).
     """
 
     def __init__(self, logprobs_mode: str = "raw") -> None:
