@@ -10,11 +10,11 @@
 
 use hybridserve_core::{BlockAllocator, CoreError};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering::SeqCst};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 
 const BLOCKS: u32 = 48;
 const THREADS: usize = 4;
-const OPS: usize = 40_000;
+const OPS: usize = 200_000;
 
 struct Shared {
     a: BlockAllocator,
@@ -56,10 +56,14 @@ fn hammer_then_everything_free_exactly_once() {
         parked: (0..BLOCKS).map(|_| AtomicBool::new(false)).collect(),
         mailbox: Mutex::new(Vec::new()),
     });
+    // Start together so the threads really overlap instead of running one by one.
+    let start = Arc::new(Barrier::new(THREADS));
     let threads: Vec<_> = (0..THREADS)
         .map(|t| {
             let s = s.clone();
+            let start = start.clone();
             std::thread::spawn(move || {
+                start.wait();
                 let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1) * 0x1234_5678_9ABC;
                 let mut mine: Vec<u32> = Vec::new(); // references this thread holds
                 let mut parked: Vec<u32> = Vec::new();
