@@ -30,7 +30,8 @@ def test_paged_matches_dense(block_size, hq, hkv):
     v_cache = torch.zeros(num_blocks, block_size, hkv, d)
     perm = torch.randperm(num_blocks, generator=gen).tolist()  # non-contiguous block ids
     max_blocks = max(-(-n // block_size) for n in seq_lens)
-    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    # Padding past each sequence's blocks is garbage on purpose: it must never be read.
+    tables = torch.full((len(seq_lens), max_blocks), 10_000, dtype=torch.int32)
     full_k, full_v = [], []
     for b, n in enumerate(seq_lens):
         nb = -(-n // block_size)

@@ -94,6 +94,10 @@ def _decode_batch(q, k_cache, v_cache, qsl, lens, block_tables, scale, decodes, 
     dev = k_cache.device
     sel = torch.tensor(decodes, device=block_tables.device)
     tables = block_tables.index_select(0, sel)[:, :n_blocks].to(device=dev, dtype=torch.long)
+    # Entries past a sequence's own blocks are padding of any value: point them at block 0
+    # (always valid; what they gather is masked out below).
+    own = torch.tensor([-(-n // block_size) for n in seq_lens], device=dev)
+    tables = tables.masked_fill(torch.arange(n_blocks, device=dev)[None, :] >= own[:, None], 0)
     n = len(decodes)
     k = k_cache[tables].reshape(n, n_blocks * block_size, hkv, d).float()
     v = v_cache[tables].reshape(n, n_blocks * block_size, hkv, d).float()
