@@ -168,3 +168,39 @@ def test_hf_cached_generation_matches_our_greedy_decode(our_models, hf_models, t
     assert seq.tokens == out.sequences[0].tolist()
     for mine, ref in zip(ours, out.logits):
         torch.testing.assert_close(mine, ref[0].float(), rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_bench_preset_prefill_and_decode(tmp_path, make_book, recorder):
+    """The ~10M-parameter preset that benchmarks and ``serve``'s default use."""
+    import transformers
+
+    from hybridserve.model import load_model
+    from hybridserve.model.tiny import write_tiny_checkpoint
+
+    d = write_tiny_checkpoint(tmp_path / "bench", preset="bench", seed=0)
+    model, config = load_model(d, progress=False)
+    assert 9_000_000 < sum(p.numel() for p in model.parameters()) < 11_000_000
+    rec = recorder(transformers.Qwen3_5ForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
+    book = make_book(32, 16, 4, seed=2)
+    cache = model.new_cache(32, 16, 4)
+    rng = random.Random(6)
+    seqs = [book.new_seq(_prompt(rng, n)) for n in (24, 7)]
+    batch, wanted = book.step([(s, len(s.tokens)) for s in seqs])
+    for _ in range(3):
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+        batch, wanted = book.step([(s, 1) for s in seqs])
+    rec.check(min_rows=6)
+
+
+def test_unsupported_shapes_are_config_errors():
+    from hybridserve.config import ModelConfig
+    from hybridserve.errors import ConfigError
+    from hybridserve.model import Qwen3_5ForServing
+    from hybridserve.model.tiny import text_config
+
+    for bad, match in (({"num_key_value_heads": 3}, "multiple"), ({"hidden_act": "gelu"}, "hidden_act"),
+                       ({"linear_num_key_heads": 3, "linear_num_value_heads": 4}, "multiple")):
+        with pytest.raises(ConfigError, match=match):
+            Qwen3_5ForServing(ModelConfig.from_dict(text_config("test-a", **bad)), device="meta")

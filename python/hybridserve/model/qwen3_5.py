@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.config import FULL_ATTENTION, ModelConfig
+from hybridserve.errors import ConfigError
 from hybridserve.kernels import ops
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.model.cache import HybridCache, resolve_dtype
@@ -144,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         self.value_dim = c.linear_value_dim
         self.conv_dim = c.linear_conv_dim
         if self.num_v_heads % self.num_k_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.num_k_heads})"
             )
@@ -211,6 +212,25 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def _check_supported(config: ModelConfig) -> None:
+    """ConfigError for shapes or options this implementation does not compute."""
+    act = config.raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"hidden_act {act!r} is not supported; Qwen3.5 uses 'silu'")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise ConfigError(
+            f"num_attention_heads ({config.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({config.num_key_value_heads})"
+        )
+    if config.rotary_dim % 2 or config.rotary_dim > config.head_dim:
+        raise ConfigError(
+            f"rotary dim {config.rotary_dim} (head_dim x partial_rotary_factor) must be even and "
+            f"at most head_dim {config.head_dim}"
+        )
+    if config.linear_conv_kernel_dim < 2:
+        raise ConfigError("linear_conv_kernel_dim must be at least 2")
+
+
 class Qwen3_5ForServing(nn.Module):
     """The whole decoder plus LM head; one call = one step of the flattened batch.
 
@@ -223,6 +243,7 @@ class Qwen3_5ForServing(nn.Module):
     def __init__(self, config: ModelConfig, dtype: str | torch.dtype = torch.float32,
                  device: str | torch.device = "cpu"):
         super().__init__()
+        _check_supported(config)
         self.config = config
         dtype = resolve_dtype(dtype)
         with torch.device(device):
@@ -241,6 +262,10 @@ class Qwen3_5ForServing(nn.Module):
         ``to_empty``, which gives each module its own new tensor)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def new_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> HybridCache:
+        """A zeroed :class:`HybridCache` in this model's dtype and on its device."""
+        return HybridCache(self.config, num_blocks, block_size, num_state_slots, self.dtype, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
