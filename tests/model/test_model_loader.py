@@ -147,6 +147,10 @@ def test_unsupported_model_type_and_empty_dirs(tmp_path):
         load_model(tmp_path / "nope", progress=False)
     with pytest.raises(ConfigError, match="dtype"):
         load_model(d, dtype="int8", progress=False)
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    json.dump(cfg, open(cfg_path, "w"))
+    with pytest.raises(ConfigError, match="quantized"):
+        load_model(d, progress=False)
 
 
 def test_tokenizer_round_trip_and_chat_template(tiny_dirs):

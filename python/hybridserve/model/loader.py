@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from hybridserve.config import ModelConfig
-from hybridserve.errors import CheckpointError
+from hybridserve.errors import CheckpointError, ConfigError
 from hybridserve.model.cache import resolve_dtype
 from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 
@@ -58,6 +58,18 @@ def local_name(name: str) -> str | None:
     return name
 
 
+def _refuse_quantized(model_dir: str) -> None:
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    quant = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConfigError(
+            f"{model_dir!r} is a quantized checkpoint ({method}); hybridserve loads float32, "
+            "bfloat16 or float16 weights only: use the unquantized checkpoint"
+        )
+
+
 def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", progress: bool = True,
                ) -> tuple[Qwen3_5ForServing, ModelConfig]:
@@ -72,6 +84,7 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"checkpoint directory {model_dir!r} does not exist")
     config = ModelConfig.from_json(model_dir)
+    _refuse_quantized(model_dir)
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     files = checkpoint_files(model_dir)

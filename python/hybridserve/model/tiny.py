@@ -219,3 +219,23 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
         json.dump({"eos_token_id": text["eos_token_id"], "pad_token_id": text["pad_token_id"]}, f)
     write_tokenizer(out_dir, text["vocab_size"], text["max_position_embeddings"])
     return out_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m hybridserve.model.tiny OUT_DIR [--preset bench] [--seed 0] ...``"""
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a tiny random Qwen3.5 checkpoint.")
+    ap.add_argument("out_dir")
+    ap.add_argument("--preset", default="test-a", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--shards", type=int, default=1)
+    ap.add_argument("--vl-naming", action="store_true")
+    a = ap.parse_args(argv)
+    print(write_tiny_checkpoint(a.out_dir, preset=a.preset, seed=a.seed, dtype=a.dtype,
+                                shards=a.shards, vl_naming=a.vl_naming))
+
+
+if __name__ == "__main__":
+    main()
