@@ -17,6 +17,7 @@ def test_pieces_match_whole_sequence():
     refs = [hf.causal_conv1d_fn(s.t()[None], weight, bias, activation="silu")[0].t() for s in seqs]
     pool = torch.randn(7, c, w - 1, generator=gen)  # garbage: has_initial_state=False must ignore it
     slots = [6, 2, 0, 3]
+    pool[slots] = float("nan")
     pieces = [[1], [1, 1], [2, 7], [13, 1, 16]]
     outs = [[] for _ in seqs]
     pos = [0] * len(seqs)

@@ -194,7 +194,8 @@ def gated_delta_rule_ref(
         qb = qb * scale
         dst = torch.tensor([slots[b] for b in group], device=dev)
         keep = torch.tensor([bool(init[b]) for b in group], device=dev)
-        s0 = state.index_select(0, dst) * keep[:, None, None, None]
+        # where, not multiply: a fresh slot may hold anything, NaN included.
+        s0 = torch.where(keep[:, None, None, None], state.index_select(0, dst), 0.0)
         if longest == 1:
             ob, s1 = _recurrent_one(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
                                     gb.flatten(0, 1), bb.flatten(0, 1), s0.flatten(0, 1))
