@@ -40,11 +40,15 @@ impl<T> CoreResultExt<T> for Result<T, CoreError> {
 /// A Python int as a block id; anything outside `u32` is an invalid block, not
 /// an OverflowError, so callers see one exception class for bad ids.
 pub fn block_id(b: i64) -> PyResult<u32> {
-    u32::try_from(b).map_err(|_| core_err(CoreError::InvalidBlock { block: u32::MAX, reason: "id out of range (negative or >= 2^32)" }))
+    u32::try_from(b).map_err(|_| {
+        InvalidBlock::new_err(format!("invalid KV block {b}: id out of range; use only block ids this pool handed out"))
+    })
 }
 
 pub fn slot_id(s: i64) -> PyResult<u32> {
-    u32::try_from(s).map_err(|_| core_err(CoreError::InvalidSlot { slot: u32::MAX, reason: "id out of range (negative or >= 2^32)" }))
+    u32::try_from(s).map_err(|_| {
+        InvalidSlot::new_err(format!("invalid state slot {s}: id out of range; use only slot ids this pool handed out"))
+    })
 }
 
 pub fn count(n: i64, what: &str) -> PyResult<usize> {
