@@ -11,10 +11,6 @@ import torch
 import torch.nn.functional as F
 
 
-def _as_list(t: torch.Tensor | list) -> list:
-    return t if isinstance(t, list) else t.tolist()
-
-
 def _activate(y: torch.Tensor, activation: str | None) -> torch.Tensor:
     if activation is None:
         return y
