@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from hybridserve import errors
 from hybridserve._core import BlockTable, KvCacheManager
 
 BS = 4
-NUM_BLOCKS = 12
+NUM_BLOCKS = 8
 BASE = [(i * 7 + 3) % 11 for i in range(40)]
 PROMPTS = [BASE, BASE[:30], BASE + [5, 6, 7], BASE[:5] + [99] + BASE[6:]]
 
@@ -69,8 +69,8 @@ class KvMachine(RuleBasedStateMachine):
         assert self.m.num_free_blocks == free_before - revived
         self.seqs.append([table, list(tokens), extra])
 
-    @rule(i=st.integers(0, 7), n=st.integers(1, 9), seed=st.integers(0, 12))
-    def append(self, i, n, seed):
+    @rule(i=st.integers(0, 7), n=st.integers(1, 9), seed=st.integers(0, 12), then_cache=st.booleans())
+    def append(self, i, n, seed, then_cache):
         if not self.seqs:
             return
         table, tokens, _ = self.seqs[i % len(self.seqs)]
@@ -107,6 +107,15 @@ class KvMachine(RuleBasedStateMachine):
             b = blocks[pos // BS]
             assert slot == b * BS + pos % BS
             self.content[b][pos % BS] = tokens[pos]
+        if then_cache:  # the usual engine order: compute, then register the full blocks
+            self.cache_full(i)
+
+    @precondition(lambda self: self.m.num_cached_blocks > 0)
+    @rule(seed=st.integers(0, 12))
+    def fill_pool(self, seed):
+        """A sequence taking every allocatable block: forces evictions of parked blocks."""
+        self.new_sequence(0, 0, 0, False)
+        self.append(len(self.seqs) - 1, max(self.m.num_free_blocks, 1) * BS, seed, False)
 
     @rule(i=st.integers(0, 7))
     def cache_full(self, i):
