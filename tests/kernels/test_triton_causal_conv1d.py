@@ -1,6 +1,7 @@
 """Triton causal conv1d vs the PyTorch reference (interpreter, CPU).
 
-One launch per case over a mixed batch: a prefill longer than the window, a decode
+Both paths (serial per sequence; token-parallel plus a state-update launch), each
+over a mixed batch: a prefill longer than the window, a decode
 token continuing from its state, a prefill shorter than the window continuing from
 its state (the new state mixes old state and new inputs), a sequence with no tokens
 (its slot must stay untouched) and a fresh single token; slots shuffled in a pool
@@ -19,7 +20,7 @@ import torch
 from hybridserve.kernels.causal_conv1d import causal_conv1d_ref
 from hybridserve.kernels.causal_conv1d_triton import causal_conv1d_triton
 
-Q_LENS = [9, 1, 2, 0, 1]
+Q_LENS = [40, 1, 2, 0, 1]  # 40: two 32-token blocks in the token-parallel path
 INIT = [False, True, True, False, False]
 SLOTS = [4, 0, 2, 5, 1]
 
@@ -35,6 +36,7 @@ def _case(c, width, dtype, seed):
     return x, weight, bias, state, qsl, torch.tensor(SLOTS), torch.tensor(INIT)
 
 
+@pytest.mark.parametrize("token_parallel", [False, True])
 @pytest.mark.parametrize(
     "c,width,dtype,use_bias,activation",
     [
@@ -45,26 +47,27 @@ def _case(c, width, dtype, seed):
         (64, 4, torch.float16, False, "silu"),
     ],
 )
-def test_matches_reference(c, width, dtype, use_bias, activation):
+def test_matches_reference(c, width, dtype, use_bias, activation, token_parallel):
     x, weight, bias, state, qsl, slots, init = _case(c, width, dtype, seed=c + width)
     bias = bias if use_bias else None
     state_want = state.clone()
     want = causal_conv1d_ref(x, weight, bias, state_want, qsl, slots, init, activation)
-    got = causal_conv1d_triton(x, weight, bias, state, qsl, slots, init, activation)
+    got = causal_conv1d_triton(x, weight, bias, state, qsl, slots, init, activation, token_parallel=token_parallel)
     assert got.dtype == x.dtype and got.shape == x.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     assert torch.equal(state, state_want)
 
 
-def test_strided_input_and_weight_view():
+@pytest.mark.parametrize("token_parallel", [False, True])
+def test_strided_input_and_weight_view(token_parallel):
     # As in the model: x a column slice of a projection, weight HF's [C, 1, W][:, 0, :].
     x, weight, _, state, qsl, slots, init = _case(64, 4, torch.float32, seed=2)
     wide = torch.cat([x, torch.randn_like(x)], dim=1)
     w3 = weight[:, None, :].clone()
     state_want = state.clone()
     want = causal_conv1d_ref(x, weight, None, state_want, qsl, slots, init)
-    got = causal_conv1d_triton(wide[:, :64], w3[:, 0, :], None, state, qsl.long(), slots, init)
+    got = causal_conv1d_triton(wide[:, :64], w3[:, 0, :], None, state, qsl.long(), slots, init, token_parallel=token_parallel)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert torch.equal(state, state_want)
 

@@ -53,6 +53,8 @@ SCRIPT = textwrap.dedent(
     build(gd._gated_delta_rule_recurrent_kernel,
           dict(HEAD_RATIO=3, K_DIM=128, V_DIM=128, K_PAD=128, BLOCK_V=32, USE_L2NORM=True), 4, scalars=("scale",))
     build(cc._causal_conv1d_kernel, dict(WIDTH=4, HAS_BIAS=False, SILU=True, BLOCK_C=256), 4)
+    build(cc._causal_conv1d_tokens_kernel, dict(WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_T=32, BLOCK_C=128), 4)
+    build(cc._conv_state_update_kernel, dict(WIDTH=4, BLOCK_C=128), 4)
     """
 )
 
@@ -66,4 +68,4 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("compiled") == 7, proc.stdout
+    assert proc.stdout.count("compiled") == 9, proc.stdout

@@ -16,6 +16,10 @@ block and walks its tokens in order, keeping the previous ``W-1`` inputs in regi
 once and the state is read at the start and written at the end by the same program
 (no race between sequences' reads of the old state and writes of the new). Fused:
 state read, convolution, bias, activation, state write. ``O(q_len * C * W)`` FLOPs.
+This serial walk suits decode; for prefill-heavy batches a token-parallel path runs
+grid ``(T // 32 + B, cdiv(C, 128))`` over tiles of 32 tokens of one sequence (found
+by binary search, as in paged attention) that read the old state but never write it,
+then a second launch, grid ``(B, cdiv(C, 128))``, writes each sequence's new state.
 """
 
 from __future__ import annotations
@@ -107,6 +111,146 @@ def _causal_conv1d_kernel(
         tl.store(cs + (WIDTH - 4) * stride_cs_j, r3.to(out_ty), mask=c_ok)
 
 
+@triton.jit
+def _seq_of_block(query_start_loc_ptr, blk, num_seqs, BLOCK_T: tl.constexpr):
+    """Largest ``b`` with ``query_start_loc[b] // BLOCK_T + b <= blk`` (binary search):
+    the sequence owning token block ``blk`` when each sequence gets
+    ``q_len // BLOCK_T + 1`` consecutive blocks."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_T + mid <= blk:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _causal_conv1d_tokens_kernel(
+    y_ptr,
+    x_ptr,
+    weight_ptr,
+    bias_ptr,
+    conv_state_ptr,
+    query_start_loc_ptr,
+    state_slots_ptr,
+    has_initial_state_ptr,
+    num_seqs,
+    num_channels,
+    stride_x_t,
+    stride_x_c,
+    stride_y_t,
+    stride_y_c,
+    stride_w_c,
+    stride_w_j,
+    stride_cs_s,
+    stride_cs_c,
+    stride_cs_j,
+    WIDTH: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Parallel path, phase 1: outputs of a [BLOCK_T tokens of one sequence, BLOCK_C] tile.
+
+    Reads the old state for positions before the step; never writes it (phase 2 does,
+    after every phase-1 program has read it: stream order, no race).
+    """
+    blk = tl.program_id(0)
+    c_block = tl.program_id(1)
+    seq = _seq_of_block(query_start_loc_ptr, blk, num_seqs, BLOCK_T)
+    bos = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - bos
+    local = blk - (bos // BLOCK_T + seq)
+    if local * BLOCK_T >= q_len:
+        return
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    init = tl.load(has_initial_state_ptr + seq).to(tl.int32)
+    offs_t = local * BLOCK_T + tl.arange(0, BLOCK_T)  # position within this step's tokens
+    offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    t_ok = offs_t < q_len
+    c_ok = offs_c < num_channels
+    # Scalar flags broadcast as tensors (a scalar in a mask is not portable).
+    init_t = (tl.zeros([BLOCK_T], tl.int32) + init) != 0
+    if HAS_BIAS:
+        acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32) + tl.load(bias_ptr + offs_c, mask=c_ok, other=0.0).to(
+            tl.float32
+        )[None, :]
+    else:
+        acc = tl.zeros([BLOCK_T, BLOCK_C], tl.float32)
+    rows = (bos + offs_t).to(tl.int64)
+    for j in tl.static_range(WIDTH):
+        back = WIDTH - 1 - j  # tap j reads x[t - back]
+        from_x = t_ok & (offs_t >= back)
+        from_state = t_ok & (offs_t < back) & init_t
+        xv = tl.load(
+            x_ptr + (rows - back)[:, None] * stride_x_t + offs_c[None, :] * stride_x_c,
+            mask=from_x[:, None] & c_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        # x[-i] of the past lives in state column W-1-i.
+        sv = tl.load(
+            conv_state_ptr
+            + slot * stride_cs_s
+            + offs_c[None, :] * stride_cs_c
+            + (WIDTH - 1 - back + offs_t)[:, None] * stride_cs_j,
+            mask=from_state[:, None] & c_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        w = tl.load(weight_ptr + offs_c * stride_w_c + j * stride_w_j, mask=c_ok, other=0.0).to(tl.float32)
+        acc += (xv + sv) * w[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    tl.store(
+        y_ptr + rows[:, None] * stride_y_t + offs_c[None, :] * stride_y_c,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=t_ok[:, None] & c_ok[None, :],
+    )
+
+
+@triton.jit
+def _conv_state_update_kernel(
+    x_ptr,
+    conv_state_ptr,
+    query_start_loc_ptr,
+    state_slots_ptr,
+    has_initial_state_ptr,
+    num_channels,
+    stride_x_t,
+    stride_x_c,
+    stride_cs_s,
+    stride_cs_c,
+    stride_cs_j,
+    WIDTH: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Parallel path, phase 2: each sequence's state becomes its last W-1 inputs.
+
+    New column i is x_ext[q_len - (W-1) + i]: a step input, or old column q_len + i
+    (> i, so columns are read before this loop overwrites them, in order).
+    """
+    seq = tl.program_id(0)
+    c_block = tl.program_id(1)
+    bos = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - bos
+    if q_len == 0:
+        return
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    init = tl.load(has_initial_state_ptr + seq).to(tl.int32)
+    offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < num_channels
+    cs = conv_state_ptr + slot * stride_cs_s + offs_c * stride_cs_c
+    for i in tl.static_range(WIDTH - 1):
+        p = tl.zeros([BLOCK_C], tl.int32) + (q_len - (WIDTH - 1) + i)  # position in the step
+        init_c = (tl.zeros([BLOCK_C], tl.int32) + init) != 0
+        xv = tl.load(x_ptr + (bos + p).to(tl.int64) * stride_x_t + offs_c * stride_x_c, mask=c_ok & (p >= 0), other=0.0)
+        sv = tl.load(cs + (WIDTH - 1 + p) * stride_cs_j, mask=c_ok & (p < 0) & init_c, other=0.0)
+        tl.store(cs + i * stride_cs_j, (xv.to(tl.float32) + sv.to(tl.float32)).to(conv_state_ptr.dtype.element_ty), mask=c_ok)
+
+
 def causal_conv1d_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -116,8 +260,15 @@ def causal_conv1d_triton(
     state_slots: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
+    token_parallel: bool | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over every sequence from its slot's state; see the module doc.
+
+    ``token_parallel``: ``False`` runs one program per (sequence, channel block) walking
+    the tokens (one launch, best for decode); ``True`` runs programs over (token block,
+    channel block) plus a state-update launch (for prefill, where a serial walk over
+    thousands of tokens would idle the GPU); ``None`` picks by the average tokens per
+    sequence (> 4: parallel), from shapes alone.
 
     Slot ids are not range-checked (a device sync per layer); distinct sequences must
     use distinct slots, since their programs run concurrently.
@@ -159,6 +310,48 @@ def causal_conv1d_triton(
         return y
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.int8)  # same bytes, no copy
+    if token_parallel is None:
+        token_parallel = x.shape[0] > 4 * b
+    if token_parallel:
+        block_t = 32
+        block_c = min(128, triton.next_power_of_2(c))
+        c_blocks = triton.cdiv(c, block_c)
+        _causal_conv1d_tokens_kernel[(x.shape[0] // block_t + b, c_blocks)](
+            y,
+            x,
+            weight,
+            bias if bias is not None else weight,  # placeholder pointer, never read
+            conv_state,
+            query_start_loc,
+            state_slots,
+            has_initial_state,
+            b,
+            c,
+            *x.stride(),
+            *y.stride(),
+            *weight.stride(),
+            *conv_state.stride(),
+            WIDTH=width,
+            HAS_BIAS=bias is not None,
+            SILU=activation is not None,
+            BLOCK_T=block_t,
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
+        _conv_state_update_kernel[(b, c_blocks)](
+            x,
+            conv_state,
+            query_start_loc,
+            state_slots,
+            has_initial_state,
+            c,
+            *x.stride(),
+            *conv_state.stride(),
+            WIDTH=width,
+            BLOCK_C=block_c,
+            num_warps=4,
+        )
+        return y
     block_c = min(256, triton.next_power_of_2(c))
     grid = (b, triton.cdiv(c, block_c))
     _causal_conv1d_kernel[grid](
