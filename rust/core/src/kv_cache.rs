@@ -150,6 +150,7 @@ impl KvCacheManager {
     }
 
     #[inline]
+    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
     fn tail_needs_copy(&self, table: &BlockTable) -> bool {
         table.num_tokens % self.block_size as usize != 0
             && table.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1)

@@ -26,6 +26,8 @@
 //! LRU eviction order (tail first, oldest first) and eviction only when the
 //! free list is empty.
 
+#![allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
+
 use hybridserve_core::{BlockTable, CoreError, KvCacheManager};
 use proptest::prelude::*;
 

@@ -64,7 +64,7 @@ fn hammer_then_everything_free_exactly_once() {
             let start = start.clone();
             std::thread::spawn(move || {
                 start.wait();
-                let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ (t as u64 + 1) * 0x1234_5678_9ABC;
+                let mut seed = 0x9E37_79B9_7F4A_7C15u64 ^ ((t as u64 + 1) * 0x1234_5678_9ABC);
                 let mut mine: Vec<u32> = Vec::new(); // references this thread holds
                 let mut parked: Vec<u32> = Vec::new();
                 let mut buf = Vec::new();
@@ -119,7 +119,7 @@ fn hammer_then_everything_free_exactly_once() {
                         8 if !parked.is_empty() => {
                             let b = parked.pop().unwrap();
                             s.parked[b as usize].store(false, SeqCst);
-                            if rng(&mut seed) % 2 == 0 {
+                            if rng(&mut seed) & 1 == 0 {
                                 s.got_new(b);
                                 s.a.revive(b).expect("our parked block");
                                 mine.push(b);
