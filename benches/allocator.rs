@@ -7,7 +7,7 @@
 //! `iters` pairs concurrently).
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use hybridserve_core::BlockAllocator;
+use hybridserve_core::{BlockAllocator, BlockTable, KvCacheManager};
 use std::hint::black_box;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -67,5 +67,48 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// The prefix-cache side of request churn (issue 3 budgets 0.5 us/seq/step with
+/// 1%/step churn): a 1024-token prompt, block size 16, hashed and looked up
+/// (full hit and first-block miss), and a whole life cycle: reserve 1024 slots,
+/// register the 64 full blocks, free (parks them; older chains get evicted).
+fn bench_kv(c: &mut Criterion) {
+    let mut g = c.benchmark_group("kv_cache");
+    let mut m = KvCacheManager::new(65_536, 16, true).unwrap();
+    let prompt: Vec<u32> = (0..1024u32).map(|i| i.wrapping_mul(2_654_435_761) % 151_936).collect();
+    let (mut slots, mut copies) = (Vec::new(), Vec::new());
+    let mut owner = BlockTable::new();
+    m.append_slots(&mut owner, 1024, &mut slots, &mut copies).unwrap();
+    m.cache_full_blocks(&mut owner, &prompt, 0);
+    g.bench_function("match_prefix_1024_hit_63_blocks", |b| {
+        let mut t = BlockTable::new();
+        b.iter(|| {
+            let hit = m.match_prefix(&mut t, black_box(&prompt), 0);
+            assert_eq!(hit, 1008);
+            m.free(&mut t);
+        })
+    });
+    g.bench_function("match_prefix_1024_miss", |b| {
+        let mut t = BlockTable::new();
+        b.iter(|| {
+            assert_eq!(m.match_prefix(&mut t, black_box(&prompt), 1), 0);
+        })
+    });
+    let mut fresh = prompt.clone();
+    let mut k = 0u32;
+    g.bench_function("append_1024_cache_full_free", |b| {
+        let mut t = BlockTable::new();
+        b.iter(|| {
+            k = k.wrapping_add(1);
+            fresh[0] = k; // a new chain every time: inserts, later evictions
+            slots.clear();
+            m.append_slots(&mut t, 1024, &mut slots, &mut copies).unwrap();
+            m.cache_full_blocks(&mut t, &fresh, 0);
+            m.free(&mut t);
+        })
+    });
+    g.finish();
+    m.free(&mut owner);
+}
+
+criterion_group!(benches, bench, bench_kv);
 criterion_main!(benches);
