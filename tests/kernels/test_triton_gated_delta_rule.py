@@ -6,6 +6,8 @@ and ones that continue from their slot's state, slots in shuffled order in a poo
 extra slots (which must stay untouched), and a sequence with no tokens this step
 (its slot must stay untouched even though it claims no initial state).
 
+The chunked kernel (prefill) is held to the same token-by-token oracle.
+
 Tolerances: float32 ``atol = rtol = 1e-5`` on the output and the state (same
 operation order per column as the reference; differences are only in reduction
 order, observed ~1e-7). float16 inputs: ``atol = rtol = 2e-3`` on the float16 output
@@ -20,16 +22,22 @@ import pytest
 import torch
 
 from hybridserve.kernels.gated_delta_rule import gated_delta_rule_recurrent_ref
-from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_recurrent_triton
+from hybridserve.kernels.gated_delta_rule_triton import (
+    gated_delta_rule_chunked_triton,
+    gated_delta_rule_recurrent_triton,
+    gated_delta_rule_triton,
+)
 
 Q_LENS = [9, 1, 0, 4, 1]
+# For the chunked kernel: several chunks, a ragged last chunk, a chunk-sized run, a decode.
+CHUNKED_Q_LENS = [40, 1, 0, 16, 3]
 INIT = [False, True, False, True, False]
 SLOTS = [5, 0, 3, 6, 2]
 
 
-def _case(h, hk, kd, vd, dtype, seed):
+def _case(h, hk, kd, vd, dtype, seed, q_lens=Q_LENS):
     gen = torch.Generator().manual_seed(seed)
-    t = sum(Q_LENS)
+    t = sum(q_lens)
     q = torch.randn(t, hk, kd, generator=gen).to(dtype)
     k = torch.randn(t, hk, kd, generator=gen).to(dtype)
     v = torch.randn(t, h, vd, generator=gen).to(dtype)
@@ -37,7 +45,7 @@ def _case(h, hk, kd, vd, dtype, seed):
     g = (-torch.rand(t, h, generator=gen) * 2.0).to(dtype)
     beta = torch.rand(t, h, generator=gen).to(dtype)
     state = torch.randn(8, h, kd, vd, generator=gen)
-    qsl = torch.tensor([0] + Q_LENS).cumsum(0).to(torch.int32)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     slots = torch.tensor(SLOTS, dtype=torch.int32)
     init = torch.tensor(INIT)
     return q, k, v, g, beta, state, qsl, slots, init
@@ -69,6 +77,43 @@ def test_matches_reference(h, hk, kd, vd, dtype, l2):
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     # The whole pool: written slots match, the others (1, 4, 7 and the empty sequence's 3) are untouched.
+    torch.testing.assert_close(state, state_want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "h,hk,kd,vd,dtype,l2,chunk",
+    [
+        (2, 2, 32, 32, torch.float32, True, 16),
+        (4, 2, 8, 12, torch.float32, True, 32),  # K, V below 16: padded for tl.dot; grouped heads
+        (2, 2, 16, 16, torch.float32, False, 16),
+        (2, 2, 16, 16, torch.float16, True, 16),
+    ],
+)
+def test_chunked_matches_reference(h, hk, kd, vd, dtype, l2, chunk):
+    # The oracle is the token-by-token reference: the chunked kernel must agree with the
+    # recurrence itself, not just with another chunked formulation.
+    q, k, v, g, beta, state, qsl, slots, init = _case(h, hk, kd, vd, dtype, seed=kd + chunk, q_lens=CHUNKED_Q_LENS)
+    scale = kd**-0.5
+    state_want = state.clone()
+    want = gated_delta_rule_recurrent_ref(
+        _expand(q, h), _expand(k, h), v, g, beta, state_want, qsl, slots, init, scale, use_qk_l2norm=l2
+    )
+    got = gated_delta_rule_chunked_triton(
+        q, k, v, g, beta, state, qsl, slots, init, scale, use_qk_l2norm=l2, chunk_size=chunk
+    )
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(state, state_want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens", [Q_LENS, CHUNKED_Q_LENS])
+def test_auto_choice_matches_reference(q_lens):
+    # Q_LENS averages < 16 tokens per sequence (recurrent), CHUNKED_Q_LENS >= 16 (chunked).
+    q, k, v, g, beta, state, qsl, slots, init = _case(2, 2, 16, 16, torch.float32, seed=9, q_lens=q_lens)
+    state_want = state.clone()
+    want = gated_delta_rule_recurrent_ref(q, k, v, g, beta, state_want, qsl, slots, init, 0.25)
+    got = gated_delta_rule_triton(q, k, v, g, beta, state, qsl, slots, init, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(state, state_want, atol=1e-5, rtol=1e-5)
 
 

@@ -5,7 +5,8 @@ kernels run on the CPU under the interpreter, with the exact tensors the model p
 (views of fused projections, the conv weight as ``[C, 1, W][:, 0, :]``, bool
 ``has_initial_state``, int64 slots, block tables padded with 0). The oracle is the
 same model with the plain-PyTorch references. Three steps mix new prefills, a
-chunked-prefill continuation and decodes, over shuffled blocks and scattered state
+chunked-prefill continuation and decodes (so both the decode and the prefill variants
+of the DeltaNet kernels run), over shuffled blocks and scattered state
 slots, for both tiny presets (test-a: GQA 2, grouped DeltaNet heads, conv 4; test-b:
 GQA 6, head dim 16, k/v dims 8/12, conv 3).
 
@@ -28,11 +29,11 @@ from hybridserve.model.tiny import random_state_dict, text_config
 BLOCK_SIZE = 16
 # Per step: (sequence, number of new tokens). A, B start in step 0; C in step 1.
 SCHEDULE = [
-    [("A", 20), ("B", 5)],
+    [("A", 40), ("B", 5)],  # >= 16 tokens per sequence: chunked delta rule, token-parallel conv
     [("A", 1), ("B", 7), ("C", 3)],
     [("A", 1), ("B", 1), ("C", 1)],
 ]
-BLOCKS = {"A": [9, 2], "B": [4], "C": [7]}  # shuffled, non-contiguous
+BLOCKS = {"A": [9, 2, 11], "B": [4], "C": [7]}  # shuffled, non-contiguous
 SLOTS = {"A": 3, "B": 0, "C": 5}
 
 
@@ -61,7 +62,7 @@ def _run(model, use_triton, monkeypatch):
     monkeypatch.setattr(ops, "_use_triton", lambda t: use_triton)
     cache = model.new_cache(num_blocks=12, block_size=BLOCK_SIZE, num_state_slots=6)
     gen = torch.Generator().manual_seed(0)
-    tokens = {name: torch.randint(0, model.config.vocab_size, (32,), generator=gen).tolist() for name in BLOCKS}
+    tokens = {name: torch.randint(0, model.config.vocab_size, (48,), generator=gen).tolist() for name in BLOCKS}
     done = dict.fromkeys(BLOCKS, 0)
     logits = [model(_batch(step, done, tokens), cache) for step in SCHEDULE]
     return logits, cache

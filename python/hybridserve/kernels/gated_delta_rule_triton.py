@@ -24,7 +24,12 @@ sequence's tokens through it in order, and writes the tile back once. Fused: the
 l2norms, the scale, the decay, the state read/write and the output. Cost per program
 ``O(q_len * K * BLOCK_V)`` FLOPs; state memory traffic is one read and one write per
 sequence regardless of ``q_len``. This is the decode kernel; it is also correct for
-prefill (token by token), where a chunked kernel would use tensor cores better.
+prefill (token by token).
+
+Prefill: :func:`gated_delta_rule_chunked_triton`, same grid, walks the sequence 16
+tokens at a time in the chunked (UT-transform) form, so the serial depth is
+``q_len / 16`` steps of ``tl.dot`` work instead of ``q_len`` steps of reductions.
+:func:`gated_delta_rule_triton` picks between the two from shapes (no device sync).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["gated_delta_rule_recurrent_triton"]
+__all__ = ["gated_delta_rule_chunked_triton", "gated_delta_rule_recurrent_triton", "gated_delta_rule_triton"]
 
 
 @triton.jit
@@ -223,3 +228,234 @@ def gated_delta_rule_recurrent_triton(
         num_warps=4,
     )
     return o
+
+
+@triton.jit
+def _gated_delta_rule_chunked_kernel(
+    o_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    query_start_loc_ptr,
+    state_slots_ptr,
+    has_initial_state_ptr,
+    scale,
+    stride_q_t,
+    stride_q_h,
+    stride_q_d,
+    stride_k_t,
+    stride_k_h,
+    stride_k_d,
+    stride_v_t,
+    stride_v_h,
+    stride_v_d,
+    stride_o_t,
+    stride_o_h,
+    stride_g_t,
+    stride_g_h,
+    stride_b_t,
+    stride_b_h,
+    stride_s_s,
+    stride_s_h,
+    stride_s_k,
+    stride_s_v,
+    HEAD_RATIO: tl.constexpr,
+    K_DIM: tl.constexpr,
+    V_DIM: tl.constexpr,
+    K_PAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    CHUNK: tl.constexpr,
+    USE_L2NORM: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Chunked form (prefill): per chunk of CHUNK tokens, with cum = cumsum(g),
+    decay[i, j] = exp(cum_i - cum_j) (j <= i), A = strict_lower(beta_i k_i.k_j decay),
+    T = (I + A)^-1 (forward substitution), v_new = T (beta (v - exp(cum) k S)), o = (exp(cum) q) S + lower(q k^T decay) v_new,
+    S <- exp(cum_last) S + (exp(cum_last - cum) k)^T v_new. Same math as the reference's
+    chunked form; rows past the sequence end are zero and drop out."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    v_block = tl.program_id(2)
+    qk_head = head // HEAD_RATIO
+    bos = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    eos = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
+    if eos == bos:
+        return
+    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+
+    offs_k = tl.arange(0, K_PAD)
+    offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_c = tl.arange(0, CHUNK)
+    k_ok = offs_k < K_DIM
+    v_ok = offs_v < V_DIM
+    s_ptrs = (
+        state_ptr
+        + slot * stride_s_s
+        + head * stride_s_h
+        + offs_k[:, None] * stride_s_k
+        + offs_v[None, :] * stride_s_v
+    )
+    if tl.load(has_initial_state_ptr + seq) != 0:
+        s = tl.load(s_ptrs, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
+    else:
+        s = tl.zeros([K_PAD, BLOCK_V], tl.float32)
+
+    row = offs_c[:, None]
+    col = offs_c[None, :]
+    strict = col < row
+    incl = col <= row
+    eye = tl.where(row == col, 1.0, 0.0)
+    for c0 in range(bos, eos, CHUNK):
+        t = c0 + offs_c
+        t_ok = t < eos
+        qk_mask = t_ok[:, None] & k_ok[None, :]
+        # Inputs are loaded late so that few tiles stay live across the substitution
+        # loop (register pressure on GPUs).
+        k = tl.load(
+            k_ptr + t[:, None] * stride_k_t + qk_head * stride_k_h + offs_k[None, :] * stride_k_d, mask=qk_mask, other=0.0
+        ).to(tl.float32)
+        g = tl.load(g_ptr + t * stride_g_t + head * stride_g_h, mask=t_ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * stride_b_t + head * stride_b_h, mask=t_ok, other=0.0).to(tl.float32)
+        if USE_L2NORM:
+            k = k * tl.rsqrt(tl.sum(k * k, axis=1) + 1e-6)[:, None]
+        cum = tl.cumsum(g, axis=0)
+        # exp only where the mask keeps it: above the diagonal cum_i - cum_j >= 0 may overflow.
+        decay_strict = tl.exp(tl.where(strict, cum[:, None] - cum[None, :], float("-inf")))
+        a = tl.dot(k, tl.trans(k), input_precision=DOT_PRECISION) * decay_strict * beta[:, None]
+
+        # T = (I + A)^-1, lower unitriangular: row i = e_i - sum_{j<i} A[i, j] T[j, :],
+        # rows in order so every T[j, :] used is final.
+        tinv = eye
+        for i in range(1, CHUNK):
+            a_i = tl.sum(tl.where(row == i, a, 0.0), axis=0)  # A[i, :]
+            upd = tl.sum(a_i[:, None] * tinv, axis=0)  # (A[i, :] T)[:]
+            tinv = tl.where(row == i, tinv - upd[None, :], tinv)
+
+        q = tl.load(
+            q_ptr + t[:, None] * stride_q_t + qk_head * stride_q_h + offs_k[None, :] * stride_q_d, mask=qk_mask, other=0.0
+        ).to(tl.float32)
+        v = tl.load(
+            v_ptr + t[:, None] * stride_v_t + head * stride_v_h + offs_v[None, :] * stride_v_d,
+            mask=t_ok[:, None] & v_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        if USE_L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=1) + 1e-6)[:, None]
+        q = q * scale
+        cum_last = tl.sum(g, axis=0)  # padded rows have g = 0
+        decay_incl = tl.exp(tl.where(incl, cum[:, None] - cum[None, :], float("-inf")))
+
+        # U - W S = T (beta (v - exp(cum) k S)): one [CHUNK, BLOCK_V] product, no [CHUNK, K] W.
+        k_s = tl.dot(k * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION)
+        v_new = tl.dot(tinv, (v - k_s) * beta[:, None], input_precision=DOT_PRECISION)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * decay_incl
+        o = tl.dot(q * tl.exp(cum)[:, None], s, input_precision=DOT_PRECISION) + tl.dot(
+            qk, v_new, input_precision=DOT_PRECISION
+        )
+        tl.store(
+            o_ptr + t[:, None] * stride_o_t + head * stride_o_h + offs_v[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=t_ok[:, None] & v_ok[None, :],
+        )
+        k_dec = k * tl.exp(cum_last - cum)[:, None]
+        s = s * tl.exp(cum_last) + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PRECISION)
+
+    tl.store(s_ptrs, s, mask=k_ok[:, None] & v_ok[None, :])
+
+
+def gated_delta_rule_chunked_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+    chunk_size: int = 16,
+) -> torch.Tensor:
+    """Same contract as :func:`gated_delta_rule_recurrent_triton`, in chunks (prefill).
+
+    Grid ``(B, H, cdiv(V, BLOCK_V))`` as in the recurrent kernel; each program walks its
+    sequence ``chunk_size`` tokens at a time, the intra-chunk work as ``tl.dot``
+    products (the UT transform ``(I + A)^-1`` by forward substitution in registers),
+    the state carried across chunks in float32. ``O(q_len * (chunk * (K + V) + K * V))``
+    per head. A 1-token sequence still pays a whole chunk: use the recurrent kernel for
+    decode-heavy batches (:func:`gated_delta_rule_triton` chooses).
+    """
+    _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
+    t, hk, kd = q.shape
+    _, h, vd = v.shape
+    num_seqs = state_slots.shape[0]
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # contiguous: rows stored with unit stride
+    if num_seqs == 0:
+        return o
+    if has_initial_state.dtype == torch.bool:
+        has_initial_state = has_initial_state.view(torch.int8)  # same bytes, no copy
+    # tl.dot needs every dimension >= 16. Sized with ptxas -v for sm_90 (K = V = 128,
+    # bf16): chunk 16, 64 columns, 8 warps use ~236 registers and do not spill; chunk
+    # 32 spills (the substitution loop keeps [CHUNK, CHUNK] tiles live).
+    k_pad = max(16, triton.next_power_of_2(kd))
+    block_v = max(16, min(triton.next_power_of_2(vd), 64 if k_pad <= 128 else 32))
+    precision = "ieee" if v.dtype == torch.float32 else "tf32"
+    grid = (num_seqs, h, triton.cdiv(vd, block_v))
+    _gated_delta_rule_chunked_kernel[grid](
+        o,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        query_start_loc,
+        state_slots,
+        has_initial_state,
+        float(scale),
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        o.stride(0),
+        o.stride(1),
+        g.stride(0),
+        g.stride(1),
+        beta.stride(0),
+        beta.stride(1),
+        *state.stride(),
+        HEAD_RATIO=h // hk,
+        K_DIM=kd,
+        V_DIM=vd,
+        K_PAD=k_pad,
+        BLOCK_V=block_v,
+        CHUNK=chunk_size,
+        USE_L2NORM=bool(use_qk_l2norm),
+        DOT_PRECISION=precision,
+        num_warps=8,
+    )
+    return o
+
+
+def gated_delta_rule_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    state_slots: torch.Tensor,
+    has_initial_state: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """The recurrent kernel for decode-heavy batches, the chunked one when sequences
+    average >= 16 tokens (shapes only, no sync). Same contract as both."""
+    fn = gated_delta_rule_chunked_triton if q.shape[0] >= 16 * state_slots.shape[0] else gated_delta_rule_recurrent_triton
+    return fn(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale, use_qk_l2norm)

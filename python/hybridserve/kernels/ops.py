@@ -74,10 +74,10 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_slots, has_
                      scale, use_qk_l2norm=True) -> torch.Tensor:
     """See :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`."""
     if _use_triton(q):
-        # The recurrent kernel serves decode and prefill alike (no chunked Triton kernel yet).
-        from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_recurrent_triton
+        # Recurrent kernel for decode-heavy batches, chunked for prefill-heavy ones.
+        from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_triton
 
-        return gated_delta_rule_recurrent_triton(q, k, v, g, beta, state, query_start_loc, state_slots,
-                                                 has_initial_state, scale, use_qk_l2norm)
+        return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_slots,
+                                       has_initial_state, scale, use_qk_l2norm)
     return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, state_slots,
                                 has_initial_state, scale, use_qk_l2norm)
