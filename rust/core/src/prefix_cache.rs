@@ -104,7 +104,9 @@ impl PrefixCache {
         let n = num_blocks as usize;
         PrefixCache {
             block_size: block_size as usize,
-            map: HashMap::default(),
+            // At most one entry per block: reserving up front keeps rehashing
+            // (a latency spike inside a scheduler step) out of the hot path.
+            map: HashMap::with_capacity_and_hasher(n, Default::default()),
             generation: vec![0; n],
             hash: vec![0; n],
             parent_generation: vec![0; n],
