@@ -29,13 +29,13 @@ SCRIPT = textwrap.dedent(
                 "slot_mapping_ptr": "*i64", "state_slots_ptr": "*i64", "has_initial_state_ptr": "*i8"}
     FP32_PTRS = {"part_acc_ptr", "part_ml_ptr", "state_ptr", "g_ptr"}  # g is float32 in the model
 
-    def build(fn, consts, num_warps, scalars=()):
+    def build(fn, consts, num_warps, scalars=(), dt="bf16"):
         sig = {}
         for n in fn.arg_names:
             if n in consts:
                 sig[n] = "constexpr"
             elif n.endswith("_ptr"):
-                sig[n] = INT_PTRS.get(n, "*fp32" if n in FP32_PTRS else "*bf16")
+                sig[n] = INT_PTRS.get(n, "*fp32" if n in FP32_PTRS else "*" + dt)
             else:
                 sig[n] = "fp32" if n in scalars else "i32"
         k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
@@ -55,6 +55,9 @@ SCRIPT = textwrap.dedent(
     build(gd._gated_delta_rule_chunked_kernel,
           dict(HEAD_RATIO=3, K_DIM=128, V_DIM=128, K_PAD=128, BLOCK_V=64, CHUNK=16, USE_L2NORM=True,
                DOT_PRECISION="tf32"), 8, scalars=("scale",))
+    build(gd._gated_delta_rule_chunked_kernel,
+          dict(HEAD_RATIO=1, K_DIM=128, V_DIM=128, K_PAD=128, BLOCK_V=64, CHUNK=16, USE_L2NORM=True,
+               DOT_PRECISION="tf32x3"), 8, scalars=("scale",), dt="fp32")  # a float32 model
     build(cc._causal_conv1d_kernel, dict(WIDTH=4, HAS_BIAS=False, SILU=True, BLOCK_C=256), 4)
     build(cc._causal_conv1d_tokens_kernel, dict(WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_T=32, BLOCK_C=128), 4)
     build(cc._conv_state_update_kernel, dict(WIDTH=4, BLOCK_C=128), 4)
@@ -71,4 +74,4 @@ def test_kernels_compile_for_sm90():
     env["PYTHONPATH"] = pkg_root + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert proc.stdout.count("compiled") == 10, proc.stdout
+    assert proc.stdout.count("compiled") == 11, proc.stdout
