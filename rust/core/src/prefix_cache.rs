@@ -11,6 +11,13 @@
 //! the whole prefix `tokens[..(i+1)*block_size]` equals the one the block was
 //! computed from: a collision can cost a cache miss, never wrong KV.
 //!
+//! Known, deliberate miss: when two sequences computed the same prefix at once,
+//! the second one's later blocks chain onto the first one's entries; if those
+//! are evicted and the prefix is registered again while the second sequence
+//! still lives, its (referenced) descendants no longer verify and that branch
+//! stays uncached until it is freed. Adopting them would mean trusting a 64-bit
+//! parent hash, which this cache never does.
+//!
 //! # Costs
 //! `hash_block` is a wyhash-style multiply-fold, 16 bytes per 64x64->128-bit
 //! multiply; lookup/insert/remove are O(block_size) (the verification); LRU
