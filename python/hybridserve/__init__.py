@@ -21,8 +21,36 @@ from hybridserve.errors import (
 
 __version__ = "0.1.0"
 
+# The engine pulls in torch; import it on first use so that `hybridserve plan` and
+# the Rust core's bindings stay light.
+_LAZY = {
+    "LLM": "hybridserve.engine.llm",
+    "LLMEngine": "hybridserve.engine.llm_engine",
+    "EngineArgs": "hybridserve.engine.args",
+    "SamplingParams": "hybridserve.sampling",
+    "RequestOutput": "hybridserve.outputs",
+    "CompletionOutput": "hybridserve.outputs",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridserve' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
 __all__ = [
     "__version__",
+    "LLM",
+    "LLMEngine",
+    "EngineArgs",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
     "CheckpointError",
     "ConfigError",
     "HybridServeError",

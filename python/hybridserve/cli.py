@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hybridserve.errors import HybridServeError
+from hybridserve.server.serve import add_serve_arguments, run_serve
 
 EXIT_OK = 0
 EXIT_BAD_INPUT = 2
@@ -235,6 +236,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="memory plan: KV and DeltaNet state per session, sessions that fit (paged vs reserved)",
         add_arguments=_add_plan_arguments,
         run=_run_plan,
+    ),
+    "serve": Subcommand(
+        help="serve a checkpoint (default: the embedded tiny model) over an OpenAI-compatible HTTP API",
+        add_arguments=add_serve_arguments,
+        run=run_serve,
     ),
 }
 

@@ -1,0 +1,86 @@
+"""Engine settings, with vLLM's names where vLLM has one, validated once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hybridserve.errors import ConfigError
+
+ADMISSION_POLICIES = ("paged", "reserve_max")
+
+
+@dataclass
+class EngineArgs:
+    """How to build an engine.
+
+    Pool sizing (first that applies):
+
+    * ``num_gpu_blocks`` and ``num_state_slots`` both given: exactly those;
+    * else a byte budget: ``kv_cache_memory_bytes`` if given, else on CUDA
+      ``total memory x gpu_memory_utilization - weights - runtime_reserve_bytes``, else
+      (CPU) ``cpu_pool_bytes``; it is split between KV blocks and DeltaNet slots by
+      :func:`hybridserve.planner.size_pools` from ``expected_context_len`` (default:
+      ``max_model_len``), ``num_state_slots`` or ``max_num_seqs``.
+
+    ``admission_policy="reserve_max"`` is the pre-paging baseline: each sequence
+    reserves blocks for ``max_model_len`` tokens at admission (for side-by-side
+    comparison with the default ``"paged"`` policy on the same pool).
+    """
+
+    model: str
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    tokenizer: str | None = None
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    num_gpu_blocks: int | None = None
+    num_state_slots: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    runtime_reserve_bytes: int = 2 << 30
+    cpu_pool_bytes: int = 512 << 20
+    expected_context_len: int | None = None
+    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    max_waiting_requests: int = 4096
+    max_waiting_tokens: int = 1 << 24
+    admission_policy: str = "paged"
+    use_triton: bool | None = None  # None: Triton kernels on CUDA when importable
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
+        if self.admission_policy not in ADMISSION_POLICIES:
+            raise ConfigError(
+                f"admission_policy must be one of {ADMISSION_POLICIES}, got {self.admission_policy!r}"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        for name in ("num_gpu_blocks", "num_state_slots", "max_model_len", "expected_context_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> "EngineArgs":
+        unknown = sorted(set(kwargs) - set(cls.field_names()))
+        if unknown:
+            raise ConfigError(
+                f"unknown engine option(s) {unknown}; known options: {sorted(cls.field_names())}"
+            )
+        return cls(model=model, **kwargs)

@@ -1,0 +1,90 @@
+"""The offline API, in the convention vLLM users already know::
+
+    from hybridserve import LLM, SamplingParams
+    llm = LLM("path/to/checkpoint", dtype="float32", block_size=16)
+    for out in llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8)):
+        print(out.outputs[0].text, out.outputs[0].finish_reason)
+
+It runs the Rust scheduler and the PyTorch runner in-process until every request
+has finished.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hybridserve.engine.args import EngineArgs
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.errors import InvalidRequest
+from hybridserve.outputs import RequestOutput
+from hybridserve.sampling import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """An engine plus a loop: ``generate`` returns one RequestOutput per prompt, in order."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # one prompt, as text or as token ids
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise InvalidRequest(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                    "pass one SamplingParams, or one per prompt"
+                )
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequest(f"got {len(priority)} priorities for {len(prompts)} prompts")
+
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list)):
+                rid = f"offline-{engine._counter}"
+                engine._counter += 1
+                engine.add_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # nothing half-queued survives a rejected batch
+                engine.abort_request(rid)
+            raise
+
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        wanted = set(ids)
+        while wanted - results.keys():
+            for out in engine.step():
+                if out.finished and out.request_id in wanted:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[rid] for rid in ids]

@@ -1,0 +1,352 @@
+"""The synchronous engine: one ``step()`` = schedule, copy, run, sample, update.
+
+::
+
+    plan   = scheduler.schedule()             Rust, GIL released
+    logits = runner.execute(plan)             block-table updates, CoW/fork copies, model
+    tokens = sampler(logits, rows)            per-sequence RNGs, penalties, logprobs
+    events = scheduler.update(tokens)         Rust: append, fork n>1, stop, free
+    -> detokenize, stop strings (which finish sequences in the scheduler), outputs
+
+The engine never edits block tables or slots: the Rust scheduler owns them. It is
+single-threaded; :class:`hybridserve.engine.async_engine.AsyncEngine` runs it on a
+thread for the server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridserve import _core
+from hybridserve import planner
+from hybridserve.config import ModelConfig
+from hybridserve.engine.args import EngineArgs
+from hybridserve.engine.request_state import RequestState
+from hybridserve.errors import InvalidRequest, UnknownRequest
+from hybridserve.model.cache import HybridCache, resolve_dtype
+from hybridserve.model.loader import load_model
+from hybridserve.outputs import Logprob, RequestOutput
+from hybridserve.runner.model_runner import ModelRunner
+from hybridserve.sampler import Sampler, SamplingRow
+from hybridserve.sampling import SamplingParams
+from hybridserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("hybridserve.engine")
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_model_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # bf16 matmuls on CPU are slow and inexact; the CPU path serves float32.
+        return resolve_dtype(config.torch_dtype) if device.type == "cuda" else torch.float32
+    return resolve_dtype(dtype)
+
+
+class LLMEngine:
+    """Continuous-batching engine over the Rust scheduler and the PyTorch runner."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        self.device = _resolve_device(args.device)
+        config = ModelConfig.from_json(args.model)
+        self.dtype = _resolve_model_dtype(args.dtype, config, self.device)
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        self.max_model_len = min(
+            args.max_model_len or config.max_position_embeddings, config.max_position_embeddings
+        )
+        # The planner reads the serving dtype and the serving length limit from here
+        # (the reserve-max policy reserves max_model_len, as the scheduler does).
+        self.model_config = dataclasses.replace(
+            config, torch_dtype=dtype_name, max_position_embeddings=self.max_model_len
+        )
+
+        torch.manual_seed(args.seed)
+        self.model, _ = load_model(args.model, dtype=self.dtype, device=self.device)
+        self.model.eval()
+        self.tokenizer = load_tokenizer(args.tokenizer or args.model)
+        self.eos_token_ids = list(config.eos_token_ids)
+        if not self.eos_token_ids and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids = [int(self.tokenizer.eos_token_id)]
+
+        self.pool_plan = self._plan_pools()
+        self.block_size = args.block_size
+        self.num_blocks = self.pool_plan.num_blocks
+        self.num_state_slots = self.pool_plan.num_state_slots
+        for line in planner.format_pool_log(self.pool_plan):
+            logger.info(line)
+        self.max_concurrency = planner.max_concurrency(self.pool_plan, self.expected_context_len)
+        logger.info(planner.format_max_concurrency(self.pool_plan, self.expected_context_len))
+
+        kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype)
+        self.cache = HybridCache(
+            self.model_config, self.num_blocks, self.block_size, self.num_state_slots,
+            dtype=kv_dtype, device=self.device,
+        )
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.scheduler = _core.Scheduler(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            num_state_slots=self.num_state_slots,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=args.enable_prefix_caching,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_waiting_requests=args.max_waiting_requests,
+            max_waiting_tokens=args.max_waiting_tokens,
+            reserve_max_context=args.admission_policy == "reserve_max",
+        )
+        self.runner = ModelRunner(
+            self.model, self.cache,
+            max_num_seqs=args.max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            device=self.device,
+        )
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self._counter = 0
+        self.step_count = 0
+        self.last_step_stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ sizing
+    @property
+    def expected_context_len(self) -> int:
+        return min(self.args.expected_context_len or self.max_model_len, self.max_model_len)
+
+    def _pool_bytes(self) -> int:
+        a = self.args
+        if a.kv_cache_memory_bytes is not None:
+            return a.kv_cache_memory_bytes
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            return planner.pool_from_device(
+                total, weights, utilization=a.gpu_memory_utilization, reserve=a.runtime_reserve_bytes
+            )
+        return a.cpu_pool_bytes
+
+    def _plan_pools(self) -> planner.PoolPlan:
+        a = self.args
+        kv_dtype = self.model_config.torch_dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
+        if a.num_gpu_blocks is not None and a.num_state_slots is not None:
+            pool = (
+                a.num_gpu_blocks * planner.block_bytes(self.model_config, a.block_size, kv_dtype)
+                + a.num_state_slots * planner.state_slot_bytes(self.model_config)
+            )
+            plan = planner.size_pools(
+                self.model_config, pool, a.block_size, kv_dtype, num_state_slots=a.num_state_slots
+            )
+            return dataclasses.replace(plan, num_blocks=a.num_gpu_blocks)
+        pool = self._pool_bytes()
+        if a.num_state_slots is not None:
+            return planner.size_pools(
+                self.model_config, pool, a.block_size, kv_dtype, num_state_slots=a.num_state_slots
+            )
+        return planner.size_pools(
+            self.model_config, pool, a.block_size, kv_dtype,
+            expected_context_len=self.expected_context_len, max_num_seqs=a.max_num_seqs,
+        )
+
+    # ---------------------------------------------------------------- requests
+    def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token ids must be in [0, {vocab}); got {bad[:5]}"
+                + (" ..." if len(bad) > 5 else "")
+            )
+        return None, ids
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        request_class: str = "default",
+        arrival_time: float | None = None,
+    ) -> str:
+        """Queue a request; raises InvalidRequest / QueueFull at once if it cannot be admitted."""
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use; pick a unique id")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        state = RequestState.create(
+            request_id, text, ids, params, self.tokenizer, self.device,
+            priority=priority, request_class=request_class, arrival_time=arrival_time,
+        )
+        stop_ids = list(params.stop_token_ids or [])
+        self.scheduler.add_request(
+            request_id,
+            np.asarray(ids, dtype=np.uint32),
+            max_tokens=params.max_tokens,
+            min_tokens=params.min_tokens,
+            stop_token_ids=stop_ids,
+            ignore_eos=params.ignore_eos,
+            eos_token_ids=self.eos_token_ids,
+            n=params.n,
+            priority=priority,
+            request_class=request_class,
+        )
+        self.requests[request_id] = state
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request in any state; its blocks and slot return to the pools."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            raise UnknownRequest(f"no request with id {request_id!r}")
+        self.scheduler.abort(request_id)
+        for s in state.samples:
+            if s.finish_reason is None:
+                s.finish_reason = "abort"
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -------------------------------------------------------------------- step
+    def _sampling_rows(self, plan: Any, step: Any) -> list[SamplingRow]:
+        rows = []
+        req_ids = plan.request_ids
+        sample_indices = plan.sample_indices
+        for b, k in zip(step.batch_index.tolist(), step.num_samples.tolist()):
+            state = self.requests[req_ids[b]]
+            si = int(sample_indices[b])
+            sample = state.samples[si]
+            if k > 1:
+                rows.append(SamplingRow(
+                    params=state.params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=sample.token_ids,
+                    num_samples=k,
+                    generators=[state.samples[i].generator for i in range(k)],
+                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                ))
+            else:
+                rows.append(SamplingRow(
+                    params=state.params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=sample.token_ids,
+                    generator=sample.generator,
+                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                ))
+        return rows
+
+    def step(self) -> list[RequestOutput]:
+        """Advance every scheduled sequence by one step; return the outputs that changed."""
+        t0 = time.monotonic()
+        plan = self.scheduler.schedule()
+        now = time.monotonic()
+        changed: dict[str, RequestState] = {}
+        for rid in plan.preempted:
+            st = self.requests.get(rid)
+            if st is not None:
+                st.metrics.num_preemptions += 1
+        for rid in set(plan.request_ids):
+            st = self.requests.get(rid)
+            if st is not None and st.metrics.first_scheduled_time is None:
+                st.metrics.first_scheduled_time = now
+
+        step = self.runner.execute(plan)
+        if step is not None and len(step.batch_index):
+            rows = self._sampling_rows(plan, step)
+            out = self.sampler(step.logits, rows)
+            sampled = np.asarray(out.token_ids, dtype=np.int32)
+            self._record_logprobs(plan, step, out)
+        else:
+            out = None
+            sampled = np.zeros(0, dtype=np.int32)
+        update = self.scheduler.update(sampled)
+        now = time.monotonic()
+
+        for rid, si, tok in zip(update.request_ids, update.sample_indices, update.token_ids):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            sample = state.samples[int(si)]
+            sample.token_ids.append(int(tok))
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            changed[rid] = state
+            if sample.completion is not None and sample.finish_reason is None:
+                hit = sample.completion.append(int(tok))
+                if hit is not None:
+                    sample.finish_reason, sample.stop_reason = "stop", hit
+                    self.scheduler.finish(rid, int(si), "stop")
+        for rid, si, reason, stop_token in zip(
+            update.finished_request_ids, update.finished_sample_indices,
+            update.finished_reasons, update.finished_stop_tokens,
+        ):
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            sample = state.samples[int(si)]
+            if sample.finish_reason is None:
+                sample.finish_reason = reason
+                if stop_token >= 0 and stop_token in (state.params.stop_token_ids or []):
+                    sample.stop_reason = int(stop_token)
+                if sample.completion is not None:
+                    sample.completion.finish()
+            changed[rid] = state
+
+        outputs = []
+        for rid, state in changed.items():
+            if state.finished:
+                state.metrics.finished_time = now
+                del self.requests[rid]
+            outputs.append(state.to_output())
+        self.step_count += 1
+        self.last_step_stats = {
+            "num_scheduled_seqs": len(plan.request_ids),
+            "num_batched_tokens": len(plan.input_ids),
+            "step_seconds": now - t0,
+        }
+        return outputs
+
+    def _record_logprobs(self, plan: Any, step: Any, out: Any) -> None:
+        if out.logprobs is None:
+            return
+        j = 0
+        req_ids = plan.request_ids
+        for b, k in zip(step.batch_index.tolist(), step.num_samples.tolist()):
+            state = self.requests[req_ids[b]]
+            base = int(plan.sample_indices[b])
+            for i in range(k):
+                si = i if k > 1 else base
+                sample = state.samples[si]
+                if sample.logprobs is not None:
+                    tok = out.token_ids[j]
+                    entry = {tok: Logprob(out.logprobs[j], rank=out.ranks[j] if out.ranks else None)}
+                    for rank, (alt, lp) in enumerate(out.top_logprobs[j], start=1):
+                        entry.setdefault(alt, Logprob(lp, rank=rank))
+                    sample.logprobs.append(entry)
+                    sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + out.logprobs[j]
+                j += 1
+
+    # ----------------------------------------------------------------- helpers
+    def stats(self) -> dict[str, Any]:
+        return dict(self.scheduler.stats())
+

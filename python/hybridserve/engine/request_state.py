@@ -1,0 +1,130 @@
+"""What the Python side remembers of a request: its tokens as text, RNGs and logprobs.
+
+The Rust scheduler owns the request's scheduling state (tokens, blocks, slot, stop
+conditions). This module keeps only what needs tensors or a tokenizer: one
+:class:`SampleState` per sample (its generator, detokenizer, text and logprobs).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridserve.detokenizer import CompletionText
+from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hybridserve.sampler import make_generator
+from hybridserve.sampling import SamplingParams
+
+
+@dataclass
+class SampleState:
+    index: int
+    generator: torch.Generator | None
+    completion: CompletionText | None  # text, stop strings, streaming holdback
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Tokens already handed to a streaming client.
+    streamed_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return self.completion.text if self.completion is not None else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    request_class: str = "default"
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[SampleState]
+    metrics: RequestMetrics
+    priority: int = 0
+    user_data: Any = None
+
+    @classmethod
+    def create(
+        cls,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Any,
+        device: torch.device,
+        *,
+        priority: int = 0,
+        request_class: str = "default",
+        arrival_time: float | None = None,
+    ) -> "RequestState":
+        samples = []
+        for i in range(params.n):
+            completion = (
+                CompletionText(tokenizer, prompt_token_ids, params) if tokenizer is not None else None
+            )
+            samples.append(
+                SampleState(
+                    index=i,
+                    generator=make_generator(params.seed, i, device),
+                    completion=completion,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
+        return cls(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            samples=samples,
+            metrics=RequestMetrics(
+                arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+                request_class=request_class,
+            ),
+            priority=priority,
+        )
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.samples)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=list(self.prompt_token_ids),
+            outputs=[s.to_output() for s in self.samples],
+            finished=self.finished,
+            metrics=self.metrics,
+        )

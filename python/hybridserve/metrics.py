@@ -1,0 +1,140 @@
+"""Prometheus metrics of one engine (names prefixed ``hybridserve:``).
+
+Two sources, one registry:
+
+* the Rust core's counters and gauges (blocks, slots, prefix cache, preemptions,
+  queue sizes), read as one snapshot per scrape by a custom collector, so a scrape
+  costs one ``stats()`` call and the core stays the single source of truth;
+* per-request latencies observed on the engine thread after each step: queue delay,
+  time to first token, inter-token latency and end-to-end latency, each labelled
+  with the request's class so that throughput cannot hide one class starving.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+PREFIX = "hybridserve:"
+
+# (stats key, metric name, help) — cumulative counters of the core.
+_COUNTERS = [
+    ("alloc_failures", "block_allocation_failures", "KV block allocations refused for lack of free blocks"),
+    ("prefix_queries", "prefix_cache_queries", "Prefix-cache lookups (one per admitted sequence)"),
+    ("prefix_query_tokens", "prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
+    ("prefix_hits", "prefix_cache_hits", "Lookups that reused at least one cached block"),
+    ("prefix_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from cached blocks"),
+    ("evictions", "prefix_cache_evictions", "Cached blocks evicted to satisfy an allocation"),
+    ("cow_copies", "copy_on_write_blocks", "Blocks copied on write (shared tail appended to)"),
+    ("preemptions", "num_preemptions", "Sequences preempted (recomputed later) for lack of blocks"),
+    ("steps", "engine_steps", "Scheduler steps"),
+    ("finished_requests", "finished_requests", "Requests finished (stop or length)"),
+    ("aborted_requests", "aborted_requests", "Requests aborted (client gone or cancelled)"),
+]
+# (stats key, metric name, help) — gauges of the core.
+_GAUGES = [
+    ("num_blocks", "kv_blocks_total", "KV blocks in the pool"),
+    ("free_blocks", "kv_blocks_free", "KV blocks allocatable now (free + unreferenced cached)"),
+    ("used_blocks", "kv_blocks_used", "KV blocks referenced by sequences"),
+    ("cached_blocks", "kv_blocks_cached", "Unreferenced blocks kept for prefix reuse"),
+    ("reserved_blocks", "kv_blocks_reserved", "Blocks reserved by the reserve-max admission policy"),
+    ("tail_waste", "kv_tail_waste_slots", "Unused token slots in the last blocks of running sequences"),
+    ("num_slots", "state_slots_total", "DeltaNet state slots in the pool"),
+    ("free_slots", "state_slots_free", "DeltaNet state slots free"),
+    ("used_slots", "state_slots_used", "DeltaNet state slots held by sequences"),
+    ("num_running_requests", "num_requests_running", "Requests running"),
+    ("num_running_seqs", "num_seqs_running", "Sequences running (n > 1 requests count n)"),
+    ("num_waiting_requests", "num_requests_waiting", "Requests waiting"),
+    ("waiting_tokens", "num_tokens_waiting", "Prompt tokens of waiting requests"),
+    ("last_step_tokens", "step_batched_tokens", "Tokens in the last step's batch"),
+    ("last_step_seqs", "step_batched_seqs", "Sequences in the last step's batch"),
+]
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class _CoreCollector:
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def collect(self):
+        with self.lock:
+            snap = dict(self.snapshot)
+        for key, name, doc in _COUNTERS:
+            c = CounterMetricFamily(PREFIX + name, doc)
+            c.add_metric([], float(snap.get(key, 0)))
+            yield c
+        for key, name, doc in _GAUGES:
+            g = GaugeMetricFamily(PREFIX + name, doc)
+            g.add_metric([], float(snap.get(key, 0)))
+            yield g
+        total = float(snap.get("num_blocks", 0)) or 1.0
+        g = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
+        g.add_metric([], float(snap.get("used_blocks", 0)) / total)
+        yield g
+        q = float(snap.get("prefix_query_tokens", 0))
+        g = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prompt tokens served from cache / looked up")
+        g.add_metric([], float(snap.get("prefix_hit_tokens", 0)) / q if q else 0.0)
+        yield g
+
+
+class EngineMetrics:
+    """Holds the registry; ``observe_step`` and ``refresh`` run on the engine thread."""
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._core = _CoreCollector()
+        self.registry.register(self._core)
+        labels = ["request_class"]
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Arrival to first schedule", labels,
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Arrival to first generated token", labels,
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between a request's consecutive steps that produced tokens",
+            labels, registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Arrival to finish", labels,
+            registry=self.registry, buckets=_LATENCY_BUCKETS)
+        self._last_token: dict[str, float] = {}
+        self._seen_first: set[str] = set()
+
+    def refresh(self, engine: Any) -> None:
+        snap = engine.stats()
+        with self._core.lock:
+            self._core.snapshot = snap
+
+    def observe_step(self, engine: Any, outputs: list[Any]) -> None:
+        for out in outputs:
+            m = out.metrics
+            if m is None:
+                continue
+            klass = m.request_class
+            rid = out.request_id
+            if rid not in self._seen_first and m.first_token_time is not None:
+                self._seen_first.add(rid)
+                if m.first_scheduled_time is not None:
+                    self.queue_time.labels(klass).observe(m.first_scheduled_time - m.arrival_time)
+                self.ttft.labels(klass).observe(m.first_token_time - m.arrival_time)
+            elif m.last_token_time is not None and rid in self._last_token:
+                self.itl.labels(klass).observe(m.last_token_time - self._last_token[rid])
+            if m.last_token_time is not None:
+                self._last_token[rid] = m.last_token_time
+            if out.finished:
+                if m.finished_time is not None:
+                    self.e2e.labels(klass).observe(m.finished_time - m.arrival_time)
+                self._last_token.pop(rid, None)
+                self._seen_first.discard(rid)
+        self.refresh(engine)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""The HTTP front: an OpenAI-compatible aiohttp server over the AsyncEngine."""
