@@ -331,10 +331,13 @@ def paged_attention_triton(
     # of 1-token sequences low (a group of >= 16 heads fills them alone). Prefill-heavy
     # batches (>= 64 queries per sequence on average, known from shapes alone): 64 rows
     # per program read each K/V tile for 4x as many queries.
-    rows = 64 if t >= 64 * num_seqs else 16
+    head_pad = max(16, triton.next_power_of_2(d))
+    # Except float32 with 256-dim heads: 64 rows there spill kilobytes (IEEE) or exceed
+    # shared memory (3xTF32) on sm_90.
+    wide_ok = q.dtype != torch.float32 or head_pad <= 128
+    rows = 64 if t >= 64 * num_seqs and wide_ok else 16
     block_m = max(rows, triton.next_power_of_2(group))
     block_q = max(1, block_m // group)
-    head_pad = max(16, triton.next_power_of_2(d))
     # Sized with ptxas -v for sm_90 (bf16, unit head-dim stride): 32 keys per tile and
     # 8 warps for 64-row or 256-dim tiles stay under ~190 registers with no spills.
     tile_n = 32
