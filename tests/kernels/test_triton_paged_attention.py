@@ -36,10 +36,9 @@ def _batch(seqs, block_size, hkv, group, d, dtype, seed):
     num_blocks = sum(blocks_per_seq) + 5
     perm = torch.randperm(num_blocks, generator=gen)
     max_blocks = max(blocks_per_seq) + 2
-    # Entries past a sequence's blocks name other sequences' (random) blocks: attending
-    # to keys from one would show. They must be valid ids: the reference's batched
-    # decode path gathers up to the longest decode's block count for every decode.
-    tables = torch.randint(0, num_blocks, (len(seqs), max_blocks), generator=gen, dtype=torch.int32)
+    # Entries past a sequence's blocks are padding of any value (the contract): here ids
+    # far out of range, so following one would read outside the cache.
+    tables = torch.full((len(seqs), max_blocks), 1 << 24, dtype=torch.int32)
     used = 0
     for b, n in enumerate(blocks_per_seq):
         tables[b, :n] = perm[used : used + n].to(torch.int32)
