@@ -44,10 +44,13 @@ def _case(h, hk, kd, vd, dtype, seed, q_lens=Q_LENS):
     # HF: g = -exp(A_log) * softplus(.) <= 0, beta = sigmoid(.) in (0, 1).
     g = (-torch.rand(t, h, generator=gen) * 2.0).to(dtype)
     beta = torch.rand(t, h, generator=gen).to(dtype)
-    state = torch.randn(8, h, kd, vd, generator=gen)
+    n = len(q_lens)
+    state = torch.randn(max(8, n + 3), h, kd, vd, generator=gen)
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
-    slots = torch.tensor(SLOTS, dtype=torch.int32)
-    init = torch.tensor(INIT)
+    if n == len(SLOTS):
+        slots, init = torch.tensor(SLOTS, dtype=torch.int32), torch.tensor(INIT)
+    else:  # other batch sizes: scattered distinct slots, alternating fresh/continued
+        slots, init = torch.randperm(state.shape[0], generator=gen)[:n], torch.arange(n) % 2 == 1
     return q, k, v, g, beta, state, qsl, slots, init
 
 
@@ -106,10 +109,13 @@ def test_chunked_matches_reference(h, hk, kd, vd, dtype, l2, chunk):
     torch.testing.assert_close(state, state_want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("q_lens", [Q_LENS, CHUNKED_Q_LENS])
-def test_auto_choice_matches_reference(q_lens):
-    # Q_LENS averages < 16 tokens per sequence (recurrent), CHUNKED_Q_LENS >= 16 (chunked).
+@pytest.mark.parametrize("q_lens", [Q_LENS, CHUNKED_Q_LENS, [20, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]])
+def test_per_sequence_choice_matches_reference(q_lens):
+    # Q_LENS: T < 16, one recurrent launch. CHUNKED_Q_LENS: 40 and 16 tokens go to the
+    # chunked kernel, 1 and 3 to the recurrent one, in the same call. The last: T <= B,
+    # one recurrent launch even for the 20-token sequence.
     q, k, v, g, beta, state, qsl, slots, init = _case(2, 2, 16, 16, torch.float32, seed=9, q_lens=q_lens)
+
     state_want = state.clone()
     want = gated_delta_rule_recurrent_ref(q, k, v, g, beta, state_want, qsl, slots, init, 0.25)
     got = gated_delta_rule_triton(q, k, v, g, beta, state, qsl, slots, init, 0.25)

@@ -29,7 +29,8 @@ prefill (token by token).
 Prefill: :func:`gated_delta_rule_chunked_triton`, same grid, walks the sequence 16
 tokens at a time in the chunked (UT-transform) form, so the serial depth is
 ``q_len / 16`` steps of ``tl.dot`` work instead of ``q_len`` steps of reductions.
-:func:`gated_delta_rule_triton` picks between the two from shapes (no device sync).
+:func:`gated_delta_rule_triton` (what ``ops`` calls) sends each sequence to the kernel
+that suits its length, without a device sync.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ import triton
 import triton.language as tl
 
 __all__ = ["gated_delta_rule_chunked_triton", "gated_delta_rule_recurrent_triton", "gated_delta_rule_triton"]
+
+# In gated_delta_rule_triton, sequences with at least this many tokens in a step take
+# the chunked kernel, shorter ones the recurrent kernel.
+CHUNKED_MIN_LEN = 16
 
 
 @triton.jit
@@ -54,6 +59,8 @@ def _gated_delta_rule_recurrent_kernel(
     state_slots_ptr,
     has_initial_state_ptr,
     scale,
+    min_len,  # sequences with fewer tokens are left to another launch
+    max_len,  # sequences with more tokens are left to another launch
     stride_q_t,
     stride_q_h,
     stride_q_d,
@@ -89,6 +96,8 @@ def _gated_delta_rule_recurrent_kernel(
     eos = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
     if eos == bos:
         return  # no tokens this step: the slot keeps its state (even if has_initial_state is 0)
+    if (eos - bos < min_len) | (eos - bos > max_len):
+        return
     slot = tl.load(state_slots_ptr + seq).to(tl.int64)
 
     offs_k = tl.arange(0, K_PAD)
@@ -183,16 +192,28 @@ def gated_delta_rule_recurrent_triton(
     layer); distinct sequences must use distinct slots, since their programs run
     concurrently.
     """
+    o, has_initial_state = _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
+    if state_slots.shape[0]:
+        _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
+                          use_qk_l2norm, 1, q.shape[0])
+    return o
+
+
+def _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state):
+    """Check inputs; allocate ``o`` (contiguous: rows are stored with unit stride); bool
+    ``has_initial_state`` viewed as int8 (same bytes, no copy; the kernels test != 0)."""
     _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
-    t, hk, kd = q.shape
+    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if has_initial_state.dtype == torch.bool:
+        has_initial_state = has_initial_state.view(torch.int8)
+    return o, has_initial_state
+
+
+def _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
+                      use_qk_l2norm, min_len, max_len):
+    _, hk, kd = q.shape
     _, h, vd = v.shape
     num_seqs = state_slots.shape[0]
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # contiguous: the kernel stores rows with unit stride
-    if num_seqs == 0:
-        return o
-    if has_initial_state.dtype == torch.bool:
-        # Same bytes, viewed as int8 (no copy): the kernel tests "!= 0" on a plain byte.
-        has_initial_state = has_initial_state.view(torch.int8)
     k_pad = triton.next_power_of_2(kd)
     # Keep the register tile at <= 4096 float32 (16 KiB): K=128 -> 32 columns.
     block_v = min(triton.next_power_of_2(vd), max(8, 4096 // k_pad))
@@ -209,6 +230,8 @@ def gated_delta_rule_recurrent_triton(
         state_slots,
         has_initial_state,
         float(scale),
+        min_len,
+        max_len,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -227,7 +250,6 @@ def gated_delta_rule_recurrent_triton(
         USE_L2NORM=bool(use_qk_l2norm),
         num_warps=4,
     )
-    return o
 
 
 @triton.jit
@@ -243,6 +265,8 @@ def _gated_delta_rule_chunked_kernel(
     state_slots_ptr,
     has_initial_state_ptr,
     scale,
+    min_len,  # sequences with fewer tokens are left to another launch
+    max_len,  # sequences with more tokens are left to another launch
     stride_q_t,
     stride_q_h,
     stride_q_d,
@@ -282,7 +306,7 @@ def _gated_delta_rule_chunked_kernel(
     qk_head = head // HEAD_RATIO
     bos = tl.load(query_start_loc_ptr + seq).to(tl.int64)
     eos = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
-    if eos == bos:
+    if (eos == bos) | (eos - bos < min_len) | (eos - bos > max_len):
         return
     slot = tl.load(state_slots_ptr + seq).to(tl.int64)
 
@@ -389,17 +413,20 @@ def gated_delta_rule_chunked_triton(
     per head. A 1-token sequence still pays a whole chunk: use the recurrent kernel for
     decode-heavy batches (:func:`gated_delta_rule_triton` chooses).
     """
-    _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
-    t, hk, kd = q.shape
+    o, has_initial_state = _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
+    if state_slots.shape[0]:
+        _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
+                        use_qk_l2norm, 1, q.shape[0], chunk_size)
+    return o
+
+
+def _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
+                    use_qk_l2norm, min_len, max_len, chunk_size):
+    _, hk, kd = q.shape
     _, h, vd = v.shape
     num_seqs = state_slots.shape[0]
-    o = torch.empty(v.shape, dtype=v.dtype, device=v.device)  # contiguous: rows stored with unit stride
-    if num_seqs == 0:
-        return o
-    if has_initial_state.dtype == torch.bool:
-        has_initial_state = has_initial_state.view(torch.int8)  # same bytes, no copy
     # tl.dot needs every dimension >= 16. Sized with ptxas -v for sm_90 (K = V = 128,
     # bf16): chunk 16, 64 columns, 8 warps use ~236 registers and do not spill; chunk
     # 32 spills (the substitution loop keeps [CHUNK, CHUNK] tiles live).
@@ -420,6 +447,8 @@ def gated_delta_rule_chunked_triton(
         state_slots,
         has_initial_state,
         float(scale),
+        min_len,
+        max_len,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -440,7 +469,6 @@ def gated_delta_rule_chunked_triton(
         DOT_PRECISION=precision,
         num_warps=8,
     )
-    return o
 
 
 def gated_delta_rule_triton(
@@ -456,7 +484,24 @@ def gated_delta_rule_triton(
     scale: float,
     use_qk_l2norm: bool = True,
 ) -> torch.Tensor:
-    """The recurrent kernel for decode-heavy batches, the chunked one when sequences
-    average >= 16 tokens (shapes only, no sync). Same contract as both."""
-    fn = gated_delta_rule_chunked_triton if q.shape[0] >= 16 * state_slots.shape[0] else gated_delta_rule_recurrent_triton
-    return fn(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale, use_qk_l2norm)
+    """Each sequence by the kernel that suits it: fewer than ``CHUNKED_MIN_LEN`` tokens
+    (decodes, short chunks) recurrent, longer ones chunked. Same contract as both.
+
+    Lengths are not read on the host: two launches cover all sequences, each kernel
+    skipping (first thing) the sequences of the other. One recurrent launch does it
+    all when shapes say long sequences are impossible (``T < CHUNKED_MIN_LEN``) or
+    unlikely (``T <= B``: a decode batch; the recurrent kernel is correct for any
+    length, only slower on long ones).
+    """
+    o, has_initial_state = _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
+    t, b = q.shape[0], state_slots.shape[0]
+    if b == 0:
+        return o
+    args = (o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale, use_qk_l2norm)
+    if t < CHUNKED_MIN_LEN or t <= b:
+        _launch_recurrent(*args, 1, t)
+    else:
+        _launch_recurrent(*args, 1, CHUNKED_MIN_LEN - 1)
+        _launch_chunked(*args, CHUNKED_MIN_LEN, t, 16)
+    return o
+
