@@ -16,7 +16,7 @@ block and walks its tokens in order, keeping the previous ``W-1`` inputs in regi
 once and the state is read at the start and written at the end by the same program
 (no race between sequences' reads of the old state and writes of the new). Fused:
 state read, convolution, bias, activation, state write. ``O(q_len * C * W)`` FLOPs.
-This serial walk suits decode; for prefill-heavy batches a token-parallel path runs
+This serial walk suits decode; for batches with prefill (``T > B``) a token-parallel path runs
 grid ``(T // 32 + B, cdiv(C, 128))`` over tiles of 32 tokens of one sequence (found
 by binary search, as in paged attention) that read the old state but never write it,
 then a second launch, grid ``(B, cdiv(C, 128))``, writes each sequence's new state.
@@ -267,8 +267,8 @@ def causal_conv1d_triton(
     ``token_parallel``: ``False`` runs one program per (sequence, channel block) walking
     the tokens (one launch, best for decode); ``True`` runs programs over (token block,
     channel block) plus a state-update launch (for prefill, where a serial walk over
-    thousands of tokens would idle the GPU); ``None`` picks by the average tokens per
-    sequence (> 4: parallel), from shapes alone.
+    thousands of tokens would idle the GPU); ``None`` picks from shapes alone: serial
+    for pure decode batches (``T <= B``), parallel as soon as any prefill may be in.
 
     Slot ids are not range-checked (a device sync per layer); distinct sequences must
     use distinct slots, since their programs run concurrently.
@@ -311,7 +311,7 @@ def causal_conv1d_triton(
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.int8)  # same bytes, no copy
     if token_parallel is None:
-        token_parallel = x.shape[0] > 4 * b
+        token_parallel = x.shape[0] > b
     if token_parallel:
         block_t = 32
         block_c = min(128, triton.next_power_of_2(c))
