@@ -74,7 +74,7 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_slots, has_
                      scale, use_qk_l2norm=True) -> torch.Tensor:
     """See :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`."""
     if _use_triton(q):
-        # Recurrent kernel for decode-heavy batches, chunked for prefill-heavy ones.
+        # Per sequence: recurrent kernel under 16 tokens (decode), chunked kernel above.
         from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_triton
 
         return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_slots,
