@@ -111,7 +111,7 @@ def test_batch_of_four_prompts_decoded_together(preset, block_size, tiny_dirs, h
 @pytest.mark.parametrize("budget", [7, 13])
 def test_chunked_prefill_at_awkward_budgets_mixed_with_decodes(budget, tiny_dirs, hf_models):
     llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
-              num_gpu_blocks=64, num_state_slots=8, max_num_seqs=8, max_num_batched_tokens=budget)
+              num_gpu_blocks=64, num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=budget)
     prompts = _prompts(2, [3, 29, 41, 8])
     outs, cap = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     _check_against_hf(hf_models["test-a"], outs, cap, greedy=True)

@@ -296,9 +296,8 @@ class LLMEngine:
                 if hit is not None:
                     sample.finish_reason, sample.stop_reason = "stop", hit
                     self.scheduler.finish(rid, int(si), "stop")
-        for rid, si, reason, stop_token in zip(
-            update.finished_request_ids, update.finished_sample_indices,
-            update.finished_reasons, update.finished_stop_tokens,
+        for rid, si, reason in zip(
+            update.finished_request_ids, update.finished_sample_indices, update.finished_reasons
         ):
             state = self.requests.get(rid)
             if state is None:
@@ -306,8 +305,10 @@ class LLMEngine:
             sample = state.samples[int(si)]
             if sample.finish_reason is None:
                 sample.finish_reason = reason
-                if stop_token >= 0 and stop_token in (state.params.stop_token_ids or []):
-                    sample.stop_reason = int(stop_token)
+                # A stop token (not EOS) is reported as the stop reason, as vLLM does.
+                last = sample.token_ids[-1] if sample.token_ids else None
+                if reason == "stop" and last in state.params.stop_token_ids:
+                    sample.stop_reason = last
                 if sample.completion is not None:
                     sample.completion.finish()
             changed[rid] = state

@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 mod allocator;
 mod errors;
 mod kv_cache;
+mod scheduler;
 mod state_pool;
 
 #[pymodule]
@@ -19,5 +20,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv_cache::PyBlockTable>()?;
     m.add_class::<kv_cache::PyKvCacheManager>()?;
     m.add_class::<state_pool::PyStatePool>()?;
+    scheduler::register(m)?;
     Ok(())
 }
