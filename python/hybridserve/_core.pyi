@@ -135,3 +135,140 @@ class StatePool:
         """``(src, dst)``: a new slot for a forked child; copy the state src -> dst."""
     def slot_use(self, slot: int) -> str | None:
         """"free", "sequence", "checkpoint", or None out of range."""
+
+# ---------------------------------------------------------------- scheduler
+
+class SchedulerOutput:
+    """The plan of one step; entries in batch order (decodes first, then prefill chunks).
+
+    B = scheduled sequences, T = tokens. Apply ``buf[block_table_update_rows,
+    block_table_update_cols] = block_table_update_values`` to the persistent
+    ``int32[max_num_seqs, max_blocks_per_seq]`` buffer, perform ``block_copies``
+    and ``state_copies`` ((src, dst) pairs), then run. ``slot_mapping == -1``: the
+    token's KV is already cached (prefix hit), feed the token but do not write it.
+    """
+
+    @property
+    def request_ids(self) -> list[str]: ...
+    @property
+    def sample_indices(self) -> Int32Array: ...
+    @property
+    def seq_ids(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def num_scheduled_tokens(self) -> Int32Array: ...
+    @property
+    def query_start_loc(self) -> Int32Array: ...
+    @property
+    def num_computed_tokens(self) -> Int32Array: ...
+    @property
+    def seq_lens(self) -> Int32Array: ...
+    @property
+    def input_ids(self) -> Int32Array: ...
+    @property
+    def positions(self) -> Int32Array: ...
+    @property
+    def slot_mapping(self) -> Int32Array: ...
+    @property
+    def state_slots(self) -> Int32Array: ...
+    @property
+    def num_samples(self) -> Int32Array:
+        """Tokens to sample from the entry's last position: 0, 1, or n (an n>1 fork)."""
+    @property
+    def block_table_rows(self) -> Int32Array: ...
+    @property
+    def block_table_update_rows(self) -> Int32Array: ...
+    @property
+    def block_table_update_cols(self) -> Int32Array: ...
+    @property
+    def block_table_update_values(self) -> Int32Array: ...
+    @property
+    def block_copies(self) -> Int32Array:
+        """``[K, 2]`` copy-on-write (src, dst) block pairs."""
+    @property
+    def state_copies(self) -> Int32Array:
+        """``[M, 2]`` (src_slot, dst_slot) DeltaNet state copies of forks."""
+    @property
+    def preempted(self) -> list[str]: ...
+    @property
+    def finished(self) -> list[tuple[str, int, str]]:
+        """(request_id, sample_index, reason) finished outside update() since the last plan."""
+    @property
+    def num_decodes(self) -> int: ...
+
+class StepUpdate:
+    """What update() did: one row per new token, and the sequences that finished."""
+
+    @property
+    def request_ids(self) -> list[str]: ...
+    @property
+    def sample_indices(self) -> Int32Array: ...
+    @property
+    def token_ids(self) -> Int32Array: ...
+    @property
+    def finished_request_ids(self) -> list[str]: ...
+    @property
+    def finished_sample_indices(self) -> Int32Array: ...
+    @property
+    def finished_reasons(self) -> list[str]:
+        """"stop" or "length"."""
+
+class Scheduler:
+    """Continuous-batching scheduler over a KV block pool and a DeltaNet slot pool.
+
+    ``add_request`` raises ``InvalidRequest`` (can never be served as given) or
+    ``QueueFull`` (waiting cap) at once, changing nothing. ``schedule()`` and
+    ``update()`` alternate; both release the GIL.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_state_slots: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        *,
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+        max_waiting_requests: int | None = None,
+        max_waiting_tokens: int | None = None,
+        aging_interval_steps: int = 256,
+        reserve_max_context: bool = False,
+        max_finished_retained: int = 4096,
+    ) -> None: ...
+    @property
+    def max_blocks_per_seq(self) -> int: ...
+    def now(self) -> float:
+        """Seconds on the scheduler's clock (arrival times and events use it)."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Tokens,
+        *,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        stop_token_ids: Tokens | None = None,
+        ignore_eos: bool = False,
+        eos_token_ids: Tokens | None = None,
+        n: int = 1,
+        priority: int = 0,
+        request_class: str = "default",
+        arrival_time: float | None = None,
+        extra_key: int = 0,
+    ) -> None: ...
+    def schedule(self) -> SchedulerOutput: ...
+    def update(self, sampled: Tokens) -> StepUpdate:
+        """``num_samples[b]`` tokens per entry of the last plan, in batch order."""
+    def finish(self, request_id: str, sample_index: int, reason: str = "stop") -> bool: ...
+    def abort(self, request_id: str) -> bool:
+        """Abort in any state; every block and slot comes back. False if already finished."""
+    def get_output_tokens(self, request_id: str, sample_index: int) -> Int32Array: ...
+    def has_unfinished(self) -> bool: ...
+    def num_running(self) -> int: ...
+    def num_waiting(self) -> int: ...
+    def block_tables(self) -> Int32Array:
+        """Dense ``[B, width]`` block tables of the last plan (-1 padded)."""
+    def take_events(self) -> list[tuple[str, str, float, float]]:
+        """(request_id, request_class, time, queue_delay) of requests first scheduled since the last call."""
+    def stats(self) -> dict[str, int]: ...
