@@ -134,6 +134,11 @@ class EngineMetrics:
                     self.e2e.labels(klass).observe(m.finished_time - m.arrival_time)
                 self._last_token.pop(rid, None)
                 self._seen_first.discard(rid)
+        # Aborted requests never report a finished output: forget them in bulk.
+        if len(self._last_token) > len(engine.requests) + 1024:
+            live = engine.requests.keys()
+            self._last_token = {r: t for r, t in self._last_token.items() if r in live}
+            self._seen_first &= set(live)
         self.refresh(engine)
 
     def render(self) -> bytes:
