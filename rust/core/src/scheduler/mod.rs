@@ -123,7 +123,7 @@ pub struct Scheduler {
     kv: KvCacheManager,
     pool: StatePool,
     free_rows: Vec<u32>,
-    requests: Vec<Option<Request>>,
+    requests: Vec<Option<Box<Request>>>,
     free_handles: Vec<u32>,
     ids: HashMap<String, u32>,
     classes: Vec<String>,
@@ -337,11 +337,11 @@ impl Scheduler {
         };
         let h = match self.free_handles.pop() {
             Some(h) => {
-                self.requests[h as usize] = Some(req);
+                self.requests[h as usize] = Some(Box::new(req));
                 h
             }
             None => {
-                self.requests.push(Some(req));
+                self.requests.push(Some(Box::new(req)));
                 (self.requests.len() - 1) as u32
             }
         };
