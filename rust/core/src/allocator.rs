@@ -248,6 +248,108 @@ impl BlockAllocator {
             .map_err(|_| CoreError::InvalidBlock { block: b, reason: "revive of a block that is not parked" })
     }
 
+    // ---- Exclusive fast paths -------------------------------------------------
+    //
+    // The same transitions, with the same checks and errors, for an owner that
+    // holds `&mut self` (the single-threaded `KvCacheManager`). Exclusive access
+    // rules out any concurrent call, so plain relaxed loads and stores replace
+    // the CAS loops: no locked instructions, each of which is a full fence on
+    // x86 that stops the cache misses of neighbouring blocks from overlapping.
+
+    fn pop_mut(&mut self) -> Option<BlockId> {
+        let head = self.head.0.load(Ordering::Relaxed);
+        let top = head as u32;
+        if top == NIL {
+            return None;
+        }
+        let next = self.next[top as usize].load(Ordering::Relaxed);
+        self.head.0.store(pack(((head >> 32) as u32).wrapping_add(1), next), Ordering::Relaxed);
+        self.free.0.store(self.free.0.load(Ordering::Relaxed) - 1, Ordering::Relaxed);
+        Some(top)
+    }
+
+    fn push_mut(&mut self, b: BlockId) {
+        self.free.0.store(self.free.0.load(Ordering::Relaxed) + 1, Ordering::Relaxed);
+        let head = self.head.0.load(Ordering::Relaxed);
+        self.next[b as usize].store(head as u32, Ordering::Relaxed);
+        self.head.0.store(pack(((head >> 32) as u32).wrapping_add(1), b), Ordering::Relaxed);
+    }
+
+    #[inline]
+    fn state_mut(&self, b: BlockId) -> Result<(&AtomicU32, u32), CoreError> {
+        let st = self.state_of(b)?;
+        let c = st.load(Ordering::Relaxed);
+        Ok((st, c))
+    }
+
+    /// Prefetch hint for block `b`'s state word (see [`crate::prefetch`]).
+    #[inline]
+    pub(crate) fn prefetch_state(&self, b: BlockId) {
+        if let Some(st) = self.state.get(b as usize) {
+            crate::prefetch(st);
+        }
+    }
+
+    /// [`allocate`](Self::allocate) for an exclusive owner.
+    pub(crate) fn allocate_mut(&mut self) -> Result<BlockId, CoreError> {
+        match self.pop_mut() {
+            Some(b) => {
+                self.state[b as usize].store(1, Ordering::Relaxed);
+                Ok(b)
+            }
+            None => Err(CoreError::OutOfBlocks { needed: 1, free: 0 }),
+        }
+    }
+
+    /// [`incref`](Self::incref) for an exclusive owner.
+    pub(crate) fn incref_mut(&mut self, b: BlockId) -> Result<u32, CoreError> {
+        let (st, c) = self.state_mut(b)?;
+        if c == 0 || c & ON_FREE_LIST != 0 {
+            return Err(CoreError::InvalidBlock { block: b, reason: "incref of a block with refcount 0 (free or parked)" });
+        }
+        if c >= MAX_REFCOUNT {
+            return Err(CoreError::InvalidBlock { block: b, reason: "refcount overflow" });
+        }
+        st.store(c + 1, Ordering::Relaxed);
+        Ok(c + 1)
+    }
+
+    /// [`decref`](Self::decref) (`free_at_zero`) or
+    /// [`decref_retain`](Self::decref_retain) for an exclusive owner.
+    pub(crate) fn decref_mut(&mut self, b: BlockId, free_at_zero: bool) -> Result<u32, CoreError> {
+        let (st, c) = self.state_mut(b)?;
+        if c == 0 || c & ON_FREE_LIST != 0 {
+            return Err(CoreError::InvalidBlock { block: b, reason: "decref of a block with refcount 0 (double free?)" });
+        }
+        let new = if c == 1 && free_at_zero { ON_FREE_LIST } else { c - 1 };
+        st.store(new, Ordering::Relaxed);
+        if new == ON_FREE_LIST {
+            self.push_mut(b);
+        }
+        Ok(c - 1)
+    }
+
+    /// [`release`](Self::release) for an exclusive owner.
+    pub(crate) fn release_mut(&mut self, b: BlockId) -> Result<(), CoreError> {
+        let (st, c) = self.state_mut(b)?;
+        if c != 0 {
+            return Err(CoreError::InvalidBlock { block: b, reason: "release of a block that is not parked" });
+        }
+        st.store(ON_FREE_LIST, Ordering::Relaxed);
+        self.push_mut(b);
+        Ok(())
+    }
+
+    /// [`revive`](Self::revive) for an exclusive owner.
+    pub(crate) fn revive_mut(&mut self, b: BlockId) -> Result<(), CoreError> {
+        let (st, c) = self.state_mut(b)?;
+        if c != 0 {
+            return Err(CoreError::InvalidBlock { block: b, reason: "revive of a block that is not parked" });
+        }
+        st.store(1, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Current reference count: 0 for free, parked or out-of-range blocks.
     #[inline]
     pub fn refcount(&self, b: BlockId) -> u32 {

@@ -49,6 +49,8 @@ pub struct KvCacheManager {
     block_size: u32,
     cache: Option<PrefixCache>,
     stats: KvStats,
+    /// Reused buffer: chained hashes of the blocks `cache_full_blocks` registers.
+    hash_scratch: Vec<u64>,
 }
 
 impl KvCacheManager {
@@ -75,6 +77,7 @@ impl KvCacheManager {
             block_size,
             cache: enable_prefix_caching.then(|| PrefixCache::new(num_blocks, block_size)),
             stats: KvStats::default(),
+            hash_scratch: Vec::new(),
         })
     }
 
@@ -159,14 +162,17 @@ impl KvCacheManager {
     /// One block with refcount 1: from the free list, else by evicting the least
     /// recently parked cached block. Callers check capacity first.
     fn take_block(&mut self) -> BlockId {
-        if let Ok(b) = self.alloc.allocate() {
+        if let Ok(b) = self.alloc.allocate_mut() {
             return b;
         }
         let cache = self.cache.as_mut().expect("capacity was checked: a parked block must exist");
         let b = cache.oldest_parked().expect("capacity was checked: a parked block must exist");
+        if let Some(next) = cache.prefetch_eviction_successors(b) {
+            self.alloc.prefetch_state(next);
+        }
         cache.unpark(b);
         cache.remove(b);
-        self.alloc.revive(b).expect("parked block has count 0");
+        self.alloc.revive_mut(b).expect("parked block has count 0");
         self.stats.evictions += 1;
         b
     }
@@ -176,12 +182,12 @@ impl KvCacheManager {
     fn drop_ref(&mut self, b: BlockId) {
         match self.cache.as_mut() {
             Some(cache) if cache.is_cached(b) => {
-                if self.alloc.decref_retain(b).expect("table held a dead block") == 0 {
+                if self.alloc.decref_mut(b, false).expect("table held a dead block") == 0 {
                     cache.park(b);
                 }
             }
             _ => {
-                self.alloc.decref(b).expect("table held a dead block");
+                self.alloc.decref_mut(b, true).expect("table held a dead block");
             }
         }
     }
@@ -211,9 +217,9 @@ impl KvCacheManager {
             let Lookup::Hit(b, g) = cache.lookup(h, parent_gen, blk, extra_key) else { break };
             if cache.is_parked(b) {
                 cache.unpark(b);
-                self.alloc.revive(b).expect("parked block has count 0");
+                self.alloc.revive_mut(b).expect("parked block has count 0");
             } else {
-                self.alloc.incref(b).expect("cached unparked block is referenced");
+                self.alloc.incref_mut(b).expect("cached unparked block is referenced");
             }
             table.blocks.push(b);
             table.chain.push(ChainLink { hash: h, generation: g });
@@ -259,15 +265,27 @@ impl KvCacheManager {
             self.stats.cow_copies += 1;
         }
         let total = table.num_tokens + n;
-        while table.blocks.len() * bs < total {
-            let b = self.take_block();
-            table.blocks.push(b);
+        let num_blocks = total.div_ceil(bs);
+        if num_blocks > table.blocks.len() {
+            table.blocks.reserve(num_blocks - table.blocks.len());
+            while table.blocks.len() < num_blocks {
+                let b = self.take_block();
+                table.blocks.push(b);
+            }
         }
+        // Slot ids, one run of consecutive ids per block touched.
         slots.reserve(n);
         let bs32 = self.block_size;
-        for t in table.num_tokens..total {
-            let b = table.blocks[t / bs];
-            slots.push((b * bs32 + (t % bs) as u32) as i32);
+        let mut t = table.num_tokens;
+        let mut bi = t / bs;
+        let mut off = t - bi * bs;
+        while t < total {
+            let run = (bs - off).min(total - t);
+            let first = table.blocks[bi] * bs32 + off as u32;
+            slots.extend((first..first + run as u32).map(|x| x as i32));
+            t += run;
+            bi += 1;
+            off = 0;
         }
         table.num_tokens = total;
         Ok(())
@@ -286,13 +304,26 @@ impl KvCacheManager {
         }
         let bs = self.block_size as usize;
         let full = table.num_tokens.min(tokens.len()) / bs;
-        for i in table.chain.len()..full {
-            let (parent_hash, parent_gen) = match table.chain.last() {
-                Some(l) => (l.hash, l.generation),
-                None => (ROOT_HASH, ROOT_GENERATION),
-            };
+        let first = table.chain.len();
+        if first >= full {
+            return;
+        }
+        // Pass 1: the chained hashes (they depend on the previous hash only) and
+        // prefetches of what pass 2 touches, so its cache misses overlap.
+        let hashes = &mut self.hash_scratch;
+        hashes.clear();
+        let mut parent_hash = table.chain.last().map_or(ROOT_HASH, |l| l.hash);
+        for i in first..full {
+            parent_hash = hash_block(parent_hash, &tokens[i * bs..(i + 1) * bs], extra_key);
+            hashes.push(parent_hash);
+            cache.prefetch_hash(parent_hash);
+            cache.prefetch_block(table.blocks[i]);
+        }
+        table.chain.reserve(full - first);
+        for i in first..full {
+            let parent_gen = table.chain.last().map_or(ROOT_GENERATION, |l| l.generation);
             let blk = &tokens[i * bs..(i + 1) * bs];
-            let h = hash_block(parent_hash, blk, extra_key);
+            let h = hashes[i - first];
             let g = match cache.lookup(h, parent_gen, blk, extra_key) {
                 Lookup::Hit(_, g) => g,
                 Lookup::Miss => cache.insert(table.blocks[i], h, parent_gen, blk, extra_key),
@@ -302,7 +333,7 @@ impl KvCacheManager {
                         // nobody uses: drop it so live content can be cached.
                         cache.unpark(old);
                         cache.remove(old);
-                        self.alloc.release(old).expect("parked block has count 0");
+                        self.alloc.release_mut(old).expect("parked block has count 0");
                         cache.insert(table.blocks[i], h, parent_gen, blk, extra_key)
                     } else {
                         table.chain_broken = true;
@@ -319,7 +350,7 @@ impl KvCacheManager {
     /// tail copies it. O(blocks).
     pub fn fork(&mut self, parent: &BlockTable) -> BlockTable {
         for &b in &parent.blocks {
-            self.alloc.incref(b).expect("forked table held a dead block");
+            self.alloc.incref_mut(b).expect("forked table held a dead block");
         }
         parent.clone()
     }
@@ -328,6 +359,12 @@ impl KvCacheManager {
     /// parked in that order (so a chain is evicted from its end), others freed.
     /// Leaves `table` empty and reusable. O(blocks).
     pub fn free(&mut self, table: &mut BlockTable) {
+        if let Some(cache) = self.cache.as_ref() {
+            for &b in table.blocks.iter().rev() {
+                cache.prefetch_block_record(b);
+                self.alloc.prefetch_state(b);
+            }
+        }
         while let Some(b) = table.blocks.pop() {
             self.drop_ref(b);
         }

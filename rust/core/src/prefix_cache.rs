@@ -24,8 +24,6 @@
 //! operations are O(1) through an intrusive doubly linked list over block ids.
 
 use crate::BlockId;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 /// Parent hash of a sequence's first block.
 pub const ROOT_HASH: u64 = 0x6a09_e667_f3bc_c908;
@@ -59,23 +57,6 @@ pub fn hash_block(parent: u64, tokens: &[u32], extra_key: u64) -> u64 {
     mum(h ^ P0, tokens.len() as u64 ^ P2)
 }
 
-/// The keys are already uniformly mixed hashes: hashing them again is waste.
-#[derive(Default)]
-pub(crate) struct IdentityHasher(u64);
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0 << 8) | b as u64;
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
 const NIL: u32 = u32::MAX;
 
 pub(crate) enum Lookup {
@@ -86,20 +67,34 @@ pub(crate) enum Lookup {
     Miss,
 }
 
-/// Entry data lives in per-block arrays (a block holds at most one entry).
+/// Everything the cache keeps about one block, in one cache line: a lookup,
+/// an insert, an eviction or an LRU move of block `b` touches `meta[b]` (and
+/// the token ids) only, instead of one line per field array.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, align(64))]
+struct BlockMeta {
+    hash: u64,
+    /// 0: block not cached.
+    generation: u64,
+    parent_generation: u64,
+    extra_key: u64,
+    lru_prev: u32,
+    lru_next: u32,
+    in_lru: bool,
+}
+
+const EMPTY_META: BlockMeta =
+    BlockMeta { hash: 0, generation: 0, parent_generation: 0, extra_key: 0, lru_prev: NIL, lru_next: NIL, in_lru: false };
+
+/// Entry data lives in per-block records (a block holds at most one entry).
 pub(crate) struct PrefixCache {
     block_size: usize,
-    map: HashMap<u64, BlockId, BuildHasherDefault<IdentityHasher>>,
-    generation: Vec<u64>, // 0: block not cached
-    hash: Vec<u64>,
-    parent_generation: Vec<u64>,
-    extra_key: Vec<u64>,
+    /// hash -> block index (see [`HashIndex`]).
+    index: HashIndex,
+    meta: Vec<BlockMeta>,
     tokens: Vec<u32>, // block b's ids at [b*block_size, (b+1)*block_size)
     next_generation: u64,
     // LRU of parked blocks: head = least recently parked = next to evict.
-    lru_prev: Vec<u32>,
-    lru_next: Vec<u32>,
-    in_lru: Vec<bool>,
     lru_head: u32,
     lru_tail: u32,
     lru_len: u32,
@@ -111,18 +106,10 @@ impl PrefixCache {
         let n = num_blocks as usize;
         PrefixCache {
             block_size: block_size as usize,
-            // At most one entry per block: reserving up front keeps rehashing
-            // (a latency spike inside a scheduler step) out of the hot path.
-            map: HashMap::with_capacity_and_hasher(n, Default::default()),
-            generation: vec![0; n],
-            hash: vec![0; n],
-            parent_generation: vec![0; n],
-            extra_key: vec![0; n],
+            index: HashIndex::new(num_blocks),
+            meta: vec![EMPTY_META; n],
             tokens: vec![0; n * block_size as usize],
             next_generation: 1,
-            lru_prev: vec![NIL; n],
-            lru_next: vec![NIL; n],
-            in_lru: vec![false; n],
             lru_head: NIL,
             lru_tail: NIL,
             lru_len: 0,
@@ -132,7 +119,7 @@ impl PrefixCache {
 
     #[inline]
     pub(crate) fn is_cached(&self, b: BlockId) -> bool {
-        self.generation[b as usize] != 0
+        self.meta[b as usize].generation != 0
     }
 
     #[inline]
@@ -147,77 +134,123 @@ impl PrefixCache {
 
     #[inline]
     pub(crate) fn is_parked(&self, b: BlockId) -> bool {
-        self.in_lru[b as usize]
+        self.meta[b as usize].in_lru
     }
 
     /// Finds `h` and verifies the entry against (tokens, extra key, parent generation).
+    #[inline]
     pub(crate) fn lookup(&self, h: u64, parent_generation: u64, tokens: &[u32], extra_key: u64) -> Lookup {
-        let Some(&b) = self.map.get(&h) else { return Lookup::Miss };
+        let meta = &self.meta;
+        let Some(b) = self.index.find(h, |b| meta[b as usize].hash == h) else { return Lookup::Miss };
         let i = b as usize;
+        let m = &self.meta[i];
         let bs = self.block_size;
-        if self.parent_generation[i] == parent_generation
-            && self.extra_key[i] == extra_key
+        if m.parent_generation == parent_generation
+            && m.extra_key == extra_key
             && self.tokens[i * bs..(i + 1) * bs] == *tokens
         {
-            Lookup::Hit(b, self.generation[i])
+            Lookup::Hit(b, m.generation)
         } else {
             Lookup::Conflict(b)
         }
     }
 
     /// Registers block `b` (not cached, hash `h` free); returns its generation.
+    #[inline]
     pub(crate) fn insert(&mut self, b: BlockId, h: u64, parent_generation: u64, tokens: &[u32], extra_key: u64) -> u64 {
         let i = b as usize;
-        debug_assert_eq!(self.generation[i], 0, "block already cached");
         let g = self.next_generation;
         self.next_generation += 1;
-        self.generation[i] = g;
-        self.hash[i] = h;
-        self.parent_generation[i] = parent_generation;
-        self.extra_key[i] = extra_key;
+        let m = &mut self.meta[i];
+        debug_assert_eq!(m.generation, 0, "block already cached");
+        m.generation = g;
+        m.hash = h;
+        m.parent_generation = parent_generation;
+        m.extra_key = extra_key;
         let bs = self.block_size;
         self.tokens[i * bs..(i + 1) * bs].copy_from_slice(tokens);
-        let old = self.map.insert(h, b);
-        debug_assert!(old.is_none(), "hash slot was taken");
+        debug_assert!(self.index.find(h, |x| self.meta[x as usize].hash == h).is_none(), "hash slot was taken");
+        self.index.insert(h, b);
         self.num_entries += 1;
         g
     }
 
     /// Drops block `b`'s entry (eviction). The block must not be in the LRU.
+    #[inline]
     pub(crate) fn remove(&mut self, b: BlockId) {
-        let i = b as usize;
-        debug_assert!(self.generation[i] != 0 && !self.in_lru[i]);
-        let removed = self.map.remove(&self.hash[i]);
-        debug_assert_eq!(removed, Some(b));
-        self.generation[i] = 0;
+        let m = &mut self.meta[b as usize];
+        debug_assert!(m.generation != 0 && !m.in_lru);
+        m.generation = 0;
+        let h = m.hash;
+        self.index.remove(h, b);
         self.num_entries -= 1;
     }
 
     /// Appends an unreferenced cached block at the most-recent end.
+    #[inline]
     pub(crate) fn park(&mut self, b: BlockId) {
-        let i = b as usize;
-        debug_assert!(!self.in_lru[i] && self.generation[i] != 0);
-        self.in_lru[i] = true;
-        self.lru_prev[i] = self.lru_tail;
-        self.lru_next[i] = NIL;
-        if self.lru_tail == NIL {
+        let tail = self.lru_tail;
+        let m = &mut self.meta[b as usize];
+        debug_assert!(!m.in_lru && m.generation != 0);
+        m.in_lru = true;
+        m.lru_prev = tail;
+        m.lru_next = NIL;
+        if tail == NIL {
             self.lru_head = b;
         } else {
-            self.lru_next[self.lru_tail as usize] = b;
+            self.meta[tail as usize].lru_next = b;
         }
         self.lru_tail = b;
         self.lru_len += 1;
     }
 
     /// Takes `b` out of the LRU (a hit revived it, or it is being evicted).
+    #[inline]
     pub(crate) fn unpark(&mut self, b: BlockId) {
-        let i = b as usize;
-        debug_assert!(self.in_lru[i]);
-        let (p, n) = (self.lru_prev[i], self.lru_next[i]);
-        if p == NIL { self.lru_head = n } else { self.lru_next[p as usize] = n }
-        if n == NIL { self.lru_tail = p } else { self.lru_prev[n as usize] = p }
-        self.in_lru[i] = false;
+        let m = &mut self.meta[b as usize];
+        debug_assert!(m.in_lru);
+        let (p, n) = (m.lru_prev, m.lru_next);
+        m.in_lru = false;
+        if p == NIL { self.lru_head = n } else { self.meta[p as usize].lru_next = n }
+        if n == NIL { self.lru_tail = p } else { self.meta[n as usize].lru_prev = p }
         self.lru_len -= 1;
+    }
+
+    /// Prefetch hints for a coming lookup or insert of hash `h`.
+    #[inline]
+    pub(crate) fn prefetch_hash(&self, h: u64) {
+        self.index.prefetch(h);
+    }
+
+    /// Prefetch hints for registering block `b` (its record and token ids).
+    #[inline]
+    pub(crate) fn prefetch_block(&self, b: BlockId) {
+        let i = b as usize;
+        crate::prefetch(&self.meta[i]);
+        crate::prefetch(self.tokens[i * self.block_size..].as_ptr());
+    }
+
+    /// Prefetch hint for block `b`'s record only (freeing: `is_cached`, `park`).
+    #[inline]
+    pub(crate) fn prefetch_block_record(&self, b: BlockId) {
+        crate::prefetch(&self.meta[b as usize]);
+    }
+
+    /// While evicting `b`, the LRU head: prefetches what the next two evictions
+    /// read, the successor's index slot (its record was prefetched by the
+    /// previous eviction) and the record after it. Returns the successor.
+    #[inline]
+    pub(crate) fn prefetch_eviction_successors(&self, b: BlockId) -> Option<BlockId> {
+        let n1 = self.meta[b as usize].lru_next;
+        if n1 == NIL {
+            return None;
+        }
+        let m1 = &self.meta[n1 as usize];
+        self.index.prefetch(m1.hash);
+        if m1.lru_next != NIL {
+            crate::prefetch(&self.meta[m1.lru_next as usize]);
+        }
+        Some(n1)
     }
 
     /// Least recently parked block, still parked and cached.
@@ -232,9 +265,101 @@ impl PrefixCache {
         let mut b = self.lru_head;
         while b != NIL {
             v.push(b);
-            b = self.lru_next[b as usize];
+            b = self.meta[b as usize].lru_next;
         }
         v
+    }
+}
+
+const EMPTY_SLOT: u64 = u64::MAX;
+
+/// The hash -> block map: open addressing with linear probing over one array
+/// of 8-byte slots `(block << 32) | (hash as u32)`, at most one entry per block,
+/// sized once for `num_blocks` entries (load <= 2/3: never grows, never
+/// rehashes inside a step). A slot's home is `hash & mask`, recomputable from
+/// the 32 stored hash bits, so removal shifts later entries back (no
+/// tombstones). One probe touches one cache line (8 slots) almost always,
+/// where a general map touches a control word and a bucket; the stored bits
+/// settle nearly every mismatch without reading the block's record, and the
+/// caller's full 64-bit comparison settles the rest.
+struct HashIndex {
+    slots: Vec<u64>,
+    mask: usize,
+}
+
+impl HashIndex {
+    fn new(num_blocks: u32) -> Self {
+        let n = num_blocks as usize;
+        // Block ids are below 2^31, so the capacity stays <= 2^32 and the mask
+        // fits the stored 32 hash bits.
+        let cap = (n + n / 2 + 1).next_power_of_two().max(8);
+        HashIndex { slots: vec![EMPTY_SLOT; cap], mask: cap - 1 }
+    }
+
+    #[inline]
+    fn home(&self, low: u32) -> usize {
+        low as usize & self.mask
+    }
+
+    /// The block stored under `h`; `is_h(b)` confirms the full 64-bit hash.
+    #[inline]
+    fn find(&self, h: u64, is_h: impl Fn(BlockId) -> bool) -> Option<BlockId> {
+        let low = h as u32;
+        let mut i = self.home(low);
+        loop {
+            let s = self.slots[i];
+            if s == EMPTY_SLOT {
+                return None;
+            }
+            if s as u32 == low && is_h((s >> 32) as u32) {
+                return Some((s >> 32) as u32);
+            }
+            i = (i + 1) & self.mask;
+        }
+    }
+
+    #[inline]
+    fn prefetch(&self, h: u64) {
+        crate::prefetch(&self.slots[self.home(h as u32)]);
+    }
+
+    /// Adds `h -> b`; `h` must not be present.
+    #[inline]
+    fn insert(&mut self, h: u64, b: BlockId) {
+        let low = h as u32;
+        let mut i = self.home(low);
+        while self.slots[i] != EMPTY_SLOT {
+            i = (i + 1) & self.mask;
+        }
+        self.slots[i] = (b as u64) << 32 | low as u64;
+    }
+
+    /// Removes the entry `h -> b` (present), shifting back the entries after it
+    /// that would otherwise become unreachable.
+    #[inline]
+    fn remove(&mut self, h: u64, b: BlockId) {
+        let want = (b as u64) << 32 | (h as u32) as u64;
+        let mut i = self.home(h as u32);
+        while self.slots[i] != want {
+            debug_assert!(self.slots[i] != EMPTY_SLOT, "removed hash not in the index");
+            i = (i + 1) & self.mask;
+        }
+        // Backward-shift deletion: `i` is the hole.
+        let mut j = i;
+        loop {
+            j = (j + 1) & self.mask;
+            let s = self.slots[j];
+            if s == EMPTY_SLOT {
+                break;
+            }
+            // An entry may fill the hole unless its home lies cyclically in (i, j].
+            let home = self.home(s as u32);
+            if (j.wrapping_sub(home) & self.mask) >= (j.wrapping_sub(i) & self.mask) {
+                self.slots[i] = s;
+                i = j;
+            }
+        }
+        self.slots[i] = EMPTY_SLOT;
     }
 }
 
@@ -255,5 +380,58 @@ mod tests {
         }
         let odd: Vec<u32> = (0..5).collect();
         assert_ne!(hash_block(ROOT_HASH, &odd, 0), hash_block(ROOT_HASH, &odd[..4], 0));
+    }
+}
+
+#[cfg(test)]
+mod index_tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    /// Random inserts/removes/finds against a HashMap, with hashes drawn from a
+    /// tiny range of home slots (long clusters, wrap-around) and shared low bits.
+    #[test]
+    fn hash_index_matches_a_map() {
+        let n = 40u32;
+        let mut idx = HashIndex::new(n);
+        let mut model: HashMap<u64, BlockId> = HashMap::new();
+        let mut hash_of: Vec<Option<u64>> = vec![None; n as usize];
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for step in 0..200_000 {
+            let r = rnd();
+            let b = (r % n as u64) as u32;
+            // Few distinct low parts near the top of the table (wrap-around),
+            // high parts that differ (same stored bits, different full hash).
+            let low = (idx.mask as u64 - 3 + (r >> 8) % 6) & 0xffff_ffff;
+            let h = ((r >> 20) % 5) << 32 | low;
+            match hash_of[b as usize] {
+                Some(old) => {
+                    idx.remove(old, b);
+                    model.remove(&old);
+                    hash_of[b as usize] = None;
+                }
+                None if !model.contains_key(&h) => {
+                    idx.insert(h, b);
+                    model.insert(h, b);
+                    hash_of[b as usize] = Some(h);
+                }
+                None => {}
+            }
+            if step % 7 == 0 {
+                for hi in 0..5u64 {
+                    for l in 0..8u64 {
+                        let q = hi << 32 | ((idx.mask as u64 - 3 + l) & 0xffff_ffff);
+                        let got = idx.find(q, |b| hash_of[b as usize] == Some(q));
+                        assert_eq!(got, model.get(&q).copied(), "step {step} hash {q:#x}");
+                    }
+                }
+            }
+        }
     }
 }
