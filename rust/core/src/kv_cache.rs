@@ -167,7 +167,7 @@ impl KvCacheManager {
         }
         let cache = self.cache.as_mut().expect("capacity was checked: a parked block must exist");
         let b = cache.oldest_parked().expect("capacity was checked: a parked block must exist");
-        if let Some(next) = cache.prefetch_eviction_successors(b) {
+        if let Some(next) = cache.prefetch_eviction_successors() {
             self.alloc.prefetch_state(next);
         }
         cache.unpark(b);

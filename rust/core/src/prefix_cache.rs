@@ -20,10 +20,14 @@
 //!
 //! # Costs
 //! `hash_block` is a wyhash-style multiply-fold, 16 bytes per 64x64->128-bit
-//! multiply; lookup/insert/remove are O(block_size) (the verification); LRU
-//! operations are O(1) through an intrusive doubly linked list over block ids.
+//! multiply; lookup/insert/remove are O(block_size) (the verification), through
+//! a fixed-size open-addressing index; LRU operations are O(1) amortized (a
+//! FIFO of park stamps with lazy removal). Each block's entry data is one
+//! 64-byte record, and the batch paths prefetch, because at scale these
+//! operations are bound by cache misses on random blocks, not by instructions.
 
 use crate::BlockId;
+use std::collections::VecDeque;
 
 /// Parent hash of a sequence's first block.
 pub const ROOT_HASH: u64 = 0x6a09_e667_f3bc_c908;
@@ -57,7 +61,6 @@ pub fn hash_block(parent: u64, tokens: &[u32], extra_key: u64) -> u64 {
     mum(h ^ P0, tokens.len() as u64 ^ P2)
 }
 
-const NIL: u32 = u32::MAX;
 
 pub(crate) enum Lookup {
     /// Verified hit: the block and its entry generation.
@@ -78,13 +81,13 @@ struct BlockMeta {
     generation: u64,
     parent_generation: u64,
     extra_key: u64,
-    lru_prev: u32,
-    lru_next: u32,
+    /// Stamp of the park that put this block in the LRU (see `PrefixCache::lru`).
+    park_stamp: u64,
     in_lru: bool,
 }
 
 const EMPTY_META: BlockMeta =
-    BlockMeta { hash: 0, generation: 0, parent_generation: 0, extra_key: 0, lru_prev: NIL, lru_next: NIL, in_lru: false };
+    BlockMeta { hash: 0, generation: 0, parent_generation: 0, extra_key: 0, park_stamp: 0, in_lru: false };
 
 /// Entry data lives in per-block records (a block holds at most one entry).
 pub(crate) struct PrefixCache {
@@ -94,9 +97,15 @@ pub(crate) struct PrefixCache {
     meta: Vec<BlockMeta>,
     tokens: Vec<u32>, // block b's ids at [b*block_size, (b+1)*block_size)
     next_generation: u64,
-    // LRU of parked blocks: head = least recently parked = next to evict.
-    lru_head: u32,
-    lru_tail: u32,
+    /// LRU of parked blocks, least recently parked (next to evict) first: a
+    /// FIFO of `(block, park stamp)`. Unparking a block in the middle (a prefix
+    /// hit) only clears its `in_lru`, leaving a stale entry (its stamp no
+    /// longer matches) that is dropped when it reaches the front or at the next
+    /// compaction. The front entry is always live. An array rather than a
+    /// linked list: the next victims are known without chasing pointers, so
+    /// their records can be prefetched.
+    lru: VecDeque<(BlockId, u64)>,
+    next_park_stamp: u64,
     lru_len: u32,
     num_entries: u32,
 }
@@ -110,8 +119,8 @@ impl PrefixCache {
             meta: vec![EMPTY_META; n],
             tokens: vec![0; n * block_size as usize],
             next_generation: 1,
-            lru_head: NIL,
-            lru_tail: NIL,
+            lru: VecDeque::new(),
+            next_park_stamp: 1,
             lru_len: 0,
             num_entries: 0,
         }
@@ -186,22 +195,29 @@ impl PrefixCache {
         self.num_entries -= 1;
     }
 
+    #[inline]
+    fn lru_entry_live(meta: &[BlockMeta], (b, stamp): (BlockId, u64)) -> bool {
+        let m = &meta[b as usize];
+        m.in_lru && m.park_stamp == stamp
+    }
+
     /// Appends an unreferenced cached block at the most-recent end.
     #[inline]
     pub(crate) fn park(&mut self, b: BlockId) {
-        let tail = self.lru_tail;
+        let stamp = self.next_park_stamp;
+        self.next_park_stamp += 1;
         let m = &mut self.meta[b as usize];
         debug_assert!(!m.in_lru && m.generation != 0);
         m.in_lru = true;
-        m.lru_prev = tail;
-        m.lru_next = NIL;
-        if tail == NIL {
-            self.lru_head = b;
-        } else {
-            self.meta[tail as usize].lru_next = b;
-        }
-        self.lru_tail = b;
+        m.park_stamp = stamp;
+        self.lru.push_back((b, stamp));
         self.lru_len += 1;
+        // Stale entries are at most half: compaction (O(entries)) is paid for
+        // by the parks that made them stale.
+        if self.lru.len() > 2 * self.lru_len as usize + 64 {
+            let meta = &self.meta;
+            self.lru.retain(|&e| Self::lru_entry_live(meta, e));
+        }
     }
 
     /// Takes `b` out of the LRU (a hit revived it, or it is being evicted).
@@ -209,11 +225,17 @@ impl PrefixCache {
     pub(crate) fn unpark(&mut self, b: BlockId) {
         let m = &mut self.meta[b as usize];
         debug_assert!(m.in_lru);
-        let (p, n) = (m.lru_prev, m.lru_next);
         m.in_lru = false;
-        if p == NIL { self.lru_head = n } else { self.meta[p as usize].lru_next = n }
-        if n == NIL { self.lru_tail = p } else { self.meta[n as usize].lru_prev = p }
         self.lru_len -= 1;
+        if self.lru.front().is_some_and(|&(f, _)| f == b) {
+            self.lru.pop_front();
+            while let Some(&e) = self.lru.front() {
+                if Self::lru_entry_live(&self.meta, e) {
+                    break;
+                }
+                self.lru.pop_front();
+            }
+        }
     }
 
     /// Prefetch hints for a coming lookup or insert of hash `h`.
@@ -236,38 +258,30 @@ impl PrefixCache {
         crate::prefetch(&self.meta[b as usize]);
     }
 
-    /// While evicting `b`, the LRU head: prefetches what the next two evictions
-    /// read, the successor's index slot (its record was prefetched by the
-    /// previous eviction) and the record after it. Returns the successor.
+    /// While evicting the LRU front: prefetches the records of the victims a
+    /// few evictions ahead and the index slot of a nearer one (whose record the
+    /// same call prefetched a few evictions ago), so evictions in a row overlap
+    /// their cache misses. Entries may be stale: then a hint is merely wasted.
     #[inline]
-    pub(crate) fn prefetch_eviction_successors(&self, b: BlockId) -> Option<BlockId> {
-        let n1 = self.meta[b as usize].lru_next;
-        if n1 == NIL {
-            return None;
+    pub(crate) fn prefetch_eviction_successors(&self) -> Option<BlockId> {
+        if let Some(&(far, _)) = self.lru.get(8) {
+            crate::prefetch(&self.meta[far as usize]);
         }
-        let m1 = &self.meta[n1 as usize];
-        self.index.prefetch(m1.hash);
-        if m1.lru_next != NIL {
-            crate::prefetch(&self.meta[m1.lru_next as usize]);
-        }
-        Some(n1)
+        let &(near, _) = self.lru.get(4)?;
+        self.index.prefetch(self.meta[near as usize].hash);
+        Some(near)
     }
 
     /// Least recently parked block, still parked and cached.
     #[inline]
     pub(crate) fn oldest_parked(&self) -> Option<BlockId> {
-        (self.lru_head != NIL).then_some(self.lru_head)
+        self.lru.front().map(|&(b, _)| b)
     }
 
     /// Parked blocks from least to most recently parked (tests, debugging).
     pub(crate) fn lru_order(&self) -> Vec<BlockId> {
-        let mut v = Vec::with_capacity(self.lru_len as usize);
-        let mut b = self.lru_head;
-        while b != NIL {
-            v.push(b);
-            b = self.meta[b as usize].lru_next;
-        }
-        v
+        let meta = &self.meta;
+        self.lru.iter().filter(|&&e| Self::lru_entry_live(meta, e)).map(|&(b, _)| b).collect()
     }
 }
 
