@@ -51,6 +51,11 @@ pub struct KvCacheManager {
     stats: KvStats,
     /// Reused buffer: chained hashes of the blocks `cache_full_blocks` registers.
     hash_scratch: Vec<u64>,
+    /// Whether `fork` was ever called. Only a fork shares a partly-filled tail
+    /// (prefix hits share full blocks only), so until then no tail can need a
+    /// copy and `append_slots` skips reading the tail's refcount (a cache miss
+    /// per decoding sequence per step).
+    forked: bool,
 }
 
 impl KvCacheManager {
@@ -78,6 +83,7 @@ impl KvCacheManager {
             cache: enable_prefix_caching.then(|| PrefixCache::new(num_blocks, block_size)),
             stats: KvStats::default(),
             hash_scratch: Vec::new(),
+            forked: false,
         })
     }
 
@@ -155,7 +161,8 @@ impl KvCacheManager {
     #[inline]
     #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
     fn tail_needs_copy(&self, table: &BlockTable) -> bool {
-        table.num_tokens % self.block_size as usize != 0
+        self.forked
+            && table.num_tokens % self.block_size as usize != 0
             && table.blocks.last().is_some_and(|&b| self.alloc.refcount(b) > 1)
     }
 
@@ -349,6 +356,7 @@ impl KvCacheManager {
     /// chain. The child's or parent's next append into a shared partly-filled
     /// tail copies it. O(blocks).
     pub fn fork(&mut self, parent: &BlockTable) -> BlockTable {
+        self.forked = true;
         for &b in &parent.blocks {
             self.alloc.incref_mut(b).expect("forked table held a dead block");
         }

@@ -387,6 +387,10 @@ impl Scheduler {
             for s in &req.seqs {
                 if s.is_live() && s.tokens.len() - s.num_computed == 1 && s.num_computed >= req.prompt_len {
                     pending_decodes += 1;
+                    // The walk below reads the token to feed and the tail block:
+                    // start those (scattered) cache lines loading now, all at once.
+                    crate::prefetch(s.tokens.as_ptr().wrapping_add(s.tokens.len() - 1));
+                    crate::prefetch(s.table.blocks.as_ptr().wrapping_add(s.table.blocks.len().saturating_sub(1)));
                 }
             }
         }
