@@ -119,7 +119,9 @@ impl PrefixCache {
             meta: vec![EMPTY_META; n],
             tokens: vec![0; n * block_size as usize],
             next_generation: 1,
-            lru: VecDeque::new(),
+            // Holds every parked block without growing (stale entries may
+            // still make it grow, amortized, up to twice that).
+            lru: VecDeque::with_capacity(n),
             next_park_stamp: 1,
             lru_len: 0,
             num_entries: 0,
