@@ -85,13 +85,17 @@ class ModelRunner:
         # The last token of each sampling sequence is the row whose logits we need.
         logits_indices = qsl[1:][sampling].astype(np.int64) - 1
         rows = self._tensor(plan.block_table_rows, torch.long)
+        # Only the columns the longest sequence uses: the kernels' work (and split-KV
+        # choice) follows the batch's real context, not max_model_len.
+        seq_lens = np.asarray(plan.seq_lens)
+        width = -(-int(seq_lens.max()) // self.cache.block_size) if len(seq_lens) else 1
         batch = ForwardBatch(
             input_ids=self._tensor(plan.input_ids, torch.long),
             positions=self._tensor(plan.positions, torch.long),
             slot_mapping=self._tensor(plan.slot_mapping, torch.long),
             query_start_loc=self._tensor(qsl, torch.int32),
             seq_lens=self._tensor(plan.seq_lens, torch.int32),
-            block_tables=self.block_table_buf.index_select(0, rows),
+            block_tables=self.block_table_buf[:, :width].index_select(0, rows),
             state_slots=self._tensor(plan.state_slots, torch.long),
             has_initial_state=self._tensor(np.asarray(plan.num_computed_tokens) > 0, torch.bool),
             logits_indices=self._tensor(logits_indices, torch.long),
