@@ -122,8 +122,8 @@ class EngineMetrics:
             rid = out.request_id
             if rid not in self._seen_first and m.first_token_time is not None:
                 self._seen_first.add(rid)
-                if m.first_scheduled_time is not None:
-                    self.queue_time.labels(klass).observe(m.first_scheduled_time - m.arrival_time)
+                if m.queue_delay is not None:
+                    self.queue_time.labels(klass).observe(m.queue_delay)
                 self.ttft.labels(klass).observe(m.first_token_time - m.arrival_time)
             elif m.last_token_time is not None and rid in self._last_token:
                 self.itl.labels(klass).observe(m.last_token_time - self._last_token[rid])

@@ -63,6 +63,10 @@ def test_paged_engine_runs_k_sessions_and_queues_the_next(tiny_dirs, caplog):
     assert max(seen) == K  # K at once, never more
     assert all(len(o.outputs[0].token_ids) == GEN for o in outs)  # the (K+1)th waited, did not fail
     assert engine.stats()["preemptions"] == 0
+    # The core measured the wait: the (K+1)th queued for steps the first K did not.
+    delays = [o.metrics.queue_delay for o in outs]
+    assert all(d is not None and d >= 0 for d in delays)
+    assert delays[K] > max(delays[:K])
 
 
 def test_reserve_max_policy_admits_only_what_the_planner_says(tiny_dirs):

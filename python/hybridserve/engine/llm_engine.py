@@ -264,10 +264,13 @@ class LLMEngine:
             st = self.requests.get(rid)
             if st is not None:
                 st.metrics.num_preemptions += 1
-        for rid in set(plan.request_ids):
+        # The core records each request's first schedule (its queue delay on the
+        # core's clock); draining the events every step keeps that list short.
+        for rid, _klass, _t, queue_delay in self.scheduler.take_events():
             st = self.requests.get(rid)
             if st is not None and st.metrics.first_scheduled_time is None:
                 st.metrics.first_scheduled_time = now
+                st.metrics.queue_delay = queue_delay
 
         step = self.runner.execute(plan)
         if step is not None and len(step.batch_index):

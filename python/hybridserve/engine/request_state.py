@@ -57,6 +57,8 @@ class RequestMetrics:
     arrival_time: float
     request_class: str = "default"
     first_scheduled_time: float | None = None
+    # Arrival to first schedule, measured by the Rust scheduler.
+    queue_delay: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
