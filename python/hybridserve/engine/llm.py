@@ -80,21 +80,25 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         wanted = set(ids)
         idle_steps = 0
-        while wanted - results.keys():
-            outputs = engine.step()
-            # The scheduler guarantees progress; an engine that schedules nothing for
-            # this long with work pending is a bug, reported instead of spinning.
-            idle_steps = 0 if engine.last_step_stats["num_scheduled_seqs"] else idle_steps + 1
-            if idle_steps > 10_000:
-                raise RuntimeError(
-                    f"the engine scheduled nothing for {idle_steps} steps with "
-                    f"{len(wanted - results.keys())} requests unfinished: {engine.stats()}"
-                )
-            for out in outputs:
-                if out.finished and out.request_id in wanted:
-                    results[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+        engine.emit_unfinished = False  # generate() returns finished outputs only
+        try:
+            while wanted - results.keys():
+                outputs = engine.step()
+                # The scheduler guarantees progress; an engine that schedules nothing for
+                # this long with work pending is a bug, reported instead of spinning.
+                idle_steps = 0 if engine.last_step_stats["num_scheduled_seqs"] else idle_steps + 1
+                if idle_steps > 10_000:
+                    raise RuntimeError(
+                        f"the engine scheduled nothing for {idle_steps} steps with "
+                        f"{len(wanted - results.keys())} requests unfinished: {engine.stats()}"
+                    )
+                for out in outputs:
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            engine.emit_unfinished = True
         if bar is not None:
             bar.close()
         return [results[rid] for rid in ids]

@@ -119,6 +119,10 @@ class LLMEngine:
         self._counter = 0
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
+        # Streaming consumers want every changed request each step; an offline loop
+        # only wants finished ones, and skipping the rest keeps a step from copying
+        # every running request's tokens (O(generated) per request per step).
+        self.emit_unfinished = True
 
     # ------------------------------------------------------------------ sizing
     @property
@@ -255,7 +259,8 @@ class LLMEngine:
         return rows
 
     def step(self) -> list[RequestOutput]:
-        """Advance every scheduled sequence by one step; return the outputs that changed."""
+        """Advance every scheduled sequence by one step; return the outputs that changed
+        (only the finished ones when ``emit_unfinished`` is False)."""
         t0 = time.monotonic()
         plan = self.scheduler.schedule()
         now = time.monotonic()
@@ -321,6 +326,8 @@ class LLMEngine:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[rid]
+            elif not self.emit_unfinished:
+                continue
             outputs.append(state.to_output())
         self.step_count += 1
         self.last_step_stats = {
