@@ -84,7 +84,11 @@ class _CoreCollector:
 
 
 class EngineMetrics:
-    """Holds the registry; ``observe_step`` and ``refresh`` run on the engine thread."""
+    """Holds the registry; ``observe_step`` and ``refresh`` run on the engine thread.
+
+    The core's snapshot is taken per scrape (``refresh``), not per step: a step
+    only records latencies, so serving pays nothing for gauges nobody reads.
+    """
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -139,7 +143,6 @@ class EngineMetrics:
             live = engine.requests.keys()
             self._last_token = {r: t for r, t in self._last_token.items() if r in live}
             self._seen_first &= set(live)
-        self.refresh(engine)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
