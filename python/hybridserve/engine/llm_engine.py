@@ -94,7 +94,6 @@ class LLMEngine:
             self.model_config, self.num_blocks, self.block_size, self.num_state_slots,
             dtype=kv_dtype, device=self.device,
         )
-        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.scheduler = _core.Scheduler(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -108,6 +107,8 @@ class LLMEngine:
             max_waiting_tokens=args.max_waiting_tokens,
             reserve_max_context=args.admission_policy == "reserve_max",
         )
+        # The scheduler's block-table rows are the runner's buffer width.
+        self.max_blocks_per_seq = self.scheduler.max_blocks_per_seq
         self.runner = ModelRunner(
             self.model, self.cache,
             max_num_seqs=args.max_num_seqs,
