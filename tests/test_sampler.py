@@ -12,7 +12,15 @@ import random
 import pytest
 import torch
 
-from hybridserve.sampler import Sampler, SamplingRow, make_generator
+from hybridserve.errors import InvalidRequest
+from hybridserve.sampler import (
+    Sampler,
+    SamplingRow,
+    SeedStream,
+    counter_uniform,
+    counter_uniform_reference,
+    make_generator,
+)
 from hybridserve.sampling import SamplingParams
 
 NEG_INF = float("-inf")
@@ -23,6 +31,8 @@ def ref_process(logits, params, prompt, output, eos=None):
     """Processed logits of one row as a list of float64 (-inf = dropped)."""
     x = [float(v) for v in logits]
     vocab = len(x)
+    for t, b in (params.logit_bias or {}).items():
+        x[t] += b
     if len(output) < params.min_tokens:
         banned = set(params.stop_token_ids)
         if eos is not None and not params.ignore_eos:
@@ -303,16 +313,159 @@ def test_fork_equals_separate_rows_with_same_generators():
 
 def test_make_generator():
     assert make_generator(None, 0) is None
-    g = make_generator(42, 0)
-    assert torch.equal(torch.rand(5, generator=g), torch.rand(5, generator=torch.Generator().manual_seed(42)))
-    a = torch.rand(5, generator=make_generator(42, 1))
-    b = torch.rand(5, generator=make_generator(42, 2))
-    c = torch.rand(5, generator=make_generator(43, 1))
-    assert not torch.equal(a, b) and not torch.equal(a, c)
-    assert torch.equal(a, torch.rand(5, generator=make_generator(42, 1)))
-    make_generator(-1, 0)  # any Python int is a valid seed
+    # Sample 0's stream is the seed itself; others are hashed apart, reproducibly.
+    assert make_generator(42, 0) == SeedStream(42, 0)
+    assert make_generator(-1, 0).key == (1 << 64) - 1  # any Python int is a valid seed
+    keys = {make_generator(42, 1).key, make_generator(42, 2).key, make_generator(43, 1).key, 42}
+    assert len(keys) == 4
+    assert make_generator(42, 1) == make_generator(42, 1)
     with pytest.raises(ValueError, match="sample_index"):
         make_generator(1, -1)
+
+
+def test_counter_uniform_matches_python_reference_and_is_uniform():
+    rng = random.Random(9)
+    keys = [0, 1, (1 << 64) - 1, 1 << 63] + [rng.getrandbits(64) for _ in range(4)]
+    offsets = [0, 5, 1 << 40, 3, 0, 1, 2, 7]
+    signed = [k - (1 << 64) if k >= 1 << 63 else k for k in keys]
+    u = counter_uniform(torch.tensor(signed), torch.tensor(offsets), 300)
+    for r in range(len(keys)):
+        for j in (0, 1, 17, 299):
+            assert u[r, j].item() == counter_uniform_reference(keys[r], offsets[r], j)
+    assert bool(((u > 0) & (u <= 1)).all())
+    # Uniform in aggregate (16 bins over 2400 draws: chi-square far below the 0.1% tail).
+    counts = torch.bincount((u.flatten() * 16).long().clamp(max=15), minlength=16).double()
+    expected = u.numel() / 16
+    assert float(((counts - expected) ** 2 / expected).sum()) < 37.7
+    # Rows of different offsets of one key are different draws.
+    again = counter_uniform(torch.tensor([7, 7]), torch.tensor([0, 1]), 50)
+    assert not torch.equal(again[0], again[1])
+
+
+# ---------------------------------------------------------------- state across steps
+def _step_rows(params, prompts, outputs, streams, keys):
+    return [SamplingRow(p, pr, list(o), g, key=k) for p, pr, o, g, k in zip(params, prompts, outputs, streams, keys)]
+
+
+def test_running_state_matches_a_fresh_sampler_every_step():
+    """A long-lived sampler with keyed rows (running penalty counts, parameters and
+    stream offsets on the device) against a fresh, stateless sampler per step that
+    recounts everything from the rows: the same processed logits and tokens, while
+    rows join, leave, change order, and one row's history is rewritten."""
+    rng = random.Random(21)
+    vocab = 40
+    live = Sampler()
+    pool = []
+    for i in range(8):
+        p = random_params(rng, seed=(None if i == 3 else 100 + i), logprobs=(2 if i == 5 else None),
+                          logit_bias=({1: 3.0, 7: -2.5} if i % 3 == 0 else None))
+        if i == 3:
+            p = random_params(rng, temperature=0.0, presence_penalty=0.4)
+        pool.append(dict(params=p, prompt=[rng.randrange(vocab) for _ in range(3)], out=[],
+                         a=make_generator(p.seed, 0), b=make_generator(p.seed, 0), key=("r", i)))
+    active = [0, 1, 2, 3]
+    for step in range(14):
+        if step == 4:
+            active += [4, 5]
+        if step == 6:
+            live.release(pool[1]["key"])
+            active.remove(1)
+            active += [6, 7]
+        if step == 9:
+            pool[2]["out"] = pool[2]["out"][:2]  # a rewritten history must be recounted
+        rng.shuffle(active)
+        reqs = [pool[i] for i in active]
+        logits = torch.randn(len(reqs), vocab) * 2
+        live_rows = [SamplingRow(r["params"], r["prompt"], list(r["out"]), r["a"], key=r["key"]) for r in reqs]
+        fresh_rows = [SamplingRow(r["params"], r["prompt"], list(r["out"]), r["b"]) for r in reqs]
+        # Processed logits first (no draw, no advance), then the draw.
+        processed = Sampler().process(logits, fresh_rows)
+        assert torch.equal(live.process(logits, live_rows), processed)
+        a = live(logits, live_rows)
+        b = Sampler()(logits, fresh_rows)
+        assert a.token_ids == b.token_ids
+        assert a.logprobs == b.logprobs
+        for i, r in enumerate(reqs):
+            ref = ref_process(logits[i].tolist(), r["params"], r["prompt"], r["out"])
+            assert_same_distribution(processed[i], ref, r["params"].greedy)
+            r["out"].append(a.token_ids[i])
+    # Penalty rows were counted from history once when they joined (and once more for
+    # the rewritten one); every other step ran on the device counts.
+    pen_rows = [i for i, r in enumerate(pool) if r["params"].has_penalties]
+    assert len(pen_rows) >= 3
+    assert live.num_recounts == len(pen_rows) + (1 if 2 in pen_rows else 0)
+    assert live.num_tracked_rows == 7
+    for r in pool:
+        live.release(r["key"])
+    assert live.num_tracked_rows == 0
+
+
+def test_seeded_tokens_independent_of_batch_composition_with_a_live_sampler():
+    vocab = 64
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, repetition_penalty=1.2)
+
+    def run(others_per_step):
+        live = Sampler()
+        torch.manual_seed(len(others_per_step))
+        gen = make_generator(params.seed, 0)
+        mine = []
+        for step, others in enumerate(others_per_step):
+            my_logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(step))
+            rows = [SamplingRow(SamplingParams(temperature=1.0, seed=(k if k % 2 else None)), [1], [],
+                                make_generator(k if k % 2 else None, 0), key=("o", step, k))
+                    for k in range(others)]
+            pos = step % (others + 1)
+            rows.insert(pos, SamplingRow(params, [1, 2], list(mine), gen, key="me"))
+            logits = torch.cat([torch.randn(pos, vocab), my_logits, torch.randn(others - pos, vocab)])
+            mine.append(live(logits, rows).token_ids[pos])
+            for k in range(others):
+                live.release(("o", step, k))
+        return mine
+
+    alone = run([0] * 12)
+    assert run([3, 0, 5, 1, 2, 7, 0, 0, 4, 1, 1, 2]) == alone
+    assert run([1] * 12) == alone
+
+
+def test_logit_bias_matches_reference_and_is_validated():
+    rng = random.Random(13)
+    vocab = 30
+    rows = random_rows(rng, 6, vocab)
+    for i, r in enumerate(rows):
+        r.params = SamplingParams(**{**r.params.to_dict(), "logit_bias": {str(i): 5.0, 29: -200, 3: 0.5}})
+    assert rows[0].params.logit_bias == {0: 5.0, 29: -100.0, 3: 0.5}  # clamped to +-100
+    logits = torch.randn(6, vocab)
+    got = Sampler().process(logits, rows)
+    for i, r in enumerate(rows):
+        ref = ref_process(logits[i].tolist(), r.params, r.prompt_token_ids, r.output_token_ids)
+        assert_same_distribution(got[i], ref, r.params.greedy)
+    # A large bias makes a greedy row pick the token.
+    greedy = SamplingRow(SamplingParams(temperature=0.0, logit_bias={17: 100}), [], [])
+    assert Sampler()(torch.randn(1, vocab), [greedy]).token_ids == [17]
+    with pytest.raises(ValueError, match="logit_bias token ids contain a token id outside"):
+        Sampler()(torch.randn(1, 10), [SamplingRow(SamplingParams(logit_bias={12: 1.0}), [], [])])
+    with pytest.raises(InvalidRequest, match="outside the model's vocabulary"):
+        SamplingParams(logit_bias={12: 1.0}).check_vocab(10)
+
+
+def test_one_staging_copy_per_call(monkeypatch):
+    from hybridserve import staging
+
+    calls = []
+    real = staging.h2d_copy
+    monkeypatch.setattr(staging, "h2d_copy", lambda d, s: (calls.append(s.numel()), real(d, s)))
+    live = Sampler()
+    params = SamplingParams(temperature=0.7, seed=3, frequency_penalty=0.5, logit_bias={2: 1.0}, min_tokens=2)
+    outs = [[], []]
+    gens = [make_generator(3, 0), make_generator(3, 1)]
+    for step in range(4):
+        rows = [SamplingRow(params, [1], list(outs[i]), gens[i], key=i, eos_token_id=0) for i in range(2)]
+        toks = live(torch.randn(2, 20), rows).token_ids
+        for o, t in zip(outs, toks):
+            o.append(t)
+        assert len(calls) == step + 1
+    # After the first step nothing but the per-step row data travels.
+    assert calls[-1] < calls[0]
 
 
 # ---------------------------------------------------------------- logprobs

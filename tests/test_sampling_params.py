@@ -15,7 +15,7 @@ VLLM_DEFAULTS = dict(
     n=1, max_tokens=16, min_tokens=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
     seed=None, stop=[], stop_token_ids=[], ignore_eos=False, presence_penalty=0.0,
     frequency_penalty=0.0, repetition_penalty=1.0, logprobs=None,
-    include_stop_str_in_output=False, skip_special_tokens=True,
+    include_stop_str_in_output=False, skip_special_tokens=True, logit_bias=None,
 )
 
 
@@ -115,3 +115,15 @@ def test_from_dict_rejects_unknown_keys_and_non_mappings():
     with pytest.raises(InvalidRequest, match=r"SamplingParams\.top_p="):
         SamplingParams.from_dict({"top_p": 2})
     assert SamplingParams.from_dict({}) == SamplingParams()
+
+
+def test_logit_bias_is_parsed_clamped_and_checked():
+    p = SamplingParams(logit_bias={"5": 3, 7: -250.0, " 9": 101})
+    assert p.logit_bias == {5: 3.0, 7: -100.0, 9: 100.0}  # OpenAI's [-100, 100]
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    p.check_vocab(10)
+    with pytest.raises(InvalidRequest, match=r"token id\(s\) \[9\] outside the model's vocabulary \[0, 9\)"):
+        p.check_vocab(9)
+    for bad in ({"x": 1}, {-1: 1}, {1: float("nan")}, {1: "3"}, [1, 2], {True: 1}):
+        with pytest.raises(InvalidRequest, match="logit_bias"):
+            SamplingParams(logit_bias=bad)

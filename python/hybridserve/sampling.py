@@ -37,6 +37,31 @@ def _is_number(value: Any) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
 
 
+# OpenAI's range for logit_bias values; larger magnitudes are clamped to it.
+LOGIT_BIAS_LIMIT = 100.0
+
+
+def _parse_logit_bias(value: Any) -> dict[int, float]:
+    if not isinstance(value, Mapping):
+        raise _bad("logit_bias", value, "None or a mapping of token id to a number in [-100, 100]")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        tok = key
+        if isinstance(key, str) and key.strip().isdigit():
+            tok = int(key.strip())
+        if not _is_int(tok) or tok < 0:
+            raise InvalidRequest(
+                f"SamplingParams.logit_bias key {key!r} is invalid: keys must be token ids "
+                f"(integers >= 0, or strings of digits)"
+            )
+        if not _is_number(bias):
+            raise InvalidRequest(
+                f"SamplingParams.logit_bias[{key!r}]={bias!r} is invalid: biases must be finite numbers"
+            )
+        out[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(bias)))
+    return out
+
+
 def _bad(field: str, value: Any, allowed: str) -> InvalidRequest:
     return InvalidRequest(f"SamplingParams.{field}={value!r} is invalid: {field} must be {allowed}")
 
@@ -72,6 +97,11 @@ class SamplingParams:
         logprob plus the k most likely alternatives.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
       skip_special_tokens: leave special tokens out of the detokenized text.
+      logit_bias: None or a mapping token id -> bias added to that token's logit
+        before any other processing (OpenAI's field; keys may be strings of digits
+        as JSON sends them). Biases are clamped to [-100, 100]; ids must be >= 0 here
+        and below the model's vocabulary size (checked by :meth:`check_vocab` when the
+        engine accepts the request).
     """
 
     n: int = 1
@@ -91,6 +121,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -148,9 +179,22 @@ class SamplingParams:
             if not _is_int(t) or t < 0:
                 raise _bad("stop_token_ids", self.stop_token_ids, "a list of integers >= 0")
 
+        if self.logit_bias is not None:
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
+
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """InvalidRequest when a token id this request names lies outside the model's
+        vocabulary (known only to the engine, so checked when the request arrives)."""
+        bad = sorted(t for t in (self.logit_bias or {}) if t >= vocab_size)
+        if bad:
+            raise InvalidRequest(
+                f"SamplingParams.logit_bias names token id(s) {bad[:5]} outside the model's "
+                f"vocabulary [0, {vocab_size}); remove them"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -170,7 +214,11 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = list(value) if isinstance(value, list) else value
+            if isinstance(value, list):
+                value = list(value)
+            elif isinstance(value, dict):
+                value = dict(value)
+            out[f.name] = value
         return out
 
     @classmethod
