@@ -3,11 +3,15 @@
 The :class:`LLMEngine` is single-threaded and owns the scheduler. ``AsyncEngine`` runs
 it on a dedicated thread; coroutines talk to that thread through a command queue
 (add, abort) and receive their outputs on per-request ``asyncio.Queue``s filled with
-``loop.call_soon_threadsafe``. ``add`` reports admission errors (InvalidRequest,
+``loop.call_soon_threadsafe``. ``generate`` reports admission errors (InvalidRequest,
 QueueFull) to the caller before anything streams, so the server can answer 4xx/503.
 
-A request whose client goes away is aborted on the engine thread at the next step
-boundary; its blocks and slot go back to the pools.
+Text prompts are tokenized on a small thread pool, never on the engine thread: a
+many-megabyte prompt must not stall every other request's next token.
+
+Every admitted request is a :class:`RequestStream`; closing it before it finished
+(the client went away, the handler was cancelled) aborts the request on the engine
+thread at the next step boundary, and its blocks and slot go back to the pools.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.errors import HybridServeError
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
 
@@ -31,8 +36,56 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped after an internal error; the server must restart."""
 
 
+class ServerShuttingDown(HybridServeError):
+    """The server stopped before the request finished (drain timeout reached)."""
+
+    http_status = 503
+
+
+class RequestStream:
+    """The outputs of one admitted request, as an async iterator.
+
+    ``close()`` aborts the request unless it already finished; call it in a
+    ``finally`` so that no exit path (cancellation included) leaves it running.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, q: asyncio.Queue) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._q = q
+        self._done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._q.get()
+        except BaseException:
+            self.close()
+            raise
+        if isinstance(item, BaseException):
+            self._finish()
+            raise item
+        if item.finished:
+            self._finish()
+        return item
+
+    def _finish(self) -> None:
+        self._done = True
+        self.engine._streams.pop(self.request_id, None)
+
+    def close(self) -> None:
+        if not self._done:
+            self._finish()
+            self.engine.abort(self.request_id)
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, *, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, *, on_step: Callable[[LLMEngine, list[RequestOutput]], None] | None = None,
+                 tokenizer_threads: int = 2) -> None:
         self.engine = engine
         self.on_step = on_step
         self._commands: queue.Queue[tuple[str, Any, concurrent.futures.Future | None]] = queue.Queue()
@@ -40,6 +93,9 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._dead: BaseException | None = None
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=tokenizer_threads, thread_name_prefix="hybridserve-tokenize"
+        )
         self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
         self._thread.start()
 
@@ -76,6 +132,14 @@ class AsyncEngine:
                     if arg in self.engine.requests:
                         self.engine.abort_request(arg)
                     result = None
+                elif cmd == "abort_all":
+                    # Tell every client first, then free: the error is their last event.
+                    for rid in list(self.engine.requests):
+                        self._deliver(rid, arg)
+                        self.engine.abort_request(rid)
+                    for rid in list(self._streams):  # admitted on the loop, not yet added
+                        self._deliver(rid, arg)
+                    result = None
                 elif cmd == "call":
                     result = arg(self.engine)
                 else:  # pragma: no cover - programming error
@@ -107,8 +171,16 @@ class AsyncEngine:
 
     # --------------------------------------------------------------- asyncio API
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
-        """Run ``fn(engine)`` on the engine thread (for stats, tokenization, ...)."""
+        """Run ``fn(engine)`` on the engine thread (for stats, ...)."""
         return await asyncio.wrap_future(self._submit("call", fn))
+
+    async def run_off_engine(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the tokenizer pool (CPU work that must not stall steps)."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, fn, *args)
+
+    async def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        _, ids = await self.run_off_engine(self.engine.tokenize, prompt)
+        return ids
 
     async def generate(
         self,
@@ -118,41 +190,41 @@ class AsyncEngine:
         *,
         priority: int = 0,
         request_class: str = "default",
-    ) -> AsyncIterator[RequestOutput]:
-        """Admit the request (raising its admission error here), then yield outputs."""
+        prompt_logprobs: int | None = None,
+    ) -> RequestStream:
+        """Admit the request (raising its admission error here); iterate the result
+        for its outputs and close it when done."""
+        ids = await self.tokenize(prompt)
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, q)
+        stream = RequestStream(self, request_id, q)
         try:
             await asyncio.wrap_future(self._submit("add", dict(
-                request_id=request_id, prompt=prompt, params=params,
-                priority=priority, request_class=request_class,
+                request_id=request_id, prompt=ids, params=params,
+                priority=priority, request_class=request_class, prompt_logprobs=prompt_logprobs,
             )))
         except BaseException:
-            self._streams.pop(request_id, None)
+            # Cancelled while the add was queued: the add may still land, so abort too.
+            stream.close()
             raise
-        return self._stream(request_id, q)
-
-    async def _stream(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:  # client went away or the consumer stopped early
-                self.abort(request_id)
+        return stream
 
     def abort(self, request_id: str) -> None:
         if self._dead is None:
             self._commands.put(("abort", request_id, None))
             self._wake.set()
+
+    def abort_all(self, error: BaseException) -> None:
+        """Abort every request; each stream gets ``error`` as its last item."""
+        if self._dead is None:
+            self._commands.put(("abort_all", error, None))
+            self._wake.set()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests admitted (or being admitted) whose stream is still open."""
+        return len(self._streams)
 
     @property
     def is_alive(self) -> bool:
@@ -162,3 +234,4 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)

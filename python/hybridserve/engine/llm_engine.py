@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -35,7 +36,7 @@ from hybridserve.model.loader import load_model
 from hybridserve.outputs import Logprob, RequestOutput
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.sampler import Sampler, SamplingRow
-from hybridserve.sampling import SamplingParams
+from hybridserve.sampling import MAX_LOGPROBS, SamplingParams
 from hybridserve.tokenizer import load_tokenizer
 
 logger = logging.getLogger("hybridserve.engine")
@@ -117,6 +118,9 @@ class LLMEngine:
         )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        # request id -> (k, per-prompt-token logprobs) for requests that asked for
+        # prompt logprobs; empty in the common case, so steps pay nothing for it.
+        self._prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob] | None]]] = {}
         self._counter = 0
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
@@ -187,14 +191,19 @@ class LLMEngine:
         priority: int = 0,
         request_class: str = "default",
         arrival_time: float | None = None,
+        prompt_logprobs: int | None = None,
     ) -> str:
-        """Queue a request; raises InvalidRequest / QueueFull at once if it cannot be admitted."""
+        """Queue a request; raises InvalidRequest / QueueFull at once if it cannot be admitted.
+
+        ``prompt_logprobs=k`` also reports each prompt token's logprob and the k most
+        likely alternatives (``RequestOutput.prompt_logprobs``; the first token's is None)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; pick a unique id")
+        params.check_vocab(self.model_config.vocab_size)
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
@@ -203,6 +212,13 @@ class LLMEngine:
             priority=priority, request_class=request_class, arrival_time=arrival_time,
         )
         stop_ids = list(params.stop_token_ids or [])
+        extra = {}
+        if prompt_logprobs is not None:
+            if not isinstance(prompt_logprobs, int) or not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequest(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}]")
+            # Every prompt position must run through the model: a private prefix-cache
+            # key keeps a cached prefix from skipping positions whose logits we need.
+            extra["extra_key"] = int.from_bytes(os.urandom(8), "little")
         self.scheduler.add_request(
             request_id,
             np.asarray(ids, dtype=np.uint32),
@@ -214,8 +230,11 @@ class LLMEngine:
             n=params.n,
             priority=priority,
             request_class=request_class,
+            **extra,
         )
         self.requests[request_id] = state
+        if prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = (prompt_logprobs, [None] * len(ids))
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -223,10 +242,17 @@ class LLMEngine:
         state = self.requests.pop(request_id, None)
         if state is None:
             raise UnknownRequest(f"no request with id {request_id!r}")
+        self._prompt_logprobs.pop(request_id, None)
         self.scheduler.abort(request_id)
+        self._release_sampler_rows(request_id, state)
         for s in state.samples:
             if s.finish_reason is None:
                 s.finish_reason = "abort"
+
+    def _release_sampler_rows(self, request_id: str, state: RequestState) -> None:
+        # The sampler keeps device state per (request, sample) across steps.
+        for i in range(len(state.samples)):
+            self.sampler.release((request_id, i))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -247,6 +273,7 @@ class LLMEngine:
                     output_token_ids=sample.token_ids,
                     num_samples=k,
                     generators=[state.samples[i].generator for i in range(k)],
+                    keys=[(req_ids[b], i) for i in range(k)],
                     eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                 ))
             else:
@@ -255,6 +282,7 @@ class LLMEngine:
                     prompt_token_ids=state.prompt_token_ids,
                     output_token_ids=sample.token_ids,
                     generator=sample.generator,
+                    key=(req_ids[b], si),
                     eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
                 ))
         return rows
@@ -278,7 +306,10 @@ class LLMEngine:
                 st.metrics.first_scheduled_time = now
                 st.metrics.queue_delay = queue_delay
 
-        step = self.runner.execute(plan)
+        want = self._prompt_logprob_rows(plan) if self._prompt_logprobs else ()
+        step = self.runner.execute(plan, want)
+        if step is not None and step.prompt_spans:
+            self._record_prompt_logprobs(plan, step)
         if step is not None and len(step.batch_index):
             rows = self._sampling_rows(plan, step)
             out = self.sampler(step.logits, rows)
@@ -327,9 +358,15 @@ class LLMEngine:
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[rid]
+                self._release_sampler_rows(rid, state)
             elif not self.emit_unfinished:
                 continue
-            outputs.append(state.to_output())
+            out_ = state.to_output()
+            if rid in self._prompt_logprobs:
+                out_.prompt_logprobs = self._prompt_logprobs[rid][1]
+                if state.finished:
+                    del self._prompt_logprobs[rid]
+            outputs.append(out_)
         self.step_count += 1
         self.last_step_stats = {
             "num_scheduled_seqs": len(plan.request_ids),
@@ -337,6 +374,42 @@ class LLMEngine:
             "step_seconds": now - t0,
         }
         return outputs
+
+    def _prompt_logprob_rows(self, plan: Any) -> list[int]:
+        """Batch indices of sequences still prefilling positions whose prompt logprobs
+        are wanted (a position p yields the logprob of prompt token p + 1)."""
+        rows = []
+        computed = plan.num_computed_tokens
+        for b, rid in enumerate(plan.request_ids):
+            entry = self._prompt_logprobs.get(rid)
+            if entry is not None and int(computed[b]) < len(entry[1]) - 1:
+                rows.append(b)
+        return rows
+
+    def _record_prompt_logprobs(self, plan: Any, step: Any) -> None:
+        for b, row0, count in step.prompt_spans:
+            k, entries = self._prompt_logprobs[plan.request_ids[b]]
+            state = self.requests[plan.request_ids[b]]
+            start = int(plan.num_computed_tokens[b])
+            # Positions start..start+count-1 predict prompt tokens start+1..; stop at the prompt's end.
+            m = min(count, len(entries) - 1 - start)
+            if m <= 0:
+                continue
+            lps = torch.log_softmax(step.prompt_logits[row0:row0 + m].float(), dim=-1)
+            target = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + m], device=lps.device)
+            chosen = lps.gather(1, target[:, None])[:, 0]
+            ranks = (lps > chosen[:, None]).sum(dim=1) + 1
+            top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
+            chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+            tv = top_v.tolist() if k else None
+            ti = top_i.tolist() if k else None
+            for j in range(m):
+                tok = state.prompt_token_ids[start + 1 + j]
+                entry = {tok: Logprob(chosen_l[j], rank=ranks_l[j])}
+                if k:
+                    for rank, (alt, lp) in enumerate(zip(ti[j], tv[j]), start=1):
+                        entry.setdefault(alt, Logprob(lp, rank=rank))
+                entries[start + 1 + j] = entry
 
     def _record_logprobs(self, plan: Any, step: Any, out: Any) -> None:
         if out.logprobs is None:

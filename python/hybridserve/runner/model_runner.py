@@ -36,6 +36,10 @@ class StepLogits:
     logits: torch.Tensor
     batch_index: np.ndarray
     num_samples: np.ndarray
+    # Logits at every scheduled position of the sequences execute() was asked for
+    # (prompt logprobs), rows in plan order; spans are (batch index, first row, count).
+    prompt_logits: torch.Tensor | None = None
+    prompt_spans: list[tuple[int, int, int]] | None = None
 
 
 class ModelRunner:
@@ -78,12 +82,19 @@ class ModelRunner:
         if state_copies.size:
             self.cache.copy_state_slots(self._tensor(state_copies.reshape(-1, 2), torch.long))
 
-    def build_batch(self, plan: Any) -> tuple[ForwardBatch, np.ndarray, np.ndarray]:
+    def build_batch(
+        self, plan: Any, all_positions: Any = ()
+    ) -> tuple[ForwardBatch, np.ndarray, np.ndarray]:
         num_samples = np.asarray(plan.num_samples, dtype=np.int32)
         qsl = np.asarray(plan.query_start_loc, dtype=np.int32)
         sampling = np.nonzero(num_samples > 0)[0]
         # The last token of each sampling sequence is the row whose logits we need.
         logits_indices = qsl[1:][sampling].astype(np.int64) - 1
+        if len(all_positions):
+            # Then every position of the sequences that want prompt logprobs.
+            logits_indices = np.concatenate(
+                [logits_indices] + [np.arange(qsl[b], qsl[b + 1], dtype=np.int64) for b in all_positions]
+            )
         rows = self._tensor(plan.block_table_rows, torch.long)
         # Only the columns the longest sequence uses: the kernels' work (and split-KV
         # choice) follows the batch's real context, not max_model_len.
@@ -103,12 +114,22 @@ class ModelRunner:
         return batch, sampling, num_samples[sampling]
 
     @torch.inference_mode()
-    def execute(self, plan: Any) -> StepLogits | None:
-        """Run one step; ``None`` when the plan schedules nothing."""
+    def execute(self, plan: Any, all_positions: Any = ()) -> StepLogits | None:
+        """Run one step; ``None`` when the plan schedules nothing. ``all_positions``:
+        batch indices whose logits are wanted at every scheduled position too."""
         self.apply_block_table_updates(plan)
         self.apply_copies(plan)
         if len(plan.input_ids) == 0:
             return None
-        batch, sampling, num_samples = self.build_batch(plan)
+        batch, sampling, num_samples = self.build_batch(plan, all_positions)
         logits = self.model(batch, self.cache)
-        return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples)
+        if not len(all_positions):
+            return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples)
+        qsl = np.asarray(plan.query_start_loc)
+        spans, row = [], len(sampling)
+        for b in all_positions:
+            count = int(qsl[b + 1] - qsl[b])
+            spans.append((int(b), row, count))
+            row += count
+        return StepLogits(logits=logits[: len(sampling)], batch_index=sampling, num_samples=num_samples,
+                          prompt_logits=logits[len(sampling):], prompt_spans=spans)

@@ -1,63 +1,135 @@
 """The aiohttp server: OpenAI-compatible completions and chat, SSE streaming, metrics.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``"stream": true`` for server-sent events), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus text format).
+``"stream": true`` for server-sent events), ``GET /v1/models``, ``POST /tokenize``,
+``POST /detokenize`` (vLLM's shapes), ``GET /health``, ``GET /metrics`` (Prometheus).
 
-Errors are values at the boundary: a bad body is a 400, a full queue a 503, each
-with an OpenAI-style ``{"error": {...}}`` body; nothing a client sends can stop the
-engine thread. A client that disconnects mid-stream has its request aborted, and its
-blocks and slot return to the pools.
+Errors are values at the boundary: every failure a client can cause is a 4xx with an
+OpenAI-style ``{"error": {...}}`` body (unknown routes and methods included), a full
+queue or a draining server a 503; nothing a client sends can stop the engine thread.
+Every admitted request is closed in a ``finally``: a client that disconnects, streamed
+or not, has its request aborted, and its blocks and slot return to the pools (the
+server must run with ``handler_cancellation=True``, see :func:`runner_kwargs`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import hmac
 import json
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError
+from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
 from hybridserve.server import protocol
+from hybridserve.server.protocol import ApiError
 from hybridserve.tokenizer import apply_chat_template
 
 logger = logging.getLogger("hybridserve.server")
 
+
+@dataclass
+class ServerSettings:
+    """Operator settings of the HTTP front (the ``serve`` options of the same names)."""
+
+    api_key: str | None = None
+    metrics_require_key: bool = False
+    max_request_body_bytes: int = 16 << 20
+    request_read_timeout: float = 60.0
+    keepalive_timeout: float = 75.0
+
+
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
 METRICS_KEY = web.AppKey("metrics", EngineMetrics)
 MODEL_NAME_KEY = web.AppKey("model_name", str)
+SETTINGS_KEY = web.AppKey("settings", ServerSettings)
+STATE_KEY = web.AppKey("state", dict)
+
+# Bodies above this many bytes are parsed (and checked) on the tokenizer pool, so a
+# large body does not hold the event loop while other streams wait for their tokens.
+_PARSE_OFF_LOOP_BYTES = 256 << 10
+
+
+def runner_kwargs(settings: ServerSettings) -> dict[str, Any]:
+    """What ``AppRunner`` (or aiohttp's ``TestServer``) needs for this app to keep its
+    promises: cancel a handler whose client disconnected (which aborts its request)."""
+    return {"handler_cancellation": True, "keepalive_timeout": settings.keepalive_timeout}
 
 
 def _error(exc: BaseException) -> web.Response:
     status = getattr(exc, "http_status", 500) if isinstance(exc, HybridServeError) else 500
     if isinstance(exc, EngineDeadError):
         status = 503
-    message = str(exc) if status < 500 or isinstance(exc, HybridServeError) else "internal error"
+    message = str(exc) if status < 500 or isinstance(exc, HybridServeError) or isinstance(exc, EngineDeadError) \
+        else "internal error"
     if isinstance(exc, KeyError) and exc.args:
         message = str(exc.args[0])
+    code: int | str | None = status
+    param = None
+    if isinstance(exc, ApiError):
+        code = exc.code if exc.code is not None else status
+        param = exc.param
     return web.json_response(
-        protocol.error_body(message, protocol.error_type_for(exc, status), status), status=status
+        protocol.error_body(message, protocol.error_type_for(exc, status), code, param), status=status
     )
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+def _parse_json(raw: bytes) -> Any:
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"the request body is not UTF-8: {e}") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body nests JSON too deeply") from None
+    try:
+        # JSON may spell lone UTF-16 surrogates ("\ud800"), which no tokenizer can encode.
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(
+            "the request holds a lone UTF-16 surrogate (e.g. \"\\ud800\"), which is not text; "
+            "send valid Unicode"
+        ) from None
+    except RecursionError:
+        raise InvalidRequest("the request body nests JSON too deeply") from None
+    return body
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    settings = request.app[SETTINGS_KEY]
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout=settings.request_read_timeout)
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(
+            f"the request body is larger than this server's limit of {settings.max_request_body_bytes} bytes "
+            "(serve --max-request-body-bytes)", status=413) from None
+    except asyncio.TimeoutError:
+        raise ApiError(f"the request body did not arrive within {settings.request_read_timeout:g} s",
+                       status=408) from None
+    if len(raw) > _PARSE_OFF_LOOP_BYTES:
+        body = await request.app[ENGINE_KEY].run_off_engine(_parse_json, raw)
+    else:
+        body = _parse_json(raw)
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body
 
 
 class _Deltas:
-    """Per-choice text already streamed; holds back a possible stop-string prefix."""
+    """Per-choice text and tokens already streamed; holds back a possible stop-string prefix."""
 
     def __init__(self, n: int, holdback: int) -> None:
         self.sent = [0] * n
+        self.sent_tokens = [0] * n
         self.holdback = holdback
 
     def take(self, index: int, text: str, finished: bool) -> str:
@@ -68,90 +140,208 @@ class _Deltas:
         self.sent[index] = end
         return text[start:end]
 
+    def take_tokens(self, index: int, n: int) -> tuple[int, int]:
+        start = self.sent_tokens[index]
+        self.sent_tokens[index] = n
+        return start, n
+
+
+def _check_prompt_chars(request: web.Request, n_chars: int) -> None:
+    limit = request.app[STATE_KEY]["max_prompt_chars"]
+    if n_chars > limit:
+        engine = request.app[ENGINE_KEY].engine
+        raise ApiError(
+            f"the prompt has {n_chars} characters, more than can fit in max_model_len={engine.max_model_len} "
+            f"tokens (at most {limit} characters); shorten it", param="prompt")
+
+
+def _sse(obj: Any) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+async def _open_streams(request: web.Request, engine: AsyncEngine, rid: str, prompts: list[str | list[int]],
+                        params: Any, priority: int, klass: str, prompt_lp: int | None) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for i, p in enumerate(prompts):
+            sub = rid if len(prompts) == 1 else f"{rid}-{i}"
+            streams.append(await engine.generate(sub, p, params, priority=priority, request_class=klass,
+                                                 prompt_logprobs=prompt_lp))
+    except BaseException:
+        for s in streams:
+            s.close()
+        raise
+    return streams
+
 
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
+    state = request.app[STATE_KEY]
     model_name = request.app[MODEL_NAME_KEY]
     tokenizer = engine.engine.tokenizer
+    tt: protocol.TokenText = state["token_text"]
+    streams: list[RequestStream] = []
     try:
         body = await _json_body(request)
+        protocol.check_model(body, model_name)
         fields = protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS
-        params = protocol.sampling_params_from(body, fields, chat=chat)
+        params = protocol.sampling_params_from(body, fields, chat=chat,
+                                               vocab_size=engine.engine.model_config.vocab_size)
+        opts = protocol.stream_options(body)
         priority, klass = protocol.request_priority(body)
+        echo = False
         if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            ):
-                raise InvalidRequest(
-                    "'messages' must be a non-empty list of {\"role\": str, \"content\": str} objects"
-                )
+            messages = protocol.chat_messages(body)
+            add_gen = protocol._bool(body, "add_generation_prompt", True)
+            _check_prompt_chars(request, sum(len(m["content"]) for m in messages))
             try:
-                prompt: str | list[int] = apply_chat_template(
-                    tokenizer, messages, add_generation_prompt=bool(body.get("add_generation_prompt", True))
-                )
+                prompts: list[str | list[int]] = [await engine.run_off_engine(
+                    lambda: apply_chat_template(tokenizer, messages, add_generation_prompt=add_gen))]
             except CheckpointError as e:
                 raise InvalidRequest(str(e)) from None
+            except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+                raise InvalidRequest(f"the chat template cannot render these messages: {e}") from None
         else:
-            prompt = protocol.completion_prompt(body)
+            prompts = protocol.completion_prompts(body)
+            for p in prompts:
+                if isinstance(p, str):
+                    _check_prompt_chars(request, len(p))
+            echo = protocol._bool(body, "echo", False)
+        prompt_lp = params.logprobs if echo else None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        stream = await engine.generate(rid, prompt, params, priority=priority, request_class=klass)
+        streams = await _open_streams(request, engine, rid, prompts, params, priority, klass, prompt_lp)
     except Exception as e:  # noqa: BLE001 - every failure becomes an error body
         if not isinstance(e, HybridServeError):
             logger.exception("request failed")
         return _error(e)
 
-    if not body.get("stream"):
-        final = None
-        try:
-            async for out in stream:
-                final = out
-        except Exception as e:  # noqa: BLE001
-            return _error(e)
-        make = protocol.chat_body if chat else protocol.completion_body
-        return web.json_response(make(rid, model_name, final, tokenizer))
+    try:
+        echo_texts = [(p if isinstance(p, str) else tokenizer.decode(p)) if echo else None for p in prompts]
+        if not opts.stream:
+            return await _whole(request, rid, model_name, streams, params, tt, chat, echo_texts)
+        return await _stream(request, rid, model_name, streams, params, tt, chat, echo_texts, opts)
+    finally:
+        for s in streams:
+            s.close()
 
+
+async def _whole(request: web.Request, rid: str, model_name: str, streams: list[RequestStream], params: Any,
+                 tt: protocol.TokenText, chat: bool, echo_texts: list[str | None]) -> web.Response:
+    finals = []
+    try:
+        for s in streams:
+            final = None
+            async for out in s:
+                final = out
+            finals.append(final)
+    except Exception as e:  # noqa: BLE001
+        return _error(e)
+    if chat:
+        return web.json_response(protocol.chat_body(rid, model_name, finals[0], tt, params))
+    return web.json_response(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts))
+
+
+async def _merged(streams: list[RequestStream]):
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, s: RequestStream) -> None:
+        try:
+            async for out in s:
+                await q.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            await q.put((i, e))
+        finally:
+            await q.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await q.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def _stream(request: web.Request, rid: str, model_name: str, streams: list[RequestStream], params: Any,
+                  tt: protocol.TokenText, chat: bool, echo_texts: list[str | None],
+                  opts: protocol.StreamOptions) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
+    n = params.n
     holdback = max((len(s) for s in params.stop), default=1) - 1 if not params.include_stop_str_in_output else 0
-    deltas = _Deltas(params.n, holdback)
+    deltas = _Deltas(n * len(streams), holdback)
     obj = "chat.completion.chunk" if chat else "text_completion"
-    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-    last = None
+    created = int(time.time())
+    k = params.logprobs or 0
+    lasts: dict[int, Any] = {}
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra})
+
     try:
         if chat:
-            first = {"id": rid, "object": obj, "model": model_name, "choices": [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                for i in range(params.n)]}
-            await resp.write(f"data: {json.dumps(first)}\n\n".encode())
-        async for out in stream:
-            last = out
+            await resp.write(chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                     "finish_reason": None} for i in range(n)]))
+        echoed: set[int] = set()
+        char_pos: dict[int, int] = {}  # text_offset of the next token, per choice
+        async for si, out in _merged(streams):
+            lasts[si] = out
             choices = []
             for c in out.outputs:
+                index = si * n + c.index
                 done = c.finish_reason is not None
-                text = deltas.take(c.index, c.text, done)
-                if not text and not done:
+                text = deltas.take(index, c.text, done)
+                start, end = deltas.take_tokens(index, len(c.token_ids)) if c.logprobs is not None else (0, 0)
+                if not text and not done and start == end:
                     continue
                 if chat:
-                    choices.append({"index": c.index, "delta": {"content": text},
-                                    "finish_reason": c.finish_reason})
+                    lp = protocol.chat_logprobs(tt, c.token_ids[start:end], c.logprobs[start:end], k) \
+                        if c.logprobs is not None else None
+                    choices.append({"index": index, "delta": {"content": text} if text or not done else {},
+                                    "logprobs": lp, "finish_reason": c.finish_reason})
                 else:
-                    choices.append({"index": c.index, "text": text, "finish_reason": c.finish_reason})
+                    lp = None
+                    first_echo = echo_texts[si] is not None and index not in echoed
+                    if first_echo:
+                        echoed.add(index)
+                        text = echo_texts[si] + text
+                    if c.logprobs is not None:
+                        ids, ents = c.token_ids[start:end], c.logprobs[start:end]
+                        if first_echo:
+                            ids = list(out.prompt_token_ids) + ids
+                            ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
+                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0))
+                        if lp["tokens"]:
+                            char_pos[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                    choices.append({"index": index, "text": text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
-                chunk = {"id": rid, "object": obj, "model": model_name, "choices": choices}
-                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
-        if include_usage and last is not None:
-            chunk = {"id": rid, "object": obj, "model": model_name, "choices": [], "usage": protocol.usage(last)}
-            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                await resp.write(chunk(choices))
+        if opts.include_usage and lasts:
+            await resp.write(chunk([], usage=protocol.usage(list(lasts.values()))))
         await resp.write(b"data: [DONE]\n\n")
     except (ConnectionResetError, ConnectionError):
-        # The client went away: the generator's finally aborts the request.
-        pass
+        pass  # the client went away: the handler's finally aborts the requests
     except Exception as e:  # noqa: BLE001 - report in-band, the status line is gone
-        err = protocol.error_body(str(e), protocol.error_type_for(e, 500), 500)
+        status = getattr(e, "http_status", 500) if isinstance(e, HybridServeError) else 500
+        msg = str(e) if isinstance(e, (HybridServeError, EngineDeadError)) else "internal error"
+        if not isinstance(e, (HybridServeError, EngineDeadError)):
+            logger.exception("stream failed")
         try:
-            await resp.write(f"data: {json.dumps(err)}\n\n".encode())
+            await resp.write(_sse(protocol.error_body(msg, protocol.error_type_for(e, status), status)))
+            await resp.write(b"data: [DONE]\n\n")
         except ConnectionError:
             pass
     return resp
@@ -169,14 +359,83 @@ async def models(request: web.Request) -> web.Response:
     name = request.app[MODEL_NAME_KEY]
     engine = request.app[ENGINE_KEY].engine
     return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "owned_by": "hybridserve", "max_model_len": engine.max_model_len}
+        {"id": name, "object": "model", "created": request.app[STATE_KEY]["created"], "owned_by": "hybridserve",
+         "root": name, "parent": None, "max_model_len": engine.max_model_len}
     ]})
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
+    ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+    engine = request.app[ENGINE_KEY]
+    tokenizer = engine.engine.tokenizer
+    try:
+        body = await _json_body(request)
+        protocol.check_model(body, request.app[MODEL_NAME_KEY])
+        allowed = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "return_token_strs"}
+        unknown = sorted(set(body) - allowed)
+        if unknown:
+            raise InvalidRequest(f"unknown field(s) {unknown}; /tokenize accepts {sorted(allowed)}")
+        add_special = protocol._bool(body, "add_special_tokens", False)
+        if ("prompt" in body) == ("messages" in body):
+            raise InvalidRequest("give exactly one of 'prompt' (a string) or 'messages' (a chat)")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise InvalidRequest("'prompt' must be a string")
+            _check_prompt_chars(request, len(prompt))
+            ids = await engine.run_off_engine(
+                lambda: list(tokenizer.encode(prompt, add_special_tokens=add_special)))
+        else:
+            messages = protocol.chat_messages(body)
+            _check_prompt_chars(request, sum(len(m["content"]) for m in messages))
+            add_gen = protocol._bool(body, "add_generation_prompt", True)
+            try:
+                ids = await engine.run_off_engine(
+                    lambda: apply_chat_template(tokenizer, messages, add_generation_prompt=add_gen))
+            except CheckpointError as e:
+                raise InvalidRequest(str(e)) from None
+        strs = tokenizer.convert_ids_to_tokens(ids) if protocol._bool(body, "return_token_strs", False) else None
+    except Exception as e:  # noqa: BLE001
+        if not isinstance(e, HybridServeError):
+            logger.exception("tokenize failed")
+        return _error(e)
+    return web.json_response({"count": len(ids), "max_model_len": engine.engine.max_model_len,
+                              "tokens": ids, "token_strs": strs})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/detokenize``: ``{"tokens": [int]}`` -> ``{"prompt": str}``."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = await _json_body(request)
+        protocol.check_model(body, request.app[MODEL_NAME_KEY])
+        unknown = sorted(set(body) - {"model", "tokens"})
+        if unknown:
+            raise InvalidRequest(f"unknown field(s) {unknown}; /detokenize accepts ['model', 'tokens']")
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(protocol._is_int(t) for t in tokens):
+            raise InvalidRequest("'tokens' must be a list of token ids")
+        vocab = engine.engine.model_config.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids must be in [0, {vocab}); got {bad[:5]}")
+        text = await engine.run_off_engine(engine.engine.tokenizer.decode, tokens)
+    except Exception as e:  # noqa: BLE001
+        if not isinstance(e, HybridServeError):
+            logger.exception("detokenize failed")
+        return _error(e)
+    return web.json_response({"prompt": text})
 
 
 async def health(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if not engine.is_alive:
         return web.json_response(protocol.error_body("engine thread stopped", "service_unavailable", 503), status=503)
+    if request.app[STATE_KEY]["draining"]:
+        return web.json_response(protocol.error_body("server is shutting down", "service_unavailable", 503),
+                                 status=503)
     return web.json_response({"status": "ok"})
 
 
@@ -186,19 +445,85 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=m.render(), headers={"Content-Type": m.content_type})
 
 
-def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str) -> web.Application:
-    app = web.Application(client_max_size=16 << 20)
+def _needs_key(path: str, settings: ServerSettings) -> bool:
+    if path.startswith("/v1/") or path in ("/tokenize", "/detokenize"):
+        return True
+    return path == "/metrics" and settings.metrics_require_key
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    settings = request.app[SETTINGS_KEY]
+    if settings.api_key and _needs_key(request.path, settings):
+        auth = request.headers.get("Authorization", "")
+        given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+            msg = ("Incorrect API key provided." if given else
+                   "Missing API key: send the header 'Authorization: Bearer <key>'.")
+            return web.json_response(protocol.error_body(msg, "invalid_request_error", "invalid_api_key"),
+                                     status=401, headers={"WWW-Authenticate": "Bearer"})
+    if request.app[STATE_KEY]["draining"] and request.method == "POST":
+        return web.json_response(
+            protocol.error_body("the server is shutting down; retry on another replica", "service_unavailable", 503),
+            status=503)
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 404:
+            msg = f"no route {request.method} {request.path}; see GET /v1/models, POST /v1/completions, " \
+                  "POST /v1/chat/completions"
+        elif e.status == 405:
+            msg = f"method {request.method} is not allowed on {request.path}"
+            if e.headers.get("Allow"):
+                msg += f"; use {e.headers['Allow']}"
+        elif e.status == 413:
+            msg = f"the request body is larger than this server's limit of {settings.max_request_body_bytes} bytes"
+        else:
+            msg = e.reason
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return web.json_response(protocol.error_body(msg, protocol.error_type_for(e, e.status), e.status),
+                                 status=e.status, headers=headers)
+
+
+def _max_token_chars(tokenizer: Any) -> int:
+    try:
+        vocab = tokenizer.get_vocab()
+        return max((len(k) for k in vocab), default=1) or 1
+    except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary listing
+        return 64
+
+
+def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
+              settings: ServerSettings | None = None) -> web.Application:
+    settings = settings or ServerSettings()
+    app = web.Application(client_max_size=settings.max_request_body_bytes, middlewares=[_middleware])
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = metrics_
     app[MODEL_NAME_KEY] = model_name
+    app[SETTINGS_KEY] = settings
+    tokenizer = engine.engine.tokenizer
+    app[STATE_KEY] = {
+        "draining": False,
+        "created": int(time.time()),
+        "token_text": protocol.TokenText(tokenizer),
+        # A token spans at most its longest vocabulary spelling in characters (byte-level
+        # BPE spells one byte per character); x4 covers normalizers that merge characters.
+        # A prompt longer than this cannot fit max_model_len, so it is refused before the
+        # tokenizer spends seconds on it.
+        "max_prompt_chars": engine.engine.max_model_len * _max_token_chars(tokenizer) * 4,
+    }
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
 
     async def _shutdown(app_: web.Application) -> None:
         app_[ENGINE_KEY].shutdown()
 
-    app.on_shutdown.append(_shutdown)
+    app.on_cleanup.append(_shutdown)
     return app

@@ -1,26 +1,29 @@
 """OpenAI-compatible request parsing and response bodies.
 
-A request body becomes :class:`SamplingParams` here; anything unknown or out of
-range becomes an :class:`InvalidRequest` whose message names the field, which the
-server turns into an HTTP 400 with an OpenAI-style ``{"error": {...}}`` body.
+A request body becomes :class:`SamplingParams` here; anything unknown, out of range
+or of the wrong type becomes an :class:`ApiError` (an :class:`InvalidRequest` for
+400s) whose message names the field, which the server turns into an OpenAI-style
+``{"error": {...}}`` body. Integers are range-checked here, before they reach the
+Rust core, whose fixed-width fields would otherwise overflow into a 500.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.errors import HybridServeError, InvalidRequest
-from hybridserve.outputs import RequestOutput
-from hybridserve.sampling import SamplingParams
+from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hybridserve.sampling import MAX_LOGPROBS, SamplingParams
 
 # OpenAI fields we accept and how they map onto SamplingParams (None: handled here).
 _COMMON = {
     "model": None,
     "n": "n",
     "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
     "min_tokens": "min_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
@@ -35,6 +38,7 @@ _COMMON = {
     "repetition_penalty": "repetition_penalty",
     "include_stop_str_in_output": "include_stop_str_in_output",
     "skip_special_tokens": "skip_special_tokens",
+    "logit_bias": None,
     "stream": None,
     "stream_options": None,
     "user": None,
@@ -44,22 +48,58 @@ _COMMON = {
 COMPLETION_FIELDS = {**_COMMON, "prompt": None, "logprobs": None, "echo": None}
 CHAT_FIELDS = {
     **_COMMON,
+    "max_completion_tokens": None,
     "messages": None,
     "logprobs": None,
     "top_logprobs": None,
     "add_generation_prompt": None,
 }
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+# Inclusive ranges of the integer fields: what the Rust core can hold (u32 counts,
+# i32 priority) and OpenAI's int64 seed.
+_U32 = (1 << 32) - 1
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "n": (1, 1024),
+    "max_tokens": (1, _U32),
+    "max_completion_tokens": (1, _U32),
+    "min_tokens": (0, _U32),
+    "top_k": (-1, _U32),
+    "seed": (-(1 << 63), (1 << 63) - 1),
+    "priority": (-(1 << 31), (1 << 31) - 1),
+    "logprobs": (0, MAX_LOGPROBS),
+    "top_logprobs": (0, MAX_LOGPROBS),
+}
+LOGIT_BIAS_LIMIT = 100.0
 
 
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+class ApiError(HybridServeError):
+    """An HTTP error with its status and OpenAI ``type``/``code``/``param``."""
+
+    def __init__(self, message: str, status: int = 400, err_type: str | None = None,
+                 code: str | int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.http_status = status
+        self.err_type = err_type
+        self.code = code
+        self.param = param
+
+
+def error_body(message: str, err_type: str, code: int | str | None, param: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def error_type_for(exc: BaseException, status: int) -> str:
-    if status == 400:
+    if isinstance(exc, ApiError) and exc.err_type:
+        return exc.err_type
+    if status == 400 or status == 413 or status == 408:
         return "invalid_request_error"
+    if status == 401:
+        return "authentication_error"
     if status == 404:
         return "not_found_error"
+    if status == 405:
+        return "method_not_allowed"
     if status == 503:
         return "service_unavailable"
     return "internal_server_error" if not isinstance(exc, HybridServeError) else type(exc).__name__
@@ -73,24 +113,124 @@ def _check_fields(body: dict[str, Any], allowed: dict[str, str | None]) -> None:
         )
 
 
-def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *, chat: bool) -> SamplingParams:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_int_ranges(body: dict[str, Any]) -> None:
+    for name, (lo, hi) in INT_RANGES.items():
+        v = body.get(name)
+        if _is_int(v) and not lo <= v <= hi:
+            raise ApiError(f"{name}={v} is out of range: it must be an integer in [{lo}, {hi}]", param=name)
+    ids = body.get("stop_token_ids")
+    if isinstance(ids, list):
+        for t in ids:
+            if _is_int(t) and not 0 <= t <= _U32:
+                raise ApiError(f"stop_token_ids holds {t}, which is not a token id (0 <= id < 2^32)",
+                               param="stop_token_ids")
+
+
+def check_model(body: dict[str, Any], served: str) -> None:
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise ApiError(f"'model' must be a string, got {type(model).__name__}", param="model")
+    if model != served:
+        raise ApiError(f"The model `{model}` does not exist; this server serves `{served}` (GET /v1/models).",
+                       status=404, err_type="invalid_request_error", code="model_not_found", param="model")
+
+
+def _bool(body: dict[str, Any], name: str, default: bool) -> bool:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(f"'{name}' must be true or false, got {v!r}", param=name)
+    return v
+
+
+@dataclass
+class StreamOptions:
+    stream: bool
+    include_usage: bool
+
+
+def stream_options(body: dict[str, Any]) -> StreamOptions:
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise ApiError("'stream_options' must be an object like {\"include_usage\": true}",
+                           param="stream_options")
+        if not stream:
+            raise ApiError("'stream_options' is only allowed with \"stream\": true", param="stream_options")
+        unknown = sorted(set(opts) - {"include_usage", "continuous_usage_stats"})
+        if unknown:
+            raise ApiError(f"unknown stream_options {unknown}; accepted: include_usage", param="stream_options")
+        include_usage = _bool(opts, "include_usage", False)
+    return StreamOptions(stream, include_usage)
+
+
+def logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float] | None:
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ApiError("'logit_bias' must be an object mapping token ids to biases, e.g. {\"50256\": -100}",
+                       param="logit_bias")
+    out: dict[int, float] = {}
+    for k, v in raw.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise ApiError(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+        if not 0 <= tok < vocab_size:
+            raise ApiError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})",
+                           param="logit_bias")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ApiError(f"logit_bias[{k!r}] must be a finite number, got {v!r}", param="logit_bias")
+        out[tok] = max(-LOGIT_BIAS_LIMIT, min(LOGIT_BIAS_LIMIT, float(v)))
+    return out
+
+
+def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *, chat: bool,
+                         vocab_size: int) -> SamplingParams:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     _check_fields(body, allowed)
+    check_int_ranges(body)
     kwargs = {dst: body[src] for src, dst in allowed.items() if dst is not None and src in body}
     if chat:
-        if body.get("logprobs"):
-            kwargs["logprobs"] = int(body.get("top_logprobs") or 0)
-    elif body.get("logprobs") is not None:
-        kwargs["logprobs"] = body["logprobs"]
-    if "max_tokens" not in kwargs:
+        if body.get("max_completion_tokens") is not None:
+            if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
+                raise ApiError("give max_completion_tokens or max_tokens (its old name), not both",
+                               param="max_completion_tokens")
+            kwargs["max_tokens"] = body["max_completion_tokens"]
+        if _bool(body, "logprobs", False):
+            top = body.get("top_logprobs")
+            if top is not None and not _is_int(top):
+                raise ApiError(f"'top_logprobs' must be an integer, got {top!r}", param="top_logprobs")
+            kwargs["logprobs"] = top or 0
+        elif body.get("top_logprobs") is not None:
+            raise ApiError("'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
+    else:
+        if body.get("logprobs") is not None:
+            kwargs["logprobs"] = body["logprobs"]
+    if kwargs.get("max_tokens") is None:
         kwargs["max_tokens"] = 16 if not chat else 256
+    for k in [k for k, v in kwargs.items() if v is None and k not in ("seed", "stop", "stop_token_ids", "logprobs")]:
+        del kwargs[k]  # null means "the default", as OpenAI treats it
+    bias = logit_bias(body, vocab_size)
+    if bias:
+        kwargs["logit_bias"] = bias
     return SamplingParams(**kwargs)
 
 
 def request_priority(body: dict[str, Any]) -> tuple[int, str]:
     priority = body.get("priority", 0)
-    if not isinstance(priority, int) or isinstance(priority, bool):
+    if not _is_int(priority):
         raise InvalidRequest(f"priority must be an integer (lower runs first), got {priority!r}")
     klass = body.get("request_class", "default")
     if not isinstance(klass, str) or not klass or len(klass) > 64:
@@ -98,64 +238,213 @@ def request_priority(body: dict[str, Any]) -> tuple[int, str]:
     return priority, klass
 
 
-def completion_prompt(body: dict[str, Any]) -> str | list[int]:
+def _is_token_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(_is_int(t) for t in v)
+
+
+MAX_PROMPTS_PER_REQUEST = 256
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """The prompts of a completion request: a string, a token list, or a list of either."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return completion_prompt({"prompt": prompt[0]})
+    if isinstance(prompt, str) or _is_token_list(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_token_list(p) for p in prompt):
+        if len(prompt) > MAX_PROMPTS_PER_REQUEST:
+            raise ApiError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(prompt)}",
+                           param="prompt")
+        return list(prompt)
     raise InvalidRequest(
-        "'prompt' must be a string or a list of token ids (one prompt per request)"
+        "'prompt' must be a string, a list of token ids, or a non-empty list of strings or of token-id lists"
     )
+
+
+def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """Messages normalised for the chat template: text parts joined, null content as ''."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"messages[{i}] must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ApiError(f"messages[{i}].role={role!r} is not one of {list(CHAT_ROLES)}", param="messages")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant" and role != "tool":
+                raise ApiError(f"messages[{i}].content is null; only an assistant message may omit its content",
+                               param="messages")
+            content = ""
+        elif isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"messages[{i}].content[{j}] must be {{\"type\": \"text\", \"text\": str}}; "
+                                   "this server takes text parts only", param="messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string, a list of text parts or null",
+                           param="messages")
+        msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id")}
+        msg.update(role=role, content=content)
+        out.append(msg)
+    return out
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return {
-        "prompt_tokens": len(out.prompt_token_ids),
-        "completion_tokens": completion,
-        "total_tokens": len(out.prompt_token_ids) + completion,
-    }
+def usage(outs: list[RequestOutput]) -> dict[str, int]:
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def _logprobs_block(c: Any, tokenizer: Any, start: int = 0) -> dict[str, Any] | None:
-    if c.logprobs is None:
-        return None
-    tokens, lps, tops = [], [], []
-    for tok, entry in zip(c.token_ids[start:], c.logprobs[start:]):
-        tokens.append(tokenizer.decode([tok]))
+# ------------------------------------------------------------------ token text and bytes
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's byte-level alphabet: byte-level BPE vocabularies spell each byte as one char.
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+class TokenText:
+    """Per-token text and raw bytes for logprobs, cached per token id.
+
+    A byte-level token that is half a UTF-8 character decodes to U+FFFD; its bytes
+    come from the vocabulary spelling instead, so two such tokens stay distinct."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, tok: int) -> str:
+        t = self._text.get(tok)
+        if t is None:
+            t = self._text[tok] = self.tokenizer.decode([tok])
+        return t
+
+    def bytes(self, tok: int) -> list[int]:
+        b = self._bytes.get(tok)
+        if b is None:
+            text = self.text(tok)
+            b = list(text.encode("utf-8"))
+            if "\ufffd" in text:
+                piece = self.tokenizer.convert_ids_to_tokens(tok)
+                if isinstance(piece, str) and piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+                    b = [int(piece[3:5], 16)]
+                elif isinstance(piece, str) and piece and all(c in _UNICODE_TO_BYTE for c in piece):
+                    b = [_UNICODE_TO_BYTE[c] for c in piece]
+            self._bytes[tok] = b
+        return b
+
+
+def _ranked(entry: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    alts = [(t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= k]
+    return sorted(alts, key=lambda x: x[1].rank)
+
+
+def completion_logprobs(
+    tt: TokenText,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    k: int,
+    offset: int,
+) -> dict[str, Any]:
+    """The legacy completions logprobs block (tokens, token_logprobs, top_logprobs,
+    text_offset); ``offset`` is the character offset of the first token. An entry of
+    None (the first prompt token) has no logprob."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for tok, entry in zip(token_ids, entries):
+        text = tt.text(tok)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            lps.append(None)
+            tops.append(None)
+            continue
         lps.append(entry[tok].logprob)
-        tops.append({tokenizer.decode([t]): lp.logprob for t, lp in entry.items()})
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops}
+        top: dict[str, float] = {}
+        for t, lp in [(tok, entry[tok])] + _ranked(entry, k):
+            key = tt.text(t)
+            if key in top and t != tok:
+                # Two tokens with the same text (byte pieces): vLLM's id spelling keeps both.
+                key = f"token_id:{t}"
+            top.setdefault(key, lp.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
 
 
-def completion_body(rid: str, model: str, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+def chat_logprobs(tt: TokenText, token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> dict[str, Any]:
+    """The chat logprobs block: ``{"content": [{token, logprob, bytes, top_logprobs[]}]}``."""
+    content = []
+    for tok, entry in zip(token_ids, entries):
+        content.append({
+            "token": tt.text(tok),
+            "logprob": entry[tok].logprob,
+            "bytes": tt.bytes(tok),
+            "top_logprobs": [
+                {"token": tt.text(t), "logprob": lp.logprob, "bytes": tt.bytes(t)} for t, lp in _ranked(entry, k)
+            ],
+        })
+    return {"content": content}
+
+
+def completion_choice(index: int, c: CompletionOutput, out: RequestOutput, tt: TokenText,
+                      params: SamplingParams, echo_text: str | None) -> dict[str, Any]:
+    text = c.text
+    logprobs = None
+    if echo_text is not None:
+        text = echo_text + text
+    if c.logprobs is not None:
+        k = params.logprobs or 0
+        ids, entries = list(c.token_ids), list(c.logprobs)
+        offset = 0
+        if echo_text is not None:
+            plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+            ids = list(out.prompt_token_ids) + ids
+            entries = list(plp) + entries
+        logprobs = completion_logprobs(tt, ids, entries, k, offset)
+    return {"index": index, "text": text, "logprobs": logprobs,
+            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
+
+def completion_body(rid: str, model: str, outs: list[RequestOutput], tt: TokenText, params: SamplingParams,
+                    echo_texts: list[str | None]) -> dict[str, Any]:
+    n = params.n
     return {
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": _logprobs_block(c, tokenizer),
-                "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason,
-            }
-            for c in out.outputs
+            completion_choice(i * n + c.index, c, out, tt, params, echo_texts[i])
+            for i, out in enumerate(outs) for c in out.outputs
         ],
-        "usage": usage(out),
+        "usage": usage(outs),
     }
 
 
-def chat_body(rid: str, model: str, out: RequestOutput, tokenizer: Any) -> dict[str, Any]:
+def chat_body(rid: str, model: str, out: RequestOutput, tt: TokenText, params: SamplingParams) -> dict[str, Any]:
+    k = params.logprobs or 0
     return {
         "id": rid,
         "object": "chat.completion",
@@ -165,11 +454,11 @@ def chat_body(rid: str, model: str, out: RequestOutput, tokenizer: Any) -> dict[
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": _logprobs_block(c, tokenizer),
+                "logprobs": chat_logprobs(tt, c.token_ids, c.logprobs, k) if c.logprobs is not None else None,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
             for c in out.outputs
         ],
-        "usage": usage(out),
+        "usage": usage([out]),
     }

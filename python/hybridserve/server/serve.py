@@ -1,18 +1,32 @@
-"""``hybridserve serve``: build the engine, start the aiohttp server.
+"""``hybridserve serve``: build the engine, start the aiohttp server, drain on SIGTERM.
 
 Without a model directory it serves the embedded default: the deterministic
-~10M-parameter ``bench`` tiny checkpoint, generated once into a cache folder
-(``$HYBRIDSERVE_CACHE`` or ``~/.cache/hybridserve``).
+~10M-parameter ``bench`` tiny checkpoint with random weights (it prints noise),
+generated once into a cache folder (``$HYBRIDSERVE_CACHE`` or ``~/.cache/hybridserve``).
+
+Start-up order: bind the port first (a port in use is one clear line, before seconds
+of model loading), then load the engine, then serve on the bound socket and print
+``serving ... on http://HOST:PORT``. SIGTERM or SIGINT stops accepting connections,
+lets in-flight requests finish for up to ``--shutdown-timeout`` seconds, then aborts
+the rest (a stream gets a final SSE error event and ``[DONE]``), frees everything and
+exits 0. A second signal skips the wait.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import errno
 import logging
 import os
+import signal
+import socket
+
+from hybridserve.errors import ConfigError
 
 DEFAULT_MODEL_PRESET = "bench"
 DEFAULT_MODEL_SEED = 0
+API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 
 def default_model_dir() -> str:
@@ -34,69 +48,266 @@ def default_model_dir() -> str:
     return path
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; write e.g. 8000") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"port {value} is out of range; use 1-65535 (0 picks a free port)")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
+    return value
+
+
+def _non_negative_seconds(text: str) -> float:
+    if text.strip() in ("0", "0.0"):
+        return 0.0
+    return _seconds(text)
+
+
+def _bytes(text: str) -> int:
+    from hybridserve.errors import HybridServeError
+    from hybridserve.planner import parse_size
+
+    try:
+        value = int(text) if text.isdigit() else parse_size(text)
+    except HybridServeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
+    return value
+
+
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (config.json + safetensors + tokenizer); "
-                        "default: the embedded tiny Qwen3.5-architecture model")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV blocks (with --num-state-slots: exact pools)")
-    p.add_argument("--num-state-slots", type=int, default=None, help="DeltaNet state slots")
-    p.add_argument("--kv-cache-memory", default=None,
-                   help="byte budget for both pools, e.g. 512MiB (default: from device memory; 512MiB on CPU)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--expected-context-len", type=int, default=None,
-                   help="sequence length the KV/state split is sized for (default: max model len)")
-    p.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    p.add_argument("--log-level", default="info")
+                        "default: the embedded tiny Qwen3.5-architecture model (random weights: prints noise)")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    net.add_argument("--port", type=_port, default=8000,
+                     help="TCP port, 1-65535; 0 picks a free one (default: %(default)s)")
+    net.add_argument("--served-model-name", default=None,
+                     help="the model name clients send and /v1/models lists (default: the checkpoint "
+                          "folder's name)")
+    net.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize "
+                          f"(default: ${API_KEY_ENV} if set, else no key)")
+    net.add_argument("--metrics-require-key", action="store_true",
+                     help="also require the API key on /metrics (default: /metrics is open)")
+    net.add_argument("--max-request-body-bytes", type=_bytes, default=16 << 20, metavar="SIZE",
+                     help="largest request body accepted, e.g. 16MiB; larger gets 413 (default: %(default)s)")
+    net.add_argument("--request-read-timeout", type=_seconds, default=60.0, metavar="S",
+                     help="seconds a client may take to send its request body; slower gets 408 "
+                          "(default: %(default)s)")
+    net.add_argument("--keepalive-timeout", type=_seconds, default=75.0, metavar="S",
+                     help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    net.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=30.0, metavar="S",
+                     help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are "
+                          "aborted (default: %(default)s)")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--dtype", default="auto",
+                     help="auto, float32, bfloat16 or float16; auto is float32 on CPU (default: %(default)s)")
+    eng.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: %(default)s)")
+    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    eng.add_argument("--max-num-seqs", type=int, default=64,
+                     help="most sequences in one step's batch (default: %(default)s)")
+    eng.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                     help="most tokens in one step's batch (default: %(default)s)")
+    eng.add_argument("--max-model-len", type=int, default=None,
+                     help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    eng.add_argument("--max-waiting-requests", type=_positive, default=4096,
+                     help="waiting-queue cap in requests; beyond it requests get 503 (default: %(default)s)")
+    eng.add_argument("--max-waiting-tokens", type=_positive, default=1 << 24,
+                     help="waiting-queue cap in prompt tokens; beyond it requests get 503 (default: %(default)s)")
+    eng.add_argument("--num-gpu-blocks", type=int, default=None,
+                     help="KV blocks; with --num-state-slots: exact pools (default: sized from the memory budget)")
+    eng.add_argument("--num-state-slots", type=int, default=None,
+                     help="DeltaNet state slots (default: sized from the memory budget)")
+    eng.add_argument("--kv-cache-memory", default=None,
+                     help="byte budget for both pools, e.g. 512MiB (default: from device memory; 512MiB on CPU)")
+    eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                     help="fraction of device memory to use (default: %(default)s)")
+    eng.add_argument("--expected-context-len", type=int, default=None,
+                     help="sequence length the KV/state split is sized for (default: max model len)")
+    eng.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged",
+                     help="paged, or reserve_max (each sequence reserves max_model_len; the pre-paging "
+                          "baseline) (default: %(default)s)")
+    eng.add_argument("--no-prefix-caching", action="store_true",
+                     help="turn off prefix caching (default: on)")
+    eng.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                     help="prompts longer than this are prefilled in chunks of at most this many tokens; "
+                          "0 = no limit (default: %(default)s)")
+    p.add_argument("--log-level", default="info",
+                   help="debug, info, warning or error (default: %(default)s)")
+
+
+class _BindError(ConfigError):
+    """The listening socket could not be opened (port in use, bad address)."""
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, or a one-line :class:`ConfigError` saying what to change."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise _BindError(f"cannot listen on host {host!r}: {e.strerror}") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(1024)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise _BindError(f"port {port} on {host} is already in use; stop the other server or pick "
+                             "another --port") from None
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise _BindError(f"no permission to listen on port {port}; ports below 1024 need privileges, "
+                             "pick another --port") from None
+        raise _BindError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.setblocking(False)
+    return sock
+
+
+def check_model_dir(path: str) -> None:
+    """A checkpoint must be a directory; say so plainly when it is a file or missing."""
+    if os.path.isfile(path):
+        raise ConfigError(
+            f"{path!r} is a file, not a directory: give the checkpoint directory that holds "
+            "config.json, the *.safetensors files and the tokenizer"
+        )
+    if not os.path.isdir(path):
+        raise ConfigError(f"no checkpoint directory at {path!r}")
+
+
+async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: float,
+                    stop: asyncio.Event | None = None) -> None:
+    """Serve ``app`` on the bound ``sock`` until SIGTERM/SIGINT (or ``stop`` is set),
+    then drain: stop accepting, wait for in-flight requests up to ``shutdown_timeout``,
+    abort the rest, clean up."""
+    from aiohttp import web
+
+    from hybridserve.engine.async_engine import ServerShuttingDown
+    from hybridserve.server.app import ENGINE_KEY, SETTINGS_KEY, STATE_KEY, runner_kwargs
+
+    log = logging.getLogger("hybridserve.server")
+    engine = app[ENGINE_KEY]
+    runner = web.AppRunner(app, handle_signals=False, access_log=None,
+                           shutdown_timeout=5.0, **runner_kwargs(app[SETTINGS_KEY]))
+    await runner.setup()
+    site = web.SockSite(runner, sock)
+    await site.start()
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    print(f"hybridserve: serving {name} on http://{shown}:{port} "
+          "(POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /metrics)", flush=True)
+
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    force = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        (stop if signals == 1 else force).set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await stop.wait()
+        app[STATE_KEY]["draining"] = True
+        await site.stop()  # no new connections
+        n = engine.num_in_flight
+        log.info("shutting down: %d request(s) in flight, waiting up to %gs", n, shutdown_timeout)
+        deadline = loop.time() + shutdown_timeout
+        while engine.num_in_flight and loop.time() < deadline and not force.is_set():
+            await asyncio.sleep(0.05)
+        if engine.num_in_flight:
+            log.warning("aborting %d request(s) still running at shutdown", engine.num_in_flight)
+            engine.abort_all(ServerShuttingDown(
+                "the server shut down before this request finished (serve --shutdown-timeout)"))
+            grace = loop.time() + 5.0
+            while engine.num_in_flight and loop.time() < grace:
+                await asyncio.sleep(0.02)
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        await runner.cleanup()  # closes connections; the app's cleanup stops the engine
+    log.info("shut down")
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
-
     from hybridserve.engine.args import EngineArgs
     from hybridserve.engine.async_engine import AsyncEngine
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.metrics import EngineMetrics
     from hybridserve.planner import parse_size
-    from hybridserve.server.app import build_app
+    from hybridserve.server.app import ServerSettings, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = args.model or default_model_dir()
-    engine_args = EngineArgs(
-        model=model,
-        dtype=args.dtype,
-        device=args.device,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        num_gpu_blocks=args.num_gpu_blocks,
-        num_state_slots=args.num_state_slots,
-        kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        expected_context_len=args.expected_context_len,
-        admission_policy=args.admission_policy,
-        enable_prefix_caching=not args.no_prefix_caching,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-    )
-    engine = LLMEngine(engine_args)
-    metrics = EngineMetrics()
-    async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
-    name = args.served_model_name or os.path.basename(os.path.normpath(model))
-    app = build_app(async_engine, metrics, name)
-    logging.getLogger("hybridserve.server").info(
-        "serving %s on http://%s:%d (POST /v1/completions, /v1/chat/completions; GET /metrics)",
-        name, args.host, args.port,
-    )
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    if args.model is not None:
+        check_model_dir(args.model)
+    sock = bind_socket(args.host, args.port)
+    try:
+        model = args.model or default_model_dir()
+        engine_args = EngineArgs(
+            model=model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+            num_gpu_blocks=args.num_gpu_blocks,
+            num_state_slots=args.num_state_slots,
+            kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            expected_context_len=args.expected_context_len,
+            admission_policy=args.admission_policy,
+            enable_prefix_caching=not args.no_prefix_caching,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_waiting_requests=args.max_waiting_requests,
+            max_waiting_tokens=args.max_waiting_tokens,
+        )
+        engine = LLMEngine(engine_args)
+        metrics = EngineMetrics()
+        async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
+        name = args.served_model_name or os.path.basename(os.path.normpath(model))
+        settings = ServerSettings(
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            metrics_require_key=args.metrics_require_key,
+            max_request_body_bytes=args.max_request_body_bytes,
+            request_read_timeout=args.request_read_timeout,
+            keepalive_timeout=args.keepalive_timeout,
+        )
+        if settings.metrics_require_key and not settings.api_key:
+            raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
+        app = build_app(async_engine, metrics, name, settings)
+        asyncio.run(serve_app(app, sock, name=name, shutdown_timeout=args.shutdown_timeout))
+    finally:
+        sock.close()
     return 0
+
+
+__all__ = ["add_serve_arguments", "run_serve", "serve_app", "bind_socket", "default_model_dir"]
