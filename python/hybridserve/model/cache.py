@@ -28,7 +28,10 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def _pairs(pairs: torch.Tensor, limit: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     pairs = torch.as_tensor(pairs, dtype=torch.long).reshape(-1, 2)
-    if pairs.numel() and (int(pairs.min()) < 0 or int(pairs.max()) >= limit):
+    # Pairs already on an accelerator are not range-checked here: that would read
+    # device data back every step. The runner checks the plan's host arrays before
+    # they travel.
+    if pairs.device.type == "cpu" and pairs.numel() and (int(pairs.min()) < 0 or int(pairs.max()) >= limit):
         raise ValueError(f"{what} pair ids must lie in 0..{limit - 1}, got {pairs.tolist()}")
     return pairs[:, 0], pairs[:, 1]
 
@@ -111,7 +114,7 @@ class HybridCache:
     def zero_state_slots(self, slots) -> None:
         """Clear slots (not needed for correctness: see the class docstring)."""
         idx = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_state_slots):
+        if idx.device.type == "cpu" and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_state_slots):
             raise ValueError(f"state slots must lie in 0..{self.num_state_slots - 1}, got {idx.tolist()}")
         idx = idx.to(self.device)
         for pool in (*self.conv_states, *self.recurrent_states):

@@ -21,6 +21,7 @@ import logging
 import os
 import signal
 import socket
+from typing import Any
 
 from hybridserve.errors import ConfigError
 
@@ -201,7 +202,8 @@ def check_model_dir(path: str) -> None:
 
 
 async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: float,
-                    stop: asyncio.Event | None = None) -> None:
+                    stop: asyncio.Event | None = None, handle_signals: bool = True,
+                    ready: Any = None) -> None:
     """Serve ``app`` on the bound ``sock`` until SIGTERM/SIGINT (or ``stop`` is set),
     then drain: stop accepting, wait for in-flight requests up to ``shutdown_timeout``,
     abort the rest, clean up."""
@@ -232,8 +234,11 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
         signals += 1
         (stop if signals == 1 else force).set()
 
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    sigs = (signal.SIGTERM, signal.SIGINT) if handle_signals else ()
+    for sig in sigs:
         loop.add_signal_handler(sig, on_signal)
+    if ready is not None:
+        ready(port)
     try:
         await stop.wait()
         app[STATE_KEY]["draining"] = True
@@ -251,7 +256,7 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
             while engine.num_in_flight and loop.time() < grace:
                 await asyncio.sleep(0.02)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in sigs:
             loop.remove_signal_handler(sig)
         await runner.cleanup()  # closes connections; the app's cleanup stops the engine
     log.info("shut down")
