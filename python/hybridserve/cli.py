@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from hybridserve.bench.cli import add_bench_arguments, run_bench
 from hybridserve.errors import HybridServeError
 from hybridserve.server.serve import add_serve_arguments, run_serve
 
@@ -241,6 +242,11 @@ SUBCOMMANDS: dict[str, Subcommand] = {
         help="serve a checkpoint (default: the embedded tiny model) over an OpenAI-compatible HTTP API",
         add_arguments=add_serve_arguments,
         run=run_serve,
+    ),
+    "bench": Subcommand(
+        help="benchmark: seeded traffic on the in-process engine (throughput) or a live server (serve)",
+        add_arguments=add_bench_arguments,
+        run=run_bench,
     ),
 }
 

@@ -51,6 +51,9 @@ class EngineArgs:
     max_waiting_tokens: int = 1 << 24
     admission_policy: str = "paged"
     use_triton: bool | None = None  # None: Triton kernels on CUDA when importable
+    # vLLM's name: True runs decode steps eagerly instead of from captured CUDA graphs
+    # (graphs are only ever used on CUDA).
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):

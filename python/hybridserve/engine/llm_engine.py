@@ -91,8 +91,13 @@ class LLMEngine:
         logger.info(planner.format_max_concurrency(self.pool_plan, self.expected_context_len))
 
         kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype)
+        # Decode steps replay CUDA graphs on CUDA unless enforce_eager; their padding
+        # rows need one DeltaNet slot that no sequence owns (the scheduler never
+        # hands out slot num_state_slots).
+        self.use_cuda_graphs = self.device.type == "cuda" and not args.enforce_eager
         self.cache = HybridCache(
-            self.model_config, self.num_blocks, self.block_size, self.num_state_slots,
+            self.model_config, self.num_blocks, self.block_size,
+            self.num_state_slots + (1 if self.use_cuda_graphs else 0),
             dtype=kv_dtype, device=self.device,
         )
         self.scheduler = _core.Scheduler(
@@ -116,6 +121,20 @@ class LLMEngine:
             max_blocks_per_seq=self.max_blocks_per_seq,
             device=self.device,
         )
+        if self.use_cuda_graphs:
+            from hybridserve.runner.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(
+                self.model, self.cache, max_num_seqs=args.max_num_seqs,
+                max_blocks_per_seq=self.max_blocks_per_seq, scratch_slot=self.num_state_slots,
+            )
+            self.runner.graphs.capture()
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            logger.info(
+                "device memory after pools%s: %.1f MiB free of %.1f MiB",
+                " and graph capture" if self.use_cuda_graphs else "", free / 2**20, total / 2**20,
+            )
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         # request id -> (k, per-prompt-token logprobs) for requests that asked for
@@ -139,10 +158,18 @@ class LLMEngine:
         if a.kv_cache_memory_bytes is not None:
             return a.kv_cache_memory_bytes
         if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            # Measured, not computed: what is in use once the weights are loaded (weights,
+            # CUDA context, other processes) comes off the top; `reserve` covers the
+            # activations of a step and the decode graphs captured after the pools.
+            torch.cuda.synchronize(self.device)
+            free, total = torch.cuda.mem_get_info(self.device)
+            in_use = total - free
+            logger.info(
+                "device memory after loading weights: %.1f MiB free of %.1f MiB (%.1f MiB in use)",
+                free / 2**20, total / 2**20, in_use / 2**20,
+            )
             return planner.pool_from_device(
-                total, weights, utilization=a.gpu_memory_utilization, reserve=a.runtime_reserve_bytes
+                total, in_use, utilization=a.gpu_memory_utilization, reserve=a.runtime_reserve_bytes
             )
         return a.cpu_pool_bytes
 

@@ -152,6 +152,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged",
                      help="paged, or reserve_max (each sequence reserves max_model_len; the pre-paging "
                           "baseline) (default: %(default)s)")
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="run every step eagerly: no CUDA graphs for decode steps (default: graphs on CUDA)")
     eng.add_argument("--no-prefix-caching", action="store_true",
                      help="turn off prefix caching (default: on)")
     eng.add_argument("--long-prefill-token-threshold", type=int, default=0,
@@ -294,6 +296,7 @@ def run_serve(args: argparse.Namespace) -> int:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
+            enforce_eager=args.enforce_eager,
         )
         engine = LLMEngine(engine_args)
         metrics = EngineMetrics()
