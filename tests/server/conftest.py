@@ -154,6 +154,11 @@ def hf_tiny(tiny_dir):
     return transformers.Qwen3_5ForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def live_server_cls():
+    return LiveServer
+
+
 @pytest.fixture(scope="module")
 def live(tiny_dir):
     server = LiveServer(tiny_dir)

@@ -167,7 +167,7 @@ class ModelRunner:
         if not len(all_positions):
             return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples)
         qsl = np.asarray(plan.query_start_loc)
-        spans, row = [], len(sampling)
+        spans, row = [], 0  # rows of prompt_logits
         for b in all_positions:
             count = int(qsl[b + 1] - qsl[b])
             spans.append((int(b), row, count))
