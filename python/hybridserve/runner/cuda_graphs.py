@@ -1,0 +1,175 @@
+"""CUDA graphs for pure-decode steps.
+
+A decode step of a hybrid model is hundreds of small kernel launches (per layer: norms,
+projections, rope, the cache write, attention or the conv + delta rule, the MLP), each
+paying Python and launch overhead that dwarfs the kernels at small batch sizes. The
+model forward of a pure-decode batch (every sequence schedules exactly one token) is
+therefore captured once per batch-size bucket at start-up and replayed:
+
+* buckets 1, 2, 4, 8, then steps of 8 up to ``max_num_seqs`` (vLLM's);
+* a batch of B sequences runs the smallest bucket >= B; rows B.. are padding that
+  writes nothing: slot mapping -1 (no K/V write), ``has_initial_state`` False and a
+  scratch DeltaNet state slot that no sequence owns (the cache is built with one slot
+  more than the scheduler hands out), ``seq_lens`` 1 over block 0 (read, never
+  written), and their logits are dropped;
+* inputs are copied into static buffers before the replay (device-to-device copies of
+  the step's staged views; no host transfer); the block tables are gathered at the full
+  ``max_blocks_per_seq`` width, so one graph serves every context length;
+* mixed prefill/decode steps, prompt-logprob steps and batches over the largest bucket
+  run eagerly.
+
+Capture logs its time and the device memory it took. ``enforce_eager`` (vLLM's
+``--enforce-eager``) turns graphs off. Only CUDA devices use this module; the CPU
+path never constructs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from hybridserve.model.batch import ForwardBatch
+
+logger = logging.getLogger("hybridserve.cuda_graphs")
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, ... up to (and including) ``max_num_seqs``."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    out = [b for b in (1, 2, 4, 8) if b <= max_num_seqs]
+    out += list(range(16, max_num_seqs + 1, 8))
+    if out[-1] != max_num_seqs:
+        out.append(max_num_seqs)
+    return out
+
+
+def bucket_for(buckets: list[int], n: int) -> int | None:
+    for b in buckets:
+        if b >= n:
+            return b
+    return None
+
+
+class DecodeGraphs:
+    """Captured forwards of ``model`` over ``cache`` for each decode bucket."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: Any,
+        *,
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        scratch_slot: int,
+    ) -> None:
+        self.model = model
+        self.cache = cache
+        self.device = cache.device
+        if self.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device; use enforce_eager on other devices")
+        if not 0 <= scratch_slot < cache.num_state_slots:
+            raise ValueError(f"scratch_slot {scratch_slot} is not a slot of the cache")
+        self.buckets = decode_buckets(max_num_seqs)
+        self.scratch_slot = scratch_slot
+        n = self.buckets[-1]
+        d = dict(device=self.device)
+        self.input_ids = torch.zeros(n, dtype=torch.int64, **d)
+        self.positions = torch.zeros(n, dtype=torch.int64, **d)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, **d)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **d)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, **d)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, **d)
+        self.state_slots = torch.full((n,), scratch_slot, dtype=torch.int64, **d)
+        self.has_initial_state = torch.zeros(n, dtype=torch.bool, **d)
+        self.logits_indices = torch.arange(n, dtype=torch.int64, **d)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.replays = 0
+
+    def _batch(self, b: int) -> ForwardBatch:
+        return ForwardBatch(
+            input_ids=self.input_ids[:b],
+            positions=self.positions[:b],
+            slot_mapping=self.slot_mapping[:b],
+            query_start_loc=self.query_start_loc[: b + 1],
+            seq_lens=self.seq_lens[:b],
+            block_tables=self.block_tables[:b],
+            state_slots=self.state_slots[:b],
+            has_initial_state=self.has_initial_state[:b],
+            logits_indices=self.logits_indices[:b],
+        )
+
+    def _reset_padding(self, start: int, end: int) -> None:
+        if end > start:
+            self.slot_mapping[start:end].fill_(-1)
+            self.seq_lens[start:end].fill_(1)
+            self.block_tables[start:end].zero_()
+            self.state_slots[start:end].fill_(self.scratch_slot)
+            self.has_initial_state[start:end].fill_(False)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every bucket (largest first, sharing one memory pool); log time and memory."""
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        self._reset_padding(0, self.buckets[-1])
+        pool = None
+        stream = torch.cuda.Stream(self.device)
+        for b in reversed(self.buckets):
+            batch = self._batch(b)
+            # Warm up outside the graph (Triton compiles, lazy buffers are made).
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self.model(batch, self.cache)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.model(batch, self.cache)
+            pool = graph.pool()
+            self.graphs[b] = graph
+            self.outputs[b] = out
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes (%s) in %.1f s using %.1f MiB",
+            len(self.buckets), ",".join(map(str, self.buckets)), self.capture_seconds,
+            self.capture_bytes / 2**20,
+        )
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A pure-decode batch (one token per sequence) within the largest bucket."""
+        b = batch.num_seqs
+        return bool(self.graphs) and 0 < b <= self.buckets[-1] and batch.num_tokens == b and \
+            batch.logits_indices.shape[0] == b
+
+    def run(self, batch: ForwardBatch, block_table_buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Replay the bucket for ``batch``; logits ``[B, V]`` (a view into the graph's
+        output, valid until the next replay). ``block_table_buf``/``rows``: the runner's
+        persistent table and the batch's rows in it, gathered at full width."""
+        n = batch.num_seqs
+        b = bucket_for(self.buckets, n)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.seq_lens[:n].copy_(batch.seq_lens)
+        torch.index_select(block_table_buf, 0, rows, out=self.block_tables[:n])
+        self.state_slots[:n].copy_(batch.state_slots)
+        self.has_initial_state[:n].copy_(batch.has_initial_state)
+        # A smaller batch after a larger one leaves stale rows in the bucket's padding.
+        self._reset_padding(n, b)
+        self.graphs[b].replay()
+        self.replays += 1
+        out = self.outputs[b]
+        # Sampling rows are in batch order; all decode rows sample.
+        return out[:n] if batch.logits_indices.shape[0] == n else out.index_select(0, batch.logits_indices)
+
+
+__all__ = ["DecodeGraphs", "decode_buckets", "bucket_for"]

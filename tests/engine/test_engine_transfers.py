@@ -1,0 +1,76 @@
+"""The per-step transfer structure that can be asserted without a GPU.
+
+A recording shim on :func:`hybridserve.staging.h2d_copy` counts the host->device
+copies of every engine step: the runner sends the whole plan (block-table updates,
+copy-on-write and fork copy lists, tokens, positions, slot mapping, ...) in exactly
+one copy, and the sampler its row data in one more; nothing else in the step goes
+through a staging copy. On a GPU, benches/gpu_check.py asserts the stronger property
+(no synchronising call in a decode step) with torch.cuda.set_sync_debug_mode.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve import staging
+from hybridserve.engine.args import EngineArgs
+from hybridserve.engine.llm_engine import LLMEngine
+from hybridserve.runner.cuda_graphs import DecodeGraphs, bucket_for, decode_buckets
+from hybridserve.sampling import SamplingParams
+
+
+def test_one_runner_copy_and_one_sampler_copy_per_step(tiny_dirs, monkeypatch):
+    engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32",
+                                  block_size=4, max_num_seqs=8, num_gpu_blocks=64, num_state_slots=16))
+    assert engine.runner.graphs is None and not engine.use_cuda_graphs  # never on the CPU
+    calls: list[str] = []
+    real = staging.h2d_copy
+    runner_buf = engine.runner.staging
+
+    def shim(dst, src):
+        calls.append("runner" if dst.untyped_storage().data_ptr() == runner_buf.dev.untyped_storage().data_ptr()
+                     else "other")
+        real(dst, src)
+
+    monkeypatch.setattr(staging, "h2d_copy", shim)
+    # A shared prefix (prefix-cache hits, copy-on-write of the partial block), n=3
+    # forks (state-slot copies), seeded penalties and a logit bias: every kind of
+    # per-step data.
+    prompt = list(range(1, 11))
+    engine.add_request("a", prompt, SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=6,
+                                                   presence_penalty=0.5, logit_bias={3: 2.0}))
+    engine.add_request("b", prompt + [12], SamplingParams(temperature=0.0, max_tokens=5,
+                                                          repetition_penalty=1.3))
+    saw_copies = False
+    plan_copies: list[int] = []
+    orig = engine.runner.stage
+
+    def stage(plan, *a):
+        plan_copies.append(len(plan.block_copies) + len(plan.state_copies))
+        return orig(plan, *a)
+
+    monkeypatch.setattr(engine.runner, "stage", stage)
+    steps = 0
+    while engine.has_unfinished_requests():
+        calls.clear()
+        engine.step()
+        saw_copies |= plan_copies[-1] > 0
+        assert calls.count("runner") == 1, calls
+        assert calls.count("other") <= 1, calls  # the sampler's, on steps that sample
+        steps += 1
+        assert steps < 50
+    assert saw_copies, "the scenario should exercise copy-on-write / fork copies"
+    assert engine.sampler.num_tracked_rows == 0, "finished requests must release their sampler rows"
+
+
+def test_decode_buckets_and_cpu_refusal(tiny_dirs):
+    assert decode_buckets(1) == [1]
+    assert decode_buckets(6) == [1, 2, 4, 6]
+    assert decode_buckets(8) == [1, 2, 4, 8]
+    assert decode_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+    assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert [bucket_for(decode_buckets(30), n) for n in (1, 3, 9, 25, 30, 31)] == [1, 4, 16, 30, 30, None]
+    engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32",
+                                  num_gpu_blocks=8, num_state_slots=2))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        DecodeGraphs(engine.model, engine.cache, max_num_seqs=4, max_blocks_per_seq=4, scratch_slot=1)
