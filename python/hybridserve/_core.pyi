@@ -146,6 +146,8 @@ class SchedulerOutput:
     ``int32[max_num_seqs, max_blocks_per_seq]`` buffer, perform ``block_copies``
     and ``state_copies`` ((src, dst) pairs), then run. ``slot_mapping == -1``: the
     token's KV is already cached (prefix hit), feed the token but do not write it.
+    An entry starting at ``num_computed_tokens > 0`` continues from its state slot
+    (a checkpoint hit is copied there by ``state_copies`` first).
     """
 
     @property
@@ -186,7 +188,9 @@ class SchedulerOutput:
         """``[K, 2]`` copy-on-write (src, dst) block pairs."""
     @property
     def state_copies(self) -> Int32Array:
-        """``[M, 2]`` (src_slot, dst_slot) DeltaNet state copies of forks."""
+        """``[M, 2]`` (src_slot, dst_slot) DeltaNet state copies: forks, checkpoint
+        writes and checkpoint restores. Read every source before writing any
+        destination (one gather, one scatter); do them before the forward."""
     @property
     def preempted(self) -> list[str]: ...
     @property
@@ -236,6 +240,7 @@ class Scheduler:
         aging_interval_steps: int = 256,
         reserve_max_context: bool = False,
         max_finished_retained: int = 4096,
+        checkpoint_slot_cost_blocks: float = 1.0,
     ) -> None: ...
     @property
     def max_blocks_per_seq(self) -> int: ...
@@ -271,4 +276,6 @@ class Scheduler:
         """Dense ``[B, width]`` block tables of the last plan (-1 padded)."""
     def take_events(self) -> list[tuple[str, str, float, float]]:
         """(request_id, request_class, time, queue_delay) of requests first scheduled since the last call."""
+    def checkpoints(self) -> list[tuple[int, int, int]]:
+        """Live DeltaNet checkpoints: (state slot, tokens, last KV block of its chain), sorted."""
     def stats(self) -> dict[str, int]: ...

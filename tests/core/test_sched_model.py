@@ -8,8 +8,11 @@ through a caller-side block-table buffer built only from the incremental row
 updates, a simulated DeltaNet state per slot fed by the plan and state_copies, and
 the stop rule. Invariants: the budget is never exceeded; every token fed is the
 right one at the right position; attention would read the right KV; the recurrent
-state is the right one (so a preempted request resumes with the same tokens);
-everything admitted finishes; afterwards every block and slot is free.
+state is the right one (so a preempted request resumes with the same tokens, and
+a sequence resuming from a DeltaNet checkpoint starts from exactly its prefix);
+every live checkpoint holds the state of the prefix its key block was computed
+from, and no sequence runs on a checkpoint slot; everything admitted finishes;
+afterwards every block is free and every slot is free or a checkpoint.
 """
 
 from __future__ import annotations
@@ -104,6 +107,13 @@ def run_workload(seed: int) -> None:
         snap = dict(state)
         for src, dst in out.state_copies.tolist():
             state[dst] = snap.get(src, ())
+        ckpt_slots = set()
+        for slot, ntok, last in s.checkpoints():
+            assert ntok % bs == 0 and slot not in ckpt_slots
+            ckpt_slots.add(slot)
+            assert len(state.get(slot, ())) == ntok, "checkpoint holds a state of the wrong length"
+            assert kv.get(last * bs + bs - 1) == state.get(slot), "checkpoint state is not its key's prefix"
+        assert not ckpt_slots & set(out.state_slots.tolist()), "a sequence runs on a checkpoint slot"
         rows[out.block_table_update_rows, out.block_table_update_cols] = out.block_table_update_values
         assert len(set(out.state_slots.tolist())) == B and len(set(out.block_table_rows.tolist())) == B
         ents = []
@@ -115,6 +125,10 @@ def run_workload(seed: int) -> None:
             assert r["st"] == "r" and not r["done"][sm]
             t = toks(r, sm)
             start, k, q0 = int(out.num_computed_tokens[e]), int(out.num_scheduled_tokens[e]), int(out.query_start_loc[e])
+            if r["computed"][sm] == 0 and start > 0:
+                # Checkpoint hit: the state assertion below checks what it resumes from.
+                assert start % bs == 0
+                r["computed"][sm] = start
             assert start == r["computed"][sm] and k >= 1 and start + k <= len(t)
             assert int(out.seq_lens[e]) == start + k
             decode = k == 1 and start >= len(r["prompt"]) and start + 1 == len(t)
@@ -203,7 +217,8 @@ def run_workload(seed: int) -> None:
     assert all(r["st"] == "d" for r in reqs.values()), "an admitted request never finished"
     st_ = s.stats()
     assert st_["used_blocks"] == 0 and st_["free_blocks"] == num_blocks, "blocks leaked"
-    assert st_["free_slots"] == slots, "slots leaked"
+    assert st_["free_slots"] + st_["checkpoint_slots"] == slots, "slots leaked"
+    assert st_["checkpoint_slots"] == len(s.checkpoints())
 
 
 @settings(max_examples=60, deadline=None)

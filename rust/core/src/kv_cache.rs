@@ -56,6 +56,9 @@ pub struct KvCacheManager {
     /// copy and `append_slots` skips reading the tail's refcount (a cache miss
     /// per decoding sequence per step).
     forked: bool,
+    /// Generations of evicted entries that DeltaNet checkpoints depended on,
+    /// until the scheduler drains them (`take_dropped_generations`).
+    dropped_generations: Vec<u64>,
 }
 
 impl KvCacheManager {
@@ -84,6 +87,7 @@ impl KvCacheManager {
             stats: KvStats::default(),
             hash_scratch: Vec::new(),
             forked: false,
+            dropped_generations: Vec::new(),
         })
     }
 
@@ -178,7 +182,9 @@ impl KvCacheManager {
             self.alloc.prefetch_state(next);
         }
         cache.unpark(b);
-        cache.remove(b);
+        if let Some(g) = cache.remove(b) {
+            self.dropped_generations.push(g);
+        }
         self.alloc.revive_mut(b).expect("parked block has count 0");
         self.stats.evictions += 1;
         b
@@ -339,7 +345,9 @@ impl KvCacheManager {
                         // An orphan (its parent entry was evicted) or a collision
                         // nobody uses: drop it so live content can be cached.
                         cache.unpark(old);
-                        cache.remove(old);
+                        if let Some(g) = cache.remove(old) {
+                            self.dropped_generations.push(g);
+                        }
                         self.alloc.release_mut(old).expect("parked block has count 0");
                         cache.insert(table.blocks[i], h, parent_gen, blk, extra_key)
                     } else {
@@ -379,6 +387,45 @@ impl KvCacheManager {
         table.num_tokens = 0;
         table.chain.clear();
         table.chain_broken = false;
+    }
+
+    /// Pins a DeltaNet checkpoint's dependency on the cached entries of
+    /// `chain` (a table's leading links): each entry's block gains a checkpoint
+    /// reference, so evicting it reports its generation through
+    /// [`Self::take_dropped_generations`]. Returns the `(block, generation)`
+    /// pairs to pass to [`Self::unref_checkpoint_chain`] later, or `None` (and
+    /// changes nothing) if an entry is no longer cached. O(chain).
+    pub fn ref_checkpoint_chain(&mut self, chain: &[ChainLink]) -> Option<Vec<(BlockId, u64)>> {
+        let cache = self.cache.as_mut()?;
+        let mut out = Vec::with_capacity(chain.len());
+        for l in chain {
+            out.push((cache.block_of(l.hash, l.generation)?, l.generation));
+        }
+        for &(b, _) in &out {
+            cache.ckpt_ref(b, true);
+        }
+        Some(out)
+    }
+
+    /// Undoes [`Self::ref_checkpoint_chain`] for the entries still cached.
+    pub fn unref_checkpoint_chain(&mut self, chain: &[(BlockId, u64)]) {
+        let Some(cache) = self.cache.as_mut() else { return };
+        for &(b, g) in chain {
+            if cache.holds(b, g) {
+                cache.ckpt_ref(b, false);
+            }
+        }
+    }
+
+    /// Generations of checkpoint-referenced entries evicted since the last call.
+    pub fn take_dropped_generations(&mut self, out: &mut Vec<u64>) {
+        out.append(&mut self.dropped_generations);
+    }
+
+    /// Whether any checkpoint-referenced entry was evicted since the last drain.
+    #[inline]
+    pub fn has_dropped_generations(&self) -> bool {
+        !self.dropped_generations.is_empty()
     }
 
     /// Unused slots in the table's last block.

@@ -84,10 +84,20 @@ struct BlockMeta {
     /// Stamp of the park that put this block in the LRU (see `PrefixCache::lru`).
     park_stamp: u64,
     in_lru: bool,
+    /// DeltaNet state checkpoints whose block chain includes this entry: its
+    /// eviction must drop them (see `KvCacheManager::take_dropped_generations`).
+    ckpt_refs: u32,
 }
 
-const EMPTY_META: BlockMeta =
-    BlockMeta { hash: 0, generation: 0, parent_generation: 0, extra_key: 0, park_stamp: 0, in_lru: false };
+const EMPTY_META: BlockMeta = BlockMeta {
+    hash: 0,
+    generation: 0,
+    parent_generation: 0,
+    extra_key: 0,
+    park_stamp: 0,
+    in_lru: false,
+    ckpt_refs: 0,
+};
 
 /// Entry data lives in per-block records (a block holds at most one entry).
 pub(crate) struct PrefixCache {
@@ -186,15 +196,43 @@ impl PrefixCache {
         g
     }
 
-    /// Drops block `b`'s entry (eviction). The block must not be in the LRU.
+    /// The block holding the entry `(h, generation)`, if it is still cached.
     #[inline]
-    pub(crate) fn remove(&mut self, b: BlockId) {
+    pub(crate) fn block_of(&self, h: u64, generation: u64) -> Option<BlockId> {
+        let meta = &self.meta;
+        let b = self.index.find(h, |b| meta[b as usize].hash == h)?;
+        (meta[b as usize].generation == generation).then_some(b)
+    }
+
+    /// Whether block `b` still holds the entry of `generation`.
+    #[inline]
+    pub(crate) fn holds(&self, b: BlockId, generation: u64) -> bool {
+        self.meta[b as usize].generation == generation
+    }
+
+    #[inline]
+    pub(crate) fn ckpt_ref(&mut self, b: BlockId, up: bool) {
+        let m = &mut self.meta[b as usize];
+        if up {
+            m.ckpt_refs += 1;
+        } else {
+            m.ckpt_refs -= 1;
+        }
+    }
+
+    /// Drops block `b`'s entry (eviction). The block must not be in the LRU.
+    /// Returns the entry's generation if checkpoints depended on it.
+    #[inline]
+    pub(crate) fn remove(&mut self, b: BlockId) -> Option<u64> {
         let m = &mut self.meta[b as usize];
         debug_assert!(m.generation != 0 && !m.in_lru);
+        let dropped = (m.ckpt_refs > 0).then_some(m.generation);
+        m.ckpt_refs = 0;
         m.generation = 0;
         let h = m.hash;
         self.index.remove(h, b);
         self.num_entries -= 1;
+        dropped
     }
 
     #[inline]

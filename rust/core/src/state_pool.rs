@@ -1,7 +1,8 @@
 //! DeltaNet state-slot pool: a fixed number of slots, each holding one
-//! sequence's recurrent state (all DeltaNet layers) — or, later, a checkpoint of
-//! a state at a block boundary, keyed by that block's chained hash, for prefix
-//! caching on the hybrid model ([`SlotUse::Checkpoint`]).
+//! sequence's recurrent state (all DeltaNet layers) or a checkpoint of a state
+//! at a block boundary, keyed by that block's chained hash, for prefix caching
+//! on the hybrid model ([`SlotUse::Checkpoint`], managed by the scheduler's
+//! `checkpoints` module).
 //!
 //! Invariants (checked by `tests/prop_state_pool.rs`): a slot is free xor in use;
 //! `num_free() + num_used() == num_slots()`; exhaustion and misuse are
@@ -17,8 +18,8 @@ pub enum SlotUse {
     Free,
     /// A live sequence's state.
     Sequence,
-    /// The state after the block with this chained hash (reserved for prefix
-    /// caching on the hybrid model).
+    /// The state after the block with this chained hash (prefix caching on
+    /// the hybrid model).
     Checkpoint { block_hash: u64 },
 }
 
@@ -76,6 +77,18 @@ impl StatePool {
     /// A slot holding the state checkpointed after the block hashed `block_hash`.
     pub fn allocate_checkpoint(&mut self, block_hash: u64) -> Result<SlotId, CoreError> {
         self.take(SlotUse::Checkpoint { block_hash })
+    }
+
+    /// Hands a checkpoint's slot to a sequence that resumes from it (no copy).
+    pub fn checkpoint_to_sequence(&mut self, slot: SlotId) -> Result<(), CoreError> {
+        match self.uses.get(slot as usize) {
+            Some(SlotUse::Checkpoint { .. }) => {
+                self.uses[slot as usize] = SlotUse::Sequence;
+                Ok(())
+            }
+            None => Err(CoreError::InvalidSlot { slot, reason: "id out of range" }),
+            Some(_) => Err(CoreError::InvalidSlot { slot, reason: "not a checkpoint slot" }),
+        }
     }
 
     /// Returns an in-use slot (sequence or checkpoint) to the pool.

@@ -7,6 +7,12 @@
 //!   * a simulated DeltaNet state per slot (the tokens it has consumed), fed by
 //!     the plan and its state copies,
 //!   * the stop rule and the admission rule, re-implemented here.
+//!   * DeltaNet checkpoints: each live one's slot holds (in the simulated state
+//!     memory) exactly the token prefix that the simulated KV of its chain's last
+//!     block was computed from, and no entry runs on a checkpoint slot;
+//!     prefix-cache hits may start a sequence at any block boundary, and the
+//!     state it starts from must then be exactly its prefix.
+//!
 //! So "attention would read the right KV", "the recurrent state is the right
 //! one", "a preempted request resumes with the same tokens", "the budget is never
 //! exceeded", "FCFS within a priority" and "everything finishes and every block
@@ -205,6 +211,16 @@ impl Harness {
         for c in out.state_copies.chunks(2) {
             self.state_mem.insert(c[1], snapshot.get(&c[0]).cloned().unwrap_or_default());
         }
+        let ckpts = self.s.checkpoints();
+        let ckpt_slots: HashSet<i32> = ckpts.iter().map(|c| c.0 as i32).collect();
+        assert_eq!(ckpt_slots.len(), ckpts.len(), "two checkpoints in one slot");
+        for &(slot, tokens, last_block) in &ckpts {
+            assert!(tokens > 0 && tokens % bs == 0, "checkpoint off a block boundary");
+            let st = self.state_mem.get(&(slot as i32)).cloned().unwrap_or_default();
+            assert_eq!(st.len(), tokens, "checkpoint slot {slot} holds a state of {} tokens, keyed at {tokens}", st.len());
+            let kv = self.kv_mem.get(&(last_block as i32 * bs as i32 + bs as i32 - 1)).cloned().unwrap_or_default();
+            assert_eq!(kv, st, "checkpoint state is not the prefix its key (block chain) stands for");
+        }
         for k in 0..out.bt_update_rows.len() {
             let row = &mut self.rows[out.bt_update_rows[k] as usize];
             row[out.bt_update_cols[k] as usize] = out.bt_update_values[k];
@@ -228,7 +244,13 @@ impl Harness {
             let q0 = out.query_start_loc[e] as usize;
             assert_eq!(out.query_start_loc[e + 1] as usize, q0 + k);
             assert!(k >= 1);
+            if r.computed[sm] == 0 && start > 0 {
+                // A checkpoint hit: the state check below verifies the restored state.
+                assert!(cfg.enable_prefix_caching && start % bs == 0 && start < toks.len(), "bad hit start {start}");
+                r.computed[sm] = start;
+            }
             assert_eq!(start, r.computed[sm], "num_computed_tokens disagrees with what was computed");
+            assert!(!ckpt_slots.contains(&out.state_slots[e]), "a sequence runs on a checkpoint slot");
             assert_eq!(out.seq_lens[e] as usize, start + k);
             assert!(start + k <= toks.len());
             let is_decode = k == 1 && start >= r.prompt.len() && start + 1 == toks.len();
@@ -471,13 +493,15 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     let st = h.s.stats();
     assert_eq!(st.used_blocks, 0, "blocks leaked");
     assert_eq!(st.free_blocks, st.num_blocks);
-    assert_eq!(st.free_slots, st.num_slots, "slots leaked");
+    assert_eq!(st.free_slots + st.checkpoint_slots, st.num_slots, "slots leaked");
+    assert_eq!(st.checkpoint_slots as usize, h.s.checkpoints().len());
     assert_eq!(st.reserved_blocks, 0);
     if std::env::var("SCHED_COVERAGE").is_ok() {
         eprintln!(
-            "COV steps={} preempt={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={}",
+            "COV steps={} preempt={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
             h.step, st.preemptions, st.prefix_hit_tokens, st.cow_copies,
-            h.reqs.iter().filter(|r| r.forked).count(), h.reqs.len(), st.aborted_requests, st.evictions
+            h.reqs.iter().filter(|r| r.forked).count(), h.reqs.len(), st.aborted_requests, st.evictions,
+            st.checkpoint_hits, st.prefix_skipped_tokens, st.checkpoint_writes, st.checkpoint_evictions, st.checkpoint_drops
         );
     }
     // FCFS within a priority (no aging): first-scheduled order follows arrival order.

@@ -183,7 +183,7 @@ impl PyScheduler {
         num_blocks, block_size, num_state_slots, max_num_seqs, max_num_batched_tokens, max_model_len,
         *, enable_prefix_caching = true, long_prefill_token_threshold = 0,
         max_waiting_requests = None, max_waiting_tokens = None, aging_interval_steps = 256,
-        reserve_max_context = false, max_finished_retained = 4096
+        reserve_max_context = false, max_finished_retained = 4096, checkpoint_slot_cost_blocks = 1.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -200,6 +200,7 @@ impl PyScheduler {
         aging_interval_steps: u32,
         reserve_max_context: bool,
         max_finished_retained: u32,
+        checkpoint_slot_cost_blocks: f64,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             num_blocks,
@@ -216,6 +217,7 @@ impl PyScheduler {
         cfg.aging_interval_steps = aging_interval_steps;
         cfg.reserve_max_context = reserve_max_context;
         cfg.max_finished_retained = max_finished_retained;
+        cfg.checkpoint_slot_cost_blocks = checkpoint_slot_cost_blocks;
         let inner = Scheduler::new(cfg).py()?;
         Ok(PyScheduler { inner, clock: Instant::now(), id_strings: Vec::new() })
     }
@@ -397,6 +399,11 @@ impl PyScheduler {
             .collect()
     }
 
+    /// Live DeltaNet checkpoints as `(slot, tokens, last block of the chain)`, sorted.
+    fn checkpoints(&self) -> Vec<(u32, usize, u32)> {
+        self.inner.checkpoints()
+    }
+
     /// Counters and gauges of the core, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
@@ -427,6 +434,15 @@ impl PyScheduler {
         d.set_item("finished_requests", s.finished_requests)?;
         d.set_item("aborted_requests", s.aborted_requests)?;
         d.set_item("reserved_blocks", s.reserved_blocks)?;
+        d.set_item("checkpoint_slots", s.checkpoint_slots)?;
+        d.set_item("checkpoint_queries", s.checkpoint_queries)?;
+        d.set_item("checkpoint_hits", s.checkpoint_hits)?;
+        d.set_item("prefix_skipped_tokens", s.prefix_skipped_tokens)?;
+        d.set_item("prefix_lost_tokens", s.prefix_lost_tokens)?;
+        d.set_item("checkpoint_writes", s.checkpoint_writes)?;
+        d.set_item("checkpoint_writes_skipped", s.checkpoint_writes_skipped)?;
+        d.set_item("checkpoint_evictions", s.checkpoint_evictions)?;
+        d.set_item("checkpoint_drops", s.checkpoint_drops)?;
         Ok(d)
     }
 }

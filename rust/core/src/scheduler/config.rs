@@ -19,7 +19,11 @@ pub struct SchedulerConfig {
     /// Tokens per step across all sequences (decodes count 1 each).
     pub max_num_batched_tokens: u32,
     pub max_model_len: u32,
+    /// KV prefix cache and DeltaNet state checkpoints (see `checkpoints`).
     pub enable_prefix_caching: bool,
+    /// Bytes of one DeltaNet state slot over bytes of one KV block: the memory
+    /// side of the checkpoint eviction score (see `checkpoints`).
+    pub checkpoint_slot_cost_blocks: f64,
     /// Cap on one sequence's prefill chunk per step (0 = no cap beyond the budget).
     pub long_prefill_token_threshold: u32,
     /// `add_request` answers QueueFull beyond this many waiting requests.
@@ -53,6 +57,7 @@ impl SchedulerConfig {
             max_num_batched_tokens,
             max_model_len,
             enable_prefix_caching: true,
+            checkpoint_slot_cost_blocks: 1.0,
             long_prefill_token_threshold: 0,
             max_waiting_requests: u32::MAX,
             max_waiting_tokens: u64::MAX,

@@ -31,6 +31,21 @@ pub struct SchedulerStats {
     pub aborted_requests: u64,
     /// Blocks reserved by the `reserve_max_context` policy (0 when paged).
     pub reserved_blocks: u64,
+    /// State slots holding DeltaNet checkpoints now (reclaimable).
+    pub checkpoint_slots: u32,
+    /// Admitted sequences that looked for a checkpoint / found one.
+    pub checkpoint_queries: u64,
+    pub checkpoint_hits: u64,
+    /// Prompt tokens whose compute a checkpoint hit skipped.
+    pub prefix_skipped_tokens: u64,
+    /// KV-matched tokens recomputed for want of a checkpoint at their end.
+    pub prefix_lost_tokens: u64,
+    pub checkpoint_writes: u64,
+    /// Checkpoint writes not done for want of a slot.
+    pub checkpoint_writes_skipped: u64,
+    /// Checkpoints evicted for room / dropped with their KV chain.
+    pub checkpoint_evictions: u64,
+    pub checkpoint_drops: u64,
 }
 
 /// One per request, the first time it is scheduled: its queue delay and class,

@@ -33,9 +33,14 @@
 //!   `update()` forks n sequences sharing the prompt blocks (copy-on-write on the
 //!   shared tail) and copies the DeltaNet slot (a `state_copies` pair in the next
 //!   plan). The n slots are reserved at admission.
-//! * Prefix cache: looked up at admission. The KV of a hit is reused (its slots
-//!   are -1 in the plan) but, because the DeltaNet state at the hit boundary is
-//!   not cached yet, the tokens are still fed from position 0.
+//! * Prefix cache: looked up at admission (and readmission after preemption).
+//!   The KV of the longest cached run of full blocks is reused; compute is
+//!   skipped up to the longest prefix of it that ends at a DeltaNet state
+//!   checkpoint, copied into the sequence's own slot by the plan. Prefill
+//!   chunks end exactly at the block boundaries where a checkpoint is to be
+//!   written (the prompt's last full block, a branch point); see
+//!   [`checkpoints`] for where, the copy ordering and the eviction order.
+//!   Checkpoint slots are reclaimable: admission counts them as available.
 //!
 //! # Starvation bound (aging)
 //! With aging interval A > 0, a request of priority p that arrived at step s
@@ -52,18 +57,21 @@
 //! O(prompt) for admission (hashing, block-table rows) and forks. All buffers are
 //! reused; ids are numeric inside, strings only at `add_request` and in events.
 
+pub mod checkpoints;
 pub mod config;
 pub mod metrics;
 pub mod output;
 pub(crate) mod queue;
 pub mod request;
 
+pub use checkpoints::CheckpointStats;
 pub use config::SchedulerConfig;
 pub use metrics::{ScheduledEvent, SchedulerStats};
 pub use output::{SchedulerOutput, StepUpdate};
 pub use request::{FinishReason, RequestParams};
 
 use crate::{BlockId, CoreError, KvCacheManager, SlotId, StatePool};
+use checkpoints::Checkpoints;
 use queue::{order_key, WaitingQueue};
 use request::{ReqState, Request, Seq};
 use std::collections::{HashMap, VecDeque};
@@ -122,6 +130,7 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     kv: KvCacheManager,
     pool: StatePool,
+    ckpts: Checkpoints,
     free_rows: Vec<u32>,
     requests: Vec<Option<Box<Request>>>,
     free_handles: Vec<u32>,
@@ -173,11 +182,13 @@ impl Scheduler {
         cfg.validate()?;
         let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)?;
         let pool = StatePool::new(cfg.num_state_slots);
+        let ckpts = Checkpoints::new(cfg.block_size, cfg.checkpoint_slot_cost_blocks);
         // Rows are handed out from the end: row 0 first.
         let free_rows = (0..cfg.max_num_seqs).rev().collect();
         Ok(Scheduler {
             kv,
             pool,
+            ckpts,
             free_rows,
             requests: Vec::new(),
             free_handles: Vec::new(),
@@ -378,6 +389,11 @@ impl Scheduler {
                 self.out.state_copies.push(pc.dst as i32);
             }
         }
+        // Checkpoint writes registered by the last update(), before any forward
+        // advances their sequences; then slots of dropped checkpoints whose
+        // copies have run.
+        self.ckpts.reconcile(&mut self.kv, &mut self.pool, self.step);
+        self.ckpts.emit_writes(&mut self.out.state_copies);
 
         let mut pending_decodes = 0usize;
         let mut running_units = 0u32;
@@ -427,6 +443,9 @@ impl Scheduler {
                     let mut k = need.min(budget.saturating_sub(pending_decodes));
                     if thresh > 0 {
                         k = k.min(thresh);
+                    }
+                    if seq.ckpt_next > seq.num_computed {
+                        k = k.min(seq.ckpt_next - seq.num_computed);
                     }
                     k
                 };
@@ -523,6 +542,9 @@ impl Scheduler {
             }
         }
 
+        // Checkpoints whose KV chain lost a block to this step's allocations.
+        self.ckpts.reconcile(&mut self.kv, &mut self.pool, self.step);
+
         // Assemble the plan: decodes, then prefill chunks.
         let out = &mut self.out;
         out.num_decodes = self.d_entries.len();
@@ -573,7 +595,11 @@ impl Scheduler {
         thresh: usize,
     ) -> bool {
         let units = req.units();
-        if *running_units + units > self.cfg.max_num_seqs || self.pool.num_free() < units {
+        if *running_units + units > self.cfg.max_num_seqs {
+            return false;
+        }
+        let free_slots = self.pool.num_free();
+        if free_slots < units && free_slots + self.ckpts.num_evictable(self.step) < units {
             return false;
         }
         let reserve = if self.cfg.reserve_max_context {
@@ -608,6 +634,10 @@ impl Scheduler {
         if need_blocks > self.kv.num_free_blocks() as usize {
             return false;
         }
+        let pending = req.pending_tokens();
+        let caching = self.kv.prefix_caching_enabled();
+        // (sequence, slot to copy the state from, checkpoint key)
+        let mut restores: Vec<(usize, SlotId, u64)> = Vec::new();
         let p_s = self.p_slots.len();
         let c_s = self.copies.len();
         let mut failed = false;
@@ -615,17 +645,58 @@ impl Scheduler {
             if !s.is_live() {
                 continue;
             }
-            s.num_computed = 0;
             s.matched = self.kv.match_prefix(&mut s.table, &s.tokens, req.params.extra_key);
-            let k = chunks[si];
+            let mut hit = 0;
+            if caching {
+                if let Some((t, src, key)) = self.ckpts.lookup(&s.table.chain, s.matched / bs, self.step) {
+                    hit = t;
+                    restores.push((si, src, key));
+                }
+            }
+            s.num_computed = hit;
+            set_checkpoint_targets(s, req.prompt_len, hit, caching, bs);
+            let mut k = chunks[si].min(s.tokens.len() - hit);
+            if s.ckpt_next > hit {
+                k = k.min(s.ckpt_next - hit);
+            }
+            chunks[si] = k;
             if k == 0 {
                 continue;
             }
-            let n_cached = k.min(s.matched);
+            let n_cached = (hit + k).min(s.matched).saturating_sub(hit);
             self.p_slots.extend(std::iter::repeat_n(-1, n_cached));
             if self.kv.append_slots(&mut s.table, k - n_cached, &mut self.p_slots, &mut self.copies).is_err() {
                 failed = true;
                 break;
+            }
+        }
+        // Slots: checkpoints are reclaimable. Those this request restores from
+        // are busy (kept); when nothing else is left, a sequence takes over the
+        // checkpoint it resumes from instead of copying it.
+        while !failed && self.pool.num_free() < units {
+            if !self.ckpts.evict_one(&mut self.kv, &mut self.pool, self.step) {
+                break;
+            }
+        }
+        let mut adopted = 0usize;
+        if !failed && self.pool.num_free() < units {
+            let short = (units - self.pool.num_free()) as usize;
+            if short > restores.len() {
+                failed = true;
+            } else {
+                for rs in restores.iter_mut().take(short) {
+                    match self.ckpts.adopt(&mut self.kv, &mut self.pool, rs.2) {
+                        Some(slot) => {
+                            req.seqs[rs.0].slot = Some(slot);
+                            rs.1 = slot;
+                            adopted += 1;
+                        }
+                        None => {
+                            failed = true;
+                            break;
+                        }
+                    }
+                }
             }
         }
         if failed {
@@ -633,25 +704,50 @@ impl Scheduler {
             self.copies.truncate(c_s);
             for s in req.seqs.iter_mut() {
                 self.kv.free(&mut s.table);
+                if let Some(slot) = s.slot.take() {
+                    // Adopted from a checkpoint above; that checkpoint is lost.
+                    self.pool.free(slot).expect("adopted slot held");
+                }
                 s.matched = 0;
+                s.num_computed = 0;
+                s.ckpt_next = 0;
+                s.ckpt_after = 0;
             }
             return false;
         }
         // Commit.
         self.slot_scratch.clear();
-        self.pool.allocate_n(units as usize, &mut self.slot_scratch).expect("slots checked above");
+        self.pool.allocate_n(units as usize - adopted, &mut self.slot_scratch).expect("slots checked above");
+        let mut it = self.slot_scratch.iter();
         if req.forked {
-            let mut it = self.slot_scratch.iter();
-            for s in req.seqs.iter_mut().filter(|s| s.is_live()) {
+            for s in req.seqs.iter_mut().filter(|s| s.is_live() && s.slot.is_none()) {
                 s.slot = Some(*it.next().expect("one slot per live sequence"));
             }
         } else {
-            req.seqs[0].slot = Some(self.slot_scratch[0]);
+            if req.seqs[0].slot.is_none() {
+                req.seqs[0].slot = Some(*it.next().expect("a slot for the sequence"));
+            }
             req.spare_slots.clear();
-            req.spare_slots.extend_from_slice(&self.slot_scratch[1..]);
+            req.spare_slots.extend(it);
+        }
+        for &(si, src, _) in &restores {
+            let dst = req.seqs[si].slot.expect("slot assigned above");
+            if src != dst {
+                self.out.state_copies.push(src as i32);
+                self.out.state_copies.push(dst as i32);
+            }
+        }
+        if caching {
+            let st = &mut self.ckpts.stats;
+            for s in req.seqs.iter().filter(|s| s.is_live()) {
+                st.queries += 1;
+                st.hits += (s.num_computed > 0) as u64;
+                st.skipped_tokens += s.num_computed as u64;
+                st.lost_tokens += (s.matched.max(s.num_computed) - s.num_computed) as u64;
+            }
         }
         self.waiting.remove(&req.key);
-        self.waiting_tokens -= req.pending_tokens();
+        self.waiting_tokens -= pending;
         req.state = ReqState::Running;
         let pos = self.running.partition_point(|&x| self.requests[x as usize].as_ref().expect("running").key < req.key);
         self.running.insert(pos, r);
@@ -669,12 +765,20 @@ impl Scheduler {
             s.bt_synced = 0;
             sync_row(s, &mut self.out);
             *budget -= k;
-            let num_samples = if k == s.tokens.len() {
+            let start = s.num_computed;
+            let num_samples = if start + k == s.tokens.len() {
                 if req.forked { 1 } else { req.params.n }
             } else {
                 0
             };
-            self.p_entries.push(Entry { req: r, seq: si as u32, seq_id: s.seq_id, start: 0, k: k as u32, num_samples });
+            self.p_entries.push(Entry {
+                req: r,
+                seq: si as u32,
+                seq_id: s.seq_id,
+                start: start as u32,
+                k: k as u32,
+                num_samples,
+            });
         }
         if !req.first_scheduled {
             req.first_scheduled = true;
@@ -694,6 +798,8 @@ impl Scheduler {
             release_seq(&mut self.kv, &mut self.pool, &mut self.free_rows, s);
             s.num_computed = 0;
             s.matched = 0;
+            s.ckpt_next = 0;
+            s.ckpt_after = 0;
         }
         for s in req.spare_slots.drain(..) {
             self.pool.free(s).expect("spare slot held");
@@ -755,6 +861,17 @@ impl Scheduler {
                 if self.cfg.enable_prefix_caching && seq.num_computed / bs > seq.table.num_hashed_blocks() {
                     self.kv.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
                 }
+                if seq.ckpt_next != 0 && seq.num_computed >= seq.ckpt_next {
+                    let nb = seq.ckpt_next / bs;
+                    if seq.num_computed == seq.ckpt_next && seq.table.chain.len() >= nb {
+                        let slot = seq.slot.expect("running sequence has a slot");
+                        // The copy runs in the next plan, before the next forward.
+                        let next = self.step + 1;
+                        self.ckpts.write(&mut self.kv, &mut self.pool, &seq.table.chain[..nb], slot, next, next);
+                    }
+                    seq.ckpt_next = seq.ckpt_after;
+                    seq.ckpt_after = 0;
+                }
             }
             if ns == 1 {
                 let t = toks[0] as u32;
@@ -776,6 +893,7 @@ impl Scheduler {
             }
             self.requests[e.req as usize] = Some(req);
         }
+        self.ckpts.reconcile(&mut self.kv, &mut self.pool, self.step + 1);
         if any_done {
             let reqs = &self.requests;
             self.running
@@ -1017,8 +1135,19 @@ impl Scheduler {
         &self.pool
     }
 
+    /// `(slot, tokens, last block of its chain)` of every live checkpoint,
+    /// sorted (tests and debugging).
+    pub fn checkpoints(&self) -> Vec<(SlotId, usize, BlockId)> {
+        self.ckpts.list()
+    }
+
+    pub fn checkpoint_stats(&self) -> CheckpointStats {
+        self.ckpts.stats()
+    }
+
     pub fn stats(&self) -> SchedulerStats {
         let kv = self.kv.stats();
+        let ck = self.ckpts.stats();
         let mut tail_waste = 0u64;
         let mut running_seqs = 0u32;
         for &r in &self.running {
@@ -1055,7 +1184,37 @@ impl Scheduler {
             finished_requests: self.finished_requests,
             aborted_requests: self.aborted_requests,
             reserved_blocks: self.reserved_blocks,
+            checkpoint_slots: ck.slots,
+            checkpoint_queries: ck.queries,
+            checkpoint_hits: ck.hits,
+            prefix_skipped_tokens: ck.skipped_tokens,
+            prefix_lost_tokens: ck.lost_tokens,
+            checkpoint_writes: ck.writes,
+            checkpoint_writes_skipped: ck.writes_skipped,
+            checkpoint_evictions: ck.evictions,
+            checkpoint_drops: ck.drops,
         }
+    }
+}
+
+/// Where `s` (just matched: `hit` tokens restored, `s.matched` KV-matched)
+/// writes checkpoints, nearest first: the branch point (end of a KV match
+/// longer than the state match), then the prompt's last full block that
+/// leaves a token to compute.
+fn set_checkpoint_targets(s: &mut Seq, prompt_len: usize, hit: usize, caching: bool, bs: usize) {
+    s.ckpt_next = 0;
+    s.ckpt_after = 0;
+    if !caching {
+        return;
+    }
+    let branch = if s.matched > hit { s.matched } else { 0 };
+    let prompt_end = (prompt_len.saturating_sub(1) / bs) * bs;
+    let end = if prompt_end > hit.max(branch) { prompt_end } else { 0 };
+    if branch > 0 {
+        s.ckpt_next = branch;
+        s.ckpt_after = end;
+    } else {
+        s.ckpt_next = end;
     }
 }
 

@@ -16,12 +16,17 @@ use super::request::FinishReason;
 /// sequence's `ceil(seq_len / block_size)` blocks may hold stale ids: ignore them.
 ///
 /// `slot_mapping[t] == -1` means the KV of that token is already in the cache
-/// (prefix-cache hit): do not write it. The token is still fed, because the
-/// DeltaNet layers need every token (`num_computed_tokens == 0` means the
-/// sequence's DeltaNet state starts from zeros).
+/// (prefix-cache hit past the restored DeltaNet checkpoint): do not write it.
+/// The token is still fed, to rebuild the DeltaNet state.
+/// `num_computed_tokens == 0` means the sequence's DeltaNet state starts from
+/// zeros; `> 0` means it continues from its slot (after a checkpoint hit the
+/// plan's `state_copies` put the checkpoint there).
 ///
 /// Copies (`block_copies`, `state_copies`, pairs `(src, dst)`) must be performed
 /// before anything else of the step, including zero-initialising fresh states.
+/// Within each list every source is read before any destination is written
+/// (one gather, one scatter): the scheduler relies on it (see
+/// `checkpoints`) and never makes a pair read another pair's destination.
 #[derive(Debug, Default, Clone)]
 pub struct SchedulerOutput {
     /// Scheduler-internal request handle per entry (see `Scheduler::request_id`).
@@ -45,7 +50,8 @@ pub struct SchedulerOutput {
     pub bt_update_values: Vec<i32>,
     /// Flattened `(src, dst)` block pairs.
     pub block_copies: Vec<i32>,
-    /// Flattened `(src_slot, dst_slot)` pairs.
+    /// Flattened `(src_slot, dst_slot)` pairs: fork copies, checkpoint writes
+    /// (sequence slot -> checkpoint slot), checkpoint restores.
     pub state_copies: Vec<i32>,
     /// Requests preempted in this step (back in the waiting queue), by handle.
     pub preempted: Vec<u32>,

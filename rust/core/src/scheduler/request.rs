@@ -95,10 +95,14 @@ pub(crate) struct Seq {
     pub tokens: Vec<u32>,
     /// Tokens whose KV and DeltaNet state this run has computed.
     pub num_computed: usize,
-    /// Leading tokens whose KV came from the prefix cache at admission: their
-    /// slot_mapping is -1 (already in cache) while they are recomputed for the
-    /// DeltaNet state.
+    /// Leading tokens whose KV came from the prefix cache at admission. Those
+    /// past the restored checkpoint are recomputed for the DeltaNet state with
+    /// slot_mapping -1 (their KV is already in the cache).
     pub matched: usize,
+    /// Block boundaries (token counts) where a DeltaNet checkpoint is to be
+    /// written, nearest first; 0 = none. Prefill chunks end exactly there.
+    pub ckpt_next: usize,
+    pub ckpt_after: usize,
     pub table: BlockTable,
     pub slot: Option<SlotId>,
     /// Row of the persistent block-table buffer, while running and scheduled once.
@@ -118,6 +122,8 @@ impl Seq {
             tokens,
             num_computed: 0,
             matched: 0,
+            ckpt_next: 0,
+            ckpt_after: 0,
             table: BlockTable::new(),
             slot: None,
             row: None,
