@@ -71,7 +71,7 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="auto")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (default: cpu)")
-    e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the engine's choice)")
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts, at most 256")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -173,7 +173,6 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             raise ConfigError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    print(f"torch intra-op threads: {threads}", file=sys.stderr)
     model = args.model or default_model_dir()
     progress = not args.no_progress
     engine_kwargs: dict[str, Any] = dict(
@@ -188,6 +187,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         engine_kwargs["kv_cache_memory_bytes"] = parse_size(args.kv_cache_memory)
 
     if args.seed_scenario:
+        print(f"torch intra-op threads: {threads}", file=sys.stderr)
         return _run_scenario(args, model, engine_kwargs, threads, progress)
 
     workload = _workload(args)
@@ -199,16 +199,24 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             raise ConfigError("--compare-hf needs token-id prompts (synthetic, or token lists in --dataset)")
         if args.temperature != 0:
             raise ConfigError("--compare-hf checks greedy tokens: leave --temperature at 0")
-    longest = max((r.prompt_len if not isinstance(r.prompt, str) else 0) + r.output_len for r in workload.requests)
+    # Pools split for the workload's longest request (text prompts: length unknown
+    # until tokenized, so the engine's default, its maximum length).
+    longest = None
+    if not any(isinstance(r.prompt, str) for r in workload.requests):
+        longest = max(r.prompt_len + r.output_len for r in workload.requests)
+        if args.max_model_len:
+            longest = min(longest, args.max_model_len)
     engine_kwargs.update(
         max_model_len=args.max_model_len, admission_policy=args.admission_policy,
-        expected_context_len=args.expected_context_len or (longest if longest > 0 else None),
+        expected_context_len=args.expected_context_len or longest,
     )
     from hybridserve import LLM
     from hybridserve.bench.engine_runner import run_engine
     from hybridserve.bench.report import build_report
 
     llm = LLM(model, **engine_kwargs)
+    threads = torch.get_num_threads()  # the engine may set its own (issue 9's cpu_threads)
+    print(f"torch intra-op threads: {threads}", file=sys.stderr)
     _warm_up(llm.engine)
     records, server, timeline, duration = run_engine(
         llm.engine, workload, temperature=args.temperature, keep_tokens=args.compare_hf,

@@ -39,6 +39,9 @@ class _Timed:
         self.seconds = 0.0
         self.calls = 0
 
+    def __getattr__(self, name: str) -> Any:  # the wrapped object's other methods
+        return getattr(self.fn, name)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
@@ -155,7 +158,10 @@ def run_engine(
         engine.emit_unfinished = saved_emit
         for state in live.values():  # an interrupted run leaves nothing queued
             if state.request_id in engine.requests:
-                engine.abort_request(state.request_id)
+                try:
+                    engine.abort_request(state.request_id)
+                except Exception:  # noqa: BLE001 - keep the error that stopped the run
+                    pass
         if bar is not None:
             bar.close()
     duration = max((r.finish_time for r in records if r.finish_time is not None), default=0.0)

@@ -167,6 +167,12 @@ def render_table(report: dict[str, Any]) -> str:
             srv.get("prefix_tokens_skipped_source") or "not reported",
         )
     )
+    b = srv.get("step_breakdown")
+    if b:
+        lines.append(
+            f"wall time: scheduler {100 * b['scheduler_share']:.2f} % ({b['scheduler_us_per_step']:.1f} us/step), "
+            f"runner {100 * b['runner_share']:.1f} %, sampler {100 * b['sampler_share']:.1f} %"
+        )
     if report.get("errors"):
         lines.append("errors: " + "; ".join(report["errors"][:5]))
     return "\n".join(lines)
