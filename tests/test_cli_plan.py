@@ -195,3 +195,18 @@ def test_python_dash_m(seed_config):
         env=env, capture_output=True, text=True,
     )
     assert bad.returncode == 2 and "80GB" in bad.stderr
+
+
+def test_shipped_preset_is_the_27b_shape_and_plans_the_seed(capsys, seed_config):
+    """``plan qwen3.5-27b`` needs no file outside the package and gives the seed's table."""
+    from hybridserve.presets import preset_names, preset_path
+
+    assert "qwen3.5-27b" in preset_names()
+    shipped = json.loads(Path(preset_path("qwen3.5-27b")).read_text())
+    expect = json.loads(Path(seed_config).read_text())
+    for key, value in expect.items():
+        assert shipped[key] == value, key
+    d = _json(capsys, ["plan", "qwen3.5-27b", "--pool-mib", "23859"])
+    assert (d["sessions_paged"], d["sessions_reserved_max"]) == (10, 1)
+    assert main(["plan", "qwen9-1t"]) == 2
+    assert "qwen3.5-27b" in capsys.readouterr().err

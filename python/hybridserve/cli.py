@@ -88,7 +88,10 @@ def _dtype(text: str) -> str:
 
 
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", metavar="CONFIG", help="a config.json, or a checkpoint directory")
+    p.add_argument(
+        "config", metavar="CONFIG",
+        help="a shipped preset (qwen3.5-27b), a config.json, or a checkpoint directory",
+    )
     mem = p.add_argument_group("memory (the pool is --pool-mib, else derived from the device)")
     mem.add_argument(
         "--device-memory", type=_size, default="80GB", metavar="SIZE",
@@ -137,13 +140,20 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from hybridserve import planner as pl
     from hybridserve.config import ModelConfig
+    from hybridserve.presets import preset_names, resolve_config
 
-    checkpoint_dir = args.config if os.path.isdir(args.config) else None
+    config_path = resolve_config(args.config)
+    if not os.path.exists(config_path):
+        raise _BadInput(
+            f"{args.config!r} is not a config.json, a checkpoint directory or a preset "
+            f"({', '.join(preset_names())})"
+        )
+    checkpoint_dir = config_path if os.path.isdir(config_path) else None
     if checkpoint_dir is not None and not any(
         f.endswith(".safetensors") for f in os.listdir(checkpoint_dir)
     ):
         checkpoint_dir = None  # a directory with only config.json: count parameters
-    config = ModelConfig.from_json(args.config)
+    config = ModelConfig.from_json(config_path)
     if (args.shared_prefix is None) != (args.sessions is None):
         raise _BadInput("--shared-prefix P and --sessions K go together; give both")
     if args.prompt_len is not None and args.n == 1:

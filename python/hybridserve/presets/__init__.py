@@ -1,0 +1,33 @@
+"""Model shapes shipped with hybridserve, by name, for ``hybridserve plan NAME``.
+
+Each preset is a ``config.json`` (shape only, no weights): ``qwen3.5-27b`` is the
+27B-parameter Qwen3.5 hybrid's text config that the planner's examples use.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+
+
+def preset_names() -> list[str]:
+    return sorted(
+        f.name[: -len(".json")]
+        for f in resources.files(__name__).iterdir()
+        if f.name.endswith(".json")
+    )
+
+
+def preset_path(name: str) -> str | None:
+    """The file of preset ``name``, or None when there is no such preset."""
+    if name not in preset_names():
+        return None
+    return os.fspath(resources.files(__name__) / f"{name}.json")
+
+
+def resolve_config(name_or_path: str) -> str:
+    """A path as given when it exists, else the preset of that name; else the input
+    unchanged (so the config reader reports the missing file)."""
+    if os.path.exists(name_or_path):
+        return name_or_path
+    return preset_path(name_or_path) or name_or_path
