@@ -30,7 +30,7 @@ from hybridserve import planner
 from hybridserve.config import ModelConfig
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.request_state import RequestState
-from hybridserve.errors import InvalidRequest, UnknownRequest
+from hybridserve.errors import ConfigError, InvalidRequest, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
 from hybridserve.outputs import Logprob, RequestOutput
@@ -61,6 +61,11 @@ class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         self.device = _resolve_device(args.device)
+        if os.path.isfile(args.model):
+            raise ConfigError(
+                f"{args.model!r} is a file, not a directory: give the checkpoint directory that "
+                "holds config.json, the *.safetensors files and the tokenizer"
+            )
         config = ModelConfig.from_json(args.model)
         self.dtype = _resolve_model_dtype(args.dtype, config, self.device)
         dtype_name = str(self.dtype).removeprefix("torch.")
