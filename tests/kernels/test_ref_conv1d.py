@@ -1,5 +1,6 @@
 """causal_conv1d_ref against HF's whole-sequence conv (zero left padding), fed in pieces."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
@@ -51,3 +52,28 @@ def test_no_bias_no_activation():
                           torch.tensor([False]), activation=None)
     ref = F.conv1d(x.t()[None], weight[:, None], padding=1, groups=3)[0, :, :5].t()
     torch.testing.assert_close(y, ref)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_cpu_path_matches_reference_on_random_mixed_batches(width):
+    """Prompts, continued chunks, decodes and an empty run in one call, fresh slots
+    holding NaN, a strided input (a column slice of a wider projection), bias or not."""
+    from hybridserve.kernels.causal_conv1d import causal_conv1d_cpu
+
+    gen = torch.Generator().manual_seed(width)
+    lens = [5, 1, 0, 37, 1, 2, 1, 1, 16]
+    c = 6
+    wide = torch.randn(sum(lens), c + 3, generator=gen)
+    x = wide[:, 2:2 + c]
+    weight = torch.randn(c, width, generator=gen)
+    bias = torch.randn(c, generator=gen) if width != 3 else None
+    pool = torch.randn(12, c, width - 1, generator=gen)
+    slots = torch.tensor([3, 0, 9, 5, 6, 1, 8, 11, 2])
+    init = torch.tensor([True, False, True, False, True, True, False, True, False])
+    pool[slots[~init]] = float("nan")
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    want_pool, got_pool = pool.clone(), pool.clone()
+    want = causal_conv1d_ref(x, weight, bias, want_pool, qsl, slots, init)
+    got = causal_conv1d_cpu(x, weight, bias, got_pool, qsl, slots, init)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_pool, want_pool, equal_nan=True)

@@ -1,13 +1,15 @@
-"""The delta-rule references against HF transformers' own torch implementations."""
+"""The delta-rule references against HF transformers' own torch implementations, and
+the CPU path against the token-by-token reference on random mixed batches."""
 
 import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from hybridserve.kernels.gated_delta_rule import (
+    DeltaRulePlan,
     gated_delta_rule_chunked_ref,
+    gated_delta_rule_cpu,
     gated_delta_rule_recurrent_ref,
-    gated_delta_rule_ref,
 )
 
 
@@ -23,7 +25,7 @@ def _inputs(lens, h=3, kd=8, vd=6, seed=0):
     return q, k, v, g, beta, qsl
 
 
-@pytest.mark.parametrize("impl", ["recurrent", "chunked", "dispatch"])
+@pytest.mark.parametrize("impl", ["recurrent", "chunked", "cpu"])
 def test_matches_hf_per_sequence(impl):
     lens = [5, 1, 37, 1, 20, 1]  # decodes and prefills of different lengths interleaved
     h, kd, vd = 3, 8, 6
@@ -36,7 +38,7 @@ def test_matches_hf_per_sequence(impl):
     pool_before = pool.clone()
     fn = {"recurrent": gated_delta_rule_recurrent_ref,
           "chunked": lambda *a, **kw: gated_delta_rule_chunked_ref(*a, **kw, chunk_size=16),
-          "dispatch": gated_delta_rule_ref}[impl]
+          "cpu": gated_delta_rule_cpu}[impl]
     o = fn(q, k, v, g, beta, pool, qsl, slots, init, kd ** -0.5)
     for b, n in enumerate(lens):
         s, e = int(qsl[b]), int(qsl[b + 1])
@@ -92,3 +94,49 @@ def test_non_float32_state_is_refused():
     with pytest.raises(ValueError, match="float32"):
         gated_delta_rule_recurrent_ref(q, k, v, g, beta, torch.zeros(1, 1, 2, 2, dtype=torch.bfloat16),
                                        qsl, [0], [False], 1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_path_matches_recurrent_reference_on_random_mixed_batches(seed):
+    """Whole prompts, chunks continuing from a state and decodes in one call, lengths
+    around the chunk sizes (1, 2, 15-17, 63-65, 130...), grouped key heads, fresh slots
+    holding NaN, and two calls sharing one plan (as the model's layers do)."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    pick = [1, 1, 1, 2, 3, 8, 15, 16, 17, 40, 63, 64, 65, 130, 0]
+    lens = [pick[i] for i in torch.randint(len(pick), (int(torch.randint(3, 12, (1,), generator=gen)),),
+                                            generator=gen).tolist()]
+    hk, rep = [(1, 1), (2, 2), (3, 1), (2, 3)][seed]
+    h, kd, vd = hk * rep, 8, 12
+    t = sum(lens)
+    q = torch.randn(t, hk, kd, generator=gen)
+    k = torch.randn(t, hk, kd, generator=gen)
+    v = torch.randn(t, h, vd, generator=gen)
+    g = -torch.rand(t, h, generator=gen)
+    beta = torch.rand(t, h, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    n_slots = len(lens) + 3
+    slots = torch.randperm(n_slots, generator=gen)[: len(lens)]
+    init = torch.rand(len(lens), generator=gen) < 0.5
+    pool = torch.randn(n_slots, h, kd, vd, generator=gen)
+    pool[slots[~init]] = float("nan")
+    want_pool, got_pool = pool.clone(), pool.clone()
+    plan = DeltaRulePlan(qsl, slots, init)
+    for _ in range(2):  # the second call continues from the first one's states
+        want = gated_delta_rule_recurrent_ref(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g,
+                                              beta, want_pool, qsl, slots, init, kd ** -0.5)
+        got = gated_delta_rule_cpu(q, k, v, g, beta, got_pool, qsl, slots, init, kd ** -0.5, plan=plan)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-5, equal_nan=True)
+        init = torch.ones_like(init)
+        plan = DeltaRulePlan(qsl, slots, init)
+
+
+def test_cpu_path_does_not_pad_runs_to_the_longest():
+    """A long prompt next to short ones: each run is cut into its own chunks (only its
+    last chunk padded), never to the longest run's length."""
+    lens = [1024] + [8] * 31 + [1] * 5
+    plan = DeltaRulePlan(torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist()), list(range(37)),
+                         [False] * 37)
+    padded = sum(grp["rows"].numel() for grp in plan.groups)
+    assert padded <= 1024 + 31 * 16
+    assert plan.decode[0].numel() == 5

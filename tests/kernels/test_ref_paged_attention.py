@@ -64,3 +64,58 @@ def test_output_dtype_follows_q():
     ref = _dense_causal(q.float(), k_cache[[1, 0]].reshape(-1, 1, 4)[:5].float(),
                         k_cache[[1, 0]].reshape(-1, 1, 4)[:5].float(), 0.5)
     torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cpu_path_matches_reference_on_random_mixed_batches(seed):
+    """Decodes at contexts from 1 to 300, prefill chunks continuing a context, whole
+    prompts (several of one length: the causal-only group), a sequence with no queries,
+    GQA groups 1-4, garbage past every block table: the CPU path equals the reference."""
+    from hybridserve.kernels.paged_attention import AttentionPlan, paged_attention_cpu
+
+    gen = torch.Generator().manual_seed(seed)
+    block_size, d = [4, 16, 8, 16][seed], 8
+    hkv, group = [(1, 4), (2, 2), (3, 1), (2, 3)][seed]
+    hq = hkv * group
+    shapes = [(1, 1), (1, 5), (1, 300), (1, 37), (1, 40), (12, 12), (12, 12), (12, 12), (7, 7),
+              (20, 90), (3, 45), (0, 9), (33, 33), (1, 38), (2, 2)]
+    chosen = [shapes[i] for i in torch.randperm(len(shapes), generator=gen)[:10].tolist()]
+    q_lens, seq_lens = [q for q, _ in chosen], [n for _, n in chosen]
+    nblocks = [-(-n // block_size) for n in seq_lens]
+    total = sum(nblocks) + 1
+    k_cache = torch.randn(total, block_size, hkv, d, generator=gen)
+    v_cache = torch.randn(total, block_size, hkv, d, generator=gen)
+    perm = torch.randperm(total, generator=gen).tolist()
+    tables = torch.full((len(chosen), max(nblocks) + 2), 10_000, dtype=torch.int32)
+    for b, nb in enumerate(nblocks):
+        tables[b, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = paged_attention_ref(q, k_cache, v_cache, qsl, lens, tables, 0.3)
+    plan = AttentionPlan(qsl, lens, tables, block_size)
+    got = paged_attention_cpu(q, k_cache, v_cache, qsl, lens, tables, 0.3, plan)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cpu_path_groups_decodes_by_context_not_to_the_longest():
+    """63 decodes at 256 and one at 8192: the short ones never read 8192 keys."""
+    from hybridserve.kernels.paged_attention import AttentionPlan
+
+    lens = [256] * 63 + [8192]
+    tables = torch.zeros(64, 512, dtype=torch.int32)
+    plan = AttentionPlan(list(range(65)), lens, tables, 16)
+    keys_read = sum(g["n"] * g["len"] for g in plan.groups)
+    assert keys_read == sum(lens)
+
+
+def test_cpu_path_bad_input_raises():
+    from hybridserve.kernels.paged_attention import paged_attention_cpu
+
+    k_cache = torch.zeros(2, 4, 1, 4)
+    with pytest.raises(ValueError, match="queries but only"):
+        paged_attention_cpu(torch.zeros(3, 1, 4), k_cache, k_cache, torch.tensor([0, 3]), torch.tensor([2]),
+                            torch.tensor([[0]]), 1.0)
+    with pytest.raises(ValueError, match="block table has only 1"):
+        paged_attention_cpu(torch.zeros(1, 1, 4), k_cache, k_cache, torch.tensor([0, 1]), torch.tensor([5]),
+                            torch.tensor([[0]]), 1.0)

@@ -51,12 +51,14 @@ def test_sharded_and_vl_named_checkpoints_load_the_same_weights(tmp_path, preset
         assert got.keys() == ref.keys()
         for k in ref:
             assert torch.equal(got[k], ref[k]), k
-    # And the weights are the checkpoint's, not an artefact of our own naming.
+    # And the weights are the checkpoint's, not an artefact of our own naming: every HF
+    # tensor, including those fused into one projection, sits where the model reads it.
     raw = _raw(tiny_dirs[preset])
-    for k, v in ref.items():
+    views = plain.checkpoint_tensors()
+    assert {k if k == "lm_head.weight" else "model." + k for k in views} == set(raw)
+    for k, v in views.items():
         name = k if k == "lm_head.weight" else "model." + k
-        if name in raw:
-            assert torch.equal(raw[name], v), k
+        assert torch.equal(raw[name], v), k
     if plain.config.tie_word_embeddings:
         assert "lm_head.weight" not in raw
         assert plain.lm_head.weight.data_ptr() == plain.embed_tokens.weight.data_ptr()

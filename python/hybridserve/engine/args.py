@@ -54,6 +54,9 @@ class EngineArgs:
     # vLLM's name: True runs decode steps eagerly instead of from captured CUDA graphs
     # (graphs are only ever used on CUDA).
     enforce_eager: bool = False
+    # Intra-op threads of torch (the CPU path's GEMMs and ops); None: the physical
+    # cores this process may run on.
+    cpu_threads: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -70,7 +73,8 @@ class EngineArgs:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        for name in ("num_gpu_blocks", "num_state_slots", "max_model_len", "expected_context_len"):
+        for name in ("num_gpu_blocks", "num_state_slots", "max_model_len", "expected_context_len",
+                     "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")

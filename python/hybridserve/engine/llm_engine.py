@@ -48,6 +48,32 @@ def _resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (SMT siblings counted
+    once: a second hyperthread adds little to GEMMs and contends for the same core)."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id") as f:
+                core = f.read().strip()
+            with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id") as f:
+                cores.add((f.read().strip(), core))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, len(cores))
+
+
+def set_cpu_threads(requested: int | None) -> int:
+    """Set torch's intra-op thread count (``requested``, else the physical cores) and
+    return it."""
+    n = requested or physical_cores()
+    torch.set_num_threads(n)
+    return torch.get_num_threads()
+
+
 def _resolve_model_dtype(dtype: str, config: ModelConfig, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         # bf16 matmuls on CPU are slow and inexact; the CPU path serves float32.
@@ -78,6 +104,9 @@ class LLMEngine:
             config, torch_dtype=dtype_name, max_position_embeddings=self.max_model_len
         )
 
+        self.cpu_threads = set_cpu_threads(args.cpu_threads)
+        logger.info("torch intra-op threads: %d (%s)", self.cpu_threads,
+                    "--cpu-threads" if args.cpu_threads else "physical cores available")
         torch.manual_seed(args.seed)
         self.model, _ = load_model(args.model, dtype=self.dtype, device=self.device)
         self.model.eval()

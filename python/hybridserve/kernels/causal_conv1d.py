@@ -80,3 +80,78 @@ def causal_conv1d_ref(
     ran = lens > 0
     conv_state[slots[ran]] = new[ran].transpose(1, 2).to(conv_state.dtype)
     return _activate(y, activation).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------- CPU path
+class Conv1dPlan:
+    """Row layout of one step for :func:`causal_conv1d_cpu` (shared by all DeltaNet layers).
+
+    Each sequence with tokens becomes one segment of an extended input: its ``W-1``
+    stored inputs (or zero rows when it starts fresh), then its tokens. One depthwise
+    pass over the concatenated segments yields every output; windows straddling two
+    segments are computed and never read (``W-1`` rows per sequence).
+    """
+
+    def __init__(self, query_start_loc, state_slots, has_initial_state, width: int,
+                 device: torch.device | str = "cpu"):
+        import numpy as np
+
+        qsl = np.asarray(query_start_loc.tolist() if torch.is_tensor(query_start_loc) else query_start_loc,
+                         dtype=np.int64)
+        slots = np.asarray(state_slots.tolist() if torch.is_tensor(state_slots) else state_slots,
+                           dtype=np.int64)
+        init = np.asarray(has_initial_state.tolist() if torch.is_tensor(has_initial_state)
+                          else has_initial_state, dtype=bool)
+        hw = width - 1
+        t, nb = int(qsl[-1]), len(slots)
+        lens = qsl[1:] - qsl[:-1]
+        act = np.nonzero(lens > 0)[0]
+        seg_len = lens[act] + hw
+        seg_start = np.concatenate([[0], np.cumsum(seg_len)[:-1]]).astype(np.int64)
+        seg = np.repeat(np.arange(len(act)), seg_len)
+        off = np.arange(int(seg_len.sum())) - seg_start[seg]
+        b = act[seg]
+        # Table rows: [0, T) this step's inputs, then B*(W-1) stored inputs, then a zero row.
+        zero_row = t + nb * hw
+        hist = np.where(init[b], t + b * hw + np.minimum(off, hw - 1), zero_row)
+        ext = np.where(off < hw, hist, qsl[b] + off - hw)
+
+        def tt(a):
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long, device=device)
+
+        self.width = width
+        self.ext_rows = tt(ext)
+        self.out_rows = tt(np.repeat(seg_start, lens[act]) + (np.arange(t) - np.repeat(qsl[act], lens[act])))
+        self.state_rows = tt((seg_start + lens[act])[:, None] + np.arange(hw)[None, :])
+        self.state_slots = tt(slots[act])
+        self.all_slots = tt(slots)
+
+
+def causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_slots, has_initial_state,
+                      activation: str | None = "silu", plan: Conv1dPlan | None = None) -> torch.Tensor:
+    """The CPU path; same contract as :func:`causal_conv1d_ref`. O((T + B*W) * C * W):
+    one gather of ``T + B*(W-1)`` rows instead of ``T*W``, then ``W`` shifted
+    multiply-adds over the whole step."""
+    t, c = x.shape
+    w = weight.shape[-1]
+    if weight.shape[0] != c:
+        raise ValueError(f"weight {tuple(weight.shape)} must be [C={c}, W]")
+    if plan is None:
+        plan = Conv1dPlan(query_start_loc, state_slots, has_initial_state, w, x.device)
+    if t == 0 or plan.all_slots.numel() == 0:
+        return x.new_empty(t, c)
+    hw = w - 1
+    hist = conv_state.index_select(0, plan.all_slots).transpose(1, 2).reshape(-1, c)
+    table = torch.cat([x, hist.to(x.dtype), x.new_zeros(1, c)]).float()
+    ext = table.index_select(0, plan.ext_rows)  # [N, C]
+    wf = weight.float()
+    n = ext.shape[0] - hw
+    y = ext[:n] * wf[:, 0]
+    for j in range(1, w):
+        y.addcmul_(ext[j:j + n], wf[:, j])
+    y = y.index_select(0, plan.out_rows)
+    if bias is not None:
+        y = y + bias.float()
+    new = ext.index_select(0, plan.state_rows.reshape(-1)).view(-1, hw, c).transpose(1, 2)
+    conv_state.index_copy_(0, plan.state_slots, new.to(conv_state.dtype))
+    return _activate(y, activation).to(x.dtype)

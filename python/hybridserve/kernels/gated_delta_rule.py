@@ -9,10 +9,13 @@ and write strength ``beta``::
     o    = S^T q
 
 Two formulations with the same result (up to float rounding): a token-by-token
-recurrence (decode, and the obvious oracle) and HF's chunked form (UT transform per
-chunk of ``chunk_size`` tokens, a scan across chunks; the prefill path).
-Both follow ``transformers``' ``torch_recurrent_gated_delta_rule`` /
-``torch_chunk_gated_delta_rule``.
+recurrence and HF's chunked form (UT transform per chunk of ``chunk_size`` tokens, a
+scan across chunks). The two ``*_ref`` functions apply them one sequence at a time
+and follow ``transformers``' ``torch_recurrent_gated_delta_rule`` /
+``torch_chunk_gated_delta_rule``: they are the obvious oracles. :func:`gated_delta_rule_cpu`
+is the CPU path: the same formulas batched across a step's sequences without padding
+them to a common length (decodes in one recurrent step, longer runs chunked per run),
+tested against the references on random mixed batches.
 """
 
 from __future__ import annotations
@@ -156,55 +159,177 @@ def gated_delta_rule_chunked_ref(
                 has_initial_state, scale, use_qk_l2norm, chunk_size=chunk_size)
 
 
-def gated_delta_rule_ref(
-    q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-    use_qk_l2norm=True, chunk_size=64,
-) -> torch.Tensor:
-    """The CPU path; same contract as :func:`gated_delta_rule_recurrent_ref`.
 
-    Vectorised across sequences: all single-token runs (decodes) advance in one batched
-    recurrent step; all longer runs are padded to a common length (padding tokens are
-    inert) and go through the chunked form as one batch. Extra work is the padding,
-    at most (B - 1) * max run length tokens.
+# ----------------------------------------------------------------------------- CPU path
+class DeltaRulePlan:
+    """How one step's runs are laid out for :func:`gated_delta_rule_cpu`; depends only on
+    the step's lengths, slots and fresh flags, so it is built once and shared by every
+    DeltaNet layer of the step.
+
+    * Single-token runs (decodes) advance in one batched recurrent step.
+    * Longer runs are cut into chunks of ``c = min(chunk_size, len rounded up to 16)``
+      tokens; runs sharing a ``c`` form one group. Only a run's own last chunk is padded
+      (inert tokens), never to the longest run of the step. Inside a group, runs are
+      sorted by chunk count, longest first, and chunks are stored chunk-index-major,
+      so scan step ``i`` advances the first ``counts[i]`` runs over contiguous rows.
     """
-    qsl = _as_list(query_start_loc)
-    slots = _as_list(state_slots)
-    init = _as_list(has_initial_state)
-    dev = q.device
+
+    def __init__(self, query_start_loc, state_slots, has_initial_state, chunk_size: int = 64,
+                 device: torch.device | str = "cpu"):
+        import numpy as np
+
+        qsl = np.asarray(_as_list(query_start_loc), dtype=np.int64)
+        slots = np.asarray(_as_list(state_slots), dtype=np.int64)
+        init = np.asarray(_as_list(has_initial_state), dtype=bool)
+        lens = qsl[1:] - qsl[:-1]
+        self.num_tokens = int(qsl[-1]) if len(qsl) else 0
+
+        def t(a):
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long, device=device)
+
+        def fresh_of(sel):
+            """Positions (within ``sel``) of runs starting from zeros; None when none do."""
+            pos = np.nonzero(~init[sel])[0]
+            return t(pos) if len(pos) else None
+
+        dec = np.nonzero(lens == 1)[0]
+        self.decode = None
+        if len(dec):
+            self.decode = (t(qsl[dec]), t(slots[dec]), fresh_of(dec))
+        self.groups = []
+        multi = np.nonzero(lens > 1)[0]
+        if len(multi):
+            c_of = np.minimum(chunk_size, -(-lens[multi] // 16) * 16)
+            for c in np.unique(c_of):
+                c = int(c)
+                seqs = multi[c_of == c]
+                nch = -(-lens[seqs] // c)
+                order = np.argsort(-nch, kind="stable")
+                seqs, nch = seqs[order], nch[order]
+                # chunk-index-major: all first chunks, then all second chunks, ...
+                ii, jj = np.nonzero(np.arange(int(nch[0]))[:, None] < nch[None, :])
+                counts = np.bincount(ii).tolist()
+                tok = qsl[seqs[jj]][:, None] + ii[:, None] * c + np.arange(c)[None, :]
+                valid = tok < qsl[seqs[jj] + 1][:, None]
+                flat_valid = np.nonzero(valid.ravel())[0]
+                self.groups.append({
+                    "c": c,
+                    "counts": counts,
+                    # padding tokens read row 0 (any finite row); g and beta are zeroed there
+                    "rows": t(np.where(valid, tok, 0).ravel()),
+                    "pad": None if valid.all() else torch.as_tensor(~valid, device=device),
+                    "out_pos": t(flat_valid),
+                    "out_rows": t(tok.ravel()[flat_valid]),
+                    "slots": t(slots[seqs]),
+                    "fresh": fresh_of(seqs),
+                })
+
+
+def _decode_step(q, k, v, g, beta, state, rows, slots, fresh, o):
+    """One recurrent step for every decode at once; q/k ``[T, Hk, K]`` (normalised, q
+    scaled), v ``[T, H, V]``; key head j serves value heads ``j*rep .. j*rep+rep-1``."""
+    n = rows.shape[0]
+    hk, kd = q.shape[1], q.shape[2]
+    h, vd = v.shape[1], v.shape[2]
+    rep = h // hk
+    qd = q.index_select(0, rows).view(n, hk, 1, 1, kd)
+    kk = k.index_select(0, rows).view(n, hk, 1, 1, kd)
+    vv = v.index_select(0, rows).float().view(n, hk, rep, 1, vd)
+    decay = g.index_select(0, rows).float().exp().view(n, hk, rep, 1, 1)
+    b = beta.index_select(0, rows).float().view(n, hk, rep, 1, 1)
+    s = state.index_select(0, slots).view(n, hk, rep, kd, vd)
+    if fresh is not None:
+        s.index_fill_(0, fresh, 0.0)
+    s.mul_(decay)
+    delta = (vv - kk @ s) * b  # the correction to write, [n, Hk, rep, 1, V]
+    s.add_(kk.transpose(-1, -2) * delta)
+    o.index_copy_(0, rows, (qd @ s).view(n, h, vd).to(o.dtype))
+    state.index_copy_(0, slots, s.view(n, h, kd, vd))
+
+
+def _chunk_group(q, k, v, g, beta, state, grp, o):
+    """Chunked form over one group of runs (see :class:`DeltaRulePlan`)."""
+    c, rows = grp["c"], grp["rows"]
+    nc = rows.shape[0] // c
+    hk, kd = q.shape[1], q.shape[2]
+    h, vd = v.shape[1], v.shape[2]
+    rep = h // hk
+    # [N, Hk, 1, c, K] for the key-head tensors, [N, Hk, rep, c, X] for value-head ones.
+    qc = q.index_select(0, rows).view(nc, c, hk, 1, kd).permute(0, 2, 3, 1, 4)
+    kc = k.index_select(0, rows).view(nc, c, hk, 1, kd).permute(0, 2, 3, 1, 4)
+    vc = v.index_select(0, rows).float().view(nc, c, hk, rep, vd).permute(0, 2, 3, 1, 4)
+    gc = g.index_select(0, rows).float().view(nc, c, h)
+    bc = beta.index_select(0, rows).float().view(nc, c, h)
+    if grp["pad"] is not None:
+        # Inert padding: no decay (g = 0) and no write (beta = 0).
+        pad = grp["pad"][..., None]
+        gc = gc.masked_fill(pad, 0.0)
+        bc = bc.masked_fill(pad, 0.0)
+    gc = gc.view(nc, c, hk, rep).permute(0, 2, 3, 1)  # [N, Hk, rep, c]
+    bc = bc.view(nc, c, hk, rep).permute(0, 2, 3, 1)
+    cum = gc.cumsum(-1)
+    upper = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(upper, float("-inf")).exp()
+    kkt = kc @ kc.transpose(-1, -2)  # per key head: shared by its value heads
+    # A = strictly-lower (beta_i k_i . k_j) * decay; T = (I + A)^-1 by the nilpotent product.
+    neg_a = torch.tril(kkt * decay * bc[..., :, None], -1).neg_()
+    inv = neg_a + torch.eye(c, dtype=neg_a.dtype, device=q.device)
+    power = neg_a
+    for _ in range(max(0, (c - 1).bit_length() - 1)):
+        power = power @ power
+        inv = inv + inv @ power
+    intra = (qc @ kc.transpose(-1, -2)) * decay
+    u = inv @ (vc * bc[..., None])
+    ecum = cum.exp()
+    w = inv @ (kc * (bc * ecum)[..., None])
+    q_dec = qc * ecum[..., None]
+    k_dec_t = (kc * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [N, Hk, rep, K, c]
+    chunk_decay = ecum[..., -1, None, None]
+    s = state.index_select(0, grp["slots"]).view(-1, hk, rep, kd, vd)
+    if grp["fresh"] is not None:
+        s.index_fill_(0, grp["fresh"], 0.0)
+    out = torch.empty(nc, hk, rep, c, vd, dtype=torch.float32, device=q.device)
+    at = 0
+    for m in grp["counts"]:  # scan across chunk indices; step i moves the m runs that have one
+        r = slice(at, at + m)
+        si = s[:m]
+        v_new = u[r] - w[r] @ si
+        out[r] = q_dec[r] @ si + intra[r] @ v_new
+        s[:m] = si * chunk_decay[r] + k_dec_t[r] @ v_new
+        at += m
+    state.index_copy_(0, grp["slots"], s.view(-1, h, kd, vd))
+    flat = out.permute(0, 3, 1, 2, 4).reshape(nc * c, h, vd)
+    o.index_copy_(0, grp["out_rows"], flat.index_select(0, grp["out_pos"]).to(o.dtype))
+
+
+def gated_delta_rule_cpu(
+    q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
+    use_qk_l2norm=True, chunk_size=64, plan: DeltaRulePlan | None = None,
+) -> torch.Tensor:
+    """The CPU path; same contract as :func:`gated_delta_rule_recurrent_ref`, except that
+    ``q``/``k`` may also have ``Hk`` heads dividing ``H`` (key head ``j`` serves value
+    heads ``j*H/Hk ..``, HF's ``repeat_interleave``), read without expanding them.
+
+    Decodes take one batched recurrent step; longer runs go through the chunked form per
+    :class:`DeltaRulePlan` (pass one to share it across layers). Work is proportional to
+    the step's tokens (plus at most one partial chunk per run), whatever the mix.
+    """
+    if q.shape != k.shape or q.shape[0] != v.shape[0] or v.shape[1] % q.shape[1]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, Hk, K] and v {tuple(v.shape)} "
+            "[T, H, V] with the same T and H a multiple of Hk"
+        )
+    if state.dtype != torch.float32:
+        raise ValueError(f"the recurrent state pool must be float32, got {state.dtype}")
+    if plan is None:
+        plan = DeltaRulePlan(query_start_loc, state_slots, has_initial_state, chunk_size, q.device)
     o = torch.empty_like(v)
-    lens = [qsl[b + 1] - qsl[b] for b in range(len(slots))]
-    for group in ([b for b, n in enumerate(lens) if n == 1], [b for b, n in enumerate(lens) if n > 1]):
-        if not group:
-            continue
-        longest = max(lens[b] for b in group)
-        # [n, longest] row indices into the step's tokens; T (one past the end) = inert padding.
-        t = q.shape[0]
-        idx = torch.full((len(group), longest), t, dtype=torch.long)
-        for i, b in enumerate(group):
-            idx[i, : lens[b]] = torch.arange(qsl[b], qsl[b + 1])
-        idx = idx.to(dev)
-
-        def padded(x):
-            x = torch.cat([x.float(), x.new_zeros((1, *x.shape[1:]), dtype=torch.float32)])
-            return x[idx].transpose(1, 2)  # [n, H, longest, ...]
-
-        qb, kb, vb, gb, bb = (padded(x) for x in (q, k, v, g, beta))
-        if use_qk_l2norm:
-            qb, kb = _l2norm(qb), _l2norm(kb)
-        qb = qb * scale
-        dst = torch.tensor([slots[b] for b in group], device=dev)
-        keep = torch.tensor([bool(init[b]) for b in group], device=dev)
-        # where, not multiply: a fresh slot may hold anything, NaN included.
-        s0 = torch.where(keep[:, None, None, None], state.index_select(0, dst), 0.0)
-        if longest == 1:
-            ob, s1 = _recurrent_one(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
-                                    gb.flatten(0, 1), bb.flatten(0, 1), s0.flatten(0, 1))
-            ob, s1 = ob.unflatten(0, qb.shape[:2]), s1.unflatten(0, qb.shape[:2])
-        else:
-            c = min(chunk_size, -(-longest // 16) * 16)
-            ob, s1 = _chunked(qb, kb, vb, gb, bb, s0, c)
-        state.index_copy_(0, dst, s1)
-        ob = ob.transpose(1, 2)  # [n, longest, H, V]
-        for i, b in enumerate(group):
-            o[qsl[b]:qsl[b + 1]] = ob[i, : lens[b]].to(v.dtype)
+    q, k = q.float(), k.float()
+    if use_qk_l2norm:
+        q, k = _l2norm(q), _l2norm(k)
+    q = q * scale
+    if plan.decode is not None:
+        _decode_step(q, k, v, g, beta, state, *plan.decode, o)
+    for grp in plan.groups:
+        _chunk_group(q, k, v, g, beta, state, grp, o)
     return o

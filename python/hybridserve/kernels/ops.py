@@ -1,9 +1,13 @@
 """The kernel entry points the model calls; each dispatches to an implementation.
 
 Tensors on CUDA run the Triton kernels (``*_triton.py``) when Triton imports; anything
-else runs the plain-PyTorch reference (the CPU path). Set ``HYBRIDSERVE_NO_TRITON=1``
-to force the references everywhere (debugging). The signatures below are the contract
-for both.
+else runs the plain-PyTorch CPU path (``*_cpu`` beside each reference, tested against
+it). Set ``HYBRIDSERVE_NO_TRITON=1`` to force the PyTorch path everywhere (debugging).
+The signatures below are the contract for both.
+
+``plans`` (optional, a dict owned by the caller, one per step) lets the PyTorch path
+build its per-step layout (groups, gather indices) once and reuse it in every layer;
+the Triton path ignores it.
 """
 
 from __future__ import annotations
@@ -11,9 +15,9 @@ from __future__ import annotations
 import torch
 
 from hybridserve.kernels.cache_write import write_kv_ref
-from hybridserve.kernels.causal_conv1d import causal_conv1d_ref
-from hybridserve.kernels.gated_delta_rule import gated_delta_rule_ref
-from hybridserve.kernels.paged_attention import paged_attention_ref
+from hybridserve.kernels.causal_conv1d import Conv1dPlan, causal_conv1d_cpu
+from hybridserve.kernels.gated_delta_rule import DeltaRulePlan, gated_delta_rule_cpu
+from hybridserve.kernels.paged_attention import AttentionPlan, paged_attention_cpu
 
 # --- Triton dispatch (owned by the kernels/Triton work; keep it to this block) ---
 _TRITON_IMPORTS: bool | None = None
@@ -49,35 +53,53 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> torch.Tensor:
+def _plan(plans, key, build):
+    if plans is None:
+        return build()
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = build()
+    return plan
+
+
+def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                    plans: dict | None = None) -> torch.Tensor:
     """See :func:`hybridserve.kernels.paged_attention.paged_attention_ref`."""
     if _use_triton(q):
         from hybridserve.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    return paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+    plan = _plan(plans, ("attention", k_cache.shape[1]), lambda: AttentionPlan(
+        query_start_loc, seq_lens, block_tables, k_cache.shape[1], q.device))
+    return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan)
 
 
 def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_slots, has_initial_state,
-                  activation="silu") -> torch.Tensor:
+                  activation="silu", plans: dict | None = None) -> torch.Tensor:
     """See :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref`."""
     if _use_triton(x) and 2 <= weight.shape[-1] <= 4:
         from hybridserve.kernels.causal_conv1d_triton import causal_conv1d_triton
 
         return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_slots,
                                     has_initial_state, activation)
-    return causal_conv1d_ref(x, weight, bias, conv_state, query_start_loc, state_slots,
-                             has_initial_state, activation)
+    plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
+        query_start_loc, state_slots, has_initial_state, weight.shape[-1], x.device))
+    return causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_slots,
+                             has_initial_state, activation, plan)
 
 
 def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state,
-                     scale, use_qk_l2norm=True) -> torch.Tensor:
-    """See :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`."""
+                     scale, use_qk_l2norm=True, plans: dict | None = None) -> torch.Tensor:
+    """See :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`;
+    ``q``/``k`` may have ``Hk`` heads dividing the ``H`` of ``v`` (grouped heads, read
+    without expanding them)."""
     if _use_triton(q):
         # Per sequence: recurrent kernel under 16 tokens (decode), chunked kernel above.
         from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_triton
 
         return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_slots,
                                        has_initial_state, scale, use_qk_l2norm)
-    return gated_delta_rule_ref(q, k, v, g, beta, state, query_start_loc, state_slots,
-                                has_initial_state, scale, use_qk_l2norm)
+    plan = _plan(plans, ("delta_rule",), lambda: DeltaRulePlan(
+        query_start_loc, state_slots, has_initial_state, device=q.device))
+    return gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_slots,
+                                has_initial_state, scale, use_qk_l2norm, plan=plan)

@@ -1,8 +1,13 @@
 """Causal attention of a flattened varlen batch over a paged KV cache: the reference.
 
-Gather-based: for each sequence it collects the K/V rows its block table names into
-a dense tensor and runs ordinary masked attention. Slow but obviously right, which is
-what the CPU path and the Triton kernel's oracle need.
+Two implementations of one contract. :func:`paged_attention_ref` is gather-based and
+one sequence at a time: it collects the K/V rows a sequence's block table names into a
+dense tensor and runs ordinary masked attention; slow but obviously right (the oracle
+of the CPU path and of the Triton kernel). :func:`paged_attention_cpu` is the CPU path:
+sequences of similar shape (query count and context, each within a factor 1.25) share
+one ``F.scaled_dot_product_attention`` call over their own gathered blocks, GQA read
+without repeating K/V, so a step costs about what its parts cost and memory stays
+O(queries x key tile), not O(queries x context x heads).
 """
 
 from __future__ import annotations
@@ -45,14 +50,10 @@ def paged_attention_ref(
     qsl = _as_list(query_start_loc)
     lens = _as_list(seq_lens)
     out = torch.empty_like(q)
-    decodes = [b for b in range(len(lens)) if qsl[b + 1] - qsl[b] == 1]
-    if len(decodes) > 1:
-        _decode_batch(q, k_cache, v_cache, qsl, lens, block_tables, scale, decodes, out)
-    done = set(decodes) if len(decodes) > 1 else set()
     for b, seq_len in enumerate(lens):
         start, end = qsl[b], qsl[b + 1]
         q_len = end - start
-        if q_len == 0 or b in done:
+        if q_len == 0:
             continue
         if q_len > seq_len:
             raise ValueError(f"sequence {b} has {q_len} queries but only {seq_len} tokens in total")
@@ -79,35 +80,102 @@ def paged_attention_ref(
     return out
 
 
-def _decode_batch(q, k_cache, v_cache, qsl, lens, block_tables, scale, decodes, out):
-    """All one-query sequences at once: gather their blocks, mask past each length."""
-    _, block_size, hkv, d = k_cache.shape
-    hq = q.shape[1]
-    group = hq // hkv
-    seq_lens = [lens[b] for b in decodes]
-    n_blocks = -(-max(seq_lens) // block_size)
-    if n_blocks > block_tables.shape[1]:
-        raise ValueError(
-            f"a decode sequence has {max(seq_lens)} tokens ({n_blocks} blocks of {block_size}) but "
-            f"the block tables have only {block_tables.shape[1]} entries"
-        )
-    dev = k_cache.device
-    sel = torch.tensor(decodes, device=block_tables.device)
-    tables = block_tables.index_select(0, sel)[:, :n_blocks].to(device=dev, dtype=torch.long)
-    # Entries past a sequence's own blocks are padding of any value: point them at block 0
-    # (always valid; what they gather is masked out below).
-    own = torch.tensor([-(-n // block_size) for n in seq_lens], device=dev)
-    tables = tables.masked_fill(torch.arange(n_blocks, device=dev)[None, :] >= own[:, None], 0)
-    n = len(decodes)
-    k = k_cache[tables].reshape(n, n_blocks * block_size, hkv, d).float()
-    v = v_cache[tables].reshape(n, n_blocks * block_size, hkv, d).float()
-    rows = torch.tensor([qsl[b] for b in decodes], device=q.device)
-    qb = q.index_select(0, rows).float().reshape(n, hkv, group, d)
-    scores = torch.einsum("nhgd,nkhd->nhgk", qb, k) * scale
-    length = torch.tensor(seq_lens, device=dev)
-    # The query is the last token, so causality reduces to "key index < seq_len".
-    invalid = torch.arange(n_blocks * block_size, device=dev)[None, :] >= length[:, None]
-    scores = scores.masked_fill(invalid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.einsum("nhgk,nkhd->nhgd", probs, v).reshape(n, hq, d)
-    out[rows] = o.to(out.dtype)
+# ----------------------------------------------------------------------------- CPU path
+_BUCKET = 1.25  # members of a group differ by at most this factor in queries and in context
+
+
+class AttentionPlan:
+    """Groups of one step's sequences for :func:`paged_attention_cpu`; built once per step
+    and shared by every attention layer (it depends on lengths and block tables only).
+
+    Sequences are bucketed by (query count, context) on a geometric grid of ratio 1.25,
+    so padding inside a group is at most 25% of its work and a decode at 8k context
+    never makes 63 decodes at 256 read 8k keys. Each group holds its query rows (padded
+    rows read row 0 and are dropped), its block tables (entries past a member's own
+    blocks point at block 0 and are masked) and its mask, or ``None`` / causal when the
+    shape needs none.
+    """
+
+    def __init__(self, query_start_loc, seq_lens, block_tables: torch.Tensor, block_size: int,
+                 device: torch.device | str = "cpu"):
+        import numpy as np
+
+        qsl = np.asarray(_as_list(query_start_loc), dtype=np.int64)
+        lens = np.asarray(_as_list(seq_lens), dtype=np.int64)
+        q_lens = qsl[1:] - qsl[:-1]
+        if (q_lens > lens).any():
+            b = int(np.nonzero(q_lens > lens)[0][0])
+            raise ValueError(f"sequence {b} has {int(q_lens[b])} queries but only {int(lens[b])} tokens in total")
+        n_blocks = -(-lens // block_size)
+        width = block_tables.shape[1]
+        if (n_blocks > width).any():
+            b = int(np.nonzero(n_blocks > width)[0][0])
+            raise ValueError(
+                f"sequence {b} has {int(lens[b])} tokens ({int(n_blocks[b])} blocks of {block_size}) but "
+                f"its block table has only {width} entries"
+            )
+
+        def tt(a, dtype=torch.long):
+            return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
+
+        act = np.nonzero(q_lens > 0)[0]
+        log_r = np.log(_BUCKET)
+        key = (np.floor(np.log(q_lens[act]) / log_r).astype(np.int64) * 4096
+               + np.floor(np.log(np.maximum(lens[act], 1)) / log_r).astype(np.int64))
+        self.groups = []
+        tables_dev = block_tables.to(device=device)
+        for k in np.unique(key):
+            mem = act[key == k]
+            n, qmax, lmax = len(mem), int(q_lens[mem].max()), int(lens[mem].max())
+            nb = -(-lmax // block_size)
+            i = np.arange(qmax)[None, :]
+            valid = i < q_lens[mem][:, None]
+            rows = np.where(valid, qsl[mem][:, None] + i, 0)
+            flat_valid = np.nonzero(valid.ravel())[0]
+            tables = tables_dev.index_select(0, tt(mem))[:, :nb].long()
+            if (n_blocks[mem] < nb).any():
+                tables = tables.masked_fill(
+                    torch.arange(nb, device=device)[None, :] >= tt(n_blocks[mem])[:, None], 0)
+            offset = lens[mem] - q_lens[mem]  # absolute position of each member's first query
+            causal, mask = False, None
+            if (offset == 0).all() and (q_lens[mem] == qmax).all() and qmax == lmax and qmax > 1:
+                causal = True  # whole prompts of one length: plain causal attention
+            elif not ((q_lens[mem] == 1).all() and (lens[mem] == lmax).all()):
+                # key j is visible to query i of member b iff j <= offset_b + i
+                m = np.arange(lmax)[None, None, :] <= (offset[:, None] + np.arange(qmax)[None, :])[:, :, None]
+                mask = tt(m[:, None], torch.bool)
+            self.groups.append({
+                "n": n, "q": qmax, "len": lmax, "rows": tt(rows.ravel()),
+                "out_pos": None if valid.all() else tt(flat_valid),
+                "out_rows": tt((rows.ravel())[flat_valid]) if not valid.all() else tt(rows.ravel()),
+                "tables": tables, "causal": causal, "mask": mask,
+            })
+
+
+def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                        plan: AttentionPlan | None = None) -> torch.Tensor:
+    """The CPU path; same contract as :func:`paged_attention_ref`. Pass an
+    :class:`AttentionPlan` to share the grouping across layers."""
+    t, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    if hq % hkv:
+        raise ValueError(f"query heads {hq} must be a multiple of KV heads {hkv}")
+    if plan is None:
+        plan = AttentionPlan(query_start_loc, seq_lens, block_tables, block_size, q.device)
+    out = torch.empty_like(q)
+    qf = q.float()
+    for grp in plan.groups:
+        n, ql, length, tables = grp["n"], grp["q"], grp["len"], grp["tables"]
+        nb = tables.shape[1]
+        qg = qf.index_select(0, grp["rows"]).view(n, ql, hq, d).transpose(1, 2)
+        flat = tables.reshape(-1)
+        kg = k_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length].transpose(1, 2)
+        vg = v_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length].transpose(1, 2)
+        og = torch.nn.functional.scaled_dot_product_attention(
+            qg, kg.float(), vg.float(), attn_mask=grp["mask"], is_causal=grp["causal"], scale=scale,
+            enable_gqa=hq != hkv)
+        og = og.transpose(1, 2).reshape(n * ql, hq, d)
+        if grp["out_pos"] is not None:
+            og = og.index_select(0, grp["out_pos"])
+        out.index_copy_(0, grp["out_rows"], og.to(out.dtype))
+    return out

@@ -44,6 +44,10 @@ class ForwardBatch:
     # reference ops read the tensors), kept so a runner can avoid device syncs later.
     query_start_loc_host: list[int] | None = field(default=None, repr=False)
     seq_lens_host: list[int] | None = field(default=None, repr=False)
+    # Per-step layouts the CPU ops derive from the fields above (groups, gather
+    # indices), built by the first layer that needs one and reused by the others
+    # (see hybridserve.kernels.ops). Tied to this step: build a new batch per step.
+    op_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:

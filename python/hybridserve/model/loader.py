@@ -92,8 +92,9 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     model = Qwen3_5ForServing(config, dtype=dtype, device="meta")
     model.to_empty(device=device)
     model.tie_weights()
-    params = dict(model.named_parameters(remove_duplicate=True))
-    expected = model.checkpoint_shapes()
+    # HF name -> the parameter (or rows of a fused one) it fills.
+    params = model.checkpoint_tensors()
+    expected = {name: tuple(t.shape) for name, t in params.items()}
     loaded: set[str] = set()
     unknown: list[str] = []
 

@@ -3,8 +3,14 @@
 Numerically follows ``transformers``' ``Qwen3_5ForCausalLM`` (the oracle in tests),
 reorganised for a flattened varlen batch: there is no batch dimension, every
 sequence's rows are contiguous, attention reads the paged KV cache and DeltaNet
-layers read and write their sequence's state slot. Parameter names match the HF
-checkpoint with the ``model.`` prefix removed, so loading is a rename.
+layers read and write their sequence's state slot.
+
+Projections that read the same input are fused into one GEMM each: the MLP's
+gate+up (``gate_up_proj``), attention's q(+gate)/k/v (``qkv_proj``) and DeltaNet's
+four input projections (``in_proj``). Checkpoints keep HF's separate tensors: each
+fused module maps every HF name to a row range of its weight
+(:meth:`Qwen3_5ForServing.checkpoint_tensors`), which the loader fills in place, and
+``load_state_dict`` accepts HF names too (a pre-hook concatenates them).
 """
 
 from __future__ import annotations
@@ -51,15 +57,48 @@ class GatedRMSNorm(nn.Module):
         return (y * F.silu(gate.float())).to(dtype)
 
 
-class MLP(nn.Module):
+class _Fused:
+    """Mixin of a module with one fused ``nn.Linear`` holding several HF projections as
+    consecutive row ranges: ``_parts`` lists ``(hf_name, rows)`` in order."""
+
+    _fused_name: str
+    _parts: list[tuple[str, int]]
+
+    def _init_fused(self, fused_name: str, parts: list[tuple[str, int]]) -> None:
+        self._fused_name = fused_name
+        self._parts = parts
+        self._register_load_state_dict_pre_hook(self._fuse_hf_tensors)
+
+    def hf_views(self) -> dict[str, torch.Tensor]:
+        """HF parameter name (relative to this module) -> view of the fused tensor."""
+        fused = getattr(self, self._fused_name)
+        out, at = {}, 0
+        for name, rows in self._parts:
+            out[f"{name}.weight"] = fused.weight[at:at + rows]
+            if fused.bias is not None:
+                out[f"{name}.bias"] = fused.bias[at:at + rows]
+            at += rows
+        return out
+
+    def _fuse_hf_tensors(self, state_dict, prefix, *args) -> None:
+        # Accept HF names in load_state_dict: concatenate them into the fused tensor.
+        for kind in ("weight", "bias"):
+            keys = [f"{prefix}{name}.{kind}" for name, _ in self._parts]
+            if all(k in state_dict for k in keys):
+                state_dict[f"{prefix}{self._fused_name}.{kind}"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+class MLP(_Fused, nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.inter = inter
+        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self._init_fused("gate_up_proj", [("gate_proj", inter), ("up_proj", inter)])
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gu[:, : self.inter]) * gu[:, self.inter:])
 
 
 class RotaryEmbedding:
@@ -92,7 +131,7 @@ class RotaryEmbedding:
         return torch.cat([x_rot, x_pass], dim=-1)
 
 
-class Attention(nn.Module):
+class Attention(_Fused, nn.Module):
     """Gated GQA attention over the paged cache (q/k norm, partial rope, sigmoid gate)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -104,33 +143,37 @@ class Attention(nn.Module):
         self.head_dim = c.head_dim
         self.scale = c.head_dim ** -0.5
         bias = bool(c.raw.get("attention_bias", False))
-        # q_proj yields the query and the output gate interleaved per head: [q_h | gate_h].
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim * 2, bias=bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=bias)
+        # HF's q_proj yields the query and the output gate interleaved per head:
+        # [q_h | gate_h]; kept so in the fused rows, followed by k_proj's and v_proj's.
+        self.q_rows = c.num_attention_heads * c.head_dim * 2
+        self.kv_rows = c.num_key_value_heads * c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_rows + 2 * self.kv_rows, bias=bias)
+        self._init_fused("qkv_proj", [("q_proj", self.q_rows), ("k_proj", self.kv_rows),
+                                      ("v_proj", self.kv_rows)])
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=bias)
         self.q_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x, cos, sin, batch: ForwardBatch, cache: HybridCache):
         t = x.shape[0]
-        qg = self.q_proj(x).view(t, self.num_heads, 2 * self.head_dim)
+        qkv = self.qkv_proj(x)
+        qr, kvr = self.q_rows, self.kv_rows
+        qg = qkv[:, :qr].view(t, self.num_heads, 2 * self.head_dim)
         q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]
-        gate = gate.reshape(t, -1)
         q = self.q_norm(q)
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = self.k_norm(qkv[:, qr:qr + kvr].view(t, self.num_kv_heads, self.head_dim))
+        v = qkv[:, qr + kvr:].view(t, self.num_kv_heads, self.head_dim)
         q = RotaryEmbedding.apply(q, cos, sin)
         k = RotaryEmbedding.apply(k, cos, sin)
         k_cache, v_cache = cache.kv(self.layer_idx)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = ops.paged_attention(q.contiguous(), k_cache, v_cache, batch.query_start_loc,
-                                batch.seq_lens, batch.block_tables, self.scale)
-        o = o.reshape(t, -1) * torch.sigmoid(gate)
+                                batch.seq_lens, batch.block_tables, self.scale, plans=batch.op_plans)
+        o = (o.view(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)).view(t, -1)
         return self.o_proj(o)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(_Fused, nn.Module):
     """Gated DeltaNet token mixer over state slots (causal conv1d + gated delta rule)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
@@ -149,10 +192,10 @@ class GatedDeltaNet(nn.Module):
                 f"linear_num_value_heads ({self.num_v_heads}) must be a multiple of "
                 f"linear_num_key_heads ({self.num_k_heads})"
             )
-        self.in_proj_qkv = nn.Linear(c.hidden_size, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(c.hidden_size, self.value_dim, bias=False)
-        self.in_proj_b = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        hv = self.num_v_heads
+        self.in_proj = nn.Linear(c.hidden_size, self.conv_dim + self.value_dim + 2 * hv, bias=False)
+        self._init_fused("in_proj", [("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim),
+                                     ("in_proj_b", hv), ("in_proj_a", hv)])
         # Depthwise conv weight kept in the checkpoint's [C, 1, W] shape.
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, 1, c.linear_conv_kernel_dim))
@@ -164,28 +207,24 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x, batch: ForwardBatch, cache: HybridCache):
         t = x.shape[0]
         conv_state, rec_state = cache.state(self.layer_idx)
-        mixed = self.in_proj_qkv(x)
-        z = self.in_proj_z(x)
-        b = self.in_proj_b(x)
-        a = self.in_proj_a(x)
+        proj = self.in_proj(x)
+        mixed, z, b, a = torch.split(
+            proj, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
         mixed = ops.causal_conv1d(mixed, self.conv1d.weight[:, 0, :], None, conv_state,
                                   batch.query_start_loc, batch.state_slots,
-                                  batch.has_initial_state, "silu")
+                                  batch.has_initial_state, "silu", plans=batch.op_plans)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(t, self.num_v_heads, self.head_v_dim)
-        rep = self.num_v_heads // self.num_k_heads
-        if rep > 1:
-            # Key head j serves value heads j*rep .. j*rep+rep-1 (HF's repeat_interleave).
-            q = q.repeat_interleave(rep, dim=1)
-            k = k.repeat_interleave(rep, dim=1)
+        # Key head j serves value heads j*rep .. j*rep+rep-1 (HF's repeat_interleave); the
+        # op reads the grouped heads directly.
+        q = q.view(t, self.num_k_heads, self.head_k_dim)
+        k = k.view(t, self.num_k_heads, self.head_k_dim)
+        v = v.view(t, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(b)
         # In float32: in fp16 exp(A_log) could overflow.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         o = ops.gated_delta_rule(q, k, v, g, beta, rec_state, batch.query_start_loc,
                                  batch.state_slots, batch.has_initial_state,
-                                 self.head_k_dim ** -0.5, True)
+                                 self.head_k_dim ** -0.5, True, plans=batch.op_plans)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(t, self.value_dim))
 
@@ -275,12 +314,26 @@ class Qwen3_5ForServing(nn.Module):
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
 
-    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor a checkpoint must provide (local names), with its shape."""
-        shapes = {name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=True)}
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor a checkpoint must provide (local HF names) -> the parameter, or the
+        rows of a fused parameter, that holds it (a view: copying into it loads it)."""
+        out: dict[str, torch.Tensor] = {}
+        fused = {name: m for name, m in self.named_modules() if isinstance(m, _Fused)}
+        for prefix, m in fused.items():
+            out.update({f"{prefix}.{k}": v for k, v in m.hf_views().items()})
+        for name, p in self.named_parameters(remove_duplicate=True):
+            parent, _, _ = name.rpartition(".")
+            owner, _, leaf = parent.rpartition(".")
+            if owner in fused and leaf == fused[owner]._fused_name:
+                continue
+            out[name] = p
         if self.config.tie_word_embeddings:
-            shapes.pop("lm_head.weight", None)
-        return shapes
+            out.pop("lm_head.weight", None)
+        return out
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor a checkpoint must provide (local HF names), with its shape."""
+        return {name: tuple(t.shape) for name, t in self.checkpoint_tensors().items()}
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:

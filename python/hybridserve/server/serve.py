@@ -154,6 +154,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "baseline) (default: %(default)s)")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="run every step eagerly: no CUDA graphs for decode steps (default: graphs on CUDA)")
+    eng.add_argument("--cpu-threads", type=_positive, default=None, metavar="N",
+                     help="torch intra-op threads (default: the physical cores this process may use)")
     eng.add_argument("--no-prefix-caching", action="store_true",
                      help="turn off prefix caching (default: on)")
     eng.add_argument("--long-prefill-token-threshold", type=int, default=0,
@@ -297,6 +299,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
             enforce_eager=args.enforce_eager,
+            cpu_threads=args.cpu_threads,
         )
         engine = LLMEngine(engine_args)
         metrics = EngineMetrics()

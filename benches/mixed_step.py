@@ -1,0 +1,259 @@
+"""Mixed-step micro-benchmark of the CPU path: does a step cost more than its parts?
+
+For each case, one step that mixes work of different shapes (a long prompt with many
+short ones, decodes at very different contexts, a prefill chunk next to decodes) is
+timed against the same work split into homogeneous steps, run one after the other.
+``ratio = mixed / sum(parts)``; the CPU path's target is <= 1.3 for every case.
+
+Cases run through the kernel entry points (``hybridserve.kernels.ops``) and through
+whole model steps of the ``bench`` preset (random weights), so the same script runs
+against any version of the package. ``--before REV`` also runs it, side by side in
+one invocation, against the package as of git revision ``REV`` (extracted to a
+temporary folder with the current build of the Rust extension) and prints both.
+
+    python benches/mixed_step.py --threads 1 --before 596c949
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+BLOCK = 16
+
+
+def _median_ms(fn, reps: int, min_s: float = 0.0) -> float:
+    fn()  # warm-up (allocator, lazy inits)
+    times = []
+    start = time.perf_counter()
+    while len(times) < reps or (time.perf_counter() - start < min_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- ops
+def _qsl(lens):
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def delta_case(lens, init, h=8, kd=64, vd=64, seed=0):
+    from hybridserve.kernels import ops
+
+    gen = torch.Generator().manual_seed(seed)
+    t = sum(lens)
+    q = torch.randn(t, h, kd, generator=gen)
+    k = torch.randn(t, h, kd, generator=gen)
+    v = torch.randn(t, h, vd, generator=gen)
+    g = -torch.rand(t, h, generator=gen) * 0.5
+    beta = torch.rand(t, h, generator=gen)
+    state = torch.randn(len(lens) + 1, h, kd, vd, generator=gen) * 0.1
+    qsl = _qsl(lens)
+    slots = torch.arange(len(lens))
+    has = torch.tensor([init] * len(lens))
+    return lambda: ops.gated_delta_rule(q, k, v, g, beta, state, qsl, slots, has, kd ** -0.5, True)
+
+
+def attention_case(q_lens, seq_lens, hq=8, hkv=2, d=64, seed=0):
+    from hybridserve.kernels import ops
+
+    gen = torch.Generator().manual_seed(seed)
+    nblocks = [-(-n // BLOCK) for n in seq_lens]
+    total = sum(nblocks) + 1
+    k_cache = torch.randn(total, BLOCK, hkv, d, generator=gen)
+    v_cache = torch.randn(total, BLOCK, hkv, d, generator=gen)
+    perm = torch.randperm(total, generator=gen)
+    width = max(nblocks)
+    tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
+    at = 0
+    for b, nb in enumerate(nblocks):
+        tables[b, :nb] = perm[at:at + nb].to(torch.int32)
+        at += nb
+    q = torch.randn(sum(q_lens), hq, d, generator=gen)
+    qsl = _qsl(q_lens)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    return lambda: ops.paged_attention(q, k_cache, v_cache, qsl, lens, tables, d ** -0.5)
+
+
+def conv_case(lens, init, c=1024, w=4, seed=0):
+    from hybridserve.kernels import ops
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lens), c, generator=gen)
+    weight = torch.randn(c, w, generator=gen)
+    state = torch.randn(len(lens) + 1, c, w - 1, generator=gen)
+    qsl = _qsl(lens)
+    slots = torch.arange(len(lens))
+    has = torch.tensor(init)
+    return lambda: ops.causal_conv1d(x, weight, None, state, qsl, slots, has, "silu")
+
+
+def op_cases():
+    """(name, mixed fn, [part fns]) of the kernel cases."""
+    long_short = [1024] + [8] * 31
+    dec = [256] * 63 + [8192]
+    pre_q, pre_ctx = [512] + [1] * 16, [4096] + [256] * 16
+    conv_lens = [1024] + [8] * 31 + [1] * 64
+    conv_init = [False] * 32 + [True] * 64
+    return [
+        ("delta rule: 1x1024 + 31x8 prompts", delta_case(long_short, False),
+         [delta_case([1024], False), delta_case([8] * 31, False)]),
+        ("delta rule: 1x1024 prompt + 64 decodes", delta_case([1024] + [1] * 64, True),
+         [delta_case([1024], True), delta_case([1] * 64, True)]),
+        ("paged attn decode: 63 at ctx 256 + 1 at 8192", attention_case([1] * 64, dec),
+         [attention_case([1] * 63, [256] * 63), attention_case([1], [8192])]),
+        ("paged attn: 512-token chunk at ctx 4096 + 16 decodes at 256", attention_case(pre_q, pre_ctx),
+         [attention_case([512], [4096]), attention_case([1] * 16, [256] * 16)]),
+        ("conv1d: 1x1024 + 31x8 prompts + 64 decodes", conv_case(conv_lens, conv_init),
+         [conv_case([1024], [False]), conv_case([8] * 31, [False] * 31), conv_case([1] * 64, [True] * 64)]),
+    ]
+
+
+# ----------------------------------------------------------------------------- model
+class ModelBench:
+    """Bench-preset model with a cache whose sequences already hold some context."""
+
+    def __init__(self, preset: str = "bench"):
+        from hybridserve.config import ModelConfig
+        from hybridserve.model import Qwen3_5ForServing
+        from hybridserve.model.tiny import random_state_dict, text_config
+
+        self.config = ModelConfig.from_dict(text_config(preset))
+        self.model = Qwen3_5ForServing(self.config)
+        self.model.load_state_dict(random_state_dict(self.config, seed=0), strict=False)
+        self.model.tie_weights()
+        self.cache = self.model.new_cache(num_blocks=4096, block_size=BLOCK, num_state_slots=160)
+        gen = torch.Generator().manual_seed(0)
+        for t in self.cache.k_caches + self.cache.v_caches:
+            t.copy_(torch.randn(t.shape, generator=gen))
+        for t in self.cache.recurrent_states:
+            t.copy_(0.05 * torch.randn(t.shape, generator=gen))
+        self.next_block = 1
+        self.next_slot = 0
+
+    def seqs(self, specs):
+        """specs: (q_len, seq_len) each -> per-sequence (q_len, seq_len, blocks, slot)."""
+        out = []
+        for q_len, seq_len in specs:
+            nb = -(-seq_len // BLOCK)
+            blocks = list(range(self.next_block, self.next_block + nb))
+            self.next_block += nb
+            out.append((q_len, seq_len, blocks, self.next_slot))
+            self.next_slot += 1
+        return out
+
+    def step(self, seqs):
+        from hybridserve.model import ForwardBatch
+
+        gen = torch.Generator().manual_seed(1)
+        ids, pos, slot_map, qsl, lens, tables, slots, init, last = [], [], [], [0], [], [], [], [], []
+        for q_len, seq_len, blocks, slot in seqs:
+            for p in range(seq_len - q_len, seq_len):
+                pos.append(p)
+                slot_map.append(blocks[p // BLOCK] * BLOCK + p % BLOCK)
+            ids += torch.randint(0, self.config.vocab_size, (q_len,), generator=gen).tolist()
+            qsl.append(qsl[-1] + q_len)
+            lens.append(seq_len)
+            tables.append(blocks)
+            slots.append(slot)
+            init.append(seq_len > q_len)
+            last.append(qsl[-1] - 1)
+        batch = ForwardBatch.from_lists(
+            input_ids=ids, positions=pos, slot_mapping=slot_map, query_start_loc=qsl, seq_lens=lens,
+            block_tables=tables, state_slots=slots, has_initial_state=init, logits_indices=last)
+        return lambda: self.model(batch, self.cache)
+
+
+def model_cases():
+    mb = ModelBench()
+    prompt_long, prompts_short = mb.seqs([(1024, 1024)]), mb.seqs([(8, 8)] * 31)
+    dec_short, dec_long = mb.seqs([(1, 256)] * 63), mb.seqs([(1, 4000)])
+    chunk = mb.seqs([(512, 2048)])
+    return [
+        ("model step: 1x1024 + 31x8 prompts", mb.step(prompt_long + prompts_short),
+         [mb.step(prompt_long), mb.step(prompts_short)]),
+        ("model step: 63 decodes at 256 + 1 at 4000", mb.step(dec_short + dec_long),
+         [mb.step(dec_short), mb.step(dec_long)]),
+        ("model step: 512 chunk at 2048 + 31x8 prompts + 64 decodes",
+         mb.step(chunk + prompts_short + dec_short + dec_long),
+         [mb.step(chunk), mb.step(prompts_short), mb.step(dec_short + dec_long)]),
+    ]
+
+
+def measure(reps: int, which: str) -> list[dict]:
+    rows = []
+    cases = (op_cases() if which in ("all", "ops") else []) + (model_cases() if which in ("all", "model") else [])
+    for name, mixed, parts in cases:
+        m = _median_ms(mixed, reps, 0.5)
+        ps = [_median_ms(p, reps, 0.3) for p in parts]
+        rows.append({"case": name, "mixed_ms": round(m, 2), "parts_ms": [round(p, 2) for p in ps],
+                     "ratio": round(m / sum(ps), 2)})
+    return rows
+
+
+def _before(rev: str, args) -> list[dict]:
+    """Run this script against the package as of ``rev`` in a subprocess."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tempfile.mkdtemp(prefix="hybridserve-before-")
+    try:
+        archive = subprocess.run(["git", "-C", root, "archive", rev, "python/hybridserve"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        pkg = os.path.join(tmp, "python", "hybridserve")
+        for so in glob.glob(os.path.join(root, "python", "hybridserve", "_core*.so")):
+            shutil.copy(so, pkg)
+        env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "python"))
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--threads", str(args.threads),
+               "--reps", str(args.reps), "--only", args.only, "--expect-root", os.path.join(tmp, "python")]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", choices=["all", "ops", "model"], default="all")
+    ap.add_argument("--before", metavar="REV", help="also measure the package as of this git revision")
+    ap.add_argument("--json", action="store_true", help="print one JSON list (used by --before)")
+    ap.add_argument("--expect-root", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.expect_root:
+        import hybridserve
+
+        assert os.path.abspath(hybridserve.__file__).startswith(args.expect_root), hybridserve.__file__
+    before = _before(args.before, args) if args.before else None
+    after = measure(args.reps, args.only)
+    if args.json:
+        print(json.dumps(after))
+        return
+    print(f"torch intra-op threads: {torch.get_num_threads()}  (medians; ratio = mixed / sum of parts)")
+    head = "| case | " + ("before: step / parts / ratio | " if before else "") + "after: step / parts / ratio |"
+    print(head)
+    print("|---|" + ("---|" if before else "") + "---|")
+    for i, row in enumerate(after):
+        def fmt(r):
+            return f"{r['mixed_ms']} ms / {' + '.join(str(p) for p in r['parts_ms'])} ms / {r['ratio']}x"
+        cells = [row["case"]] + ([fmt(before[i])] if before else []) + [fmt(row)]
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
