@@ -9,6 +9,7 @@ the non-streamed answer for what a stream concatenates to.
 from __future__ import annotations
 
 import math
+import time
 
 import openai
 import pytest
@@ -213,7 +214,8 @@ def test_models_and_tokenize_detokenize_shapes(live, client):
 def test_api_key_guards_v1_and_leaves_health_and_metrics_open(tiny_dir, live_server_cls):
     LiveServer = live_server_cls
     for require_metrics in (False, True):
-        server = LiveServer(tiny_dir, ServerSettings(api_key="sekrit", metrics_require_key=require_metrics))
+        server = LiveServer(tiny_dir, ServerSettings(api_key="sekrit", metrics_require_key=require_metrics,
+                                                     keepalive_timeout=0.5))
         try:
             good = openai.OpenAI(base_url=server.url + "/v1", api_key="sekrit", max_retries=0)
             bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
@@ -229,5 +231,12 @@ def test_api_key_guards_v1_and_leaves_health_and_metrics_open(tiny_dir, live_ser
             assert server.request("GET", "/health").status_code == 200
             assert server.request("GET", "/metrics").status_code == (401 if require_metrics else 200)
             assert server.request("GET", "/metrics", headers={"Authorization": "Bearer sekrit"}).status_code == 200
+            # An idle keep-alive connection is closed after --keepalive-timeout.
+            conn = server.connect(timeout=10)
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            time.sleep(1.5)
+            assert conn.sock.recv(1) == b""
+            conn.close()
         finally:
             server.stop()
