@@ -29,6 +29,18 @@ _COUNTERS = [
     ("prefix_hits", "prefix_cache_hits", "Lookups that reused at least one cached block"),
     ("prefix_hit_tokens", "prefix_cache_hit_tokens", "Prompt tokens served from cached blocks"),
     ("evictions", "prefix_cache_evictions", "Cached blocks evicted to satisfy an allocation"),
+    ("prefix_skipped_tokens", "prefix_cache_skipped_tokens",
+     "Prompt tokens not computed at all: a DeltaNet state checkpoint ended their prefix"),
+    ("prefix_lost_tokens", "prefix_cache_lost_tokens",
+     "Prompt tokens with cached KV recomputed for want of a DeltaNet checkpoint at their end"),
+    ("checkpoint_queries", "state_checkpoint_queries", "Admissions that looked for a DeltaNet state checkpoint"),
+    ("checkpoint_hits", "state_checkpoint_hits", "Admissions that resumed from a DeltaNet state checkpoint"),
+    ("checkpoint_writes", "state_checkpoint_writes", "DeltaNet state checkpoints written"),
+    ("checkpoint_writes_skipped", "state_checkpoint_writes_skipped",
+     "DeltaNet checkpoint writes skipped: every state slot held by a sequence"),
+    ("checkpoint_evictions", "state_checkpoint_evictions",
+     "DeltaNet checkpoints evicted for room (compute saved per byte, then recency)"),
+    ("checkpoint_drops", "state_checkpoint_drops", "DeltaNet checkpoints dropped because their KV chain was evicted"),
     ("cow_copies", "copy_on_write_blocks", "Blocks copied on write (shared tail appended to)"),
     ("preemptions", "num_preemptions", "Sequences preempted (recomputed later) for lack of blocks"),
     ("steps", "engine_steps", "Scheduler steps"),
@@ -44,7 +56,8 @@ _GAUGES = [
     ("reserved_blocks", "kv_blocks_reserved", "Blocks reserved by the reserve-max admission policy"),
     ("tail_waste", "kv_tail_waste_slots", "Unused token slots in the last blocks of running sequences"),
     ("num_slots", "state_slots_total", "DeltaNet state slots in the pool"),
-    ("free_slots", "state_slots_free", "DeltaNet state slots free"),
+    ("free_slots", "state_slots_free", "DeltaNet state slots allocatable now (free + reclaimable checkpoints)"),
+    ("checkpoint_slots", "state_slots_checkpoint", "DeltaNet state slots holding prefix checkpoints (reclaimable)"),
     ("used_slots", "state_slots_used", "DeltaNet state slots held by sequences"),
     ("num_running_requests", "num_requests_running", "Requests running"),
     ("num_running_seqs", "num_seqs_running", "Sequences running (n > 1 requests count n)"),
@@ -80,6 +93,12 @@ class _CoreCollector:
         q = float(snap.get("prefix_query_tokens", 0))
         g = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prompt tokens served from cache / looked up")
         g.add_metric([], float(snap.get("prefix_hit_tokens", 0)) / q if q else 0.0)
+        yield g
+        # The rate that moves time to first token on a hybrid model: KV hits count
+        # only as far as a state checkpoint lets the prefill skip them.
+        g = GaugeMetricFamily(PREFIX + "prefix_cache_skip_rate",
+                              "Prompt tokens whose compute was skipped / looked up")
+        g.add_metric([], float(snap.get("prefix_skipped_tokens", 0)) / q if q else 0.0)
         yield g
 
 

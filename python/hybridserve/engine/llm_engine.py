@@ -146,6 +146,11 @@ class LLMEngine:
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
             reserve_max_context=args.admission_policy == "reserve_max",
+            # Memory side of the checkpoint eviction score: a slot's bytes in blocks.
+            checkpoint_slot_cost_blocks=(
+                HybridCache.bytes_per_state_slot(self.model_config, self.dtype)
+                / HybridCache.bytes_per_block(self.model_config, self.block_size, kv_dtype)
+            ),
         )
         # The scheduler's block-table rows are the runner's buffer width.
         self.max_blocks_per_seq = self.scheduler.max_blocks_per_seq

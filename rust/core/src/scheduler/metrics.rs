@@ -8,7 +8,9 @@ pub struct SchedulerStats {
     pub used_blocks: u32,
     pub cached_blocks: u32,
     pub num_slots: u32,
+    /// Slots a sequence could get now: free ones plus reclaimable checkpoints.
     pub free_slots: u32,
+    /// Slots held by sequences (checkpoints excluded).
     pub used_slots: u32,
     pub alloc_failures: u64,
     /// Unused slots in the last blocks of running sequences (O(running) to compute).

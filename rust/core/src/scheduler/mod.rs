@@ -1163,8 +1163,10 @@ impl Scheduler {
             used_blocks: self.kv.num_used_blocks(),
             cached_blocks: self.kv.num_cached_blocks(),
             num_slots: self.pool.num_slots(),
-            free_slots: self.pool.num_free(),
-            used_slots: self.pool.num_used(),
+            // Like free_blocks (which counts parked cached blocks), free_slots
+            // counts the reclaimable checkpoint slots; used_slots is sequences'.
+            free_slots: self.pool.num_free() + ck.slots,
+            used_slots: self.pool.num_used() - ck.slots,
             alloc_failures: kv.alloc_failures,
             tail_waste,
             prefix_queries: kv.prefix_queries,
