@@ -227,13 +227,15 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
 
 async def _whole(request: web.Request, rid: str, model_name: str, streams: list[RequestStream], params: Any,
                  tt: protocol.TokenText, chat: bool, echo_texts: list[str | None]) -> web.Response:
-    finals = []
+    async def last(s: RequestStream) -> Any:
+        final = None
+        async for out in s:
+            final = out
+        return final
+
     try:
-        for s in streams:
-            final = None
-            async for out in s:
-                final = out
-            finals.append(final)
+        # Concurrently, so no stream's queue piles up outputs while another is read.
+        finals = await asyncio.gather(*(last(s) for s in streams))
     except Exception as e:  # noqa: BLE001
         return _error(e)
     if chat:
