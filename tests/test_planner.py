@@ -272,9 +272,19 @@ def test_shared_prefix_by_hand(seed_cfg):
     slot = 144 * MiB + 2_949_120
     assert s.total_bytes == 8_006 * MiB + 4 * slot
     assert s.bytes_without_sharing == 4 * (2_048 * MiB + slot)
-    # Most sessions in 23,859 MiB: (23,859 - 62) / (1,986 + 146.8125) = 11.16 -> 11,
+    # Most sessions in 23,859 MiB, keeping one 146.8125 MiB checkpoint of the prefix's
+    # DeltaNet state: (23,859 - 62 - 146.8125) / (1,986 + 146.8125) = 11.09 -> 11,
     # against 10 without sharing.
+    assert (s.checkpoint_slots, s.checkpoint_bytes) == (1, slot)
     assert (s.max_count, s.max_count_without_sharing) == (11, 10)
+    assert s.max_count_evicting_checkpoint == 11
+    # Where the checkpoint decides: a pool of exactly 11 sessions + the shared blocks.
+    exact = 62 * MiB + 11 * (1_986 * MiB + slot)
+    t = pl.sharing_plan(seed_cfg, exact, 32_768, 1_000, 4)
+    assert (t.max_count, t.max_count_evicting_checkpoint) == (10, 11)
+    # A prefix shorter than a block shares nothing and keeps no checkpoint.
+    u = pl.sharing_plan(seed_cfg, exact, 32_768, 15, 4)
+    assert (u.shared_blocks, u.checkpoint_slots, u.checkpoint_bytes) == (0, 0, 0)
 
 
 def test_parallel_samples_by_hand(seed_cfg):
@@ -372,6 +382,8 @@ def test_shared_prefix_matches_prefix_cache_simulation(block_size):
                 assert sp.total_blocks == len(cached) + own, (k, prefix, ctx)
                 slot = pl.state_slot_bytes(c)
                 assert sp.total_bytes == sp.total_blocks * pl.block_bytes(c, block_size) + k * slot
+                # One checkpoint of the state, at the end of the cached prefix blocks.
+                assert sp.checkpoint_bytes == (slot if cached else 0)
 
 
 def test_sharing_rejects_bad_lengths(seed_cfg):

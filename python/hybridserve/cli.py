@@ -219,7 +219,10 @@ def render_plan(report, config_name: str = "") -> str:
              f"{s.total_blocks:,} blocks, {format_mib(s.total_bytes)} "
              f"(without sharing {format_mib(s.bytes_without_sharing)})"),
             ("sessions that fit with the shared prefix",
-             f"{s.max_count:,} (without sharing {s.max_count_without_sharing:,})"),
+             f"{s.max_count:,} keeping {s.checkpoint_slots} DeltaNet checkpoint of "
+             f"{format_mib(s.checkpoint_bytes)} (prefix compute skipped; "
+             f"{s.max_count_evicting_checkpoint:,} if it is evicted; "
+             f"without caching {s.max_count_without_sharing:,})"),
         ]
     if r.parallel_sampling is not None:
         p = r.parallel_sampling

@@ -402,6 +402,13 @@ class SharingPlan:
     shared once the sequences diverge). This is exact for prefix-cache sharing (only
     full blocks are cached, at any ``shared_len``) and for forked samples once each
     has written a token of its own (``shared_len < context_len``).
+
+    With prefix caching on a hybrid model the shared prefix also keeps
+    ``checkpoint_slots`` DeltaNet state checkpoint (one, at the end of the shared
+    full blocks, when there is at least one), so that every session skips the
+    prefix's compute; ``max_count`` keeps it. (Checkpoints are reclaimable: under
+    pressure the engine evicts it and admits up to ``max_count_evicting_checkpoint``,
+    the later sessions then recomputing the prefix.)
     """
 
     count: int
@@ -416,6 +423,10 @@ class SharingPlan:
     #: Largest ``count`` that fits in the pool with sharing, and without.
     max_count: int
     max_count_without_sharing: int
+    #: The prefix's DeltaNet checkpoint (not in ``total_bytes``, which is the sessions').
+    checkpoint_slots: int = 0
+    checkpoint_bytes: int = 0
+    max_count_evicting_checkpoint: int = 0
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -447,6 +458,7 @@ def sharing_plan(
     per_seq_private = private * bb + slot
     total_blocks = shared + count * private
     shared_bytes = shared * bb
+    checkpoints = 1 if shared > 0 else 0
     return SharingPlan(
         count=count,
         context_len=context_len,
@@ -459,10 +471,13 @@ def sharing_plan(
         bytes_without_sharing=count * paged_sequence_bytes(
             config, context_len, block_size, kv_dtype, include_conv
         ),
-        max_count=_fit(pool_bytes - shared_bytes, per_seq_private),
+        max_count=_fit(pool_bytes - shared_bytes - checkpoints * slot, per_seq_private),
         max_count_without_sharing=sessions_paged(
             config, pool_bytes, context_len, block_size, kv_dtype, include_conv
         ),
+        checkpoint_slots=checkpoints,
+        checkpoint_bytes=checkpoints * slot,
+        max_count_evicting_checkpoint=_fit(pool_bytes - shared_bytes, per_seq_private),
     )
 
 

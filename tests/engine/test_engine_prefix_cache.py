@@ -199,3 +199,51 @@ def test_chunked_prefill_with_a_small_budget_resumes_exactly(preset, block_size,
     assert st["prefix_skipped_tokens"] == 2 * 3 * block_size
     assert max(cap.computed) <= 13
     check_hf(hf_models[preset], outs, cap, greedy=True)
+
+
+def test_engine_admits_what_the_shared_prefix_plan_predicts(tiny_dirs):
+    # Sessions of 48 tokens (40-token prompt, 8 generated) sharing a 32-token prefix:
+    # the planner says k sessions fit in 2 shared blocks + k own blocks + k slots + one
+    # checkpoint slot. Give the engine exactly that and k + 1 sessions at once.
+    import dataclasses
+
+    from hybridserve import planner
+    from hybridserve.config import ModelConfig
+
+    k, bs = 3, 16
+    config = dataclasses.replace(ModelConfig.from_json(tiny_dirs["test-a"]), torch_dtype="float32")
+    sp = planner.sharing_plan(config, 1 << 40, 48, 32, k, bs, "float32")
+    assert (sp.shared_blocks, sp.private_blocks, sp.checkpoint_slots) == (2, 1, 1)
+    pool = sp.shared_blocks * planner.block_bytes(config, bs, "float32") + sp.checkpoint_bytes + k * (
+        sp.private_blocks * planner.block_bytes(config, bs, "float32") + planner.state_slot_bytes(config))
+    assert planner.sharing_plan(config, pool, 48, 32, k, bs, "float32").max_count == k
+    llm = make(tiny_dirs, num_gpu_blocks=sp.shared_blocks + k * sp.private_blocks,
+               num_state_slots=k + sp.checkpoint_slots, max_num_seqs=8, max_num_batched_tokens=512)
+    rng = random.Random(12)
+    system = toks(rng, 32)
+    p = SamplingParams(max_tokens=8, **GREEDY)
+    llm.generate([system + toks(rng, 8)], p)  # writes the checkpoint at token 32
+    seen: list[int] = []
+    inner = llm.engine.runner.execute
+
+    def execute(plan):
+        seen.append(len(plan.request_ids))
+        return inner(plan)
+
+    llm.engine.runner.execute = execute
+    before = llm.engine.stats()
+    llm.generate([system + toks(rng, 8) for _ in range(k + 1)], p)
+    st = llm.engine.stats()
+    assert max(seen) == k, seen  # k together, the (k+1)-th waits for a session to end
+    # Every session, the queued one included, resumed from the kept checkpoint.
+    assert st["checkpoint_hits"] - before["checkpoint_hits"] == k + 1
+    assert st["prefix_skipped_tokens"] - before["prefix_skipped_tokens"] == (k + 1) * 32
+    assert st["checkpoint_evictions"] == 0
+
+
+def test_serve_flag_turns_prefix_caching_off():
+    from hybridserve.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching
+    assert not parser.parse_args(["serve"]).no_prefix_caching

@@ -156,8 +156,10 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="run every step eagerly: no CUDA graphs for decode steps (default: graphs on CUDA)")
     eng.add_argument("--cpu-threads", type=_positive, default=None, metavar="N",
                      help="torch intra-op threads (default: the physical cores this process may use)")
-    eng.add_argument("--no-prefix-caching", action="store_true",
-                     help="turn off prefix caching (default: on)")
+    eng.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
+                     action="store_true",
+                     help="turn off prefix caching: cached KV blocks and DeltaNet state checkpoints "
+                          "(default: on)")
     eng.add_argument("--long-prefill-token-threshold", type=int, default=0,
                      help="prompts longer than this are prefilled in chunks of at most this many tokens; "
                           "0 = no limit (default: %(default)s)")

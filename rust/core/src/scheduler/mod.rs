@@ -631,11 +631,13 @@ impl Scheduler {
         if chunks.first().copied().unwrap_or(0) == 0 && req.seqs[0].is_live() {
             return false;
         }
-        if need_blocks > self.kv.num_free_blocks() as usize {
+        let caching = self.kv.prefix_caching_enabled();
+        // Without a prefix cache this bound is exact enough to skip the work below;
+        // with one, blocks a hit covers are not needed, so the appends decide.
+        if !caching && need_blocks > self.kv.num_free_blocks() as usize {
             return false;
         }
         let pending = req.pending_tokens();
-        let caching = self.kv.prefix_caching_enabled();
         // (sequence, slot to copy the state from, checkpoint key)
         let mut restores: Vec<(usize, SlotId, u64)> = Vec::new();
         let p_s = self.p_slots.len();
