@@ -240,3 +240,16 @@ def test_api_key_guards_v1_and_leaves_health_and_metrics_open(tiny_dir, live_ser
             conn.close()
         finally:
             server.stop()
+
+
+def test_prompt_logprobs_across_prefill_chunks_match_hf(live, client, hf_tiny):
+    # 300 tokens with max_num_batched_tokens=128: prefilled in three chunks.
+    prompt = [(7 * i + 3) % 250 for i in range(300)]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                  logprobs=1)
+    got = r.choices[0].logprobs.token_logprobs[:300]
+    rows = _hf_logprobs(hf_tiny, prompt)
+    expect = [None] + [float(rows[p - 1][prompt[p]]) for p in range(1, 300)]
+    assert got[0] is None
+    assert got[1:] == pytest.approx(expect[1:], abs=TOL)
+    live.wait_idle_and_whole()
