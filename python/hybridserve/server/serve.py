@@ -49,13 +49,15 @@ def default_model_dir() -> str:
     return path
 
 
-def _port(text: str) -> int:
+def parse_port(text: str | int) -> int:
+    """The --port value, or a one-line ConfigError (checked in run_serve, not by
+    argparse, so that the error is one line rather than the whole usage)."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; write e.g. 8000") from None
+        raise ConfigError(f"--port {text!r} is not a port number; write e.g. 8000") from None
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"port {value} is out of range; use 1-65535 (0 picks a free port)")
+        raise ConfigError(f"--port {value} is out of range; use 1-65535 (0 picks a free port)")
     return value
 
 
@@ -104,7 +106,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                         "default: the embedded tiny Qwen3.5-architecture model (random weights: prints noise)")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    net.add_argument("--port", type=_port, default=8000,
+    net.add_argument("--port", default=8000,
                      help="TCP port, 1-65535; 0 picks a free one (default: %(default)s)")
     net.add_argument("--served-model-name", default=None,
                      help="the model name clients send and /v1/models lists (default: the checkpoint "
@@ -279,7 +281,7 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model is not None:
         check_model_dir(args.model)
-    sock = bind_socket(args.host, args.port)
+    sock = bind_socket(args.host, parse_port(args.port))
     try:
         model = args.model or default_model_dir()
         engine_args = EngineArgs(
