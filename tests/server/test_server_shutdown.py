@@ -129,3 +129,53 @@ def test_every_serve_option_has_help_and_shows_its_default():
             continue
         assert action.help, action.option_strings
         assert "default" in action.help, (action.option_strings, action.help)
+
+
+def test_sigint_in_process_aborts_a_stream_past_the_timeout_and_frees_everything(tiny_dir):
+    """The same drain on SIGINT, in this process (serve_app installs the handlers)."""
+    import asyncio
+
+    import aiohttp
+
+    from hybridserve.engine.args import EngineArgs
+    from hybridserve.engine.async_engine import AsyncEngine
+    from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.metrics import EngineMetrics
+    from hybridserve.server.app import build_app
+    from hybridserve.server.serve import bind_socket, serve_app
+
+    engine = LLMEngine(EngineArgs(model=str(tiny_dir), dtype="float32", device="cpu", num_gpu_blocks=300,
+                                  num_state_slots=4, max_num_seqs=4, max_model_len=4096))
+    metrics = EngineMetrics()
+    app = build_app(AsyncEngine(engine, on_step=metrics.observe_step), metrics, "tiny")
+    events: list[str] = []
+
+    async def main() -> None:
+        started = asyncio.Event()
+        port: list[int] = []
+
+        async def client() -> None:
+            await started.wait()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port[0]}/v1/completions", json={
+                        "prompt": [3, 4], "max_tokens": 4000, "ignore_eos": True, "stream": True}) as r:
+                    async for line in r.content:
+                        if line.startswith(b"data: "):
+                            events.append(line[6:].strip().decode())
+                            if len(events) == 1:
+                                os.kill(os.getpid(), signal.SIGINT)
+
+        def ready(p: int) -> None:
+            port.append(p)
+            started.set()
+
+        task = asyncio.ensure_future(client())
+        await serve_app(app, bind_socket("127.0.0.1", 0), name="tiny", shutdown_timeout=0.5, ready=ready)
+        await asyncio.wait_for(task, 10)
+
+    asyncio.run(main())
+    assert events[-1] == "[DONE]"
+    assert "shut down" in json.loads(events[-2])["error"]["message"]
+    assert not engine.requests
+    stats = engine.stats()
+    assert stats["used_blocks"] == 0 and stats["used_slots"] == 0, stats
