@@ -308,6 +308,7 @@ class Sampler:
         self._counts = torch.zeros(0, vocab, dtype=torch.float32, device=device)
         self._prompt_seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self._stage = StagingBuffer(device)
+        self._neg_inf = torch.full((), float("-inf"), device=device)
 
     @staticmethod
     def _grow_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -552,7 +553,8 @@ class Sampler:
                              self._bias_val.index_select(0, b_slots))
             x.index_copy_(0, v["bias"], sub)
         if v["ban_rows"].numel():
-            x.index_put_((v["ban_rows"], v["ban_toks"]), torch.tensor(float("-inf"), device=x.device))
+            # A device scalar made once: a host scalar here would be a blocking copy.
+            x.index_put_((v["ban_rows"], v["ban_toks"]), self._neg_inf)
         fp = self._fp.index_select(0, slots)
         if prep.pen:
             self._apply_penalties(x, prep, fp)

@@ -47,11 +47,17 @@ def _time(fn, device, reps):
     return sorted(times)[len(times) // 2]
 
 
+# Every case's result, for callers that want them as data (benches/gpu_check.py).
+RESULTS: list[dict] = []
+
+
 def _report(name, got, want, dtype, seconds, failures):
     err = (got.float() - want.float()).abs().max().item()
     ok = err <= TOL[dtype]
     if not ok:
         failures.append(name)
+    RESULTS.append({"case": name, "ok": ok, "max_abs_err": err, "tol": TOL[dtype],
+                    "median_us": round(seconds * 1e6, 1)})
     print(f"{'ok ' if ok else 'BAD'} {name:<58} max|err| {err:.2e}  {seconds * 1e6:9.1f} us")
 
 
@@ -121,8 +127,11 @@ def check_deltanet(device, dtype, small, reps, failures):
         cs_ref = cs.clone()
         want = causal_conv1d_ref(x, w, None, cs_ref, qsl, slots, init)
         got = causal_conv1d_triton(x, w, None, cs, qsl, slots, init)
+        # Timed on a scratch copy of the state made once, outside the timed call (the
+        # kernel updates it in place; its values do not change the work done).
+        cs_t = cs_ref.clone()
         _report(f"causal_conv1d {label} {str(dtype)[6:]}", got, want, dtype,
-                _time(lambda: causal_conv1d_triton(x, w, None, cs.clone(), qsl, slots, init), device, reps), failures)
+                _time(lambda: causal_conv1d_triton(x, w, None, cs_t, qsl, slots, init), device, reps), failures)
         # Delta rule (state in float32 whatever the dtype).
         q = torch.randn(t, hk, kd, generator=gen, device=device).to(dtype)
         k = torch.randn(t, hk, kd, generator=gen, device=device).to(dtype)
@@ -137,7 +146,7 @@ def check_deltanet(device, dtype, small, reps, failures):
         st0 = st.clone()
         got = gated_delta_rule_triton(q, k, v, g, beta, st, qsl, slots, init, kd**-0.5)
         _report(f"gated_delta_rule {label} {str(dtype)[6:]}", got, want, dtype,
-                _time(lambda: gated_delta_rule_triton(q, k, v, g, beta, st0.clone(), qsl, slots, init, kd**-0.5),
+                _time(lambda: gated_delta_rule_triton(q, k, v, g, beta, st0, qsl, slots, init, kd**-0.5),
                       device, reps), failures)
         _report(f"gated_delta_rule {label} final state", st, st_ref, torch.float32 if dtype == torch.float32
                 else dtype, 0.0, failures)
