@@ -368,7 +368,9 @@ async def models(request: web.Request) -> web.Response:
 
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
-    ``{"count", "max_model_len", "tokens", "token_strs"}``."""
+    ``{"count", "max_model_len", "tokens", "token_strs"}``. ``add_special_tokens``
+    defaults to false (vLLM: true) so that ``count`` is what a completion's prompt costs
+    here: the engine tokenizes prompts without special tokens."""
     engine = request.app[ENGINE_KEY]
     tokenizer = engine.engine.tokenizer
     try:
