@@ -179,3 +179,21 @@ def test_sigint_in_process_aborts_a_stream_past_the_timeout_and_frees_everything
     assert not engine.requests
     stats = engine.stats()
     assert stats["used_blocks"] == 0 and stats["used_slots"] == 0, stats
+
+
+def test_api_key_comes_from_the_option_else_the_environment(capsys, monkeypatch):
+    from hybridserve.server.serve import server_settings
+
+    monkeypatch.delenv("HYBRIDSERVE_API_KEY", raising=False)
+
+    def settings(argv, env):
+        args = cli.build_parser().parse_args(["serve"] + argv)
+        return server_settings(args, env)
+
+    assert settings([], {}).api_key is None
+    assert settings([], {"HYBRIDSERVE_API_KEY": "env"}).api_key == "env"
+    assert settings(["--api-key", "opt"], {"HYBRIDSERVE_API_KEY": "env"}).api_key == "opt"
+    s = settings(["--max-request-body-bytes", "1MiB", "--request-read-timeout", "5", "--keepalive-timeout", "7"], {})
+    assert (s.max_request_body_bytes, s.request_read_timeout, s.keepalive_timeout) == (1 << 20, 5.0, 7.0)
+    assert cli.main(["serve", "--metrics-require-key", "--port", "0"]) == 2
+    assert "--metrics-require-key needs --api-key" in capsys.readouterr().err

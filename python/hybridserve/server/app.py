@@ -489,6 +489,10 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
         headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
         return web.json_response(protocol.error_body(msg, protocol.error_type_for(e, e.status), e.status),
                                  status=e.status, headers=headers)
+    except Exception as e:  # noqa: BLE001 - a bug still answers in the API's error shape
+        if not isinstance(e, (HybridServeError, EngineDeadError)):
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+        return _error(e)
 
 
 def _max_token_chars(tokenizer: Any) -> int:

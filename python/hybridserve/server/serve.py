@@ -270,17 +270,36 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
     log.info("shut down")
 
 
+def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
+    """The HTTP front's settings from the options (the API key from $HYBRIDSERVE_API_KEY
+    when --api-key is not given)."""
+    from hybridserve.server.app import ServerSettings
+
+    environ = os.environ if environ is None else environ
+    settings = ServerSettings(
+        api_key=args.api_key or environ.get(API_KEY_ENV) or None,
+        metrics_require_key=args.metrics_require_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        request_read_timeout=args.request_read_timeout,
+        keepalive_timeout=args.keepalive_timeout,
+    )
+    if settings.metrics_require_key and not settings.api_key:
+        raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
+    return settings
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from hybridserve.engine.args import EngineArgs
     from hybridserve.engine.async_engine import AsyncEngine
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.metrics import EngineMetrics
     from hybridserve.planner import parse_size
-    from hybridserve.server.app import ServerSettings, build_app
+    from hybridserve.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model is not None:
         check_model_dir(args.model)
+    settings = server_settings(args)
     sock = bind_socket(args.host, parse_port(args.port))
     try:
         model = args.model or default_model_dir()
@@ -309,15 +328,6 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics = EngineMetrics()
         async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
-        settings = ServerSettings(
-            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-            metrics_require_key=args.metrics_require_key,
-            max_request_body_bytes=args.max_request_body_bytes,
-            request_read_timeout=args.request_read_timeout,
-            keepalive_timeout=args.keepalive_timeout,
-        )
-        if settings.metrics_require_key and not settings.api_key:
-            raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
         app = build_app(async_engine, metrics, name, settings)
         asyncio.run(serve_app(app, sock, name=name, shutdown_timeout=args.shutdown_timeout))
     finally:
