@@ -165,3 +165,19 @@ def test_non_streamed_request_is_aborted_when_its_client_disconnects(live):
     vals = live.wait_idle_and_whole(timeout=10)
     # Aborted (not run to max_tokens): the abort counter moved by exactly this request.
     assert vals["hybridserve:aborted_requests_total"] == before + 1
+
+
+def test_text_prompts_are_tokenized_off_the_engine_thread(live, monkeypatch):
+    import threading
+
+    seen = []
+    real = live.engine.tokenize
+
+    def spy(prompt):
+        seen.append(threading.current_thread().name)
+        return real(prompt)
+
+    monkeypatch.setattr(live.engine, "tokenize", spy)
+    assert live.post(C, {"prompt": "hello " * 100, "max_tokens": 1}).status_code == 200
+    assert seen and all(name.startswith("hybridserve-tokenize") for name in seen), seen
+    live.wait_idle_and_whole()
