@@ -22,6 +22,10 @@ status is 1 when any check fails. Checks:
 * ``e2e``: the engine on a ~1B-parameter random checkpoint (weights made on the
   device): throughput at 1/16/64/256 concurrent requests, TTFT and inter-token
   latency p50/p99, with and without CUDA graphs.
+* ``pools``: on CUDA the engine sizes both pools from the free memory it measures
+  after loading weights; with a utilization chosen to leave room for about 12
+  sessions, the planner's prediction from the engine's own plan must be what live
+  admission runs (prefill replaced as in ``seed``).
 * ``seed``: the seed's comparison live on the 27B shape (random bfloat16 weights made
   on the device, no disk): a 23,859 MiB pool, 32,768-token sessions; paged admission
   must run 10 at once and ``reserve_max`` 1; decode step times at those batch sizes
@@ -169,12 +173,13 @@ def sync(ctx: Ctx) -> None:
         torch.cuda.synchronize(ctx.device)
 
 
-def free_engine(engine: Any) -> None:
+def free_memory() -> None:
+    """Return the device memory of engines the caller has already dropped (``del``):
+    two 27B engines must never be alive at once."""
     import gc
 
     import torch
 
-    del engine
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -301,7 +306,8 @@ def check_fidelity(ctx: Ctx) -> dict[str, Any]:
                         if o.finished:
                             res[o.request_id] = o.outputs[0].token_ids
                 tokens["eager" if eager else "graphs"] = [res[f"p{i}"] for i in range(len(prompts))]
-                free_engine(eng)
+                del eng
+                free_memory()
             case = {
                 "preset": preset, "dtype": dt, "max_rel_logit_err": worst, "logits_ok": worst <= tol,
                 "greedy_match_hf": {m: t == want for m, t in tokens.items()},
@@ -387,7 +393,8 @@ def check_sync(ctx: Ctx) -> dict[str, Any]:
             res["note"] = "CPU dry run: the sync debug mode exists only on CUDA; the code path ran"
         ok &= res["ok"]
         results[mode] = res
-        free_engine(eng)
+        del eng
+        free_memory()
     return {"ok": ok, **results}
 
 
@@ -479,7 +486,8 @@ def check_e2e(ctx: Ctx) -> dict[str, Any]:
             "graph_capture_mib": round(g.capture_bytes / 2**20, 1) if g else None,
             "graph_replays": g.replays if g else 0,
         }
-        free_engine(eng)
+        del eng, g
+        free_memory()
     ok = all(r["output_tok_s"] > 0 for m in out["modes"].values() for r in m["runs"])
     if ctx.cuda:
         same = [token_sets[("graphs", n)] == token_sets[("eager", n)] for n in levels]
@@ -568,13 +576,42 @@ def _copy_bandwidth(ctx: Ctx) -> float:
     return 2 * n / statistics.median(times)  # bytes read + written per second
 
 
+def _admission_run(eng, n_req: int, prompt_len: int, out_len: int, tag: str) -> dict[str, Any]:
+    """Submit ``n_req`` sessions at once (prefill replaced, see :func:`_fake_prefill`);
+    the peak number scheduled together, per-batch-size pure-decode step times, and
+    whether every output has the right length and ids in the vocabulary."""
+    from hybridserve.sampling import SamplingParams
+
+    eng.runner.execute = _fake_prefill(eng)
+    vocab = eng.model_config.vocab_size
+    for i in range(n_req):
+        eng.add_request(f"{tag}-{i}", [(7 * i + j) % 200 + 1 for j in range(prompt_len)],
+                        SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+    peak, decode_times, shapes_ok, steps, done = 0, {}, True, 0, 0
+    while eng.has_unfinished_requests() and steps < 20_000:
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t0
+        steps += 1
+        st = eng.last_step_stats
+        peak = max(peak, st["num_scheduled_seqs"])
+        if st["num_scheduled_seqs"] and st["num_batched_tokens"] == st["num_scheduled_seqs"]:
+            decode_times.setdefault(st["num_scheduled_seqs"], []).append(dt)
+        for o in outs:
+            if o.finished:
+                done += 1
+                shapes_ok &= len(o.outputs[0].token_ids) == out_len and all(
+                    0 <= t < vocab for t in o.outputs[0].token_ids)
+    return {"peak": peak, "decode_times": decode_times, "shapes_ok": shapes_ok and done == n_req,
+            "finished": done, "steps": steps}
+
+
 def check_seed(ctx: Ctx) -> dict[str, Any]:
     import torch
 
     from hybridserve import planner
     from hybridserve.bench.scenario import SEED_CONTEXT, SEED_NATIVE_MAX, SEED_POOL_MIB, scenario_pool
     from hybridserve.config import ModelConfig
-    from hybridserve.sampling import SamplingParams
 
     cfg = _seed_config(ctx)
     d = random_model_dir(ctx.tmp, "seed", cfg)
@@ -588,13 +625,17 @@ def check_seed(ctx: Ctx) -> dict[str, Any]:
         pool = scenario_pool(config, L, 16, dtype)
     else:
         pool = SEED_POOL_MIB * planner.MiB
-    out_len = 8 if not ctx.small else 3
+    # All sessions' prefill fits in a few steps (4 sessions' tokens per step), so the
+    # early ones are still decoding when the last one joins: the paged run reaches its
+    # full batch in pure-decode steps.
+    out_len = 16 if not ctx.small else 8
+    budget = 4 * L
     bw = _copy_bandwidth(ctx)
     out: dict[str, Any] = {
         "shape": "qwen3.5-27b preset (= ../shared/fixtures/qwen3_5_27b_shape.config.json)" if not ctx.small
         else "test-a (dry run)", "pool_mib": pool / planner.MiB, "session_tokens": L, "output_tokens": out_len,
         "prefill": "replaced: random K/V and DeltaNet state written at the scheduled slots, random logits "
-                   "for the rows sampled at the end of prefill; decode steps run the model",
+                   "for the rows sampled in steps with prefill; pure-decode steps run the model",
         "copy_bandwidth_gb_s": round(bw / 1e9, 1), "policies": {},
     }
     want = {"paged": 10, "reserve_max": 1}
@@ -602,34 +643,14 @@ def check_seed(ctx: Ctx) -> dict[str, Any]:
     for policy in ("paged", "reserve_max"):
         with random_weight_engine():
             eng = make_engine(
-                d, ctx, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=8192, max_model_len=native,
+                d, ctx, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=native,
                 kv_cache_memory_bytes=pool, expected_context_len=L if policy == "paged" else native,
                 admission_policy=policy, enable_prefix_caching=False,
             )
-        eng.runner.execute = _fake_prefill(eng)
-        n_req = want[policy] + 1 if not ctx.small else eng.max_concurrency + 1
-        for i in range(n_req):
-            eng.add_request(f"{policy}-{i}", [(7 * i + j) % 200 + 1 for j in range(L - out_len)],
-                            SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
-        peak, decode_times, shapes_ok = 0, {}, True
-        steps = 0
-        while eng.has_unfinished_requests() and steps < 10_000:
-            t0 = time.perf_counter()
-            outs = eng.step()
-            dt = time.perf_counter() - t0
-            steps += 1
-            st = eng.last_step_stats
-            peak = max(peak, st["num_scheduled_seqs"])
-            if st["num_scheduled_seqs"] and st["num_batched_tokens"] == st["num_scheduled_seqs"]:
-                decode_times.setdefault(st["num_scheduled_seqs"], []).append(dt)
-            for o in outs:
-                if o.finished:
-                    shapes_ok &= len(o.outputs[0].token_ids) == out_len and all(
-                        0 <= t < cfg["vocab_size"] for t in o.outputs[0].token_ids)
-            if policy == "reserve_max" and not ctx.small and steps > 200:
-                break  # one session has shown the point; the next would only repeat it
         predicted = (planner.max_concurrency(eng.pool_plan, L) if policy == "paged"
                      else planner.max_concurrency_reserved(eng.pool_plan))
+        target = want[policy] if not ctx.small else predicted
+        run = _admission_run(eng, target + 1, L - out_len, out_len, policy)
         # The memory a decode step of B sessions must move: weights (less the unread
         # embedding rows), each session's K/V, DeltaNet state read and written.
         c = eng.model_config
@@ -639,22 +660,78 @@ def check_seed(ctx: Ctx) -> dict[str, Any]:
         kv_per_token = 2 * c.num_full_attention_layers * c.num_key_value_heads * c.head_dim * el
         state = planner.state_slot_bytes(c)
         floors = {}
-        for b, ts in sorted(decode_times.items()):
+        for b, ts in sorted(run["decode_times"].items()):
             bytes_moved = weights + b * (L * kv_per_token + 2 * state)
             floors[str(b)] = {"median_step_ms": round(1e3 * statistics.median(ts), 3), "steps": len(ts),
                               "floor_ms": round(1e3 * bytes_moved / bw, 3),
                               "bytes_per_step_gib": round(bytes_moved / 2**30, 3)}
-        target = want[policy] if not ctx.small else predicted
-        res = {"peak_concurrent": peak, "planner_predicts": predicted, "expected": target,
-               "outputs_well_formed": shapes_ok, "decode": floors,
+        res = {"sessions_submitted": target + 1, "peak_concurrent": run["peak"], "planner_predicts": predicted,
+               "expected": target, "outputs_well_formed": run["shapes_ok"], "decode": floors,
                "kv_blocks": eng.num_blocks, "state_slots": eng.num_state_slots,
+               "params": sum(p.numel() for p in eng.model.parameters()),
                "cuda_graphs": eng.runner.graphs is not None}
-        res["ok"] = peak == target == predicted and shapes_ok and bool(floors)
+        res["ok"] = run["peak"] == target == predicted and run["shapes_ok"] and str(target) in floors
         ok &= res["ok"]
         out["policies"][policy] = res
         log(f"seed {policy}: {res}")
-        free_engine(eng)
+        del eng
+        free_memory()
     out["ok"] = ok
+    return out
+
+
+def check_pools(ctx: Ctx) -> dict[str, Any]:
+    """The engine sizes its pools from the device's measured free memory: ask for a
+    utilization that leaves room for about 12 sessions, then check that the planner's
+    prediction (from the engine's own pool plan) is what live admission runs."""
+    import torch
+
+    from hybridserve import planner
+    from hybridserve.config import ModelConfig
+
+    cfg = _e2e_config(ctx)
+    d = random_model_dir(ctx.tmp, "pools", cfg)
+    L, out_len = (1024, 8) if not ctx.small else (128, 2)
+    dtype = "bfloat16" if ctx.cuda else "float32"
+    kw = dict(dtype=dtype, max_num_seqs=32, max_num_batched_tokens=16 * L, max_model_len=L,
+              expected_context_len=L, enable_prefix_caching=False)
+    import dataclasses
+
+    config = dataclasses.replace(ModelConfig.from_json(d), torch_dtype=dtype, max_position_embeddings=L)
+    session = planner.paged_sequence_bytes(config, L, 16, dtype)
+    out: dict[str, Any] = {"session_bytes": session}
+    if ctx.cuda:
+        total = torch.cuda.mem_get_info(ctx.device)[1]
+        # What the engine will see in use once its weights are loaded (measured on a
+        # probe engine with a one-session pool), plus the runtime reserve, plus 12
+        # sessions, as a fraction of the device.
+        with random_weight_engine():
+            probe = make_engine(d, ctx, **kw, kv_cache_memory_bytes=session, enforce_eager=True)
+        torch.cuda.synchronize()
+        in_use = torch.cuda.mem_get_info(ctx.device)[1] - torch.cuda.mem_get_info(ctx.device)[0]
+        in_use -= probe.cache.memory_bytes()
+        del probe
+        free_memory()
+        reserve = 2 << 30
+        util = (in_use + reserve + 12 * session) / total
+        kw.update(gpu_memory_utilization=min(util, 1.0), runtime_reserve_bytes=reserve)
+        out["gpu_memory_utilization"] = util
+    else:
+        kw.update(cpu_pool_bytes=12 * session)
+        out["note"] = "CPU dry run: the pool comes from cpu_pool_bytes; the CUDA path measures free memory"
+    with random_weight_engine():
+        eng = make_engine(d, ctx, **kw)
+    predicted = planner.max_concurrency(eng.pool_plan, L)
+    run = _admission_run(eng, predicted + 1, L - out_len, out_len, "pools")
+    out.update({"pool_bytes": eng.pool_plan.pool_bytes,
+                "cache_bytes": eng.cache.memory_bytes(), "planner_predicts": predicted,
+                "peak_concurrent": run["peak"], "outputs_well_formed": run["shapes_ok"],
+                "cuda_graphs": eng.runner.graphs is not None})
+    if ctx.cuda:
+        out["free_after_engine_mib"] = round(torch.cuda.mem_get_info(ctx.device)[0] / 2**20, 1)
+    out["ok"] = run["peak"] == predicted and 6 <= predicted <= 32 and run["shapes_ok"]
+    del eng
+    free_memory()
     return out
 
 
@@ -664,9 +741,10 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "fidelity": check_fidelity,
     "sync": check_sync,
     "e2e": check_e2e,
+    "pools": check_pools,
     "seed": check_seed,
 }
-QUICK = ["kernels", "gpu_tests", "fidelity", "sync", "e2e"]
+QUICK = ["kernels", "gpu_tests", "fidelity", "sync", "e2e", "pools"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -20,7 +20,7 @@ def test_gpu_check_dry_run_on_the_cpu():
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
     by_name = {rec["check"]: rec for rec in lines}
-    assert set(by_name) == {"device", "kernels", "gpu_tests", "fidelity", "sync", "e2e", "seed", "summary"}, \
+    assert set(by_name) == {"device", "kernels", "gpu_tests", "fidelity", "sync", "e2e", "pools", "seed", "summary"}, \
         r.stdout + r.stderr[-3000:]
     failed = {k: v for k, v in by_name.items() if not v["ok"]}
     assert not failed, json.dumps(failed, indent=1)[:4000]
@@ -33,3 +33,5 @@ def test_gpu_check_dry_run_on_the_cpu():
     assert seed["paged"]["peak_concurrent"] == seed["paged"]["planner_predicts"] >= 2
     assert seed["reserve_max"]["peak_concurrent"] == 1
     assert by_name["sync"]["eager"]["note"].startswith("CPU dry run")
+    pools = by_name["pools"]
+    assert pools["peak_concurrent"] == pools["planner_predicts"] and pools["cache_bytes"] <= pools["pool_bytes"]
