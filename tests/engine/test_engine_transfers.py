@@ -74,3 +74,45 @@ def test_decode_buckets_and_cpu_refusal(tiny_dirs):
                                   num_gpu_blocks=8, num_state_slots=2))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         DecodeGraphs(engine.model, engine.cache, max_num_seqs=4, max_blocks_per_seq=4, scratch_slot=1)
+
+
+def test_decode_graph_plumbing_gives_the_eager_engine_tokens(tiny_dirs):
+    """The graph runner's data path (static buffers, full-width block tables, padding
+    rows on a scratch slot, bucket choice, output slicing) with the model run on the
+    padded buffers instead of a captured graph (its CPU test hook): the engine's
+    tokens must equal the eager engine's while batches shrink across buckets."""
+    import torch
+
+    from hybridserve.model.cache import HybridCache
+
+    def run(with_graphs: bool):
+        engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32",
+                                      block_size=4, max_num_seqs=6, num_gpu_blocks=128, num_state_slots=8))
+        graphs = None
+        if with_graphs:
+            cache = HybridCache(engine.model_config, engine.num_blocks, engine.block_size,
+                                engine.num_state_slots + 1, dtype=torch.float32)
+            engine.cache = engine.runner.cache = cache
+            graphs = DecodeGraphs(engine.model, cache, max_num_seqs=6, max_blocks_per_seq=engine.max_blocks_per_seq,
+                                  scratch_slot=engine.num_state_slots, replay_eagerly=True)
+            graphs.capture()
+            engine.runner.graphs = graphs
+            scratch_before = [p[-1].clone() for p in cache.recurrent_states]
+        for i in range(5):
+            params = SamplingParams(temperature=0.0 if i != 2 else 0.9, seed=7, max_tokens=3 + 2 * i,
+                                    ignore_eos=True)
+            engine.add_request(f"r{i}", [(5 * i + j) % 250 + 1 for j in range(3 + 4 * i)], params)
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        if graphs is not None:
+            # Padding rows used the scratch slot (its state changed) and nothing else.
+            assert any(not torch.equal(a, b[-1]) for a, b in zip(scratch_before, cache.recurrent_states))
+        return tokens, graphs
+
+    eager, _ = run(False)
+    replayed, graphs = run(True)
+    assert replayed == eager
+    assert graphs.replays >= 8  # decode steps at batch sizes 5, 4, 3, 2, 1 went through it

@@ -65,11 +65,16 @@ class DecodeGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         scratch_slot: int,
+        replay_eagerly: bool = False,
     ) -> None:
+        """``replay_eagerly`` is a test hook: capture nothing and, at each replay, run
+        the model on the static (padded) buffers, so that the input copies, padding
+        and output slicing can be checked on any device."""
         self.model = model
         self.cache = cache
         self.device = cache.device
-        if self.device.type != "cuda":
+        self.replay_eagerly = replay_eagerly
+        if self.device.type != "cuda" and not replay_eagerly:
             raise ValueError("CUDA graphs need a CUDA device; use enforce_eager on other devices")
         if not 0 <= scratch_slot < cache.num_state_slots:
             raise ValueError(f"scratch_slot {scratch_slot} is not a slot of the cache")
@@ -116,6 +121,11 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket (largest first, sharing one memory pool); log time and memory."""
+        if self.replay_eagerly:
+            self._reset_padding(0, self.buckets[-1])
+            for b in self.buckets:
+                self.graphs[b] = _EagerReplay(self, b)
+            return
         torch.cuda.synchronize(self.device)
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
@@ -170,6 +180,18 @@ class DecodeGraphs:
         out = self.outputs[b]
         # Sampling rows are in batch order; all decode rows sample.
         return out[:n] if batch.logits_indices.shape[0] == n else out.index_select(0, batch.logits_indices)
+
+
+class _EagerReplay:
+    """Stands in for a captured graph (``replay_eagerly``): runs the model on the
+    bucket's static buffers and leaves the logits where a replay would."""
+
+    def __init__(self, owner: DecodeGraphs, b: int) -> None:
+        self.owner, self.b = owner, b
+
+    def replay(self) -> None:
+        o = self.owner
+        o.outputs[self.b] = o.model(o._batch(self.b), o.cache)
 
 
 __all__ = ["DecodeGraphs", "decode_buckets", "bucket_for"]
