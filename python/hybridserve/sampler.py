@@ -309,6 +309,7 @@ class Sampler:
         self._prompt_seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self._stage = StagingBuffer(device)
         self._neg_inf = torch.full((), float("-inf"), device=device)
+        self._true = torch.ones((), dtype=torch.bool, device=device)
 
     @staticmethod
     def _grow_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -514,7 +515,7 @@ class Sampler:
         if pm_pslots:
             self._prompt_seen.index_fill_(0, v["pm_pslots"], False)
             if pm_toks:
-                self._prompt_seen[v["pm_rows"], v["pm_toks"]] = True
+                self._prompt_seen.index_put_((v["pm_rows"], v["pm_toks"]), self._true)
         return _Prepared(samples, ephemeral, v, pen, bias, topp, rand, seeded, unseeded, expand)
 
     def _finish(self, prep: _Prepared) -> None:
