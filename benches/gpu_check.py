@@ -4,6 +4,7 @@
     python benches/gpu_check.py                 # all checks, one CUDA device (< 6 min on an H200)
     python benches/gpu_check.py --quick         # the ~2-minute subset (no 27B seed scenario)
     python benches/gpu_check.py --device cpu --small   # dry run of every code path on the CPU
+    python benches/gpu_check.py --only seed,sync       # some checks
 
 One JSON line per check on stdout (human-readable progress goes to stderr); the exit
 status is 1 when any check fails. Checks:
@@ -740,9 +741,9 @@ CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "gpu_tests": check_gpu_tests,
     "fidelity": check_fidelity,
     "sync": check_sync,
+    "seed": check_seed,
     "e2e": check_e2e,
     "pools": check_pools,
-    "seed": check_seed,
 }
 QUICK = ["kernels", "gpu_tests", "fidelity", "sync", "e2e", "pools"]
 
@@ -753,6 +754,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="toy sizes (the CPU dry run)")
     p.add_argument("--quick", action="store_true", help="the ~2-minute subset")
     p.add_argument("--only", default=None, help="comma-separated checks: " + ",".join(CHECKS))
+    p.add_argument("--budget-s", type=float, default=330.0,
+                   help="checks not started within this many seconds are reported as not run (failed), "
+                        "so a device session never runs out of time mid-check (default: %(default)s)")
     args = p.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports Triton
@@ -777,6 +781,11 @@ def main(argv: list[str] | None = None) -> int:
     t_all = time.perf_counter()
     for name in names:
         t0 = time.perf_counter()
+        if t0 - t_all > args.budget_s:
+            print(json.dumps({"check": name, "ok": False, "error": f"not run: the {args.budget_s:.0f} s budget "
+                              "was spent by the checks before it (rerun with --only)"}), flush=True)
+            failed.append(name)
+            continue
         try:
             rec = CHECKS[name](ctx)
         except Exception as e:  # a crashing check is a failed check, reported as such
