@@ -241,6 +241,7 @@ class Scheduler:
         reserve_max_context: bool = False,
         max_finished_retained: int = 4096,
         checkpoint_slot_cost_blocks: float = 1.0,
+        prefix_checkpoint_interval: int = 0,
     ) -> None: ...
     @property
     def max_blocks_per_seq(self) -> int: ...

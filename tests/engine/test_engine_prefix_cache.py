@@ -187,8 +187,8 @@ def test_preempted_request_that_hit_the_cache_recomputes_exactly(tiny_dirs, hf_m
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_chunked_prefill_with_a_small_budget_resumes_exactly(preset, block_size, tiny_dirs, hf_models):
     rng = random.Random(10 + block_size)
-    system = toks(rng, 3 * block_size + 5)
-    llm = make(tiny_dirs, preset, block_size=block_size, max_num_batched_tokens=13, max_num_seqs=4)
+    system = toks(rng, 4 * block_size + 5)
+    llm = make(tiny_dirs, preset, block_size=block_size, max_num_batched_tokens=24, max_num_seqs=4)
     cap = Capture(llm)
     p = SamplingParams(max_tokens=4, **GREEDY)
     # The first prompt's own checkpoint lies past the shared blocks: the second
@@ -196,8 +196,8 @@ def test_chunked_prefill_with_a_small_budget_resumes_exactly(preset, block_size,
     outs = llm.generate([system + toks(rng, block_size + 7)], p) + llm.generate([system + toks(rng, 8)], p)
     outs += llm.generate([system + toks(rng, 9 + i) for i in range(2)], p)
     st = llm.engine.stats()
-    assert st["prefix_skipped_tokens"] == 2 * 3 * block_size
-    assert max(cap.computed) <= 13
+    assert st["prefix_skipped_tokens"] == 2 * 4 * block_size
+    assert max(cap.computed) <= 24
     check_hf(hf_models[preset], outs, cap, greedy=True)
 
 

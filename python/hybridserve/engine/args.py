@@ -46,6 +46,9 @@ class EngineArgs:
     expected_context_len: int | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
+    # Extra DeltaNet state checkpoints every this many prompt tokens (a multiple of
+    # block_size; 0 = off). Each kept one holds a state slot (reclaimable).
+    prefix_checkpoint_interval: int = 0
     long_prefill_token_threshold: int = 0
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 24
@@ -65,6 +68,12 @@ class EngineArgs:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two (8, 16, 32, ...), got {self.block_size}")
+        if (not isinstance(self.prefix_checkpoint_interval, int) or self.prefix_checkpoint_interval < 0
+                or self.prefix_checkpoint_interval % self.block_size):
+            raise ConfigError(
+                f"prefix_checkpoint_interval must be 0 (off) or a multiple of block_size ({self.block_size}), "
+                f"got {self.prefix_checkpoint_interval!r}"
+            )
         if self.admission_policy not in ADMISSION_POLICIES:
             raise ConfigError(
                 f"admission_policy must be one of {ADMISSION_POLICIES}, got {self.admission_policy!r}"

@@ -142,6 +142,7 @@ class LLMEngine:
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_prefix_caching=args.enable_prefix_caching,
+            prefix_checkpoint_interval=args.prefix_checkpoint_interval,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,

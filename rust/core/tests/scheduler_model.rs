@@ -400,11 +400,13 @@ struct Cfg {
     aging: u32,
     max_waiting: u32,
     reserve: bool,
+    /// prefix_checkpoint_interval in blocks (0 = off).
+    interval_blocks: u32,
 }
 
 fn cfg_strategy() -> impl Strategy<Value = Cfg> {
-    (4u32..40, prop::sample::select(vec![1u32, 2, 4]), 1u32..6, 1u32..6, 0u32..24, any::<bool>(), prop::sample::select(vec![0u32, 3, 8]), prop::sample::select(vec![0u32, 2]), 2u32..12, prop::bool::weighted(0.2))
-        .prop_map(|(num_blocks, block_size, slots, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve)| Cfg {
+    (4u32..40, prop::sample::select(vec![1u32, 2, 4]), 1u32..6, 1u32..6, 0u32..24, any::<bool>(), prop::sample::select(vec![0u32, 3, 8]), prop::sample::select(vec![0u32, 2]), 2u32..12, prop::bool::weighted(0.2), prop::sample::select(vec![0u32, 0, 1, 3]))
+        .prop_map(|(num_blocks, block_size, slots, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve, interval_blocks)| Cfg {
             num_blocks,
             block_size,
             slots,
@@ -415,6 +417,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
             aging,
             max_waiting,
             reserve,
+            interval_blocks,
         })
 }
 
@@ -426,6 +429,7 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     cfg.max_waiting_requests = c.max_waiting;
     cfg.max_waiting_tokens = 120;
     cfg.reserve_max_context = c.reserve;
+    cfg.prefix_checkpoint_interval = c.interval_blocks * c.block_size;
     let s = Scheduler::new(cfg.clone()).unwrap();
     let mbps = cfg.max_blocks_per_seq() as usize;
     let mut h = Harness {

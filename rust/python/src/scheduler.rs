@@ -183,7 +183,8 @@ impl PyScheduler {
         num_blocks, block_size, num_state_slots, max_num_seqs, max_num_batched_tokens, max_model_len,
         *, enable_prefix_caching = true, long_prefill_token_threshold = 0,
         max_waiting_requests = None, max_waiting_tokens = None, aging_interval_steps = 256,
-        reserve_max_context = false, max_finished_retained = 4096, checkpoint_slot_cost_blocks = 1.0
+        reserve_max_context = false, max_finished_retained = 4096, checkpoint_slot_cost_blocks = 1.0,
+        prefix_checkpoint_interval = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -201,6 +202,7 @@ impl PyScheduler {
         reserve_max_context: bool,
         max_finished_retained: u32,
         checkpoint_slot_cost_blocks: f64,
+        prefix_checkpoint_interval: u32,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             num_blocks,
@@ -218,6 +220,7 @@ impl PyScheduler {
         cfg.reserve_max_context = reserve_max_context;
         cfg.max_finished_retained = max_finished_retained;
         cfg.checkpoint_slot_cost_blocks = checkpoint_slot_cost_blocks;
+        cfg.prefix_checkpoint_interval = prefix_checkpoint_interval;
         let inner = Scheduler::new(cfg).py()?;
         Ok(PyScheduler { inner, clock: Instant::now(), id_strings: Vec::new() })
     }

@@ -18,8 +18,17 @@
 //!   match never covers the last prompt token, because its logits are needed;
 //!   a checkpoint at the prompt's very end could never be used.)
 //! * At the branch point: when a new request's KV match is longer than its
-//!   state match, at the end of the KV match, so the third and later requests
-//!   sharing that prefix skip it.
+//!   state match (by at least 4 blocks: shorter gains, such as a chat's
+//!   previous answer cached past its prompt checkpoint, are not worth the extra
+//!   chunk boundary), at the end of the KV match, so the third and later
+//!   requests sharing that prefix skip it.
+//! * Optionally every `prefix_checkpoint_interval` tokens of a prompt (off by
+//!   default): long shared documents then resume at the last interval boundary
+//!   even when nobody branched there yet. Memory: the state pool is fixed, so
+//!   the cost is cache capacity, not bytes: a prompt of L tokens takes up to
+//!   L / interval slots (each `bytes_per_state_slot`, e.g. 146.8 MiB for the
+//!   Qwen3.5-27B shape) away from other checkpoints until evicted, plus one
+//!   slot copy and one chunk boundary per interval.
 //!
 //! The scheduler ends a prefill chunk exactly at such a boundary; `update()`
 //! then registers the checkpoint and the NEXT plan carries the copy

@@ -24,6 +24,12 @@ pub struct SchedulerConfig {
     /// Bytes of one DeltaNet state slot over bytes of one KV block: the memory
     /// side of the checkpoint eviction score (see `checkpoints`).
     pub checkpoint_slot_cost_blocks: f64,
+    /// Also checkpoint every this many tokens of a prompt (a multiple of
+    /// `block_size`; 0 = off, the default). Each costs a state slot while kept
+    /// (reclaimable, but it competes with other checkpoints), one slot copy and
+    /// a prefill chunk boundary (an extra step when the chunk would have been
+    /// longer).
+    pub prefix_checkpoint_interval: u32,
     /// Cap on one sequence's prefill chunk per step (0 = no cap beyond the budget).
     pub long_prefill_token_threshold: u32,
     /// `add_request` answers QueueFull beyond this many waiting requests.
@@ -58,6 +64,7 @@ impl SchedulerConfig {
             max_model_len,
             enable_prefix_caching: true,
             checkpoint_slot_cost_blocks: 1.0,
+            prefix_checkpoint_interval: 0,
             long_prefill_token_threshold: 0,
             max_waiting_requests: u32::MAX,
             max_waiting_tokens: u64::MAX,
@@ -88,6 +95,12 @@ impl SchedulerConfig {
         }
         if self.max_model_len < 2 {
             return bad(format!("max_model_len ({}) must be at least 2", self.max_model_len));
+        }
+        if self.prefix_checkpoint_interval % self.block_size != 0 {
+            return bad(format!(
+                "prefix_checkpoint_interval ({}) must be a multiple of block_size ({}) (0 turns it off)",
+                self.prefix_checkpoint_interval, self.block_size
+            ));
         }
         if self.max_num_batched_tokens < self.max_num_seqs {
             return bad(format!(

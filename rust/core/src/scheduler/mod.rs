@@ -444,8 +444,9 @@ impl Scheduler {
                     if thresh > 0 {
                         k = k.min(thresh);
                     }
-                    if seq.ckpt_next > seq.num_computed {
-                        k = k.min(seq.ckpt_next - seq.num_computed);
+                    let due = seq.next_checkpoint(self.cfg.prefix_checkpoint_interval as usize);
+                    if due > seq.num_computed {
+                        k = k.min(due - seq.num_computed);
                     }
                     k
                 };
@@ -656,10 +657,11 @@ impl Scheduler {
                 }
             }
             s.num_computed = hit;
-            set_checkpoint_targets(s, req.prompt_len, hit, caching, bs);
+            set_checkpoint_targets(s, req.prompt_len, hit, caching, bs, self.cfg.prefix_checkpoint_interval > 0);
             let mut k = chunks[si].min(s.tokens.len() - hit);
-            if s.ckpt_next > hit {
-                k = k.min(s.ckpt_next - hit);
+            let due = s.next_checkpoint(self.cfg.prefix_checkpoint_interval as usize);
+            if due > hit {
+                k = k.min(due - hit);
             }
             chunks[si] = k;
             if k == 0 {
@@ -714,6 +716,7 @@ impl Scheduler {
                 s.num_computed = 0;
                 s.ckpt_next = 0;
                 s.ckpt_after = 0;
+                s.ckpt_until = 0;
             }
             return false;
         }
@@ -802,6 +805,7 @@ impl Scheduler {
             s.matched = 0;
             s.ckpt_next = 0;
             s.ckpt_after = 0;
+            s.ckpt_until = 0;
         }
         for s in req.spare_slots.drain(..) {
             self.pool.free(s).expect("spare slot held");
@@ -859,18 +863,22 @@ impl Scheduler {
             let extra_key = req.params.extra_key;
             {
                 let seq = &mut req.seqs[si];
+                let due = if seq.ckpt_next != 0 || seq.ckpt_until > seq.num_computed {
+                    seq.next_checkpoint(self.cfg.prefix_checkpoint_interval as usize)
+                } else {
+                    0
+                };
                 seq.num_computed += e.k as usize;
                 if self.cfg.enable_prefix_caching && seq.num_computed / bs > seq.table.num_hashed_blocks() {
                     self.kv.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
                 }
+                if due != 0 && seq.num_computed == due && seq.table.chain.len() >= due / bs {
+                    let slot = seq.slot.expect("running sequence has a slot");
+                    // The copy runs in the next plan, before the next forward.
+                    let next = self.step + 1;
+                    self.ckpts.write(&mut self.kv, &mut self.pool, &seq.table.chain[..due / bs], slot, next, next);
+                }
                 if seq.ckpt_next != 0 && seq.num_computed >= seq.ckpt_next {
-                    let nb = seq.ckpt_next / bs;
-                    if seq.num_computed == seq.ckpt_next && seq.table.chain.len() >= nb {
-                        let slot = seq.slot.expect("running sequence has a slot");
-                        // The copy runs in the next plan, before the next forward.
-                        let next = self.step + 1;
-                        self.ckpts.write(&mut self.kv, &mut self.pool, &seq.table.chain[..nb], slot, next, next);
-                    }
                     seq.ckpt_next = seq.ckpt_after;
                     seq.ckpt_after = 0;
                 }
@@ -1201,18 +1209,30 @@ impl Scheduler {
     }
 }
 
+/// A branch-point checkpoint must skip at least this many blocks more than
+/// the state match it extends.
+const MIN_BRANCH_GAIN_BLOCKS: usize = 4;
+
 /// Where `s` (just matched: `hit` tokens restored, `s.matched` KV-matched)
 /// writes checkpoints, nearest first: the branch point (end of a KV match
 /// longer than the state match), then the prompt's last full block that
-/// leaves a token to compute.
-fn set_checkpoint_targets(s: &mut Seq, prompt_len: usize, hit: usize, caching: bool, bs: usize) {
+/// leaves a token to compute; with `every`, also each multiple of
+/// `prefix_checkpoint_interval` up to that (see `Seq::next_checkpoint`).
+fn set_checkpoint_targets(s: &mut Seq, prompt_len: usize, hit: usize, caching: bool, bs: usize, every: bool) {
     s.ckpt_next = 0;
     s.ckpt_after = 0;
+    s.ckpt_until = 0;
     if !caching {
         return;
     }
-    let branch = if s.matched > hit { s.matched } else { 0 };
+    // A branch checkpoint costs a chunk boundary now; below this gain (e.g. the
+    // previous turn's generated tokens, cached past its prompt checkpoint) the
+    // prompt-end checkpoint serves later turns as well.
+    let branch = if s.matched >= hit + MIN_BRANCH_GAIN_BLOCKS * bs { s.matched } else { 0 };
     let prompt_end = (prompt_len.saturating_sub(1) / bs) * bs;
+    if every {
+        s.ckpt_until = prompt_end;
+    }
     let end = if prompt_end > hit.max(branch) { prompt_end } else { 0 };
     if branch > 0 {
         s.ckpt_next = branch;

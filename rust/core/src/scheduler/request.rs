@@ -103,6 +103,8 @@ pub(crate) struct Seq {
     /// written, nearest first; 0 = none. Prefill chunks end exactly there.
     pub ckpt_next: usize,
     pub ckpt_after: usize,
+    /// With `prefix_checkpoint_interval`: also every interval up to here.
+    pub ckpt_until: usize,
     pub table: BlockTable,
     pub slot: Option<SlotId>,
     /// Row of the persistent block-table buffer, while running and scheduled once.
@@ -124,6 +126,7 @@ impl Seq {
             matched: 0,
             ckpt_next: 0,
             ckpt_after: 0,
+            ckpt_until: 0,
             table: BlockTable::new(),
             slot: None,
             row: None,
@@ -136,6 +139,19 @@ impl Seq {
     #[inline]
     pub fn is_live(&self) -> bool {
         self.finished.is_none()
+    }
+
+    /// The next boundary past `num_computed` where a checkpoint is due (0: none).
+    #[inline]
+    pub fn next_checkpoint(&self, interval: usize) -> usize {
+        let mut t = self.ckpt_next;
+        if interval > 0 && self.ckpt_until > self.num_computed {
+            let m = (self.num_computed / interval + 1) * interval;
+            if m <= self.ckpt_until && (t == 0 || m < t) {
+                t = m;
+            }
+        }
+        t
     }
 }
 
