@@ -379,6 +379,9 @@ class Sampler:
 
         samples: list[_Sample] = []
         for i, row in enumerate(rows):
+            if row.num_samples == 1 and row.generators is None and row.keys is None:
+                samples.append(_Sample(i, row.params, row.generator, row.key, row))  # the common row
+                continue
             for gen, key in zip(row.sample_generators(), row.sample_keys()):
                 samples.append(_Sample(i, row.params, gen, key, row))
 
