@@ -134,7 +134,8 @@ def _workload(args: argparse.Namespace) -> Any:
     )
 
 
-def _finish(report: dict[str, Any], args: argparse.Namespace, extra_text: list[str]) -> int:
+def _finish(report: dict[str, Any], args: argparse.Namespace, extra_text: list[str],
+            table_printed: bool = False) -> int:
     from hybridserve.bench.report import downsample, render_table
 
     if args.plot:
@@ -142,13 +143,17 @@ def _finish(report: dict[str, Any], args: argparse.Namespace, extra_text: list[s
 
         write_plot(report, args.plot)
     report["timeline"] = downsample(report["timeline"])
-    print(render_table(report))
+    if not table_printed:
+        print(render_table(report))
     for block in extra_text:
         print()
         print(block)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
+    if report["overall"]["completed"] == 0:
+        print("hybridserve bench: no request completed", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -231,11 +236,14 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
                           config=cfg, server=server, timeline=timeline)
     extra = []
     if args.compare_hf:
+        from hybridserve.bench.report import render_table
+
+        print(render_table(report), flush=True)  # the baseline takes a while: show ours now
         del llm  # free the engine's pools before HF allocates
         report["compare_hf"] = compare_hf(model, workload, records, report, args.hf_batch_size, progress)
         extra.append(render_compare(report["compare_hf"]))
     report["seed_scenario"] = None
-    return _finish(report, args, extra)
+    return _finish(report, args, extra, table_printed=args.compare_hf)
 
 
 def _warm_up(engine: Any) -> None:
