@@ -25,8 +25,8 @@ def prefix_skip_key(stats: dict[str, Any]) -> tuple[str, str]:
     Prefers a counter of tokens whose compute was actually skipped (the hybrid
     model needs a DeltaNet state checkpoint for that, not just cached KV blocks);
     falls back to the prefix cache's KV hit tokens, and says which one it used."""
-    for key in sorted(stats):
-        if "skip" in key and "token" in key:
+    for key in ["prefix_skipped_tokens", *sorted(stats)]:
+        if key in stats and "skip" in key and "token" in key:
             return key, f"engine stat {key!r} (prefill tokens skipped)"
     return "prefix_hit_tokens", "engine stat 'prefix_hit_tokens' (KV-matched tokens; no skipped-token counter in this build)"
 

@@ -58,8 +58,9 @@ def _get(m: dict[str, float], *names: str | None) -> float | None:
 
 
 def _skip_metric(m: dict[str, float]) -> tuple[str | None, str | None]:
-    for name in sorted(m):
-        if name.startswith("hybridserve:") and "skip" in name and "token" in name and name.endswith("_total"):
+    for name in ["hybridserve:prefix_cache_skipped_tokens_total", *sorted(m)]:
+        if name in m and name.startswith("hybridserve:") and "skip" in name and "token" in name \
+                and name.endswith("_total"):
             return name, f"metric {name} (prefill tokens skipped)"
     if "hybridserve:prefix_cache_hit_tokens_total" in m:
         return ("hybridserve:prefix_cache_hit_tokens_total",

@@ -115,9 +115,11 @@ def run_seed_scenario(
         "sessions": k,
         "pool_bytes": pool,
         "pool_mib": pool / planner.MiB,
+        # planner.capacity_report is what `hybridserve plan` prints; the pool is given
+        # in bytes here because the scaled pool is not a whole number of MiB.
         "plan": {"sessions_paged": plan.sessions_paged, "sessions_reserved_max": plan.sessions_reserved_max,
-                 "command": f"hybridserve plan {model_dir} --pool-mib <{pool / planner.MiB:.3f}> --context {L}"
-                            f" (with max_position_embeddings {max_len}, dtype {dtype_name})"},
+                 "source": f"planner.capacity_report (hybridserve plan) for this pool, --context {L}, "
+                           f"max length {max_len}, {dtype_name}"},
         "policies": runs,
         "concurrency_ratio": measured,
         "plan_ratio": predicted,
