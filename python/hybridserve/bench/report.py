@@ -152,8 +152,9 @@ def render_table(report: dict[str, Any]) -> str:
             row += [_ms(s[m]["mean"])] + [_ms(s[m][f"p{p}"]) for p in PERCENTILES]
         table.append(row)
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    lines.append(f"hybridserve bench {report['mode']}: {report['duration_s']:.2f} s, "
-                 f"latencies in ms, torch threads {report['config'].get('torch_threads', '-')}")
+    threads = report["config"].get("torch_threads")
+    lines.append(f"hybridserve bench {report['mode']}: {report['duration_s']:.2f} s, latencies in ms"
+                 + (f", torch threads {threads}" if threads else ""))
     for r in table:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     srv = report["server"]
