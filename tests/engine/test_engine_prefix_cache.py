@@ -247,3 +247,33 @@ def test_serve_flag_turns_prefix_caching_off():
     parser = build_parser()
     assert parser.parse_args(["serve", "--no-enable-prefix-caching"]).no_prefix_caching
     assert not parser.parse_args(["serve"]).no_prefix_caching
+
+
+def test_metrics_tell_skipped_from_kv_matched_tokens(tiny_dirs):
+    # Two requests sharing 48 tokens: the second KV-matches them but no checkpoint ends
+    # there ("lost"), and writes one at the branch; a third skips them ("skipped").
+    from hybridserve.metrics import EngineMetrics
+
+    rng = random.Random(13)
+    system = toks(rng, 70)  # 4 full blocks shared
+    llm = make(tiny_dirs)
+    p = SamplingParams(max_tokens=2, **GREEDY)
+    for i in range(3):
+        llm.generate([system + toks(rng, 20 + i)], p)
+    m = EngineMetrics()
+    m.refresh(llm.engine)
+    text = m.render().decode()
+
+    def value(name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith("hybridserve:" + name + " "))
+        return float(line.split()[1])
+
+    st = llm.engine.stats()
+    assert value("prefix_cache_hit_tokens_total") == 2 * 64 == st["prefix_hit_tokens"]
+    assert value("prefix_cache_lost_tokens_total") == 64
+    assert value("prefix_cache_skipped_tokens_total") == 64
+    assert value("state_checkpoint_queries_total") == 3
+    assert value("state_checkpoint_hits_total") == 1
+    assert value("state_checkpoint_writes_total") == st["checkpoint_writes"] >= 4
+    assert value("state_slots_checkpoint") == st["checkpoint_slots"] == len(llm.engine.scheduler.checkpoints())
+    assert value("prefix_cache_skip_rate") == pytest.approx(64 / sum(len(system) + 20 + i for i in range(3)))
