@@ -107,7 +107,7 @@ class Conv1dPlan:
         lens = qsl[1:] - qsl[:-1]
         act = np.nonzero(lens > 0)[0]
         seg_len = lens[act] + hw
-        seg_start = np.concatenate([[0], np.cumsum(seg_len)[:-1]]).astype(np.int64)
+        seg_start = np.cumsum(seg_len) - seg_len
         seg = np.repeat(np.arange(len(act)), seg_len)
         off = np.arange(int(seg_len.sum())) - seg_start[seg]
         b = act[seg]
