@@ -79,6 +79,7 @@ impl SchedulerConfig {
         self.max_model_len.div_ceil(self.block_size.max(1))
     }
 
+    #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
     pub fn validate(&self) -> Result<(), CoreError> {
         let bad = |m: String| Err(CoreError::InvalidArgument(m));
         if self.block_size == 0 || self.num_blocks == 0 {
