@@ -43,14 +43,30 @@ class Capture:
         runner.execute = execute
 
 
-def check_hf(hf_model, outs, cap: Capture, *, greedy: bool) -> None:
+def check_hf(hf_model, outs, cap: Capture, *, greedy: bool, prefix: list[int] | None = None) -> None:
+    """With ``prefix`` (shared by every prompt), HF runs it once and continues each
+    sequence from a copy of its own cache (HF's cached path, independent of ours);
+    logits at positions inside the prefix are then not available (none are sampled)."""
+    import copy
+
     by_id = {o.request_id: o for o in outs}
     ref: dict[tuple[str, int], torch.Tensor] = {}
+    pre = None
+    if prefix is not None:
+        with torch.no_grad():
+            pre = hf_model(torch.tensor([prefix]), use_cache=True)
     for o in outs:
         for c in o.outputs:
             seq = list(o.prompt_token_ids) + list(c.token_ids)
             with torch.no_grad():
-                ref[(o.request_id, c.index)] = hf_model(torch.tensor([seq])).logits[0].float()
+                if pre is None:
+                    ref[(o.request_id, c.index)] = hf_model(torch.tensor([seq])).logits[0].float()
+                else:
+                    assert seq[:len(prefix)] == prefix
+                    rest = hf_model(torch.tensor([seq[len(prefix):]]),
+                                    past_key_values=copy.deepcopy(pre.past_key_values), use_cache=True)
+                    pad = torch.full((len(prefix), rest.logits.shape[-1]), float("nan"))
+                    ref[(o.request_id, c.index)] = torch.cat([pad, rest.logits[0].float()])
             if greedy:
                 p = len(o.prompt_token_ids)
                 want = ref[(o.request_id, c.index)][p - 1: len(seq) - 1].argmax(-1).tolist()
@@ -97,7 +113,7 @@ def test_shared_system_prompt_skips_compute_and_matches_hf(tiny_dirs, hf_models)
     # The six resumed requests fed only the tokens after the checkpoint, then decodes.
     fed = sum(cap.computed[steps_before:])
     assert fed == sum(len(q) - shared for q in prompts[2:]) + 6 * 3
-    check_hf(hf_models["test-a"], outs, cap, greedy=True)
+    check_hf(hf_models["test-a"], outs, cap, greedy=True, prefix=system)
     # Identical to a run without prefix caching.
     off = make(tiny_dirs, enable_prefix_caching=False)
     outs_off = off.generate(prompts, params)
