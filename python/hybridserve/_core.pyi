@@ -194,6 +194,9 @@ class SchedulerOutput:
     @property
     def preempted(self) -> list[str]: ...
     @property
+    def preempted_causes(self) -> list[str]:
+        """Per ``preempted`` entry: "blocks_needed" or "priority"."""
+    @property
     def finished(self) -> list[tuple[str, int, str]]:
         """(request_id, sample_index, reason) finished outside update() since the last plan."""
     @property
@@ -242,6 +245,8 @@ class Scheduler:
         max_finished_retained: int = 4096,
         checkpoint_slot_cost_blocks: float = 1.0,
         prefix_checkpoint_interval: int = 0,
+        priority_preemption_threshold: int = 1,
+        max_priority_preemptions_per_step: int = 4,
     ) -> None: ...
     @property
     def max_blocks_per_seq(self) -> int: ...
@@ -262,8 +267,12 @@ class Scheduler:
         request_class: str = "default",
         arrival_time: float | None = None,
         extra_key: int = 0,
+        beam_search: bool = False,
     ) -> None: ...
     def schedule(self) -> SchedulerOutput: ...
+    def reorder_beams(self, request_id: str, parents: list[int]) -> None:
+        """Between schedule() and update() of a step that decoded every beam: beam i
+        continues beam ``parents[i]`` (blocks forked, state copied by the next plan)."""
     def update(self, sampled: Tokens) -> StepUpdate:
         """``num_samples[b]`` tokens per entry of the last plan, in batch order."""
     def finish(self, request_id: str, sample_index: int, reason: str = "stop") -> bool: ...

@@ -13,6 +13,10 @@ a sequence resuming from a DeltaNet checkpoint starts from exactly its prefix);
 every live checkpoint holds the state of the prefix its key block was computed
 from, and no sequence runs on a checkpoint slot; everything admitted finishes;
 afterwards every block is free and every slot is free or a checkpoint.
+Priorities: admission follows the ordering key (priority with aging, then
+arrival), and every priority-preemption victim is outranked by the waiting head
+(strictly larger priority, key larger by more than the threshold), at most the
+per-step bound of them per step.
 """
 
 from __future__ import annotations
@@ -48,9 +52,21 @@ def run_workload(seed: int) -> None:
     budget = max_seqs + rng.randint(0, 20)
     max_len = 40
     thresh = rng.choice([0, 3, 8])
+    aging = rng.choice([0, 2])
+    pthr, pbound = rng.choice([0, 1, 2]), rng.choice([0, 1, 4])
     s = Scheduler(num_blocks, bs, slots, max_seqs, budget, max_len,
                   enable_prefix_caching=rng.random() < 0.5, long_prefill_token_threshold=thresh,
-                  aging_interval_steps=rng.choice([0, 2]), max_waiting_requests=8)
+                  aging_interval_steps=aging, max_waiting_requests=8,
+                  priority_preemption_threshold=pthr, max_priority_preemptions_per_step=pbound)
+    clock = [0, 0]  # schedule() calls so far, requests accepted so far
+
+    def key(r):
+        p = r["p"]["priority"]
+        return (p * aging + r["arrival"] if aging else p, r["order"])
+
+    def outranks(h, v):
+        return (h["p"]["priority"] < v["p"]["priority"]
+                and key(v)[0] - key(h)[0] > pthr * max(aging, 1))
     rows = np.full((max_seqs, s.max_blocks_per_seq), -7, dtype=np.int64)
     reqs: dict[str, dict] = {}
     kv: dict[int, tuple] = {}
@@ -63,7 +79,7 @@ def run_workload(seed: int) -> None:
     def add(k):
         prompt = SHARED[: rng.randint(0, 20)] + [rng.randrange(40) for _ in range(rng.randint(0, 12))] or [1]
         p = dict(max_tokens=rng.randint(1, 10), min_tokens=rng.randint(0, 3), n=rng.randint(1, 3),
-                 ignore_eos=rng.random() < 0.3, priority=rng.randint(0, 2))
+                 ignore_eos=rng.random() < 0.3, priority=rng.randint(-3, 2))
         total = len(prompt) + p["max_tokens"]
         invalid = (total > max_len or p["n"] > slots or p["n"] > max_seqs
                    or p["n"] * -(-total // bs) > num_blocks or p["min_tokens"] > p["max_tokens"])
@@ -82,10 +98,20 @@ def run_workload(seed: int) -> None:
             return
         assert not invalid and waiting < 8
         reqs[rid] = dict(prompt=prompt, p=p, st="w", forked=False, out=[[] for _ in range(p["n"])],
-                         done=[False] * p["n"], computed=[0] * p["n"])
+                         done=[False] * p["n"], computed=[0] * p["n"], arrival=clock[0], order=clock[1])
+        clock[1] += 1
 
     def step():
+        waiting = [r for r in reqs.values() if r["st"] == "w"]
+        head = min(waiting, key=key) if waiting else None
         out = s.schedule()
+        clock[0] += 1
+        assert len(out.preempted_causes) == len(out.preempted)
+        prio = [rid for rid, c in zip(out.preempted, out.preempted_causes) if c == "priority"]
+        assert len(prio) <= pbound, "priority preemption bound exceeded"
+        for rid in prio:
+            assert head is not None and outranks(head, reqs[rid]), "priority victim not outranked by the head"
+        was_waiting = {rid for rid, r in reqs.items() if r["st"] == "w"}
         got = {(a, b, c) for a, b, c in out.finished}
         assert got == outside, "finished-outside report"
         outside.clear()
@@ -125,9 +151,13 @@ def run_workload(seed: int) -> None:
             assert r["st"] == "r" and not r["done"][sm]
             t = toks(r, sm)
             start, k, q0 = int(out.num_computed_tokens[e]), int(out.num_scheduled_tokens[e]), int(out.query_start_loc[e])
+            live = [i for i, d in enumerate(r["done"]) if not d]
+            if r["forked"] and start < len(r["prompt"]):
+                assert sm == live[0], "a recomputed forked request prefilled its prompt twice"
             if r["computed"][sm] == 0 and start > 0:
-                # Checkpoint hit: the state assertion below checks what it resumes from.
-                assert start % bs == 0
+                # Checkpoint hit, or a sample re-forked at the prompt's end after a
+                # recompute: the state assertion below checks what it resumes from.
+                assert start % bs == 0 or (r["forked"] and start == len(r["prompt"]))
                 r["computed"][sm] = start
             assert start == r["computed"][sm] and k >= 1 and start + k <= len(t)
             assert int(out.seq_lens[e]) == start + k
@@ -145,6 +175,10 @@ def run_workload(seed: int) -> None:
                 assert state.get(slot) == tuple(t[:start]), "wrong DeltaNet state"
             state[slot] = tuple(t[:start + k])
             ents.append((r, sm, t, start, k, q0))
+        still = [r for r in reqs.values() if r["st"] == "w"]
+        for rid in was_waiting:
+            if reqs[rid]["st"] == "r":
+                assert all(key(w) > key(reqs[rid]) for w in still), "admitted ahead of a smaller key"
         for r, sm, t, start, k, q0 in ents:
             for j in range(k):
                 sl = int(out.slot_mapping[q0 + j])

@@ -13,18 +13,25 @@
 //!     prefix-cache hits may start a sequence at any block boundary, and the
 //!     state it starts from must then be exactly its prefix.
 //!
+//!   * priorities: admission in key order (priority with aging, then arrival),
+//!     every priority-preemption victim outranked by the waiting head (strictly
+//!     larger priority, key larger by more than the threshold), at most the
+//!     per-step bound, none among equal priorities, and no waiting head left
+//!     out while outranked requests hold the room it needs (checked where
+//!     sequences are the only scarce resource).
+//!
 //! So "attention would read the right KV", "the recurrent state is the right
 //! one", "a preempted request resumes with the same tokens", "the budget is never
 //! exceeded", "FCFS within a priority" and "everything finishes and every block
 //! and slot comes back" are all checked against things the scheduler did not compute.
 
-use hybridserve_core::scheduler::{FinishReason, RequestParams, SchedError, Scheduler, SchedulerConfig};
+use hybridserve_core::scheduler::{FinishReason, PreemptCause, RequestParams, SchedError, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
 use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Add { prefix: usize, tail: Vec<u32>, max_tokens: u32, min_tokens: u32, n: u32, priority: i32, ignore_eos: bool },
+    Add { prefix: usize, tail: Vec<u32>, max_tokens: u32, min_tokens: u32, n: u32, priority: i32, ignore_eos: bool, beam: bool },
     Dup(usize),
     Step,
     Abort(usize),
@@ -50,6 +57,7 @@ struct OReq {
     computed: Vec<usize>,
     first_step: Option<u64>,
     order: usize,
+    arrival_step: u64,
 }
 
 impl OReq {
@@ -78,6 +86,7 @@ struct Harness {
     outside: HashSet<(String, u32, FinishReason)>,
     rng: u64,
     step: u64,
+    beam_reorders: u64,
 }
 
 impl Harness {
@@ -133,6 +142,7 @@ impl Harness {
                     computed: vec![0; n],
                     first_step: None,
                     order,
+                    arrival_step: self.step,
                 });
             }
             Err(SchedError::InvalidRequest(_)) => assert!(invalid, "refused a valid request {id}: {res:?}"),
@@ -178,11 +188,48 @@ impl Harness {
         }
     }
 
+    /// The ordering key of the module docs, computed here independently.
+    fn key(&self, i: usize) -> (i128, usize) {
+        let r = &self.reqs[i];
+        let a = self.cfg.aging_interval_steps as i128;
+        let p = r.params.priority as i128;
+        (if a == 0 { p } else { p * a + r.arrival_step as i128 }, r.order)
+    }
+
+    fn outranks(&self, h: usize, v: usize) -> bool {
+        let (ph, pv) = (self.reqs[h].params.priority, self.reqs[v].params.priority);
+        let a = self.cfg.aging_interval_steps.max(1) as i128;
+        ph < pv && self.key(v).0 - self.key(h).0 > self.cfg.priority_preemption_threshold as i128 * a
+    }
+
+    fn units(&self, i: usize) -> u32 {
+        let r = &self.reqs[i];
+        if r.forked { r.live().len() as u32 } else { r.params.n }
+    }
+
+    fn waiting_head(&self) -> Option<usize> {
+        (0..self.reqs.len()).filter(|&i| self.reqs[i].st == St::Waiting).min_by_key(|&i| self.key(i))
+    }
+
     fn do_step(&mut self) {
         self.step += 1;
         let cfg = self.cfg.clone();
         let bs = cfg.block_size as usize;
+        let head_before = self.waiting_head();
+        let was_waiting: Vec<bool> = self.reqs.iter().map(|r| r.st == St::Waiting).collect();
         let out = self.s.schedule(self.step as f64).expect("schedule").clone();
+        // Priority preemption: victims outranked by the head, within the bound.
+        assert_eq!(out.preempted.len(), out.preempted_causes.len());
+        let mut n_prio = 0u32;
+        for (&v, &c) in out.preempted.iter().zip(&out.preempted_causes) {
+            if c == PreemptCause::Priority {
+                n_prio += 1;
+                let h = head_before.expect("a priority preemption without a waiting request");
+                let vi = self.by_handle[&v];
+                assert!(self.outranks(h, vi), "priority victim {} is not outranked by head {}", self.reqs[vi].id, self.reqs[h].id);
+            }
+        }
+        assert!(n_prio <= cfg.max_priority_preemptions_per_step, "priority preemption bound exceeded");
         // Sequences finished outside update() since the last plan.
         let got: HashSet<_> = out.finished.iter().cloned().collect();
         assert_eq!(got, std::mem::take(&mut self.outside), "finished-outside report");
@@ -244,9 +291,15 @@ impl Harness {
             let q0 = out.query_start_loc[e] as usize;
             assert_eq!(out.query_start_loc[e + 1] as usize, q0 + k);
             assert!(k >= 1);
+            // A recomputed forked request prefills the prompt once, in its first live sample.
+            if r.forked && start < r.prompt.len() {
+                assert_eq!(Some(&sm), r.live().first(), "{}: sample {sm} re-prefills the prompt", r.id);
+            }
             if r.computed[sm] == 0 && start > 0 {
-                // A checkpoint hit: the state check below verifies the restored state.
-                assert!(cfg.enable_prefix_caching && start % bs == 0 && start < toks.len(), "bad hit start {start}");
+                // A checkpoint hit, or a sample re-forked at the prompt's end after a
+                // recompute: the state check below verifies the state it starts from.
+                let refork = r.forked && start == r.prompt.len();
+                assert!(refork || (cfg.enable_prefix_caching && start % bs == 0 && start < toks.len()), "bad hit start {start}");
                 r.computed[sm] = start;
             }
             assert_eq!(start, r.computed[sm], "num_computed_tokens disagrees with what was computed");
@@ -262,6 +315,9 @@ impl Harness {
             let _ = in_prefill_part;
             if !is_decode && cfg.long_prefill_token_threshold > 0 {
                 assert!(k <= cfg.long_prefill_token_threshold as usize);
+            }
+            if r.params.beam_search && r.forked && !is_decode {
+                assert!(start + k < toks.len(), "a beam's recompute must leave its last token to the joint decode");
             }
             let want_samples = if start + k == toks.len() { if r.forked { 1 } else { r.params.n as i32 } } else { 0 };
             assert_eq!(out.num_samples[e], want_samples);
@@ -280,6 +336,32 @@ impl Harness {
                 assert_eq!(self.state_mem.get(&slot).map(|v| v.as_slice()), Some(&toks[..start]), "wrong DeltaNet state");
             }
             self.state_mem.insert(slot, toks[..start + k].to_vec());
+        }
+        // Admission in key order: nothing admitted while a smaller key waits.
+        let admitted: Vec<usize> =
+            (0..self.reqs.len()).filter(|&i| was_waiting[i] && self.reqs[i].st == St::Running).collect();
+        for &a in &admitted {
+            for w in (0..self.reqs.len()).filter(|&w| self.reqs[w].st == St::Waiting) {
+                assert!(self.key(w) > self.key(a), "{} admitted while {} (smaller key) waits", self.reqs[a].id, self.reqs[w].id);
+            }
+        }
+        // No missed room: where sequences are the only scarce resource (blocks
+        // for everyone, no checkpoints, budget left over), a waiting head that
+        // outranks running requests is admitted unless the per-step bound was
+        // reached or even without all of them it would not fit.
+        let plenty = !cfg.enable_prefix_caching
+            && !cfg.reserve_max_context
+            && cfg.num_blocks as usize > cfg.max_num_seqs as usize * cfg.max_blocks_per_seq() as usize;
+        if plenty && cfg.max_priority_preemptions_per_step > 0 && out.num_tokens() < cfg.max_num_batched_tokens as usize {
+            // One head per step: the check applies to the head the step began with.
+            if let Some(h) = self.waiting_head().filter(|&h| Some(h) == head_before) {
+                let running: Vec<usize> = (0..self.reqs.len()).filter(|&i| self.reqs[i].st == St::Running).collect();
+                if running.iter().any(|&r| self.outranks(h, r)) && n_prio < cfg.max_priority_preemptions_per_step {
+                    let kept: u32 = running.iter().filter(|&&r| !self.outranks(h, r)).map(|&r| self.units(r)).sum();
+                    let cap = cfg.max_num_seqs.min(cfg.num_state_slots);
+                    assert!(kept + self.units(h) > cap, "{} left waiting although outranked requests hold its room", self.reqs[h].id);
+                }
+            }
         }
         // KV writes of the whole step, then every entry reads its full context.
         for e in 0..b {
@@ -305,6 +387,36 @@ impl Harness {
                 let slot = blk * bs as i32 + (p % bs) as i32;
                 assert_eq!(self.kv_mem.get(&slot).map(|v| v.as_slice()), Some(&toks[..=p]), "attention would read wrong KV at pos {p}");
             }
+        }
+        // Beams decode together: all live beams of a forked beam request, or none.
+        for (i, r) in self.reqs.iter().enumerate() {
+            if r.params.beam_search && r.forked && r.st == St::Running {
+                let dec: Vec<bool> = r.live().iter().map(|&sm| (0..b).any(|e| self.by_handle[&out.req_indices[e]] == i
+                    && out.sample_indices[e] as usize == sm && out.num_samples[e] == 1)).collect();
+                assert!(dec.iter().all(|&d| d) || dec.iter().all(|&d| !d), "{}: beams decoded apart {dec:?}", r.id);
+            }
+        }
+        // Beams: re-parent every request whose beams all decoded this step.
+        let mut beam_reqs: Vec<usize> = Vec::new();
+        for e in 0..b {
+            let i = self.by_handle[&out.req_indices[e]];
+            let r = &self.reqs[i];
+            if r.params.beam_search && r.forked && !beam_reqs.contains(&i) && r.done.iter().all(|&d| !d) {
+                let w = r.out.len();
+                let all = (0..w).all(|sm| (0..b).any(|f| out.req_indices[f] == out.req_indices[e] && out.sample_indices[f] as usize == sm && out.num_samples[f] == 1));
+                if all {
+                    beam_reqs.push(i);
+                }
+            }
+        }
+        for i in beam_reqs {
+            let w = self.reqs[i].out.len();
+            let parents: Vec<u32> = (0..w).map(|_| (self.rand() % w as u64) as u32).collect();
+            let id = self.reqs[i].id.clone();
+            self.s.reorder_beams(&id, &parents).expect("reorder_beams");
+            let r = &mut self.reqs[i];
+            r.out = parents.iter().map(|&p| r.out[p as usize].clone()).collect();
+            self.beam_reorders += 1;
         }
         // Sample and update.
         let mut sampled = Vec::new();
@@ -368,8 +480,8 @@ impl Harness {
 }
 
 fn ops_strategy() -> impl Strategy<Value = Vec<Op>> {
-    let add = (0usize..25, prop::collection::vec(0u32..40, 0..20), 1u32..12, 0u32..4, 1u32..4, 0i32..3, any::<bool>())
-        .prop_map(|(prefix, tail, max_tokens, min_tokens, n, priority, ignore_eos)| Op::Add {
+    let add = (0usize..25, prop::collection::vec(0u32..40, 0..20), 1u32..12, 0u32..4, 1u32..4, -3i32..3, any::<bool>(), prop::bool::weighted(0.25))
+        .prop_map(|(prefix, tail, max_tokens, min_tokens, n, priority, ignore_eos, beam)| Op::Add {
             prefix,
             tail,
             max_tokens,
@@ -377,6 +489,7 @@ fn ops_strategy() -> impl Strategy<Value = Vec<Op>> {
             n,
             priority,
             ignore_eos,
+            beam,
         });
     let op = prop_oneof![
         4 => add,
@@ -402,11 +515,14 @@ struct Cfg {
     reserve: bool,
     /// prefix_checkpoint_interval in blocks (0 = off).
     interval_blocks: u32,
+    prio_threshold: u32,
+    prio_bound: u32,
 }
 
 fn cfg_strategy() -> impl Strategy<Value = Cfg> {
-    (4u32..40, prop::sample::select(vec![1u32, 2, 4]), 1u32..6, 1u32..6, 0u32..24, any::<bool>(), prop::sample::select(vec![0u32, 3, 8]), prop::sample::select(vec![0u32, 2]), 2u32..12, prop::bool::weighted(0.2), prop::sample::select(vec![0u32, 0, 1, 3]))
-        .prop_map(|(num_blocks, block_size, slots, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve, interval_blocks)| Cfg {
+    let prio = (prop::sample::select(vec![0u32, 1, 2]), prop::sample::select(vec![0u32, 1, 4]));
+    ((prop_oneof![3 => 4u32..40, 1 => 200u32..220], prop::sample::select(vec![1u32, 2, 4]), 1u32..6, 1u32..6, 0u32..24, any::<bool>(), prop::sample::select(vec![0u32, 3, 8]), prop::sample::select(vec![0u32, 2]), 2u32..12, prop::bool::weighted(0.2), prop::sample::select(vec![0u32, 0, 1, 3])), prio)
+        .prop_map(|((num_blocks, block_size, slots, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve, interval_blocks), (prio_threshold, prio_bound))| Cfg {
             num_blocks,
             block_size,
             slots,
@@ -418,6 +534,8 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
             max_waiting,
             reserve,
             interval_blocks,
+            prio_threshold,
+            prio_bound,
         })
 }
 
@@ -430,6 +548,8 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     cfg.max_waiting_tokens = 120;
     cfg.reserve_max_context = c.reserve;
     cfg.prefix_checkpoint_interval = c.interval_blocks * c.block_size;
+    cfg.priority_preemption_threshold = c.prio_threshold;
+    cfg.max_priority_preemptions_per_step = c.prio_bound;
     let s = Scheduler::new(cfg.clone()).unwrap();
     let mbps = cfg.max_blocks_per_seq() as usize;
     let mut h = Harness {
@@ -443,25 +563,28 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
         outside: HashSet::new(),
         rng: seed | 1,
         step: 0,
+        beam_reorders: 0,
     };
     let mut next = 0;
     for op in ops {
         match op {
-            Op::Add { prefix, tail, max_tokens, min_tokens, n, priority, ignore_eos } => {
+            Op::Add { prefix, tail, max_tokens, min_tokens, n, priority, ignore_eos, beam } => {
                 let mut prompt = SHARED[..prefix].to_vec();
                 prompt.extend(tail);
                 if prompt.is_empty() {
                     prompt.push(1);
                 }
+                // Beams stop only at max_tokens (the caller handles EOS).
                 let params = RequestParams {
                     max_tokens,
                     min_tokens,
                     n,
                     priority,
-                    ignore_eos,
+                    ignore_eos: ignore_eos || beam,
                     eos_token_ids: vec![EOS],
-                    stop_token_ids: vec![STOP],
+                    stop_token_ids: if beam { vec![] } else { vec![STOP] },
                     arrival_time: h.step as f64,
+                    beam_search: beam,
                     ..Default::default()
                 };
                 h.add(format!("r{next}"), prompt, params);
@@ -503,8 +626,8 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     assert_eq!(st.reserved_blocks, 0);
     if std::env::var("SCHED_COVERAGE").is_ok() {
         eprintln!(
-            "COV steps={} preempt={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
-            h.step, st.preemptions, st.prefix_hit_tokens, st.cow_copies,
+            "COV reorders={} steps={} preempt={} prio={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
+            h.beam_reorders, h.step, st.preemptions, st.preemptions_priority, st.prefix_hit_tokens, st.cow_copies,
             h.reqs.iter().filter(|r| r.forked).count(), h.reqs.len(), st.aborted_requests, st.evictions,
             st.checkpoint_hits, st.prefix_skipped_tokens, st.checkpoint_writes, st.checkpoint_evictions, st.checkpoint_drops
         );
@@ -529,4 +652,54 @@ proptest! {
     fn scheduler_matches_model(c in cfg_strategy(), ops in ops_strategy(), seed in any::<u64>()) {
         run(c, ops, seed);
     }
+}
+
+/// The starvation bound of the module docs, under a stream of urgent arrivals
+/// (one priority-0 request per step from step 1, each 1 prefill step + 2
+/// decodes) against one priority-3 request X arriving at step 0 and running at
+/// once, with one sequence of room:
+/// with aging A = 2 and threshold 1, X may be preempted for priority only by
+/// arrivals before step (3 - 0 - 1) * A = 4 and passed in admission only by
+/// arrivals up to step (3 - 0) * A = 6, so it finishes within
+/// 6 + 7 arrivals * 3 steps + its own 3 steps. Without aging it never runs.
+fn urgent_stream(aging: u32, steps: u64) -> (Option<u64>, Vec<u64>) {
+    let mut cfg = SchedulerConfig::new(200, 4, 2, 1, 64, 40);
+    cfg.enable_prefix_caching = false;
+    cfg.aging_interval_steps = aging;
+    cfg.priority_preemption_threshold = 1;
+    cfg.max_priority_preemptions_per_step = 4;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let p = |priority| RequestParams { max_tokens: 3, priority, ignore_eos: true, ..Default::default() };
+    s.add_request("x", &[1, 2, 3], p(3)).unwrap();
+    let mut x_done = None;
+    let mut x_preempted_at = vec![];
+    for t in 0..steps {
+        if t > 0 {
+            s.add_request(&format!("u{t}"), &[4, 5], p(0)).unwrap();
+        }
+        let out = s.schedule(t as f64).unwrap().clone();
+        for (&h, &c) in out.preempted.iter().zip(&out.preempted_causes) {
+            if s.request_id(h) == Some("x") && c == PreemptCause::Priority {
+                x_preempted_at.push(t);
+            }
+        }
+        let n = out.total_samples();
+        let upd = s.update(&vec![9; n]).unwrap().clone();
+        for &(h, _, _) in &upd.finished {
+            if s.request_id(h) == Some("x") {
+                x_done.get_or_insert(t);
+            }
+        }
+    }
+    (x_done, x_preempted_at)
+}
+
+#[test]
+fn starvation_bound_under_an_urgent_stream() {
+    let (done, preempted) = urgent_stream(2, 60);
+    let done = done.expect("x never finished: starvation");
+    assert!(done <= 6 + 7 * 3 + 3, "x finished at step {done}, past the bound");
+    assert!(!preempted.is_empty() && preempted.iter().all(|&t| t < 4), "x preempted at {preempted:?}");
+    let (done0, _) = urgent_stream(0, 60);
+    assert_eq!(done0, None, "without aging the urgent stream should starve x (the bound needs aging)");
 }

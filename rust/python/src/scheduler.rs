@@ -113,6 +113,9 @@ pub struct PySchedulerOutput {
     state_copies: Py<PyArray2<i32>>,
     #[pyo3(get)]
     preempted: Py<PyList>,
+    /// Why, per `preempted` entry: "blocks_needed" or "priority".
+    #[pyo3(get)]
+    preempted_causes: Py<PyList>,
     /// `(request_id, sample_index, reason)` finished outside update() (abort, finish).
     #[pyo3(get)]
     finished: Py<PyList>,
@@ -184,7 +187,7 @@ impl PyScheduler {
         *, enable_prefix_caching = true, long_prefill_token_threshold = 0,
         max_waiting_requests = None, max_waiting_tokens = None, aging_interval_steps = 256,
         reserve_max_context = false, max_finished_retained = 4096, checkpoint_slot_cost_blocks = 1.0,
-        prefix_checkpoint_interval = 0
+        prefix_checkpoint_interval = 0, priority_preemption_threshold = 1, max_priority_preemptions_per_step = 4
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -203,6 +206,8 @@ impl PyScheduler {
         max_finished_retained: u32,
         checkpoint_slot_cost_blocks: f64,
         prefix_checkpoint_interval: u32,
+        priority_preemption_threshold: u32,
+        max_priority_preemptions_per_step: u32,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             num_blocks,
@@ -221,6 +226,8 @@ impl PyScheduler {
         cfg.max_finished_retained = max_finished_retained;
         cfg.checkpoint_slot_cost_blocks = checkpoint_slot_cost_blocks;
         cfg.prefix_checkpoint_interval = prefix_checkpoint_interval;
+        cfg.priority_preemption_threshold = priority_preemption_threshold;
+        cfg.max_priority_preemptions_per_step = max_priority_preemptions_per_step;
         let inner = Scheduler::new(cfg).py()?;
         Ok(PyScheduler { inner, clock: Instant::now(), id_strings: Vec::new() })
     }
@@ -240,7 +247,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         request_id, prompt_token_ids, *, max_tokens = 16, min_tokens = 0, stop_token_ids = None,
         ignore_eos = false, eos_token_ids = None, n = 1, priority = 0, request_class = "default",
-        arrival_time = None, extra_key = 0
+        arrival_time = None, extra_key = 0, beam_search = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
@@ -258,6 +265,7 @@ impl PyScheduler {
         request_class: &str,
         arrival_time: Option<f64>,
         extra_key: u64,
+        beam_search: bool,
     ) -> PyResult<()> {
         let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
         let stop = match stop_token_ids {
@@ -282,6 +290,7 @@ impl PyScheduler {
             request_class: request_class.to_string(),
             arrival_time: arrival_time.unwrap_or_else(|| self.clock_now()),
             extra_key,
+            beam_search,
         };
         let id = request_id.to_str()?;
         let inner = &mut self.inner;
@@ -302,6 +311,7 @@ impl PyScheduler {
         let out = py.detach(move || inner.schedule(now)).map_err(sched_err)?;
         let request_ids = PyList::new(py, out.req_indices.iter().map(|&h| id_of(ids, py, h)))?.unbind();
         let preempted = PyList::new(py, out.preempted.iter().map(|&h| id_of(ids, py, h)))?.unbind();
+        let preempted_causes = PyList::new(py, out.preempted_causes.iter().map(|c| c.as_str()))?.unbind();
         let finished = PyList::new(
             py,
             out.finished.iter().map(|(id, si, r)| (id.as_str(), *si, r.as_str())),
@@ -327,6 +337,7 @@ impl PyScheduler {
             block_copies: pairs(py, &out.block_copies),
             state_copies: pairs(py, &out.state_copies),
             preempted,
+            preempted_causes,
             finished,
             num_decodes: out.num_decodes,
         })
@@ -354,6 +365,12 @@ impl PyScheduler {
             finished_sample_indices: finished_sample_indices.into_pyarray(py).unbind(),
             finished_reasons,
         })
+    }
+
+    /// Beam search, between schedule() and update() of a step that decoded every
+    /// beam: beam i continues beam parents[i] (blocks forked, state copied next plan).
+    fn reorder_beams(&mut self, request_id: &str, parents: Vec<u32>) -> PyResult<()> {
+        self.inner.reorder_beams(request_id, &parents).map_err(sched_err)
     }
 
     /// Finish one sample (e.g. a stop string found by the caller). False if already finished.
@@ -427,6 +444,10 @@ impl PyScheduler {
         d.set_item("evictions", s.evictions)?;
         d.set_item("cow_copies", s.cow_copies)?;
         d.set_item("preemptions", s.preemptions)?;
+        d.set_item("preemptions_blocks", s.preemptions_blocks)?;
+        d.set_item("preemptions_priority", s.preemptions_priority)?;
+        d.set_item("state_fork_copies", s.state_fork_copies)?;
+        d.set_item("shared_blocks", s.shared_blocks)?;
         d.set_item("num_running_requests", s.num_running_requests)?;
         d.set_item("num_running_seqs", s.num_running_seqs)?;
         d.set_item("num_waiting_requests", s.num_waiting_requests)?;

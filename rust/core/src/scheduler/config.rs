@@ -38,6 +38,17 @@ pub struct SchedulerConfig {
     pub max_waiting_tokens: u64,
     /// Steps of waiting that improve the effective priority by one (0 = no aging).
     pub aging_interval_steps: u32,
+    /// Priority preemption: a waiting request that does not fit preempts running
+    /// requests whose static priority is higher (less urgent) and whose effective
+    /// priority is worse by MORE than this many levels. Default 1: adjacent
+    /// classes never preempt each other (a recompute throws away the victim's
+    /// whole context, worth paying only for a clear gap); two levels apart do.
+    pub priority_preemption_threshold: u32,
+    /// At most this many priority preemptions per step (0 turns priority
+    /// preemption off). Default 4: an urgent request of up to n = 4 samples (or
+    /// four single ones) gets room in one step, while one arrival cannot empty a
+    /// large batch at once; more victims, if needed, follow in later steps.
+    pub max_priority_preemptions_per_step: u32,
     /// Pre-paging baseline: admit only when `ceil(max_model_len / block_size)`
     /// blocks per sequence can be reserved against the whole pool.
     pub reserve_max_context: bool,
@@ -69,6 +80,8 @@ impl SchedulerConfig {
             max_waiting_requests: u32::MAX,
             max_waiting_tokens: u64::MAX,
             aging_interval_steps: 256,
+            priority_preemption_threshold: 1,
+            max_priority_preemptions_per_step: 4,
             reserve_max_context: false,
             max_finished_retained: 4096,
         }

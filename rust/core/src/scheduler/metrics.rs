@@ -22,6 +22,16 @@ pub struct SchedulerStats {
     pub evictions: u64,
     pub cow_copies: u64,
     pub preemptions: u64,
+    /// Of `preemptions`: a running sequence needed a block / a waiting request
+    /// of a clearly higher priority needed room.
+    pub preemptions_blocks: u64,
+    pub preemptions_priority: u64,
+    /// DeltaNet state slot copies of forks: n > 1 children from their parent,
+    /// beams taking over another beam's continuation (`reorder_beams`).
+    pub state_fork_copies: u64,
+    /// KV blocks referenced by more than one running sequence (samples and
+    /// beams sharing a prefix, or a common cached prefix). O(running blocks).
+    pub shared_blocks: u32,
     pub num_running_requests: u32,
     pub num_running_seqs: u32,
     pub num_waiting_requests: u32,

@@ -25,6 +25,18 @@
 //!   prompt + generated tokens; the last chunk samples the next token. No
 //!   admission happens in a step that preempted. The unit of preemption is the
 //!   whole request (all n samples).
+//! * Priority preemption, first thing in a step: while the waiting head does
+//!   not fit (sequences, state slots or blocks for its first chunk) and the
+//!   running request with the largest key has a strictly larger static
+//!   priority and an effective priority worse by more than
+//!   `priority_preemption_threshold` levels, that request is preempted (same
+//!   recompute as below), at most `max_priority_preemptions_per_step` per step;
+//!   nothing is preempted when all such requests together would not make room.
+//!   Admission then runs in the same step and admits the head. One head per
+//!   step: a second urgent request is served the same way in the next step. Equal static
+//!   priorities never preempt each other, so with one priority the policy is
+//!   FCFS as before. The fit check does not count prefix-cache hits
+//!   (conservative: it may preempt when a hit alone would have made room).
 //! * A running request never fails for lack of room: `add_request` refuses any
 //!   request whose worst case (`n * ceil((prompt + max_tokens) / block_size)`
 //!   blocks, n slots, n sequences) exceeds the whole pool, so a request alone
@@ -43,13 +55,21 @@
 //!   Checkpoint slots are reclaimable: admission counts them as available.
 //!
 //! # Starvation bound (aging)
-//! With aging interval A > 0, a request of priority p that arrived at step s
+//! With aging interval A > 0, a request X of priority p that arrived at step s
 //! sorts before every request of priority >= p_min that arrives after step
-//! `s + (p - p_min) * A`. So after `(p - p_min) * A` steps only requests that
-//! arrived before that point can be ahead of it; each of those finishes in
-//! bounded time (max_tokens), hence it is admitted after a bounded wait, and,
-//! being then among the oldest keys, it is also not the preferred preemption
-//! victim of later arrivals. With A = 0 there is no such bound across priorities.
+//! `s + (p - p_min) * A`. Admission is in key order (head of line) and both
+//! kinds of preemption take the largest key, a priority preemption only for a
+//! head whose key is smaller by more than `threshold * A`. So after step
+//! `s + (p - p_min) * A` only the finitely many requests that arrived before it
+//! can be admitted ahead of X, and after step `s + (p - p_min - threshold) * A`
+//! only those can preempt X for priority. Preemptions among that finite set
+//! only ever go from a larger key to a smaller one, so (by induction on the key
+//! order, each running request ending within max_tokens steps of being left
+//! alone) each of them, and then X, runs to completion after a bounded wait.
+//! The model tests check the two mechanisms: no request is admitted while one
+//! with a smaller key waits, and every priority victim's key exceeds the
+//! waiting head's by more than the threshold. With A = 0 there is no such bound
+//! across priorities.
 //!
 //! # Costs
 //! `schedule()` + `update()`: O(running sequences + scheduled tokens + new
@@ -67,7 +87,7 @@ pub mod request;
 pub use checkpoints::CheckpointStats;
 pub use config::SchedulerConfig;
 pub use metrics::{ScheduledEvent, SchedulerStats};
-pub use output::{SchedulerOutput, StepUpdate};
+pub use output::{PreemptCause, SchedulerOutput, StepUpdate};
 pub use request::{FinishReason, RequestParams};
 
 use crate::{BlockId, CoreError, KvCacheManager, SlotId, StatePool};
@@ -162,6 +182,8 @@ pub struct Scheduler {
     reserved_blocks: u64,
     req_reserved: HashMap<u32, u64>,
     preemptions: u64,
+    preemptions_priority: u64,
+    state_fork_copies: u64,
     finished_requests: u64,
     aborted_requests: u64,
     last_step_tokens: u32,
@@ -219,6 +241,8 @@ impl Scheduler {
             reserved_blocks: 0,
             req_reserved: HashMap::new(),
             preemptions: 0,
+            preemptions_priority: 0,
+            state_fork_copies: 0,
             finished_requests: 0,
             aborted_requests: 0,
             last_step_tokens: 0,
@@ -345,6 +369,7 @@ impl Scheduler {
             spare_slots: Vec::new(),
             first_scheduled: false,
             num_preemptions: 0,
+            refork: false,
         };
         let h = match self.free_handles.pop() {
             Some(h) => {
@@ -378,6 +403,10 @@ impl Scheduler {
         self.p_slots.clear();
         self.copies.clear();
         std::mem::swap(&mut self.out.finished, &mut self.finished_outside);
+
+        // First, so the fork copies below skip the victims' (freed) slots: a
+        // freed slot may be the destination of the admitted head's restore.
+        let priority_preempted = self.priority_preempt();
 
         // Fork copies decided by the last update(), for children still holding the slot.
         for pc in self.pending_state_copies.drain(..) {
@@ -429,7 +458,17 @@ impl Scheduler {
                 budget,
             };
             let mut self_preempt = false;
+            // Beams decode together: while one is still recomputing, the
+            // others (ready to decode) wait for it.
+            let beams_wait = req.params.beam_search
+                && req.forked
+                && req.seqs.iter().any(|s| s.is_live() && s.tokens.len() - s.num_computed > 1);
+            let leader = req.leader();
             for si in 0..req.seqs.len() {
+                if req.waits_for_refork(si) {
+                    continue;
+                }
+                let refork_lead = req.refork && si == leader;
                 let seq = &mut req.seqs[si];
                 if !seq.is_live() {
                     continue;
@@ -438,9 +477,18 @@ impl Scheduler {
                 let decode = need == 1 && seq.num_computed >= req.prompt_len;
                 let k = if decode {
                     pending_decodes -= 1;
+                    if beams_wait {
+                        continue;
+                    }
                     1
                 } else {
                     let mut k = need.min(budget.saturating_sub(pending_decodes));
+                    if req.params.beam_search && req.forked {
+                        k = k.min(need - 1);
+                    }
+                    if refork_lead && seq.num_computed < req.prompt_len {
+                        k = k.min(req.prompt_len - seq.num_computed);
+                    }
                     if thresh > 0 {
                         k = k.min(thresh);
                     }
@@ -477,7 +525,7 @@ impl Scheduler {
                                     }
                                 }
                                 running_units -= vreq.units();
-                                self.preempt(&mut vreq, v);
+                                self.preempt(&mut vreq, v, PreemptCause::BlocksNeeded);
                                 self.requests[v as usize] = Some(vreq);
                                 preempted_any = true;
                             } else {
@@ -522,7 +570,7 @@ impl Scheduler {
                 let popped = self.running.pop();
                 debug_assert_eq!(popped, Some(r));
                 running_units -= req.units();
-                self.preempt(&mut req, r);
+                self.preempt(&mut req, r, PreemptCause::BlocksNeeded);
                 self.requests[r as usize] = Some(req);
                 preempted_any = true;
                 break;
@@ -531,7 +579,9 @@ impl Scheduler {
             i += 1;
         }
 
-        if !preempted_any {
+        // A block preemption means the running set is short of room: admitting
+        // would only evict again. Room made for a higher priority is for it.
+        if !preempted_any || priority_preempted > 0 {
             while budget > 0 {
                 let Some(r) = self.waiting.first() else { break };
                 let mut req = self.requests[r as usize].take().expect("waiting handle");
@@ -616,12 +666,16 @@ impl Scheduler {
         let mut left = *budget;
         let mut need_blocks = 0usize;
         let mut chunks = Vec::with_capacity(req.seqs.len());
-        for s in &req.seqs {
-            if !s.is_live() {
+        let leader = req.leader();
+        for (si, s) in req.seqs.iter().enumerate() {
+            if !s.is_live() || req.waits_for_refork(si) {
                 chunks.push(0);
                 continue;
             }
             let mut k = s.tokens.len().min(left);
+            if req.refork && si == leader {
+                k = k.min(req.prompt_len);
+            }
             if thresh > 0 {
                 k = k.min(thresh);
             }
@@ -644,11 +698,15 @@ impl Scheduler {
         let p_s = self.p_slots.len();
         let c_s = self.copies.len();
         let mut failed = false;
+        let refork = req.refork;
         for (si, s) in req.seqs.iter_mut().enumerate() {
-            if !s.is_live() {
+            if !s.is_live() || (refork && si != leader) {
                 continue;
             }
-            s.matched = self.kv.match_prefix(&mut s.table, &s.tokens, req.params.extra_key);
+            // A re-forking leader must end at the prompt with nothing of its own in
+            // its table: the others fork that table.
+            let upto = if refork { req.prompt_len } else { s.tokens.len() };
+            s.matched = self.kv.match_prefix(&mut s.table, &s.tokens[..upto], req.params.extra_key);
             let mut hit = 0;
             if caching {
                 if let Some((t, src, key)) = self.ckpts.lookup(&s.table.chain, s.matched / bs, self.step) {
@@ -659,6 +717,13 @@ impl Scheduler {
             s.num_computed = hit;
             set_checkpoint_targets(s, req.prompt_len, hit, caching, bs, self.cfg.prefix_checkpoint_interval > 0);
             let mut k = chunks[si].min(s.tokens.len() - hit);
+            if refork && si == leader {
+                k = k.min(req.prompt_len - hit);
+            }
+            if req.params.beam_search && req.forked {
+                // Recompute of a beam: its last token is fed as a decode, with the others'.
+                k = k.min(s.tokens.len() - 1 - hit);
+            }
             let due = s.next_checkpoint(self.cfg.prefix_checkpoint_interval as usize);
             if due > hit {
                 k = k.min(due - hit);
@@ -797,8 +862,130 @@ impl Scheduler {
         true
     }
 
+    /// Whether running request `v` may be preempted to make room for waiting
+    /// request `h`: a strictly more urgent static priority, and an effective
+    /// priority (with aging) better by more than the threshold. Equal
+    /// priorities never preempt each other (FCFS among equals is unchanged).
+    fn outranks(&self, h: &Request, v: &Request) -> bool {
+        if h.params.priority >= v.params.priority {
+            return false;
+        }
+        let a = self.cfg.aging_interval_steps.max(1) as i128;
+        v.key.0 - h.key.0 > self.cfg.priority_preemption_threshold as i128 * a
+    }
+
+    /// Would waiting request `h` be admitted with `units` sequences, `slots`
+    /// state slots and `blocks` KV blocks free? Counts the blocks of its first
+    /// chunk and one per running decode crossing into a new block; a prefix
+    /// hit, which may need fewer, is not counted (conservative).
+    fn admission_room(&self, h: &Request, extra_units: u32, extra_slots: u32, extra_blocks: u64) -> bool {
+        let units = h.units();
+        let mut running_units = 0u32;
+        let mut decodes = 0usize;
+        let mut decode_blocks = 0u64;
+        let bs = self.cfg.block_size as usize;
+        for &r in &self.running {
+            let q = self.requests[r as usize].as_ref().expect("running");
+            running_units += q.units();
+            for s in q.seqs.iter().filter(|s| s.is_live()) {
+                if s.tokens.len() - s.num_computed == 1 && s.num_computed >= q.prompt_len {
+                    decodes += 1;
+                    decode_blocks += (s.num_computed % bs == 0) as u64;
+                }
+            }
+        }
+        if running_units.saturating_sub(extra_units) + units > self.cfg.max_num_seqs {
+            return false;
+        }
+        if self.pool.num_free() + self.ckpts.num_evictable(self.step) + extra_slots < units {
+            return false;
+        }
+        if self.cfg.reserve_max_context {
+            let need = units as u64 * self.cfg.max_blocks_per_seq() as u64;
+            let held = self.reserved_blocks.saturating_sub(extra_blocks);
+            return held + need <= self.cfg.num_blocks as u64;
+        }
+        let thresh = self.cfg.long_prefill_token_threshold as usize;
+        let mut left = (self.cfg.max_num_batched_tokens as usize).saturating_sub(decodes);
+        let mut need = decode_blocks;
+        for s in h.seqs.iter().filter(|s| s.is_live()) {
+            let mut k = (s.tokens.len() - s.num_computed).min(left);
+            if thresh > 0 {
+                k = k.min(thresh);
+            }
+            left -= k;
+            need += k.div_ceil(bs) as u64;
+        }
+        need <= self.kv.num_free_blocks() as u64 + extra_blocks
+    }
+
+    /// What preempting `v` gives back: (sequences, slots, blocks). Blocks only
+    /// count when no other request holds them (shared ones stay).
+    fn room_of(&self, v: &Request, r: u32) -> (u32, u32, u64) {
+        let slots = v.seqs.iter().filter(|s| s.slot.is_some()).count() as u32 + v.spare_slots.len() as u32;
+        if self.cfg.reserve_max_context {
+            return (v.units(), slots, self.req_reserved.get(&r).copied().unwrap_or(0));
+        }
+        let mut held: HashMap<BlockId, u32> = HashMap::new();
+        for s in v.seqs.iter().filter(|s| s.is_live()) {
+            for &b in s.table.blocks() {
+                *held.entry(b).or_insert(0) += 1;
+            }
+        }
+        let blocks = held.iter().filter(|&(&b, &c)| self.kv.refcount(b) == c).count() as u64;
+        (v.units(), slots, blocks)
+    }
+
+    /// Priority preemption, before the running walk: while the waiting head
+    /// does not fit and the lowest-ranked running request is outranked by it
+    /// (see `outranks`), preempt that request, at most
+    /// `max_priority_preemptions_per_step` times. Nothing is preempted when even
+    /// all the outranked running requests together would not make room. The
+    /// head is then admitted by the normal admission below, in this step.
+    fn priority_preempt(&mut self) -> u32 {
+        let bound = self.cfg.max_priority_preemptions_per_step;
+        if bound == 0 || self.running.is_empty() {
+            return 0;
+        }
+        let Some(hh) = self.waiting.first() else { return 0 };
+        let head = self.requests[hh as usize].as_ref().expect("waiting handle");
+        if self.admission_room(head, 0, 0, 0) {
+            return 0;
+        }
+        // Feasibility: everything the outranked requests hold, lowest first.
+        let (mut u, mut sl, mut bl) = (0u32, 0u32, 0u64);
+        let mut victims = 0usize;
+        let mut feasible = false;
+        for &v in self.running.iter().rev() {
+            let q = self.requests[v as usize].as_ref().expect("running");
+            if !self.outranks(head, q) {
+                break;
+            }
+            let (a, b, c) = self.room_of(q, v);
+            u += a;
+            sl += b;
+            bl += c;
+            victims += 1;
+            if self.admission_room(head, u, sl, bl) {
+                feasible = true;
+                break;
+            }
+        }
+        if !feasible {
+            return 0;
+        }
+        let n = victims.min(bound as usize);
+        for _ in 0..n {
+            let v = self.running.pop().expect("victim");
+            let mut vreq = self.requests[v as usize].take().expect("victim handle");
+            self.preempt(&mut vreq, v, PreemptCause::Priority);
+            self.requests[v as usize] = Some(vreq);
+        }
+        n as u32
+    }
+
     /// Frees everything a running request holds and puts it back in the queue.
-    fn preempt(&mut self, req: &mut Request, r: u32) {
+    fn preempt(&mut self, req: &mut Request, r: u32, cause: PreemptCause) {
         for s in req.seqs.iter_mut().filter(|s| s.is_live()) {
             release_seq(&mut self.kv, &mut self.pool, &mut self.free_rows, s);
             s.num_computed = 0;
@@ -813,12 +1000,17 @@ impl Scheduler {
         if let Some(res) = self.req_reserved.remove(&r) {
             self.reserved_blocks -= res;
         }
+        req.refork = req.forked && req.seqs.iter().filter(|s| s.is_live()).count() > 1;
         req.state = ReqState::Waiting;
         req.num_preemptions += 1;
         self.preemptions += 1;
         self.waiting.insert(req.key, r);
         self.waiting_tokens += req.pending_tokens();
         self.out.preempted.push(r);
+        self.out.preempted_causes.push(cause);
+        if cause == PreemptCause::Priority {
+            self.preemptions_priority += 1;
+        }
     }
 
     /// Applies the tokens sampled for the last plan: `num_samples[b]` tokens per
@@ -883,6 +1075,9 @@ impl Scheduler {
                     seq.ckpt_after = 0;
                 }
             }
+            if req.refork && si == req.leader() && req.seqs[si].num_computed >= req.prompt_len {
+                self.refork(&mut req, e.req, si);
+            }
             if ns == 1 {
                 let t = toks[0] as u32;
                 let seq = &mut req.seqs[si];
@@ -912,6 +1107,31 @@ impl Scheduler {
         Ok(&self.upd)
     }
 
+    /// The leader of a recomputed forked request has prefilled the prompt: the
+    /// other live sequences share its prompt blocks and copy its state, then
+    /// prefill only their own generated tokens.
+    fn refork(&mut self, req: &mut Request, r: u32, leader: usize) {
+        req.refork = false;
+        let p = req.prompt_len;
+        debug_assert_eq!(req.seqs[leader].table.num_tokens, p);
+        let src = req.seqs[leader].slot.expect("running leader has a slot");
+        for j in 0..req.seqs.len() {
+            if j == leader || !req.seqs[j].is_live() {
+                continue;
+            }
+            let table = self.kv.fork(&req.seqs[leader].table);
+            let s = &mut req.seqs[j];
+            debug_assert!(s.num_computed == 0 && s.table.blocks().is_empty());
+            s.table = table;
+            s.num_computed = p;
+            s.matched = 0;
+            s.bt_synced = 0;
+            let dst = s.slot.expect("reserved slot");
+            self.pending_state_copies.push(PendingStateCopy { req: r, seq_id: s.seq_id, src, dst });
+            self.state_fork_copies += 1;
+        }
+    }
+
     fn fork(&mut self, req: &mut Request, r: u32, si: usize, toks: &[i32]) {
         debug_assert!(!req.forked && si == 0 && toks.len() == req.params.n as usize);
         req.forked = true;
@@ -926,6 +1146,7 @@ impl Scheduler {
             child.matched = parent.matched;
             child.slot = Some(dst);
             self.pending_state_copies.push(PendingStateCopy { req: r, seq_id: child.seq_id, src: parent_slot, dst });
+            self.state_fork_copies += 1;
             req.seqs.push(child);
         }
         for (i, &t) in toks.iter().enumerate() {
@@ -986,6 +1207,54 @@ impl Scheduler {
             }
             self.free_handles.push(h);
         }
+    }
+
+    /// Beam search: between `schedule()` and `update()` of a step that decoded
+    /// every beam of request `id`, makes beam `i` a continuation of beam
+    /// `parents[i]` (as it was after this step's forward). Beam i keeps its
+    /// slot, row and sample index: its block table becomes a fork of the
+    /// parent's (refcounts rise; the shared partly-filled tail is copied on the
+    /// next append), its old blocks are released (freed when no one else holds
+    /// them), and the parent's DeltaNet state is copied into its slot by the
+    /// next plan's `state_copies` (a permutation is safe: copies are one gather,
+    /// then one scatter). `update()` then appends beam i's token. O(W x blocks).
+    pub fn reorder_beams(&mut self, id: &str, parents: &[u32]) -> Result<(), SchedError> {
+        let h = self.handle(id)?;
+        let req = self.requests[h as usize].as_ref().expect("known handle");
+        let bad = |m: String| Err(SchedError::InvalidArgument(m));
+        if !req.params.beam_search || !req.forked || req.state != ReqState::Running {
+            return bad(format!("request {id:?} is not a running, forked beam-search request"));
+        }
+        let w = req.seqs.len();
+        if parents.len() != w || parents.iter().any(|&p| p as usize >= w) {
+            return bad(format!("reorder_beams needs {w} parent indices in [0, {w}), got {parents:?}"));
+        }
+        let in_plan = |si: usize| self.plan.iter().any(|e| e.req == h && e.seq as usize == si && e.num_samples == 1);
+        if !self.plan_pending || (0..w).any(|i| !req.seqs[i].is_live() || !in_plan(i)) {
+            return bad("reorder_beams must come between schedule() and update() of a step that decoded every beam".into());
+        }
+        if parents.iter().enumerate().all(|(i, &p)| p as usize == i) {
+            return Ok(());
+        }
+        let mut req = self.requests[h as usize].take().expect("known handle");
+        let new_tables: Vec<_> = parents.iter().map(|&p| self.kv.fork(&req.seqs[p as usize].table)).collect();
+        let new_tokens: Vec<Vec<u32>> = parents.iter().map(|&p| req.seqs[p as usize].tokens.clone()).collect();
+        let slots: Vec<SlotId> = req.seqs.iter().map(|s| s.slot.expect("running beam has a slot")).collect();
+        for (i, (mut t, toks)) in new_tables.into_iter().zip(new_tokens).enumerate() {
+            let p = parents[i] as usize;
+            let s = &mut req.seqs[i];
+            std::mem::swap(&mut s.table, &mut t);
+            self.kv.free(&mut t);
+            s.tokens = toks;
+            // Every cell of the row may differ now: resend it.
+            s.bt_synced = 0;
+            if p != i {
+                self.pending_state_copies.push(PendingStateCopy { req: h, seq_id: s.seq_id, src: slots[p], dst: slots[i] });
+                self.state_fork_copies += 1;
+            }
+        }
+        self.requests[h as usize] = Some(req);
+        Ok(())
     }
 
     /// Finishes sequences outside `update()`: all of a request (`sample = None`,
@@ -1160,11 +1429,13 @@ impl Scheduler {
         let ck = self.ckpts.stats();
         let mut tail_waste = 0u64;
         let mut running_seqs = 0u32;
+        let mut shared = std::collections::HashSet::new();
         for &r in &self.running {
             let req = self.requests[r as usize].as_ref().expect("running");
             for s in req.seqs.iter().filter(|s| s.is_live()) {
                 tail_waste += self.kv.tail_waste(&s.table) as u64;
                 running_seqs += 1;
+                shared.extend(s.table.blocks().iter().copied().filter(|&b| self.kv.refcount(b) > 1));
             }
         }
         SchedulerStats {
@@ -1186,6 +1457,10 @@ impl Scheduler {
             evictions: kv.evictions,
             cow_copies: kv.cow_copies,
             preemptions: self.preemptions,
+            preemptions_blocks: self.preemptions - self.preemptions_priority,
+            preemptions_priority: self.preemptions_priority,
+            state_fork_copies: self.state_fork_copies,
+            shared_blocks: shared.len() as u32,
             num_running_requests: self.running.len() as u32,
             num_running_seqs: running_seqs,
             num_waiting_requests: self.waiting.len() as u32,

@@ -55,6 +55,8 @@ pub struct SchedulerOutput {
     pub state_copies: Vec<i32>,
     /// Requests preempted in this step (back in the waiting queue), by handle.
     pub preempted: Vec<u32>,
+    /// Why, one per `preempted` entry.
+    pub preempted_causes: Vec<PreemptCause>,
     /// Sequences finished outside `update()` (abort, finish) since the last plan.
     pub finished: Vec<(String, u32, FinishReason)>,
     /// Entries `0..num_decodes` are decodes.
@@ -91,8 +93,27 @@ impl SchedulerOutput {
         self.block_copies.clear();
         self.state_copies.clear();
         self.preempted.clear();
+        self.preempted_causes.clear();
         self.finished.clear();
         self.num_decodes = 0;
+    }
+}
+
+/// Why a running request was preempted (recompute).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PreemptCause {
+    /// A running sequence needed a block and none was left.
+    BlocksNeeded,
+    /// A waiting request of a clearly higher priority needed room.
+    Priority,
+}
+
+impl PreemptCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PreemptCause::BlocksNeeded => "blocks_needed",
+            PreemptCause::Priority => "priority",
+        }
     }
 }
 

@@ -42,6 +42,10 @@ pub struct RequestParams {
     pub arrival_time: f64,
     /// Salt of the prefix-cache keys (different salts never share blocks).
     pub extra_key: u64,
+    /// Beam search: the n sequences are beams the caller re-parents each step
+    /// (`Scheduler::reorder_beams`); a recompute after preemption stops each
+    /// beam's prefill one token short so that all beams decode in one step.
+    pub beam_search: bool,
 }
 
 impl Default for RequestParams {
@@ -57,6 +61,7 @@ impl Default for RequestParams {
             request_class: "default".into(),
             arrival_time: 0.0,
             extra_key: 0,
+            beam_search: false,
         }
     }
 }
@@ -173,6 +178,11 @@ pub(crate) struct Request {
     pub spare_slots: Vec<SlotId>,
     pub first_scheduled: bool,
     pub num_preemptions: u32,
+    /// A forked request preempted with more than one live sequence: on
+    /// readmission only the leader (first live sequence) prefills the prompt;
+    /// the others wait, then fork from it at the prompt's end and prefill only
+    /// their own generated tokens.
+    pub refork: bool,
 }
 
 impl Request {
@@ -190,6 +200,17 @@ impl Request {
     /// Tokens still to prefill if it were (re)admitted now.
     pub fn pending_tokens(&self) -> u64 {
         self.seqs.iter().filter(|s| s.is_live()).map(|s| (s.tokens.len() - s.num_computed) as u64).sum()
+    }
+
+    /// The sequence that prefills the prompt for all while `refork` is set.
+    pub fn leader(&self) -> usize {
+        self.seqs.iter().position(|s| s.is_live()).unwrap_or(0)
+    }
+
+    /// Whether sequence `si` waits for the leader to fork it (see `refork`).
+    #[inline]
+    pub fn waits_for_refork(&self, si: usize) -> bool {
+        self.refork && si != self.leader() && self.seqs[si].num_computed == 0
     }
 
     pub fn all_finished(&self) -> bool {
