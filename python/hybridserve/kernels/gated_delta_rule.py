@@ -294,6 +294,9 @@ def _chunk_group(q, k, v, g, beta, state, grp, o):
     if grp["fresh"] is not None:
         s.index_fill_(0, grp["fresh"], 0.0)
     out = torch.empty(nc, hk, rep, c, vd, dtype=torch.float32, device=q.device)
+    # Contiguous operands: the elementwise results above keep the permuted layout of
+    # their inputs, and every scan step would otherwise copy its slices again.
+    u, w, q_dec, intra, k_dec_t = (x.contiguous() for x in (u, w, q_dec, intra, k_dec_t))
     at = 0
     for m in grp["counts"]:  # scan across chunk indices; step i moves the m runs that have one
         r = slice(at, at + m)
