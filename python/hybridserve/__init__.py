@@ -28,6 +28,8 @@ _LAZY = {
     "LLMEngine": "hybridserve.engine.llm_engine",
     "EngineArgs": "hybridserve.engine.args",
     "SamplingParams": "hybridserve.sampling",
+    "BeamSearchParams": "hybridserve.beam_search",
+    "BeamSearchOutput": "hybridserve.beam_search",
     "RequestOutput": "hybridserve.outputs",
     "CompletionOutput": "hybridserve.outputs",
 }
@@ -49,6 +51,8 @@ __all__ = [
     "LLMEngine",
     "EngineArgs",
     "SamplingParams",
+    "BeamSearchParams",
+    "BeamSearchOutput",
     "RequestOutput",
     "CompletionOutput",
     "CheckpointError",

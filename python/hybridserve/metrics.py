@@ -42,7 +42,9 @@ _COUNTERS = [
      "DeltaNet checkpoints evicted for room (compute saved per byte, then recency)"),
     ("checkpoint_drops", "state_checkpoint_drops", "DeltaNet checkpoints dropped because their KV chain was evicted"),
     ("cow_copies", "copy_on_write_blocks", "Blocks copied on write (shared tail appended to)"),
-    ("preemptions", "num_preemptions", "Sequences preempted (recomputed later) for lack of blocks"),
+    ("preemptions", "num_preemptions", "Requests preempted (recomputed later), all causes"),
+    ("state_fork_copies", "state_slot_fork_copies",
+     "DeltaNet state slots copied by forks: n > 1 samples from their parent, beams re-parented"),
     ("steps", "engine_steps", "Scheduler steps"),
     ("finished_requests", "finished_requests", "Requests finished (stop or length)"),
     ("aborted_requests", "aborted_requests", "Requests aborted (client gone or cancelled)"),
@@ -55,6 +57,8 @@ _GAUGES = [
     ("cached_blocks", "kv_blocks_cached", "Unreferenced blocks kept for prefix reuse"),
     ("reserved_blocks", "kv_blocks_reserved", "Blocks reserved by the reserve-max admission policy"),
     ("tail_waste", "kv_tail_waste_slots", "Unused token slots in the last blocks of running sequences"),
+    ("shared_blocks", "kv_blocks_shared",
+     "KV blocks referenced by more than one running sequence (samples, beams, a common prefix)"),
     ("num_slots", "state_slots_total", "DeltaNet state slots in the pool"),
     ("free_slots", "state_slots_free", "DeltaNet state slots allocatable now (free + reclaimable checkpoints)"),
     ("checkpoint_slots", "state_slots_checkpoint", "DeltaNet state slots holding prefix checkpoints (reclaimable)"),
@@ -86,6 +90,12 @@ class _CoreCollector:
             g = GaugeMetricFamily(PREFIX + name, doc)
             g.add_metric([], float(snap.get(key, 0)))
             yield g
+        c = CounterMetricFamily(PREFIX + "preemptions_by_cause", "Requests preempted, by cause "
+                                "(blocks_needed, priority) and the victim's request_class",
+                                labels=["cause", "request_class"])
+        for cause, klass, n in snap.get("preemptions_by", ()):
+            c.add_metric([cause, klass], float(n))
+        yield c
         total = float(snap.get("num_blocks", 0)) or 1.0
         g = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
         g.add_metric([], float(snap.get("used_blocks", 0)) / total)

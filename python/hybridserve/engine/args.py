@@ -50,6 +50,11 @@ class EngineArgs:
     # block_size; 0 = off). Each kept one holds a state slot (reclaimable).
     prefix_checkpoint_interval: int = 0
     long_prefill_token_threshold: int = 0
+    # Priority preemption (see the scheduler's docs): a waiting request preempts
+    # running ones of a priority worse by more than this many levels (after aging),
+    # at most max_priority_preemptions_per_step per step (0 turns it off).
+    priority_preemption_threshold: int = 1
+    max_priority_preemptions_per_step: int = 4
     max_waiting_requests: int = 4096
     max_waiting_tokens: int = 1 << 24
     admission_policy: str = "paged"
@@ -82,6 +87,10 @@ class EngineArgs:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        for name in ("priority_preemption_threshold", "max_priority_preemptions_per_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
         for name in ("num_gpu_blocks", "num_state_slots", "max_model_len", "expected_context_len",
                      "cpu_threads"):
             value = getattr(self, name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hybridserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.errors import InvalidRequest
@@ -102,3 +103,56 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[rid] for rid in ids]
+
+    def beam_search(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: BeamSearchParams,
+        *,
+        priority: Sequence[int] | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: per prompt, the ``beam_width`` best sequences,
+        best first. The beams of one prompt are one request inside the engine (they
+        share blocks and fork DeltaNet state); prompts run batched, beside whatever
+        else the engine runs."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if priority is not None and len(priority) != len(prompts):
+            raise InvalidRequest(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        engine = self.engine
+        ids: list[str] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = f"offline-beam-{engine._counter}"
+                engine._counter += 1
+                engine.add_beam_request(rid, prompt, params, priority=priority[i] if priority else 0)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        engine.emit_unfinished = False
+        try:
+            while wanted - results.keys():
+                for out in engine.step():
+                    if out.finished and out.request_id in wanted:
+                        results[out.request_id] = out
+        finally:
+            engine.emit_unfinished = True
+        outs = []
+        for rid in ids:
+            r = results[rid]
+            prompt_ids = list(r.prompt_token_ids)
+            outs.append(BeamSearchOutput(sequences=[
+                BeamSearchSequence(
+                    tokens=prompt_ids + list(c.token_ids), cum_logprob=float(c.cumulative_logprob),
+                    text=c.text, finish_reason=c.finish_reason, output_token_ids=list(c.token_ids),
+                )
+                for c in r.outputs
+            ]))
+        return outs

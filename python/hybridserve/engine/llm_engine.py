@@ -27,13 +27,14 @@ import torch
 
 from hybridserve import _core
 from hybridserve import planner
+from hybridserve.beam_search import BeamSearch, BeamSearchParams
 from hybridserve.config import ModelConfig
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.request_state import RequestState
 from hybridserve.errors import ConfigError, InvalidRequest, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
-from hybridserve.outputs import Logprob, RequestOutput
+from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.sampler import Sampler, SamplingRow
 from hybridserve.sampling import MAX_LOGPROBS, SamplingParams
@@ -144,6 +145,8 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
             prefix_checkpoint_interval=args.prefix_checkpoint_interval,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            priority_preemption_threshold=args.priority_preemption_threshold,
+            max_priority_preemptions_per_step=args.max_priority_preemptions_per_step,
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
             reserve_max_context=args.admission_policy == "reserve_max",
@@ -180,6 +183,10 @@ class LLMEngine:
         # request id -> (k, per-prompt-token logprobs) for requests that asked for
         # prompt logprobs; empty in the common case, so steps pay nothing for it.
         self._prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob] | None]]] = {}
+        # Beam requests: id -> their selection state (see hybridserve.beam_search).
+        self._beams: dict[str, BeamSearch] = {}
+        # Preemptions by (cause, victim's request_class), for the metrics.
+        self.preemptions_by: dict[tuple[str, str], int] = {}
         self._counter = 0
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
@@ -263,7 +270,12 @@ class LLMEngine:
         """Queue a request; raises InvalidRequest / QueueFull at once if it cannot be admitted.
 
         ``prompt_logprobs=k`` also reports each prompt token's logprob and the k most
-        likely alternatives (``RequestOutput.prompt_logprobs``; the first token's is None)."""
+        likely alternatives (``RequestOutput.prompt_logprobs``; the first token's is None).
+        ``BeamSearchParams`` make it a beam request (:meth:`add_beam_request`)."""
+        if isinstance(params, BeamSearchParams):
+            if prompt_logprobs is not None:
+                raise InvalidRequest("prompt_logprobs is not supported with beam search")
+            return self.add_beam_request(request_id, prompt, params, priority=priority, request_class=request_class)
         params = params or SamplingParams()
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -304,11 +316,104 @@ class LLMEngine:
             self._prompt_logprobs[request_id] = (prompt_logprobs, [None] * len(ids))
         return request_id
 
+    def add_beam_request(
+        self,
+        request_id: str | None,
+        prompt: str | Sequence[int],
+        params: BeamSearchParams,
+        *,
+        priority: int = 0,
+        request_class: str = "default",
+    ) -> str:
+        """Queue one beam-search request: W beams held by one scheduler request
+        (admission reserves W slots and the blocks W beams can need)."""
+        if not isinstance(params, BeamSearchParams):
+            raise InvalidRequest("add_beam_request takes BeamSearchParams")
+        width = params.beam_width
+        cap = min(self.num_state_slots, self.args.max_num_seqs)
+        if width > cap:
+            raise InvalidRequest(
+                f"beam_width = {width} exceeds what the engine can run at once ({cap}: the state "
+                f"pool has {self.num_state_slots} slots, max_num_seqs = {self.args.max_num_seqs}); "
+                "lower beam_width"
+            )
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use; pick a unique id")
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise InvalidRequest("the prompt is empty; send at least one token")
+        sp = SamplingParams(n=width, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        state = RequestState.create(
+            request_id, text, ids, sp, None, self.device, priority=priority, request_class=request_class,
+        )
+        # EOS is the search's business (finished list); the scheduler stops beams only at max_tokens.
+        self.scheduler.add_request(
+            request_id, np.asarray(ids, dtype=np.uint32), max_tokens=params.max_tokens,
+            ignore_eos=True, eos_token_ids=self.eos_token_ids, n=width, priority=priority,
+            request_class=request_class, beam_search=True,
+        )
+        self.requests[request_id] = state
+        self._beams[request_id] = BeamSearch(
+            width, params.max_tokens, list(self.eos_token_ids), params.length_penalty, params.ignore_eos
+        )
+        return request_id
+
+    def _beam_select(self, plan: Any, step: Any, sampled: np.ndarray) -> list[str]:
+        """Replaces the sampled tokens of beam requests by the search's choice and
+        re-parents their beams in the scheduler; returns the requests whose search ended."""
+        req_ids = plan.request_ids
+        rows: dict[str, dict[int, tuple[int, int]]] = {}
+        off = 0
+        for row, (b, k) in enumerate(zip(step.batch_index.tolist(), step.num_samples.tolist())):
+            rid = req_ids[b]
+            if rid in self._beams:
+                rows.setdefault(rid, {})[int(plan.sample_indices[b]) if k == 1 else -1] = (row, off)
+            off += k
+        ended = []
+        # One log-softmax for every beam row of the step.
+        all_rows = [r for got in rows.values() for r, _ in got.values()]
+        lps_all = torch.log_softmax(step.logits[all_rows].float(), dim=-1).cpu()
+        at = {r: i for i, r in enumerate(all_rows)}
+        for rid, got in rows.items():
+            bs = self._beams[rid]
+            state = self.requests[rid]
+            if -1 in got:  # the prompt's last row: the fork
+                row, off = got[-1]
+                toks = bs.first_step(lps_all[at[row]])
+                sampled[off:off + bs.width] = toks
+            else:
+                order = [got[i] for i in range(bs.width)]
+                parents, toks = bs.step(lps_all[[at[r] for r, _ in order]])
+                if parents != list(range(bs.width)):
+                    self.scheduler.reorder_beams(rid, parents)
+                    old = [list(s.token_ids) for s in state.samples]
+                    for i, p in enumerate(parents):
+                        state.samples[i].token_ids = list(old[p])
+                for i, (_, o) in enumerate(order):
+                    sampled[o] = toks[i]
+            if bs.done:
+                ended.append(rid)
+        return ended
+
+    def _beam_output(self, rid: str, state: RequestState) -> RequestOutput:
+        bs = self._beams[rid]
+        outs = []
+        for i, (score, cum, toks, reason) in enumerate(bs.results()):
+            text = self.tokenizer.decode(toks, skip_special_tokens=True) if self.tokenizer is not None else ""
+            outs.append(CompletionOutput(index=i, text=text, token_ids=list(toks), cumulative_logprob=cum,
+                                         logprobs=None, finish_reason=reason))
+        return RequestOutput(request_id=rid, prompt=state.prompt, prompt_token_ids=list(state.prompt_token_ids),
+                             outputs=outs, finished=True, metrics=state.metrics)
+
     def abort_request(self, request_id: str) -> None:
         """Cancel a request in any state; its blocks and slot return to the pools."""
         state = self.requests.pop(request_id, None)
         if state is None:
             raise UnknownRequest(f"no request with id {request_id!r}")
+        self._beams.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
         self.scheduler.abort(request_id)
         self._release_sampler_rows(request_id, state)
@@ -361,10 +466,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         now = time.monotonic()
         changed: dict[str, RequestState] = {}
-        for rid in plan.preempted:
+        for rid, cause in zip(plan.preempted, plan.preempted_causes):
             st = self.requests.get(rid)
             if st is not None:
                 st.metrics.num_preemptions += 1
+                key = (cause, st.metrics.request_class)
+                self.preemptions_by[key] = self.preemptions_by.get(key, 0) + 1
         # The core records each request's first schedule (its queue delay on the
         # core's clock); draining the events every step keeps that list short.
         for rid, _klass, _t, queue_delay in self.scheduler.take_events():
@@ -383,10 +490,12 @@ class LLMEngine:
             rows = self._sampling_rows(plan, step)
             out = self.sampler(step.logits, rows)
             sampled = np.asarray(out.token_ids, dtype=np.int32)
+            beams_ended = self._beam_select(plan, step, sampled) if self._beams else ()
             self._record_logprobs(plan, step, out)
         else:
             out = None
             sampled = np.zeros(0, dtype=np.int32)
+            beams_ended = ()
         update = self.scheduler.update(sampled)
         now = time.monotonic()
 
@@ -422,13 +531,27 @@ class LLMEngine:
                     sample.completion.finish()
             changed[rid] = state
 
+        for rid in beams_ended:
+            # The search is over before max_tokens: no running beam can beat the
+            # finished ones. Every block and slot of the W beams goes back.
+            state = self.requests.get(rid)
+            if state is not None and not state.finished:
+                self.scheduler.abort(rid)
+                for sample in state.samples:
+                    sample.finish_reason = sample.finish_reason or "stop"
+                changed[rid] = state
+
         outputs = []
         for rid, state in changed.items():
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[rid]
                 self._release_sampler_rows(rid, state)
-            elif not self.emit_unfinished:
+            elif not self.emit_unfinished or rid in self._beams:
+                continue  # beams are reported once, finished (their order changes every step)
+            if rid in self._beams:
+                outputs.append(self._beam_output(rid, state))
+                del self._beams[rid]
                 continue
             out_ = state.to_output()
             if rid in self._prompt_logprobs:
@@ -502,5 +625,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- helpers
     def stats(self) -> dict[str, Any]:
-        return dict(self.scheduler.stats())
+        d = dict(self.scheduler.stats())
+        # [(cause, victim request_class, count)]: JSON-friendly.
+        d["preemptions_by"] = [(c, k, n) for (c, k), n in sorted(self.preemptions_by.items())]
+        return d
 

@@ -189,6 +189,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
                                                vocab_size=engine.engine.model_config.vocab_size)
         opts = protocol.stream_options(body)
         priority, klass = protocol.request_priority(body)
+        beam = None if chat else protocol.beam_search_params(body, params)
         echo = False
         if chat:
             messages = protocol.chat_messages(body)
@@ -209,7 +210,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             echo = protocol._bool(body, "echo", False)
         prompt_lp = params.logprobs if echo else None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
-        streams = await _open_streams(request, engine, rid, prompts, params, priority, klass, prompt_lp)
+        streams = await _open_streams(request, engine, rid, prompts, beam or params, priority, klass, prompt_lp)
     except Exception as e:  # noqa: BLE001 - every failure becomes an error body
         if not isinstance(e, HybridServeError):
             logger.exception("request failed")

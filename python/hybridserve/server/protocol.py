@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from hybridserve.beam_search import BeamSearchParams
 from hybridserve.errors import HybridServeError, InvalidRequest
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridserve.sampling import MAX_LOGPROBS, SamplingParams
@@ -45,7 +46,9 @@ _COMMON = {
     "priority": None,
     "request_class": None,
 }
-COMPLETION_FIELDS = {**_COMMON, "prompt": None, "logprobs": None, "echo": None}
+COMPLETION_FIELDS = {**_COMMON, "prompt": None, "logprobs": None, "echo": None,
+                     # vLLM's extra parameters: beam search with n as the beam width.
+                     "use_beam_search": None, "length_penalty": None}
 CHAT_FIELDS = {
     **_COMMON,
     "max_completion_tokens": None,
@@ -226,6 +229,30 @@ def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *
     if bias:
         kwargs["logit_bias"] = bias
     return SamplingParams(**kwargs)
+
+
+def beam_search_params(body: dict[str, Any], params: SamplingParams) -> BeamSearchParams | None:
+    """vLLM's ``use_beam_search``: ``n`` beams, deterministic (temperature 0 or
+    omitted), non-streamed; None for an ordinary request."""
+    if not _bool(body, "use_beam_search", False):
+        if body.get("length_penalty") is not None:
+            raise ApiError("'length_penalty' needs \"use_beam_search\": true", param="length_penalty")
+        return None
+    t = body.get("temperature")
+    if t is not None and t != 0:
+        raise ApiError(f"temperature must be 0 (or omitted) with use_beam_search, got {t!r}", param="temperature")
+    if _bool(body, "stream", False):
+        raise ApiError("use_beam_search returns whole results only; set \"stream\": false", param="stream")
+    lp = body.get("length_penalty", 1.0)
+    if lp is None:
+        lp = 1.0
+    if isinstance(lp, bool) or not isinstance(lp, (int, float)):
+        raise ApiError(f"'length_penalty' must be a number, got {lp!r}", param="length_penalty")
+    try:
+        return BeamSearchParams(beam_width=params.n, max_tokens=params.max_tokens,
+                                ignore_eos=params.ignore_eos, length_penalty=float(lp))
+    except InvalidRequest as e:
+        raise ApiError(str(e), param="n" if "beam_width" in str(e) else "length_penalty") from None
 
 
 def request_priority(body: dict[str, Any]) -> tuple[int, str]:
