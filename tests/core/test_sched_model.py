@@ -53,12 +53,16 @@ def run_workload(seed: int) -> None:
     max_len = 40
     thresh = rng.choice([0, 3, 8])
     aging = rng.choice([0, 2])
+    caching = rng.random() < 0.5
     pthr, pbound = rng.choice([0, 1, 2]), rng.choice([0, 1, 4])
     s = Scheduler(num_blocks, bs, slots, max_seqs, budget, max_len,
-                  enable_prefix_caching=rng.random() < 0.5, long_prefill_token_threshold=thresh,
+                  enable_prefix_caching=caching, long_prefill_token_threshold=thresh,
                   aging_interval_steps=aging, max_waiting_requests=8,
                   priority_preemption_threshold=pthr, max_priority_preemptions_per_step=pbound)
     clock = [0, 0]  # schedule() calls so far, requests accepted so far
+
+    def units(r):
+        return sum(not d for d in r["done"]) if r["forked"] else r["p"]["n"]
 
     def key(r):
         p = r["p"]["priority"]
@@ -179,6 +183,16 @@ def run_workload(seed: int) -> None:
         for rid in was_waiting:
             if reqs[rid]["st"] == "r":
                 assert all(key(w) > key(reqs[rid]) for w in still), "admitted ahead of a smaller key"
+        # No missed room where sequences are the only scarce resource: a head that
+        # outranks running requests is admitted unless the bound was reached or
+        # it would not fit even without all of them.
+        plenty = not caching and num_blocks > max_seqs * s.max_blocks_per_seq
+        if plenty and pbound and T < budget and still and len(prio) < pbound:
+            h = min(still, key=key)
+            running = [r for r in reqs.values() if r["st"] == "r"]
+            if h is head and any(outranks(h, r) for r in running):
+                kept = sum(units(r) for r in running if not outranks(h, r))
+                assert kept + units(h) > min(max_seqs, slots), "head left waiting though outranked requests hold its room"
         for r, sm, t, start, k, q0 in ents:
             for j in range(k):
                 sl = int(out.slot_mapping[q0 + j])
