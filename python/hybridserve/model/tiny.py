@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from hybridserve.config import FULL_ATTENTION, LINEAR_ATTENTION, ModelConfig
 
@@ -126,24 +127,11 @@ def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Ten
     return {name: _init_tensor(name, shape, config, gen).contiguous() for name, shape in shapes.items()}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map used by byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[b] = chr(b)
-        else:
-            out[b] = chr(256 + extra)
-            extra += 1
-    return out
-
-
 def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096) -> None:
     """Byte-level tokenizer: id b for byte b, ids 256.. for the special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()

@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from hybridserve.beam_search import BeamSearchParams
 from hybridserve.errors import HybridServeError, InvalidRequest
 from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
@@ -335,20 +337,8 @@ def usage(outs: list[RequestOutput]) -> dict[str, int]:
 # ------------------------------------------------------------------ token text and bytes
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    # GPT-2's byte-level alphabet: byte-level BPE vocabularies spell each byte as one char.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+# GPT-2's byte-level alphabet: byte-level BPE vocabularies spell each byte as one char.
+_UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class TokenText:
