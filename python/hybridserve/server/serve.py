@@ -162,6 +162,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      action="store_true",
                      help="turn off prefix caching: cached KV blocks and DeltaNet state checkpoints "
                           "(default: on)")
+    eng.add_argument("--prefix-checkpoint-interval", type=int, default=0, metavar="TOKENS",
+                     help="also checkpoint the DeltaNet state every this many prompt tokens (a multiple of "
+                          "--block-size); each kept checkpoint holds one reclaimable state slot; 0 = only at "
+                          "prompt ends and branch points (default: %(default)s)")
+    eng.add_argument("--priority-preemption-threshold", type=int, default=1, metavar="LEVELS",
+                     help="a waiting request that does not fit preempts running requests whose effective "
+                          "priority is worse by more than this many levels (default: %(default)s)")
+    eng.add_argument("--max-priority-preemptions-per-step", type=int, default=4, metavar="N",
+                     help="at most this many priority preemptions per step; 0 turns priority preemption "
+                          "off (default: %(default)s)")
     eng.add_argument("--long-prefill-token-threshold", type=int, default=0,
                      help="prompts longer than this are prefilled in chunks of at most this many tokens; "
                           "0 = no limit (default: %(default)s)")
@@ -319,6 +329,9 @@ def run_serve(args: argparse.Namespace) -> int:
             admission_policy=args.admission_policy,
             enable_prefix_caching=not args.no_prefix_caching,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            prefix_checkpoint_interval=args.prefix_checkpoint_interval,
+            priority_preemption_threshold=args.priority_preemption_threshold,
+            max_priority_preemptions_per_step=args.max_priority_preemptions_per_step,
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
             enforce_eager=args.enforce_eager,
