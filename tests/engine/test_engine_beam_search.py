@@ -134,6 +134,8 @@ def test_beams_with_eos_equal_a_brute_force_search_over_hf_logits(tiny_dirs, hf_
     assert all(s.tokens == PROMPT + s.output_token_ids for s in got)
     st = llm.engine.stats()
     assert st["used_blocks"] == 0 and st["used_slots"] == 0
+    # A search that ended (early or at max_tokens) is a finished request, not an abort.
+    assert st["finished_requests"] == 1 and st["aborted_requests"] == 0
 
 
 def test_abort_mid_search_returns_every_block_and_slot(tiny_dirs):
@@ -228,3 +230,22 @@ def test_beam_request_preempted_as_a_unit_still_equals_hf(tiny_dirs, hf_models):
         ref = hf.generate(torch.tensor([PROMPT]), generation_config=gc)
     assert [c.token_ids for c in done["beam"].outputs] == ref[:, len(PROMPT):].tolist()
     assert st["used_blocks"] == 0 and st["used_slots"] == 0
+
+
+@pytest.mark.parametrize("preset", ["test-a", "test-b"])
+def test_search_that_stops_early_is_finished_not_aborted(tiny_dirs, hf_models, preset):
+    # Make the model's 2W favourite next tokens EOS: every first-step candidate
+    # finishes, no running beam is left, and the search ends far before max_tokens.
+    width, n = 3, 24
+    with torch.no_grad():
+        logits = hf_models[preset](torch.tensor([PROMPT])).logits[0, -1]
+    eos = [int(t) for t in logits.topk(2 * width).indices]
+    llm = _llm(tiny_dirs, preset, width)
+    llm.engine.eos_token_ids = eos
+    outs = llm.beam_search([PROMPT], BeamSearchParams(beam_width=width, max_tokens=n))
+    got = outs[0].sequences
+    assert [len(s.output_token_ids) for s in got] == [1] * width
+    assert all(s.finish_reason == "stop" and s.output_token_ids[0] in eos for s in got)
+    st = llm.engine.stats()
+    assert st["used_blocks"] == 0 and st["used_slots"] == 0
+    assert (st["finished_requests"], st["aborted_requests"]) == (1, 0), st

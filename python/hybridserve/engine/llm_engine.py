@@ -536,7 +536,9 @@ class LLMEngine:
             # finished ones. Every block and slot of the W beams goes back.
             state = self.requests.get(rid)
             if state is not None and not state.finished:
-                self.scheduler.abort(rid)
+                # Finished, not aborted: /metrics counts client aborts separately.
+                for i in range(len(state.samples)):
+                    self.scheduler.finish(rid, i, "stop")
                 for sample in state.samples:
                     sample.finish_reason = sample.finish_reason or "stop"
                 changed[rid] = state
