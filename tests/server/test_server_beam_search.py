@@ -30,7 +30,9 @@ def test_beam_search_completion_matches_hf(live, hf_tiny):
 def test_beam_search_refusals_name_the_field(live):
     base = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 3, "use_beam_search": True}
     for extra, param in [({"temperature": 0.8}, "temperature"), ({"stream": True}, "stream"),
-                         ({"n": 10_000}, "n"), ({"n": 0}, "n")]:
+                         ({"n": 10_000}, "n"), ({"n": 0}, "n"), ({"stop": ["x"]}, "stop"),
+                         ({"logprobs": 2}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+                         ({"logit_bias": {"5": 3}}, "logit_bias"), ({"echo": True}, "echo")]:
         r = live.post("/v1/completions", {**base, **extra})
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["param"] == param, (extra, r.json())

@@ -105,9 +105,14 @@ class LLMEngine:
             config, torch_dtype=dtype_name, max_position_embeddings=self.max_model_len
         )
 
-        self.cpu_threads = set_cpu_threads(args.cpu_threads)
-        logger.info("torch intra-op threads: %d (%s)", self.cpu_threads,
-                    "--cpu-threads" if args.cpu_threads else "physical cores available")
+        # torch's thread count is process-wide: set it only where it is the engine's
+        # business (the CPU path, or asked for), not under a CUDA engine's host.
+        if self.device.type == "cpu" or args.cpu_threads:
+            self.cpu_threads = set_cpu_threads(args.cpu_threads)
+            why = "--cpu-threads" if args.cpu_threads else "physical cores available"
+        else:
+            self.cpu_threads, why = torch.get_num_threads(), "left as found"
+        logger.info("torch intra-op threads: %d (%s)", self.cpu_threads, why)
         torch.manual_seed(args.seed)
         self.model, _ = load_model(args.model, dtype=self.dtype, device=self.device)
         self.model.eval()

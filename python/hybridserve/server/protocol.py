@@ -233,6 +233,13 @@ def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *
     return SamplingParams(**kwargs)
 
 
+BEAM_SEARCH_UNSUPPORTED = ("stop", "stop_token_ids", "logprobs", "echo", "logit_bias", "min_tokens",
+                           "presence_penalty", "frequency_penalty", "repetition_penalty", "top_p",
+                           "top_k", "min_p", "best_of")
+# Values that mean "off" for a field above (0 for the rest).
+_NEUTRAL = {"top_p": (1,), "top_k": (-1, 0), "repetition_penalty": (1,), "best_of": (1,)}
+
+
 def beam_search_params(body: dict[str, Any], params: SamplingParams) -> BeamSearchParams | None:
     """vLLM's ``use_beam_search``: ``n`` beams, deterministic (temperature 0 or
     omitted), non-streamed; None for an ordinary request."""
@@ -245,6 +252,13 @@ def beam_search_params(body: dict[str, Any], params: SamplingParams) -> BeamSear
         raise ApiError(f"temperature must be 0 (or omitted) with use_beam_search, got {t!r}", param="temperature")
     if _bool(body, "stream", False):
         raise ApiError("use_beam_search returns whole results only; set \"stream\": false", param="stream")
+    # The search scores beams by their plain log-probabilities: fields that would
+    # change what it returns are refused rather than silently ignored.
+    for field in BEAM_SEARCH_UNSUPPORTED:
+        v = body.get(field)
+        if v is not None and v is not False and v != [] and v != {} and v != "" and v not in _NEUTRAL.get(field, (0,)):
+            raise ApiError(f"'{field}' is not supported with use_beam_search; remove it or turn beam "
+                           "search off", param=field)
     lp = body.get("length_penalty", 1.0)
     if lp is None:
         lp = 1.0
