@@ -93,6 +93,8 @@ class AsyncEngine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._dead: BaseException | None = None
+        # Set by abort_all (shutdown): adds still queued behind it are refused.
+        self._closing: BaseException | None = None
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=tokenizer_threads, thread_name_prefix="hybridserve-tokenize"
         )
@@ -127,6 +129,10 @@ class AsyncEngine:
                 return
             try:
                 if cmd == "add":
+                    if self._closing is not None:
+                        # Queued behind abort_all: admitting it now would run it for
+                        # a client that has already been told the server stopped.
+                        raise ServerShuttingDown(str(self._closing))
                     result = self.engine.add_request(**arg)
                 elif cmd == "abort":
                     if arg in self.engine.requests:
@@ -134,11 +140,15 @@ class AsyncEngine:
                     result = None
                 elif cmd == "abort_all":
                     # Tell every client first, then free: the error is their last event.
-                    for rid in list(self.engine.requests):
+                    self._closing = arg
+                    running = list(self.engine.requests)
+                    for rid in running:
                         self._deliver(rid, arg)
                         self.engine.abort_request(rid)
+                    told = set(running)
                     for rid in list(self._streams):  # admitted on the loop, not yet added
-                        self._deliver(rid, arg)
+                        if rid not in told:
+                            self._deliver(rid, arg)
                     result = None
                 elif cmd == "call":
                     result = arg(self.engine)
