@@ -874,12 +874,9 @@ impl Scheduler {
         v.key.0 - h.key.0 > self.cfg.priority_preemption_threshold as i128 * a
     }
 
-    /// Would waiting request `h` be admitted with `units` sequences, `slots`
-    /// state slots and `blocks` KV blocks free? Counts the blocks of its first
-    /// chunk and one per running decode crossing into a new block; a prefix
-    /// hit, which may need fewer, is not counted (conservative).
-    fn admission_room(&self, h: &Request, extra_units: u32, extra_slots: u32, extra_blocks: u64) -> bool {
-        let units = h.units();
+    /// What the running requests hold that admission weighs: (sequences,
+    /// running decodes, decodes crossing into a new block). O(running).
+    fn running_load(&self) -> (u32, usize, u64) {
         let mut running_units = 0u32;
         let mut decodes = 0usize;
         let mut decode_blocks = 0u64;
@@ -894,6 +891,18 @@ impl Scheduler {
                 }
             }
         }
+        (running_units, decodes, decode_blocks)
+    }
+
+    /// Would waiting request `h` be admitted with `units` sequences, `slots`
+    /// state slots and `blocks` KV blocks free, given the running load (see
+    /// `running_load`)? Counts the blocks of its first chunk and one per running
+    /// decode crossing into a new block; a prefix hit, which may need fewer, is
+    /// not counted (conservative). O(h's sequences).
+    fn admission_room(&self, h: &Request, load: (u32, usize, u64), extra_units: u32, extra_slots: u32, extra_blocks: u64) -> bool {
+        let (running_units, decodes, decode_blocks) = load;
+        let units = h.units();
+        let bs = self.cfg.block_size as usize;
         if running_units.saturating_sub(extra_units) + units > self.cfg.max_num_seqs {
             return false;
         }
@@ -949,7 +958,14 @@ impl Scheduler {
         }
         let Some(hh) = self.waiting.first() else { return 0 };
         let head = self.requests[hh as usize].as_ref().expect("waiting handle");
-        if self.admission_room(head, 0, 0, 0) {
+        // O(1) exit first: running is sorted by key, so when its last request is
+        // not outranked, none is (the common case: equal priorities).
+        let last = *self.running.last().expect("non-empty");
+        if !self.outranks(head, self.requests[last as usize].as_ref().expect("running")) {
+            return 0;
+        }
+        let load = self.running_load();
+        if self.admission_room(head, load, 0, 0, 0) {
             return 0;
         }
         // Feasibility: everything the outranked requests hold, lowest first.
@@ -966,7 +982,7 @@ impl Scheduler {
             sl += b;
             bl += c;
             victims += 1;
-            if self.admission_room(head, u, sl, bl) {
+            if self.admission_room(head, load, u, sl, bl) {
                 feasible = true;
                 break;
             }
