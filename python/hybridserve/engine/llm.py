@@ -73,35 +73,16 @@ class LLM:
                 engine.abort_request(rid)
             raise
 
-        results: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
-        wanted = set(ids)
-        idle_steps = 0
-        engine.emit_unfinished = False  # generate() returns finished outputs only
         try:
-            while wanted - results.keys():
-                outputs = engine.step()
-                # The scheduler guarantees progress; an engine that schedules nothing for
-                # this long with work pending is a bug, reported instead of spinning.
-                idle_steps = 0 if engine.last_step_stats["num_scheduled_seqs"] else idle_steps + 1
-                if idle_steps > 10_000:
-                    raise RuntimeError(
-                        f"the engine scheduled nothing for {idle_steps} steps with "
-                        f"{len(wanted - results.keys())} requests unfinished: {engine.stats()}"
-                    )
-                for out in outputs:
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = out
-                        if bar is not None:
-                            bar.update(1)
+            results = _run_to_completion(engine, ids, bar)
         finally:
-            engine.emit_unfinished = True
-        if bar is not None:
-            bar.close()
+            if bar is not None:
+                bar.close()
         return [results[rid] for rid in ids]
 
     def beam_search(
@@ -134,16 +115,7 @@ class LLM:
             for rid in ids:
                 engine.abort_request(rid)
             raise
-        results: dict[str, RequestOutput] = {}
-        wanted = set(ids)
-        engine.emit_unfinished = False
-        try:
-            while wanted - results.keys():
-                for out in engine.step():
-                    if out.finished and out.request_id in wanted:
-                        results[out.request_id] = out
-        finally:
-            engine.emit_unfinished = True
+        results = _run_to_completion(engine, ids)
         outs = []
         for rid in ids:
             r = results[rid]
@@ -156,3 +128,38 @@ class LLM:
                 for c in r.outputs
             ]))
         return outs
+
+
+def _run_to_completion(engine: Any, ids: list[str], bar: Any = None) -> dict[str, RequestOutput]:
+    """Steps the engine until every request of ``ids`` finished; their final outputs.
+
+    On any exception (Ctrl-C included) the requests still unfinished are aborted, so
+    nothing of this call keeps running in the engine afterwards."""
+    results: dict[str, RequestOutput] = {}
+    wanted = set(ids)
+    idle_steps = 0
+    engine.emit_unfinished = False  # only finished outputs are wanted here
+    try:
+        while wanted - results.keys():
+            outputs = engine.step()
+            # The scheduler guarantees progress; an engine that schedules nothing for
+            # this long with work pending is a bug, reported instead of spinning.
+            idle_steps = 0 if engine.last_step_stats["num_scheduled_seqs"] else idle_steps + 1
+            if idle_steps > 10_000:
+                raise RuntimeError(
+                    f"the engine scheduled nothing for {idle_steps} steps with "
+                    f"{len(wanted - results.keys())} requests unfinished: {engine.stats()}"
+                )
+            for out in outputs:
+                if out.finished and out.request_id in wanted:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+    except BaseException:
+        for rid in wanted - results.keys():
+            if rid in engine.requests:
+                engine.abort_request(rid)
+        raise
+    finally:
+        engine.emit_unfinished = True
+    return results
