@@ -82,6 +82,10 @@ def _resolve_model_dtype(dtype: str, config: ModelConfig, device: torch.device) 
     return resolve_dtype(dtype)
 
 
+# Rows of prompt logits turned into log-probabilities at a time (bounds the float32 copy).
+PROMPT_LOGPROB_SLICE = 256
+
+
 class LLMEngine:
     """Continuous-batching engine over the Rust scheduler and the PyTorch runner."""
 
@@ -594,14 +598,24 @@ class LLMEngine:
             m = min(count, len(entries) - 1 - start)
             if m <= 0:
                 continue
-            lps = torch.log_softmax(step.prompt_logits[row0:row0 + m].float(), dim=-1)
-            target = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + m], device=lps.device)
-            chosen = lps.gather(1, target[:, None])[:, 0]
-            ranks = (lps > chosen[:, None]).sum(dim=1) + 1
-            top_v, top_i = lps.topk(k, dim=-1) if k else (None, None)
-            chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-            tv = top_v.tolist() if k else None
-            ti = top_i.tolist() if k else None
+            target = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + m],
+                                  device=step.prompt_logits.device)
+            chosen_l: list[float] = []
+            ranks_l: list[int] = []
+            tv: list[list[float]] = []
+            ti: list[list[int]] = []
+            # In slices: a float32 log-softmax of a whole chunk over a 250k vocabulary
+            # would be gigabytes on top of the logits.
+            for lo in range(0, m, PROMPT_LOGPROB_SLICE):
+                hi = min(m, lo + PROMPT_LOGPROB_SLICE)
+                lps = torch.log_softmax(step.prompt_logits[row0 + lo:row0 + hi].float(), dim=-1)
+                chosen = lps.gather(1, target[lo:hi, None])[:, 0]
+                chosen_l += chosen.tolist()
+                ranks_l += ((lps > chosen[:, None]).sum(dim=1) + 1).tolist()
+                if k:
+                    top_v, top_i = lps.topk(k, dim=-1)
+                    tv += top_v.tolist()
+                    ti += top_i.tolist()
             for j in range(m):
                 tok = state.prompt_token_ids[start + 1 + j]
                 entry = {tok: Logprob(chosen_l[j], rank=ranks_l[j])}
