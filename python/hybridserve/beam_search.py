@@ -115,8 +115,10 @@ class BeamSearch:
 
     def _select(self, logprobs: torch.Tensor, cum: torch.Tensor) -> tuple[list[int], list[int]]:
         vocab = logprobs.shape[-1]
-        scores = (logprobs + cum[:, None]).reshape(-1)
+        # Scored and cut to 2W candidates where the logits are; only those cross to the host.
+        scores = (logprobs + cum.to(logprobs.device)[:, None]).reshape(-1)
         top_s, top_i = torch.topk(scores, min(self.keep, scores.numel()))
+        top_s, top_i = top_s.cpu(), top_i.cpu()
         beam = (top_i // vocab).tolist()
         tok = (top_i % vocab).tolist()
         gen = self.generated + 1

@@ -384,7 +384,7 @@ class LLMEngine:
         ended = []
         # One log-softmax for every beam row of the step.
         all_rows = [r for got in rows.values() for r, _ in got.values()]
-        lps_all = torch.log_softmax(step.logits[all_rows].float(), dim=-1).cpu()
+        lps_all = torch.log_softmax(step.logits[all_rows].float(), dim=-1)
         at = {r: i for i, r in enumerate(all_rows)}
         for rid, got in rows.items():
             bs = self._beams[rid]
