@@ -68,10 +68,13 @@ def physical_cores() -> int:
 
 
 def set_cpu_threads(requested: int | None) -> int:
-    """Set torch's intra-op thread count (``requested``, else the physical cores) and
-    return it."""
+    """Set torch's intra-op thread count and the native kernels' (``requested``, else the
+    physical cores) and return it."""
+    from hybridserve.kernels import native
+
     n = requested or physical_cores()
     torch.set_num_threads(n)
+    native.set_threads(n)  # the native CPU kernels' pool, the same size
     return torch.get_num_threads()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.kernels import native
 from hybridserve.kernels.cache_write import write_kv_ref
 from hybridserve.kernels.causal_conv1d import Conv1dPlan, causal_conv1d_cpu
 from hybridserve.kernels.gated_delta_rule import DeltaRulePlan, gated_delta_rule_cpu
@@ -62,6 +63,10 @@ def _plan(plans, key, build):
     return plan
 
 
+def _varlen(plans, query_start_loc, state_slots, has_initial_state) -> native.Varlen:
+    return _plan(plans, ("varlen",), lambda: native.Varlen(query_start_loc, state_slots, has_initial_state))
+
+
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                     plans: dict | None = None) -> torch.Tensor:
     """See :func:`hybridserve.kernels.paged_attention.paged_attention_ref`."""
@@ -69,8 +74,10 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         from hybridserve.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    plan = _plan(plans, ("attention", k_cache.shape[1]), lambda: AttentionPlan(
-        query_start_loc, seq_lens, block_tables, k_cache.shape[1], q.device))
+    # Decodes go to the native kernel when it can run (float32 CPU); the rest to SDPA groups.
+    split = native.usable(q, k_cache, v_cache)
+    plan = _plan(plans, ("attention", k_cache.shape[1], split), lambda: AttentionPlan(
+        query_start_loc, seq_lens, block_tables, k_cache.shape[1], q.device, split_decodes=split))
     return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan)
 
 
@@ -82,6 +89,9 @@ def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_slots, has
 
         return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_slots,
                                     has_initial_state, activation)
+    if native.usable(x, weight, conv_state) and (bias is None or native.usable(bias)):
+        return native.causal_conv1d(x, weight, bias, conv_state,
+                                    _varlen(plans, query_start_loc, state_slots, has_initial_state), activation)
     plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
         query_start_loc, state_slots, has_initial_state, weight.shape[-1], x.device))
     return causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_slots,
@@ -99,7 +109,30 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_slots, has_
 
         return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_slots,
                                        has_initial_state, scale, use_qk_l2norm)
+    if native.usable(q, k, v, g, beta, state):
+        t, hk, kd = q.shape
+        h, vd = v.shape[1], v.shape[2]
+        o = native.gated_delta_rule(
+            q.reshape(t, hk * kd), k.reshape(t, hk * kd), v.reshape(t, h * vd), state,
+            _varlen(plans, query_start_loc, state_slots, has_initial_state), key_heads=hk, value_heads=h,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, g=g, beta=beta)
+        return o.view(t, h, vd)
     plan = _plan(plans, ("delta_rule",), lambda: DeltaRulePlan(
         query_start_loc, state_slots, has_initial_state, device=q.device))
     return gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_slots,
                                 has_initial_state, scale, use_qk_l2norm, plan=plan)
+
+
+def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_eps, state, query_start_loc,
+                          state_slots, has_initial_state, scale, *, key_heads: int, value_heads: int,
+                          plans: dict | None = None) -> torch.Tensor | None:
+    """Gated DeltaNet after its conv, fused: gates from ``a``/``b``, the delta rule, and
+    the gated output norm, all ``[T, X]`` (column ranges of the projections allowed);
+    returns ``[T, H * V]``. Only where the native kernels run (float32 CPU); ``None``
+    elsewhere, and the caller composes :func:`gated_delta_rule` with its own norm."""
+    if not native.usable(q, k, v, a, b, z, state, norm_weight):
+        return None
+    return native.gated_delta_rule(
+        q, k, v, state, _varlen(plans, query_start_loc, state_slots, has_initial_state),
+        key_heads=key_heads, value_heads=value_heads, scale=scale, a=a, b=b,
+        A_log=A_log.float(), dt_bias=dt_bias.float(), z=z, norm_weight=norm_weight, norm_eps=norm_eps)

@@ -94,10 +94,13 @@ class AttentionPlan:
     rows read row 0 and are dropped), its block tables (entries past a member's own
     blocks point at block 0 and are masked) and its mask, or ``None`` / causal when the
     shape needs none.
+
+    With ``split_decodes`` the single-query sequences are left out of the groups and
+    listed in ``decode`` (rows, seq_lens, block tables) for the native decode kernel.
     """
 
     def __init__(self, query_start_loc, seq_lens, block_tables: torch.Tensor, block_size: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", split_decodes: bool = False):
         import numpy as np
 
         qsl = np.asarray(_as_list(query_start_loc), dtype=np.int64)
@@ -119,6 +122,15 @@ class AttentionPlan:
             return torch.as_tensor(np.ascontiguousarray(a), dtype=dtype, device=device)
 
         act = np.nonzero(q_lens > 0)[0]
+        self.decode = None
+        if split_decodes:
+            dec = act[q_lens[act] == 1]
+            act = act[q_lens[act] != 1]
+            if len(dec):
+                nb = -(-int(lens[dec].max()) // block_size)
+                self.decode = (qsl[dec].astype(np.int64), lens[dec].astype(np.int64),
+                               block_tables.index_select(0, tt(dec).to(block_tables.device))[:, :nb]
+                               .to(device="cpu", dtype=torch.int32).contiguous())
         log_r = np.log(_BUCKET)
         key = (np.floor(np.log(q_lens[act]) / log_r).astype(np.int64) * 4096
                + np.floor(np.log(np.maximum(lens[act], 1)) / log_r).astype(np.int64))
@@ -163,6 +175,10 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if plan is None:
         plan = AttentionPlan(query_start_loc, seq_lens, block_tables, block_size, q.device)
     out = torch.empty_like(q)
+    if plan.decode is not None:
+        from hybridserve.kernels import native
+
+        native.paged_attention_decode(q, k_cache, v_cache, *plan.decode, scale, out)
     qf = q.float()
     for grp in plan.groups:
         n, ql, length, tables = grp["n"], grp["q"], grp["len"], grp["tables"]

@@ -214,6 +214,13 @@ class GatedDeltaNet(_Fused, nn.Module):
                                   batch.query_start_loc, batch.state_slots,
                                   batch.has_initial_state, "silu", plans=batch.op_plans)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        # float32 on the CPU: gates, delta rule and output norm in one native kernel.
+        o = ops.gated_delta_net_mixer(
+            q, k, v, a, b, self.A_log, self.dt_bias, z, self.norm.weight, self.norm.eps, rec_state,
+            batch.query_start_loc, batch.state_slots, batch.has_initial_state, self.head_k_dim ** -0.5,
+            key_heads=self.num_k_heads, value_heads=self.num_v_heads, plans=batch.op_plans)
+        if o is not None:
+            return self.out_proj(o)
         # Key head j serves value heads j*rep .. j*rep+rep-1 (HF's repeat_interleave); the
         # op reads the grouped heads directly.
         q = q.view(t, self.num_k_heads, self.head_k_dim)

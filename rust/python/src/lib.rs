@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 
 mod allocator;
 mod errors;
+mod kernels;
 mod kv_cache;
 mod scheduler;
 mod state_pool;
@@ -21,5 +22,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<kv_cache::PyKvCacheManager>()?;
     m.add_class::<state_pool::PyStatePool>()?;
     scheduler::register(m)?;
+    // CPU kernels live in a submodule: hybridserve._core.kernels.
+    let k = PyModule::new(m.py(), "kernels")?;
+    kernels::register(&k)?;
+    m.add_submodule(&k)?;
     Ok(())
 }

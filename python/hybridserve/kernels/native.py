@@ -1,0 +1,119 @@
+"""The CPU path's native kernels (Rust, ``hybridserve._core.kernels``), on torch tensors.
+
+For float32 CPU tensors the step's non-GEMM work runs here instead of as many small
+torch ops: the gated delta rule with its gates and output norm fused
+(:func:`gated_delta_rule`), the varlen causal conv1d over state slots
+(:func:`causal_conv1d`) and decode attention over the paged pool
+(:func:`paged_attention_decode`). Each works on the tensors' memory through numpy views
+(no copies); inputs may be column ranges of a wider ``[T, X]`` buffer.
+
+They compute the same contracts as the plain-PyTorch references beside them
+(``*_ref``), which stay the oracles: ``tests/kernels/test_native_kernels.py`` checks
+each kernel against its reference on random mixed batches. Other dtypes and devices
+take the PyTorch (or Triton) path; ``HYBRIDSERVE_NO_NATIVE=1`` forces the PyTorch path
+on the CPU as well (debugging, side-by-side benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+try:
+    from hybridserve._core import kernels as _k
+except ImportError:  # an extension built before the kernels existed
+    _k = None
+
+_DISABLED = os.environ.get("HYBRIDSERVE_NO_NATIVE", "") in ("1", "true", "yes")
+
+
+def available() -> bool:
+    return _k is not None and not _DISABLED
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """True when the native kernels can run on these tensors (float32, on the CPU)."""
+    return available() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def set_threads(n: int) -> None:
+    """Threads of the kernels' pool (the engine passes its ``cpu_threads``)."""
+    if _k is not None:
+        _k.set_kernel_threads(int(n))
+
+
+def threads() -> int:
+    return _k.kernel_threads() if _k is not None else 0
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().numpy()
+
+
+def _i64(x) -> np.ndarray:
+    if torch.is_tensor(x):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(x, dtype=np.int64)
+
+
+def _bool(x) -> np.ndarray:
+    if torch.is_tensor(x):
+        x = x.detach().cpu().numpy()
+    return np.ascontiguousarray(x, dtype=bool)
+
+
+class Varlen:
+    """A step's ``query_start_loc`` / ``state_slots`` / ``has_initial_state`` as the
+    host arrays the kernels take (built once per step, shared by every layer)."""
+
+    def __init__(self, query_start_loc, state_slots, has_initial_state):
+        self.qsl = _i64(query_start_loc)
+        self.slots = _i64(state_slots)
+        self.init = _bool(has_initial_state)
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                  varlen: Varlen, activation: str | None = "silu") -> torch.Tensor:
+    """Same contract as :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref`;
+    ``x`` ``[T, C]`` may be a column range of a wider buffer."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}; use 'silu' or None")
+    out = torch.empty(x.shape, dtype=torch.float32)
+    _k.causal_conv1d(_np(x), _np(weight.contiguous()), None if bias is None else _np(bias), _np(conv_state),
+                     varlen.qsl, varlen.slots, varlen.init, _np(out), activation is not None)
+    return out
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, varlen: Varlen,
+                     *, key_heads: int, value_heads: int, scale: float, use_qk_l2norm: bool = True,
+                     g: torch.Tensor | None = None, beta: torch.Tensor | None = None,
+                     a: torch.Tensor | None = None, b: torch.Tensor | None = None,
+                     A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
+                     z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                     norm_eps: float = 1e-6) -> torch.Tensor:
+    """The gated delta rule in place on ``state`` ``[S, H, K, V]``; returns ``[T, H * V]``.
+
+    ``q``/``k`` ``[T, Hk * K]`` and ``v`` ``[T, H * V]`` (column ranges allowed). Gates
+    either given (``g``, ``beta`` ``[T, H]``) or computed as Gated DeltaNet does from
+    ``a``, ``b``, ``A_log``, ``dt_bias``. With ``z`` and ``norm_weight`` the output is
+    ``norm_weight * rmsnorm(o) * silu(z)`` per head (DeltaNet's gated output norm)."""
+    t = q.shape[0]
+    out = torch.empty(t, v.shape[1], dtype=torch.float32)
+    given = dict(g=g, beta=beta, a=a, b=b, a_log=A_log, dt_bias=dt_bias, z=z, norm_weight=norm_weight)
+    opt = {name: _np(x) for name, x in given.items() if x is not None}
+    _k.gated_delta_rule(_np(q), _np(k), _np(v), _np(state), varlen.qsl, varlen.slots, varlen.init, _np(out),
+                        key_heads=key_heads, value_heads=value_heads, scale=float(scale),
+                        l2norm=bool(use_qk_l2norm), norm_eps=float(norm_eps), **opt)
+    return out
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: np.ndarray,
+                           seq_lens: np.ndarray, block_tables: torch.Tensor, scale: float,
+                           out: torch.Tensor) -> None:
+    """Decode attention for the listed rows of ``q`` ``[T, Hq, D]`` into the same rows of
+    ``out`` (float32, contiguous); ``block_tables`` int32 ``[n, width]``, one row per
+    listed sequence."""
+    _k.paged_attention_decode(_np(q.reshape(q.shape[0], -1)), _np(k_cache), _np(v_cache), rows, seq_lens,
+                              _np(block_tables.to(torch.int32).contiguous()), float(scale), _np(out))

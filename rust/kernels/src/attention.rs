@@ -1,0 +1,264 @@
+//! Decode attention straight from the paged KV pool.
+//!
+//! Each listed sequence has one query (its last token), whose K/V, like all earlier
+//! ones, are already in the pool: `[num_blocks, block_size, Hkv, D]`, logical block
+//! `i` of sequence `b` at physical block `block_tables[b, i]`. Query head `h` reads KV
+//! head `h / (Hq / Hkv)` (GQA, HF's `repeat_kv`); a task is one (sequence, KV head)
+//! and serves all query heads of the group, so each K/V row is read once per task.
+//!
+//! Softmax in float32 with the maximum subtracted, as torch does; the sums differ
+//! from torch's only in rounding order.
+
+use crate::math::{dispatch, dot, exp};
+use crate::pool::for_each_task;
+use crate::{KernelError, Rows, SharedMut};
+
+/// Layout of the paged pool.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedKv<'a> {
+    pub k_cache: &'a [f32],
+    pub v_cache: &'a [f32],
+    pub block_size: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// The decode sequences of a step.
+#[derive(Clone, Copy, Debug)]
+pub struct DecodeSeqs<'a> {
+    /// Row of `q` (and of `out`) holding each sequence's query.
+    pub rows: &'a [i64],
+    /// Tokens with K/V, the query's own included.
+    pub seq_lens: &'a [i64],
+    /// `[n, width]` physical block ids, one row per listed sequence.
+    pub block_tables: &'a [i32],
+    pub width: usize,
+}
+
+struct Ctx<'a> {
+    q: Rows<'a>,
+    kv: PagedKv<'a>,
+    seqs: DecodeSeqs<'a>,
+    heads: usize,
+    scale: f32,
+    out: SharedMut,
+}
+
+/// `out[rows[i]]` = attention of `q[rows[i]]` (`[Hq * D]`) over sequence `i`'s
+/// `seq_lens[i]` keys; other rows of `out` are left as they are.
+/// O(sum of seq_lens * Hq * D).
+pub fn paged_attention_decode(
+    q: Rows<'_>,
+    kv: PagedKv<'_>,
+    seqs: DecodeSeqs<'_>,
+    heads: usize,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let PagedKv {
+        block_size: bs,
+        kv_heads: hkv,
+        head_dim: d,
+        ..
+    } = kv;
+    if bs == 0 || hkv == 0 || d == 0 || heads % hkv != 0 || heads == 0 {
+        return Err(KernelError::new(format!(
+            "query heads ({heads}) must be a positive multiple of KV heads ({hkv}); block size and head dim positive"
+        )));
+    }
+    let row_len = bs * hkv * d;
+    if kv.k_cache.len() != kv.v_cache.len() || kv.k_cache.len() % row_len != 0 {
+        return Err(KernelError::new(format!(
+            "k_cache and v_cache must both be [num_blocks, {bs}, {hkv}, {d}]"
+        )));
+    }
+    let num_blocks = (kv.k_cache.len() / row_len) as i64;
+    if q.width != heads * d || out.len() != q.rows * heads * d {
+        return Err(KernelError::new(format!(
+            "q and out must be [T, Hq*D = {}]",
+            heads * d
+        )));
+    }
+    let n = seqs.rows.len();
+    if seqs.seq_lens.len() != n || seqs.block_tables.len() != n * seqs.width {
+        return Err(KernelError::new(format!(
+            "seq_lens must have {n} entries and block_tables be [{n}, width]"
+        )));
+    }
+    let mut seen = vec![false; q.rows];
+    for i in 0..n {
+        let (r, len) = (seqs.rows[i], seqs.seq_lens[i]);
+        if r < 0 || r as usize >= q.rows || seen[r as usize] {
+            return Err(KernelError::new(format!(
+                "row {r} of sequence {i} is out of 0..{} or listed twice",
+                q.rows
+            )));
+        }
+        seen[r as usize] = true;
+        let nb = (len.max(0) as usize).div_ceil(bs);
+        if len < 1 || nb > seqs.width {
+            return Err(KernelError::new(format!(
+                "sequence {i} has {len} tokens: it needs 1..={} (block table width {} x block size {bs})",
+                seqs.width * bs,
+                seqs.width
+            )));
+        }
+        if let Some(bad) = seqs.block_tables[i * seqs.width..i * seqs.width + nb]
+            .iter()
+            .find(|&&blk| blk < 0 || blk as i64 >= num_blocks)
+        {
+            return Err(KernelError::new(format!(
+                "sequence {i} names block {bad}, outside 0..{num_blocks}"
+            )));
+        }
+    }
+    let ctx = Ctx {
+        q,
+        kv,
+        seqs,
+        heads,
+        scale,
+        out: SharedMut::new(out),
+    };
+    let work: usize = seqs.seq_lens.iter().map(|&l| l as usize).sum::<usize>() * heads * d * 2;
+    for_each_task(n * hkv, work, |i| run_task(&ctx, i / hkv, i % hkv));
+    Ok(())
+}
+
+dispatch!(fn run_task(ctx: &Ctx<'_>, i: usize, j: usize) => run_task_body);
+
+#[inline(always)]
+fn run_task_body(ctx: &Ctx<'_>, i: usize, j: usize) {
+    let PagedKv {
+        block_size: bs,
+        kv_heads: hkv,
+        head_dim: d,
+        ..
+    } = ctx.kv;
+    let rep = ctx.heads / hkv;
+    let row = ctx.seqs.rows[i] as usize;
+    let len = ctx.seqs.seq_lens[i] as usize;
+    let table = &ctx.seqs.block_tables[i * ctx.seqs.width..(i + 1) * ctx.seqs.width];
+    let qrow = &ctx.q.row(row)[j * rep * d..(j + 1) * rep * d];
+    let at = |pos: usize| ((table[pos / bs] as usize * bs + pos % bs) * hkv + j) * d;
+    // Scores of every query head of the group, [rep, len].
+    let mut p = vec![0.0f32; rep * len];
+    for pos in 0..len {
+        let krow = &ctx.kv.k_cache[at(pos)..at(pos) + d];
+        for r in 0..rep {
+            p[r * len + pos] = dot(&qrow[r * d..(r + 1) * d], krow) * ctx.scale;
+        }
+    }
+    let mut inv = vec![0.0f32; rep];
+    for r in 0..rep {
+        let s = &mut p[r * len..(r + 1) * len];
+        let m = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        for x in s.iter_mut() {
+            *x = exp(*x - m);
+        }
+        let mut lanes = [0.0f32; 8];
+        let chunks = s.chunks_exact(8);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for ch in chunks {
+            for l in 0..8 {
+                lanes[l] += ch[l];
+            }
+        }
+        inv[r] = 1.0 / (lanes.iter().sum::<f32>() + tail);
+    }
+    let mut acc = vec![0.0f32; rep * d];
+    for pos in 0..len {
+        let vrow = &ctx.kv.v_cache[at(pos)..at(pos) + d];
+        for r in 0..rep {
+            let w = p[r * len + pos];
+            for (a, &v) in acc[r * d..(r + 1) * d].iter_mut().zip(vrow) {
+                *a += w * v;
+            }
+        }
+    }
+    // SAFETY: this row's query heads j*rep .. (j+1)*rep belong to this task.
+    let dst = unsafe { ctx.out.slice((row * ctx.heads + j * rep) * d, rep * d) };
+    for r in 0..rep {
+        for (o, &a) in dst[r * d..(r + 1) * d]
+            .iter_mut()
+            .zip(&acc[r * d..(r + 1) * d])
+        {
+            *o = a * inv[r];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matches_softmax_attention_over_scattered_blocks() {
+        let (bs, hkv, d, heads, nblocks) = (4usize, 2usize, 8usize, 4usize, 9usize);
+        let mut seed = 11u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let kc: Vec<f32> = (0..nblocks * bs * hkv * d).map(|_| rnd()).collect();
+        let vc: Vec<f32> = (0..nblocks * bs * hkv * d).map(|_| rnd()).collect();
+        let t = 3;
+        let q: Vec<f32> = (0..t * heads * d).map(|_| rnd()).collect();
+        let rows = [2i64, 0];
+        let lens = [10i64, 1];
+        let width = 3;
+        let tables = [7i32, 2, 5, 4, 0, 0];
+        let mut out = vec![-1.0f32; t * heads * d];
+        paged_attention_decode(
+            Rows::dense(&q, heads * d).unwrap(),
+            PagedKv {
+                k_cache: &kc,
+                v_cache: &vc,
+                block_size: bs,
+                kv_heads: hkv,
+                head_dim: d,
+            },
+            DecodeSeqs {
+                rows: &rows,
+                seq_lens: &lens,
+                block_tables: &tables,
+                width,
+            },
+            heads,
+            0.3,
+            &mut out,
+        )
+        .unwrap();
+        for (i, (&row, &len)) in rows.iter().zip(&lens).enumerate() {
+            for h in 0..heads {
+                let j = h / (heads / hkv);
+                let at =
+                    |p: usize| ((tables[i * width + p / bs] as usize * bs + p % bs) * hkv + j) * d;
+                let qh = &q[(row as usize * heads + h) * d..][..d];
+                let s: Vec<f64> = (0..len as usize)
+                    .map(|p| {
+                        (0..d)
+                            .map(|x| qh[x] as f64 * kc[at(p) + x] as f64)
+                            .sum::<f64>()
+                            * 0.3
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for x in 0..d {
+                    let want: f64 = (0..len as usize)
+                        .map(|p| e[p] / z * vc[at(p) + x] as f64)
+                        .sum();
+                    let got = out[(row as usize * heads + h) * d + x];
+                    assert!(
+                        (got as f64 - want).abs() < 1e-5,
+                        "seq {i} head {h} dim {x}: {got} want {want}"
+                    );
+                }
+            }
+        }
+        // row 1 is not a decode row: untouched
+        assert!(out[heads * d..2 * heads * d].iter().all(|&v| v == -1.0));
+    }
+}

@@ -1,0 +1,253 @@
+//! The CPU kernels (`hybridserve-cpu-kernels`) over numpy views of torch tensors.
+//!
+//! Python passes `tensor.numpy()` views (no copy): inputs may be row-strided column
+//! ranges of a wider buffer (`[T, X]` with unit column stride), outputs and pools
+//! must be C-contiguous. The GIL is released around the work. Shape errors are
+//! `ValueError`s naming the argument.
+
+use hybridserve_cpu_kernels::{
+    attention::{paged_attention_decode as attn_decode, DecodeSeqs, PagedKv},
+    conv1d::causal_conv1d as conv,
+    delta_rule::{gated_delta_rule as gdr, Gates, Heads, OutputNorm},
+    KernelError, Rows, Varlen,
+};
+use numpy::{
+    PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
+    PyUntypedArrayMethods,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+fn err(e: KernelError) -> PyErr {
+    PyValueError::new_err(e.0)
+}
+
+/// A `[T, X]` view with unit column stride as [`Rows`] (borrowing the array's memory).
+fn rows<'a>(name: &str, a: &'a PyReadonlyArray2<'_, f32>) -> PyResult<Rows<'a>> {
+    let v = a.as_array();
+    let (t, w) = v.dim();
+    let s = v.strides();
+    if t > 0 && w > 0 && (s[1] != 1 || s[0] < w as isize) {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be [T, X] with contiguous rows (column stride 1), got strides {s:?}; pass .contiguous()"
+        )));
+    }
+    let len = if t == 0 || w == 0 {
+        0
+    } else {
+        (t - 1) * s[0] as usize + w
+    };
+    // SAFETY: the view's rows lie in the array's buffer (numpy guarantees its strided
+    // extent is allocated), and the borrow `a` outlives the returned slice.
+    let data = unsafe { std::slice::from_raw_parts(v.as_ptr(), len) };
+    Rows::new(data, t, w, s[0].max(1) as usize).map_err(err)
+}
+
+fn contiguous<'a>(name: &str, a: &'a PyReadonlyArrayDyn<'_, f32>) -> PyResult<&'a [f32]> {
+    a.as_slice()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be C-contiguous float32")))
+}
+
+fn contiguous_mut<'a>(
+    name: &str,
+    a: &'a mut PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<&'a mut [f32]> {
+    a.as_slice_mut()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be C-contiguous float32")))
+}
+
+fn ints<'a>(name: &str, a: &'a PyReadonlyArray1<'_, i64>) -> PyResult<&'a [i64]> {
+    a.as_slice()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous int64 array")))
+}
+
+/// Gated delta rule over a varlen batch, in place on `state`; see the Rust docs of
+/// `hybridserve_cpu_kernels::delta_rule`. Gates: `g` + `beta`, or `a` + `b` + `a_log`
+/// + `dt_bias`. Output norm when `z` and `norm_weight` are given.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, state, query_start_loc, state_slots, has_initial_state, out, *,
+                    key_heads, value_heads, scale, l2norm=true, g=None, beta=None, a=None, b=None,
+                    a_log=None, dt_bias=None, z=None, norm_weight=None, norm_eps=1e-6))]
+#[allow(clippy::too_many_arguments)]
+fn gated_delta_rule(
+    py: Python<'_>,
+    q: PyReadonlyArray2<'_, f32>,
+    k: PyReadonlyArray2<'_, f32>,
+    v: PyReadonlyArray2<'_, f32>,
+    mut state: PyReadwriteArrayDyn<'_, f32>,
+    query_start_loc: PyReadonlyArray1<'_, i64>,
+    state_slots: PyReadonlyArray1<'_, i64>,
+    has_initial_state: PyReadonlyArray1<'_, bool>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    key_heads: usize,
+    value_heads: usize,
+    scale: f32,
+    l2norm: bool,
+    g: Option<PyReadonlyArray2<'_, f32>>,
+    beta: Option<PyReadonlyArray2<'_, f32>>,
+    a: Option<PyReadonlyArray2<'_, f32>>,
+    b: Option<PyReadonlyArray2<'_, f32>>,
+    a_log: Option<PyReadonlyArrayDyn<'_, f32>>,
+    dt_bias: Option<PyReadonlyArrayDyn<'_, f32>>,
+    z: Option<PyReadonlyArray2<'_, f32>>,
+    norm_weight: Option<PyReadonlyArrayDyn<'_, f32>>,
+    norm_eps: f32,
+) -> PyResult<()> {
+    let (q, k, v) = (rows("q", &q)?, rows("k", &k)?, rows("v", &v)?);
+    if key_heads == 0 || value_heads == 0 || q.width % key_heads != 0 || v.width % value_heads != 0
+    {
+        return Err(PyValueError::new_err(format!(
+            "q/k width {} must be key_heads ({key_heads}) x K and v width {} value_heads ({value_heads}) x V",
+            q.width, v.width
+        )));
+    }
+    let heads = Heads {
+        key_heads,
+        value_heads,
+        key_dim: q.width / key_heads,
+        value_dim: v.width / value_heads,
+    };
+    let gates = match (&g, &beta, &a, &b, &a_log, &dt_bias) {
+        (Some(g), Some(beta), None, None, None, None) => Gates::Direct {
+            g: rows("g", g)?,
+            beta: rows("beta", beta)?,
+        },
+        (None, None, Some(a), Some(b), Some(al), Some(dt)) => Gates::Raw {
+            a: rows("a", a)?,
+            b: rows("b", b)?,
+            a_log: contiguous("a_log", al)?,
+            dt_bias: contiguous("dt_bias", dt)?,
+        },
+        _ => {
+            return Err(PyValueError::new_err(
+                "give either g and beta, or a, b, a_log and dt_bias",
+            ))
+        }
+    };
+    let norm = match (&z, &norm_weight) {
+        (Some(z), Some(w)) => Some(OutputNorm {
+            z: rows("z", z)?,
+            weight: contiguous("norm_weight", w)?,
+            eps: norm_eps,
+        }),
+        (None, None) => None,
+        _ => {
+            return Err(PyValueError::new_err(
+                "give both z and norm_weight for the output norm, or neither",
+            ))
+        }
+    };
+    let varlen = Varlen {
+        query_start_loc: ints("query_start_loc", &query_start_loc)?,
+        state_slots: ints("state_slots", &state_slots)?,
+        has_initial_state: has_initial_state.as_slice().map_err(|_| {
+            PyValueError::new_err("has_initial_state must be a contiguous bool array")
+        })?,
+    };
+    let state = contiguous_mut("state", &mut state)?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| {
+        gdr(
+            q, k, v, gates, norm, heads, scale, l2norm, state, varlen, out,
+        )
+    })
+    .map_err(err)
+}
+
+/// Depthwise causal conv1d over a varlen batch with the conv state in slots (in place).
+#[pyfunction]
+#[pyo3(signature = (x, weight, bias, state, query_start_loc, state_slots, has_initial_state, out, silu=true))]
+#[allow(clippy::too_many_arguments)]
+fn causal_conv1d(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight: PyReadonlyArrayDyn<'_, f32>,
+    bias: Option<PyReadonlyArrayDyn<'_, f32>>,
+    mut state: PyReadwriteArrayDyn<'_, f32>,
+    query_start_loc: PyReadonlyArray1<'_, i64>,
+    state_slots: PyReadonlyArray1<'_, i64>,
+    has_initial_state: PyReadonlyArray1<'_, bool>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    silu: bool,
+) -> PyResult<()> {
+    let x = rows("x", &x)?;
+    let weight = contiguous("weight", &weight)?;
+    let bias = match &bias {
+        Some(b) => Some(contiguous("bias", b)?),
+        None => None,
+    };
+    let varlen = Varlen {
+        query_start_loc: ints("query_start_loc", &query_start_loc)?,
+        state_slots: ints("state_slots", &state_slots)?,
+        has_initial_state: has_initial_state.as_slice().map_err(|_| {
+            PyValueError::new_err("has_initial_state must be a contiguous bool array")
+        })?,
+    };
+    let state = contiguous_mut("state", &mut state)?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| conv(x, weight, bias, silu, state, varlen, out))
+        .map_err(err)
+}
+
+/// Decode attention (one query per listed sequence) over the paged KV pool.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention_decode(
+    py: Python<'_>,
+    q: PyReadonlyArray2<'_, f32>,
+    k_cache: PyReadonlyArrayDyn<'_, f32>,
+    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    rows_: PyReadonlyArray1<'_, i64>,
+    seq_lens: PyReadonlyArray1<'_, i64>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    scale: f32,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<()> {
+    let shape = k_cache.shape().to_vec();
+    if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
+        return Err(PyValueError::new_err(
+            "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike",
+        ));
+    }
+    let q = rows("q", &q)?;
+    let (heads, d) = (q.width / shape[3].max(1), shape[3]);
+    let kv = PagedKv {
+        k_cache: contiguous("k_cache", &k_cache)?,
+        v_cache: contiguous("v_cache", &v_cache)?,
+        block_size: shape[1],
+        kv_heads: shape[2],
+        head_dim: d,
+    };
+    let width = block_tables.shape()[1];
+    let seqs = DecodeSeqs {
+        rows: ints("rows", &rows_)?,
+        seq_lens: ints("seq_lens", &seq_lens)?,
+        block_tables: block_tables.as_slice().map_err(|_| {
+            PyValueError::new_err("block_tables must be a C-contiguous int32 array")
+        })?,
+        width,
+    };
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| attn_decode(q, kv, seqs, heads, scale, out))
+        .map_err(err)
+}
+
+/// Threads the kernels use from now on (the engine's `cpu_threads`).
+#[pyfunction]
+fn set_kernel_threads(n: usize) {
+    hybridserve_cpu_kernels::set_num_threads(n)
+}
+
+#[pyfunction]
+fn kernel_threads() -> usize {
+    hybridserve_cpu_kernels::num_threads()
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
+    m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
+    Ok(())
+}

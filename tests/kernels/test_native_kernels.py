@@ -1,0 +1,183 @@
+"""The native CPU kernels (``hybridserve._core.kernels`` via ``hybridserve.kernels.native``)
+against the plain-PyTorch references, on random mixed batches: whole prompts, chunks
+continuing from a slot, decodes and empty runs in one call, fresh slots holding NaN,
+inputs that are column ranges of a wider buffer (as the model passes them)."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridserve.kernels import native
+from hybridserve.kernels.causal_conv1d import causal_conv1d_ref
+from hybridserve.kernels.gated_delta_rule import gated_delta_rule_recurrent_ref
+from hybridserve.kernels.paged_attention import AttentionPlan, paged_attention_cpu, paged_attention_ref
+
+PICK = [0, 1, 1, 1, 2, 3, 5, 16, 17, 40, 64, 65, 130]
+
+
+def _batch(gen, n_max=10):
+    n = int(torch.randint(2, n_max, (1,), generator=gen))
+    lens = [PICK[i] for i in torch.randint(len(PICK), (n,), generator=gen).tolist()]
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    n_slots = n + 3
+    slots = torch.randperm(n_slots, generator=gen)[:n]
+    init = torch.rand(n, generator=gen) < 0.6
+    return lens, qsl, slots, init, n_slots
+
+
+def _wide(t, cols, gen, extra=7):
+    """A [t, cols] column range in the middle of a wider buffer."""
+    buf = torch.randn(t, cols + extra, generator=gen)
+    return buf[:, 3:3 + cols]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_conv1d_matches_reference(seed):
+    gen = torch.Generator().manual_seed(seed)
+    lens, qsl, slots, init, n_slots = _batch(gen)
+    c, w = [(24, 4), (40, 3), (300, 4), (8, 2), (17, 4), (64, 5)][seed]
+    t = sum(lens)
+    x = _wide(t, c, gen)
+    weight = torch.randn(c, w, generator=gen)
+    bias = torch.randn(c, generator=gen) if seed % 2 else None
+    pool = torch.randn(n_slots, c, w - 1, generator=gen)
+    pool[slots[~init]] = float("nan")  # fresh slots are never read
+    want_pool, got_pool = pool.clone(), pool.clone()
+    for _ in range(2):  # the second call continues from the first one's state
+        want = causal_conv1d_ref(x, weight, bias, want_pool, qsl, slots, init, "silu")
+        got = native.causal_conv1d(x, weight, bias, got_pool, native.Varlen(qsl, slots, init), "silu")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_pool, want_pool, rtol=0, atol=0, equal_nan=True)
+        init = torch.ones_like(init)
+    plain = native.causal_conv1d(x, weight, bias, got_pool.clone(), native.Varlen(qsl, slots, init), None)
+    torch.testing.assert_close(plain, causal_conv1d_ref(x, weight, bias, want_pool.clone(), qsl, slots, init, None),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_delta_rule_matches_recurrent_reference(seed):
+    gen = torch.Generator().manual_seed(50 + seed)
+    lens, qsl, slots, init, n_slots = _batch(gen)
+    hk, rep, kd, vd = [(1, 1, 8, 12), (2, 2, 16, 16), (3, 1, 8, 4), (2, 3, 32, 32), (4, 2, 32, 32), (1, 4, 5, 7)][seed]
+    h, t = hk * rep, sum(lens)
+    q, k = _wide(t, hk * kd, gen), _wide(t, hk * kd, gen)
+    v = _wide(t, h * vd, gen)
+    g = -torch.rand(t, h, generator=gen)
+    beta = torch.rand(t, h, generator=gen)
+    pool = torch.randn(n_slots, h, kd, vd, generator=gen)
+    pool[slots[~init]] = float("nan")
+    want_pool, got_pool = pool.clone(), pool.clone()
+    for _ in range(2):
+        want = gated_delta_rule_recurrent_ref(
+            q.reshape(t, hk, kd).repeat_interleave(rep, 1), k.reshape(t, hk, kd).repeat_interleave(rep, 1),
+            v.reshape(t, h, vd), g, beta, want_pool, qsl, slots, init, kd ** -0.5)
+        got = native.gated_delta_rule(q, k, v, got_pool, native.Varlen(qsl, slots, init), key_heads=hk,
+                                      value_heads=h, scale=kd ** -0.5, g=g, beta=beta)
+        torch.testing.assert_close(got, want.reshape(t, h * vd), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-5, equal_nan=True)
+        init = torch.ones_like(init)
+
+
+def test_delta_rule_fused_gates_and_norm_match_the_model_formulas():
+    """Gates from a/b and the gated output norm, as Qwen3.5's Gated DeltaNet computes them."""
+    gen = torch.Generator().manual_seed(7)
+    lens, qsl, slots, init, n_slots = _batch(gen)
+    hk, h, kd, vd, t = 2, 4, 16, 8, sum(lens)
+    q, k, v = _wide(t, hk * kd, gen), _wide(t, hk * kd, gen), _wide(t, h * vd, gen)
+    a, b, z = _wide(t, h, gen) * 3, _wide(t, h, gen) * 3, _wide(t, h * vd, gen)
+    a[0, 0] = 30.0  # softplus past its threshold
+    A_log, dt_bias = torch.randn(h, generator=gen), torch.randn(h, generator=gen)
+    weight, eps = 1 + 0.1 * torch.randn(vd, generator=gen), 1e-6
+    pool = torch.randn(n_slots, h, kd, vd, generator=gen)
+    want_pool, got_pool = pool.clone(), pool.clone()
+    g = -A_log.exp() * F.softplus(a + dt_bias)
+    beta = torch.sigmoid(b)
+    o = gated_delta_rule_recurrent_ref(
+        q.reshape(t, hk, kd).repeat_interleave(h // hk, 1), k.reshape(t, hk, kd).repeat_interleave(h // hk, 1),
+        v.reshape(t, h, vd), g, beta, want_pool, qsl, slots, init, kd ** -0.5).reshape(-1, vd)
+    want = (weight * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)) * F.silu(z.reshape(-1, vd)))
+    got = native.gated_delta_rule(q, k, v, got_pool, native.Varlen(qsl, slots, init), key_heads=hk, value_heads=h,
+                                  scale=kd ** -0.5, a=a, b=b, A_log=A_log, dt_bias=dt_bias, z=z,
+                                  norm_weight=weight, norm_eps=eps)
+    torch.testing.assert_close(got, want.reshape(t, h * vd), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_attention_decodes_native_and_the_rest_grouped_match_reference(seed):
+    gen = torch.Generator().manual_seed(90 + seed)
+    hq, hkv, d, bs = [(4, 2, 16, 4), (6, 1, 8, 16), (4, 4, 32, 8), (8, 2, 64, 16)][seed]
+    n = int(torch.randint(3, 12, (1,), generator=gen))
+    q_lens = [1 if torch.rand(1, generator=gen) < 0.6 else int(torch.randint(2, 20, (1,), generator=gen))
+              for _ in range(n)]
+    seq_lens = [ql + int(torch.randint(0, 70, (1,), generator=gen)) for ql in q_lens]
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 5
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-s // bs) for s in seq_lens) + 2
+    tables = torch.zeros(n, width, dtype=torch.int32)
+    at = 0
+    for i, s in enumerate(seq_lens):
+        nb = -(-s // bs)
+        tables[i, :nb] = torch.tensor(perm[at:at + nb], dtype=torch.int32)
+        at += nb
+    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = paged_attention_ref(q, k_cache, v_cache, qsl, lens, tables, d ** -0.5)
+    plan = AttentionPlan(qsl, lens, tables, bs, split_decodes=True)
+    if 1 in q_lens:
+        assert plan.decode is not None and len(plan.decode[0]) == q_lens.count(1)
+    got = paged_attention_cpu(q, k_cache, v_cache, qsl, lens, tables, d ** -0.5, plan)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_input_is_a_value_error_that_names_the_argument():
+    x = torch.randn(4, 8)
+    pool = torch.zeros(3, 8, 3)
+    with pytest.raises(ValueError, match="weight"):
+        native.causal_conv1d(x, torch.randn(7, 4), None, pool, native.Varlen([0, 4], [0], [True]))
+    with pytest.raises(ValueError, match="state slot 5"):
+        native.causal_conv1d(x, torch.randn(8, 4), None, pool, native.Varlen([0, 4], [5], [True]))
+    with pytest.raises(ValueError, match="used by two sequences"):
+        native.causal_conv1d(x, torch.randn(8, 4), None, pool, native.Varlen([0, 2, 4], [1, 1], [True, True]))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        native.causal_conv1d(x, torch.randn(8, 4), None, pool, native.Varlen([0, 3], [1], [True]))
+    state = torch.zeros(2, 2, 4, 4)
+    with pytest.raises(ValueError, match="v must be"):
+        native.gated_delta_rule(x, x, torch.randn(5, 8), state, native.Varlen([0, 4], [0], [True]), key_heads=2,
+                                value_heads=2, scale=1.0, g=torch.zeros(4, 2), beta=torch.zeros(4, 2))
+    with pytest.raises(ValueError, match="either g and beta"):
+        native.gated_delta_rule(x, x, x, state, native.Varlen([0, 4], [0], [True]), key_heads=2, value_heads=2,
+                                scale=1.0, g=torch.zeros(4, 2))
+    kc = torch.zeros(4, 4, 2, 8)
+    out = torch.zeros(2, 2, 8)
+    with pytest.raises(ValueError, match="block 9"):
+        native.paged_attention_decode(torch.zeros(2, 2, 8), kc, kc, np.array([0], dtype=np.int64),
+                                      np.array([3], dtype=np.int64), torch.tensor([[9]], dtype=torch.int32), 1.0, out)
+    with pytest.raises(ValueError, match="needs 1..=4"):
+        native.paged_attention_decode(torch.zeros(2, 2, 8), kc, kc, np.array([0], dtype=np.int64),
+                                      np.array([5], dtype=np.int64), torch.tensor([[1]], dtype=torch.int32), 1.0, out)
+
+
+def test_thread_count_is_settable_and_results_do_not_depend_on_it():
+    gen = torch.Generator().manual_seed(3)
+    lens, qsl, slots, init, n_slots = _batch(gen, 12)
+    t, h, kd = sum(lens), 4, 32
+    q, k, v = _wide(t, h * kd, gen), _wide(t, h * kd, gen), _wide(t, h * kd, gen)
+    g, beta = -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
+    pool = torch.randn(n_slots, h, kd, kd, generator=gen)
+    before = native.threads()
+    outs = []
+    try:
+        for n in (1, 3):
+            native.set_threads(n)
+            assert native.threads() == n
+            p = pool.clone()
+            outs.append((native.gated_delta_rule(q, k, v, p, native.Varlen(qsl, slots, init), key_heads=h,
+                                                 value_heads=h, scale=0.2, g=g, beta=beta), p))
+    finally:
+        native.set_threads(before)
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
