@@ -29,6 +29,35 @@ except ImportError:  # an extension built before the kernels existed
 _DISABLED = os.environ.get("HYBRIDSERVE_NO_NATIVE", "") in ("1", "true", "yes")
 
 
+def _share_torchs_openmp_pool() -> bool:
+    """Hand the kernels torch's libgomp workers (see ``rust/kernels/src/pool.rs``): two
+    pools on the same cores fight, since libgomp's workers spin for milliseconds after
+    each op. Linux with torch's bundled or system libgomp only; elsewhere, and with
+    ``HYBRIDSERVE_KERNEL_POOL=rayon``, the kernels keep their own rayon pool."""
+    if _k is None or os.environ.get("HYBRIDSERVE_KERNEL_POOL", "") == "rayon":
+        return False
+    try:
+        import ctypes
+        import re
+
+        with open("/proc/self/maps") as f:
+            paths = sorted(set(re.findall(r"(/\S*libgomp[^/\s]*\.so[^/\s]*)", f.read())))
+        if len(paths) != 1:  # none, or two runtimes: do not guess which one torch uses
+            return False
+        lib = ctypes.CDLL(paths[0])
+        par = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
+        num = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value
+        if not par or not num:
+            return False
+        _k._use_openmp(par, num)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+_OPENMP = _share_torchs_openmp_pool()
+
+
 def available() -> bool:
     return _k is not None and not _DISABLED
 
@@ -46,6 +75,11 @@ def set_threads(n: int) -> None:
 
 def threads() -> int:
     return _k.kernel_threads() if _k is not None else 0
+
+
+def pool() -> str:
+    """Where the kernels' tasks run: ``"openmp"`` (torch's workers) or ``"rayon"``."""
+    return "openmp" if _k is not None and _k.uses_openmp() else "rayon"
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

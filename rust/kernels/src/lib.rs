@@ -18,8 +18,10 @@
 //!
 //! Every kernel is checked here against a scalar transcription of its formula and,
 //! from Python, against the plain-PyTorch references (`hybridserve.kernels`), which
-//! are the project's oracles. Work is split over a rayon pool (see [`set_num_threads`])
-//! by sequence and head; tasks never share an output element.
+//! are the project's oracles. Work is split by sequence and head into tasks that never
+//! share an output element, run on the host's OpenMP workers when it hands them over
+//! ([`use_openmp`]: torch's, so the two never fight for cores) or on a rayon pool
+//! (see `pool.rs`, and [`set_num_threads`]).
 
 #![allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
 
@@ -29,7 +31,7 @@ pub mod delta_rule;
 mod math;
 mod pool;
 
-pub use pool::{num_threads, set_num_threads};
+pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 
 /// A row-strided 2-D view: row `t` is `data[t * stride .. t * stride + width]`.
 ///

@@ -6,23 +6,29 @@
 //! that blocks vectorisation; [`exp`] is the Cephes single-precision polynomial (about
 //! 1 ulp), made of arithmetic and bit casts only.
 
-/// `e^x` for finite `x` (clamped to the finite range of f32); about 1 ulp.
+/// `e^x` for finite `x` (clamped to the normal range of f32); about 1 ulp.
+///
+/// Rounds `x / ln 2` to an integer by adding 1.5 * 2^23 (no `floor`, no float-to-int
+/// cast: both would keep the loop scalar), whose low mantissa bits then hold it.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
+    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + 0.5).floor();
+    let t = x * LOG2E + MAGIC;
+    let n = t - MAGIC;
     let r = x - n * LN2_HI - n * LN2_LO;
     let mut p = 1.987_569_1e-4_f32;
     p = p * r + 1.398_199_9e-3;
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5e-1;
+    p = p * r + 5.000_000_1e-1;
     let y = p * r * r + r + 1.0;
-    y * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    y * f32::from_bits(((ni + 127) as u32) << 23)
 }
 
 /// `x * sigmoid(x)`.

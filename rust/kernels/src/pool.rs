@@ -1,69 +1,135 @@
-//! The kernels' thread pool: rayon, sized by the engine (its `cpu_threads`).
+//! Where the kernels' tasks run.
 //!
-//! Its own pool rather than rayon's global one so that an embedding application's
-//! rayon work and ours do not share (or size) one pool.
+//! In a torch process the cores already belong to torch's OpenMP pool, whose workers
+//! spin for milliseconds after every parallel op (libgomp's default wait policy; a
+//! `pause` is slow on some CPUs). A second pool (rayon) started right after a GEMM
+//! finds its cores taken by spinning workers and gains nothing; measured in the
+//! engine, two rayon threads ran the delta rule no faster than one. So when the host
+//! hands us its libgomp entry points ([`use_openmp`]), tasks run on those same
+//! workers through `GOMP_parallel`, which they pick up while still spinning. Without
+//! them (no torch, another OpenMP runtime) tasks run on an own rayon pool.
 
-use std::sync::{OnceLock, RwLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
 
-/// The pool and the thread count it was built with.
-type PoolSlot = Option<(usize, std::sync::Arc<rayon::ThreadPool>)>;
+/// The rayon pool and the thread count it was built with.
+type RayonSlot = Option<(usize, Arc<rayon::ThreadPool>)>;
 
-static POOL: OnceLock<RwLock<PoolSlot>> = OnceLock::new();
+static RAYON: OnceLock<RwLock<RayonSlot>> = OnceLock::new();
+static THREADS: AtomicUsize = AtomicUsize::new(0);
 
-fn slot() -> &'static RwLock<PoolSlot> {
-    POOL.get_or_init(|| RwLock::new(None))
+/// libgomp's `GOMP_parallel(fn, data, num_threads, flags)` and `omp_get_thread_num()`.
+type GompParallel =
+    unsafe extern "C" fn(extern "C" fn(*mut std::ffi::c_void), *mut std::ffi::c_void, u32, u32);
+type OmpThreadNum = unsafe extern "C" fn() -> i32;
+
+static OPENMP: OnceLock<(GompParallel, OmpThreadNum)> = OnceLock::new();
+
+fn rayon_slot() -> &'static RwLock<RayonSlot> {
+    RAYON.get_or_init(|| RwLock::new(None))
 }
 
 /// Use `n` threads (at least 1) for the kernels from now on.
 pub fn set_num_threads(n: usize) {
-    let n = n.max(1);
-    let mut g = slot().write().unwrap_or_else(|e| e.into_inner());
-    if matches!(&*g, Some((m, _)) if *m == n) {
-        return;
-    }
-    let pool = rayon::ThreadPoolBuilder::new()
-        .num_threads(n)
-        .thread_name(|i| format!("hybridserve-kernel-{i}"))
-        .build()
-        .expect("cannot start the kernel thread pool");
-    *g = Some((n, std::sync::Arc::new(pool)));
+    THREADS.store(n.max(1), Ordering::Relaxed);
 }
 
 /// Threads the kernels use (the machine's available parallelism until set).
 pub fn num_threads() -> usize {
-    pool().current_num_threads()
+    match THREADS.load(Ordering::Relaxed) {
+        0 => std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        n => n,
+    }
 }
 
-pub(crate) fn pool() -> std::sync::Arc<rayon::ThreadPool> {
-    if let Some((_, p)) = &*slot().read().unwrap_or_else(|e| e.into_inner()) {
-        return p.clone();
+/// Run tasks on the host's OpenMP (libgomp) workers from now on.
+///
+/// # Safety
+/// `gomp_parallel` and `omp_get_thread_num` must be the addresses of those two
+/// functions of the libgomp loaded in this process (the one the host's own parallel
+/// ops use, so both share one pool).
+pub unsafe fn use_openmp(gomp_parallel: usize, omp_get_thread_num: usize) {
+    let f: GompParallel = std::mem::transmute::<usize, GompParallel>(gomp_parallel);
+    let g: OmpThreadNum = std::mem::transmute::<usize, OmpThreadNum>(omp_get_thread_num);
+    let _ = OPENMP.set((f, g));
+}
+
+/// True when tasks run on the host's OpenMP workers.
+pub fn uses_openmp() -> bool {
+    OPENMP.get().is_some()
+}
+
+fn rayon_pool(n: usize) -> Arc<rayon::ThreadPool> {
+    if let Some((m, p)) = &*rayon_slot().read().unwrap_or_else(|e| e.into_inner()) {
+        if *m == n {
+            return p.clone();
+        }
     }
-    let n = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    set_num_threads(n);
-    slot()
-        .read()
-        .unwrap_or_else(|e| e.into_inner())
-        .as_ref()
-        .unwrap()
-        .1
-        .clone()
+    let mut g = rayon_slot().write().unwrap_or_else(|e| e.into_inner());
+    let pool = Arc::new(
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("hybridserve-kernel-{i}"))
+            .build()
+            .expect("cannot start the kernel thread pool"),
+    );
+    *g = Some((n, pool.clone()));
+    pool
+}
+
+/// What each OpenMP worker runs: claim task indices from a shared counter until none
+/// are left (dynamic scheduling: tasks differ in size, e.g. runs of different lengths).
+struct Job<'a> {
+    next: AtomicUsize,
+    n: usize,
+    f: &'a (dyn Fn(usize) + Sync),
+}
+
+extern "C" fn openmp_worker(data: *mut std::ffi::c_void) {
+    // SAFETY: `data` is the `Job` that `for_each_task` keeps alive across GOMP_parallel.
+    let job = unsafe { &*(data as *const Job<'_>) };
+    // A panic must not unwind into C; a kernel task panicking is a bug: stop there.
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loop {
+        let i = job.next.fetch_add(1, Ordering::Relaxed);
+        if i >= job.n {
+            break;
+        }
+        (job.f)(i);
+    }));
+    if r.is_err() {
+        std::process::abort();
+    }
 }
 
 /// Runs `f(i)` for `i in 0..n` tasks: inline when there is one task or one thread or
 /// too little work (`work` in rough multiply-adds) to pay for waking a thread.
 pub(crate) fn for_each_task<F: Fn(usize) + Sync + Send>(n: usize, work: usize, f: F) {
     const MIN_PARALLEL_WORK: usize = 1 << 15;
-    if n <= 1 || work < MIN_PARALLEL_WORK {
+    let threads = num_threads().min(n);
+    if threads <= 1 || work < MIN_PARALLEL_WORK {
         (0..n).for_each(f);
         return;
     }
-    let p = pool();
-    if p.current_num_threads() <= 1 {
-        (0..n).for_each(f);
+    if let Some((gomp_parallel, _)) = OPENMP.get() {
+        let job = Job {
+            next: AtomicUsize::new(0),
+            n,
+            f: &f,
+        };
+        // SAFETY: the entry point was registered by `use_openmp`; `job` outlives the
+        // call, which returns only when every worker has finished.
+        unsafe {
+            gomp_parallel(
+                openmp_worker,
+                &job as *const Job<'_> as *mut std::ffi::c_void,
+                threads as u32,
+                0,
+            )
+        };
         return;
     }
     use rayon::prelude::*;
-    p.install(|| (0..n).into_par_iter().with_max_len(1).for_each(f));
+    rayon_pool(threads).install(|| (0..n).into_par_iter().with_max_len(1).for_each(f));
 }

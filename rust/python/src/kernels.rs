@@ -243,11 +243,33 @@ fn kernel_threads() -> usize {
     hybridserve_cpu_kernels::num_threads()
 }
 
+/// Run the kernels' tasks on the process's libgomp workers (torch's OpenMP pool):
+/// the addresses of its `GOMP_parallel` and `omp_get_thread_num`. The caller
+/// (`hybridserve.kernels.native`) finds the libgomp torch loaded; wrong addresses
+/// would crash the process, hence the leading underscore.
+#[pyfunction]
+fn _use_openmp(gomp_parallel: usize, omp_get_thread_num: usize) -> PyResult<()> {
+    if gomp_parallel == 0 || omp_get_thread_num == 0 {
+        return Err(PyValueError::new_err("null OpenMP entry point"));
+    }
+    // SAFETY: documented contract above; the Python caller resolves both symbols in
+    // the libgomp mapped into this process.
+    unsafe { hybridserve_cpu_kernels::use_openmp(gomp_parallel, omp_get_thread_num) };
+    Ok(())
+}
+
+#[pyfunction]
+fn uses_openmp() -> bool {
+    hybridserve_cpu_kernels::uses_openmp()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
+    m.add_function(wrap_pyfunction!(uses_openmp, m)?)?;
     Ok(())
 }
