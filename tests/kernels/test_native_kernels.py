@@ -181,3 +181,23 @@ def test_thread_count_is_settable_and_results_do_not_depend_on_it():
     finally:
         native.set_threads(before)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("centered", [True, False])
+def test_rms_norm_with_and_without_the_residual_add(centered):
+    gen = torch.Generator().manual_seed(11)
+    t, d, eps = 77, 48, 1e-6
+    x, residual = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
+    weight = 0.1 * torch.randn(d, generator=gen)
+    scale = (1 + weight) if centered else weight
+
+    def want(v):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps) * scale
+
+    torch.testing.assert_close(native.rms_norm(x, weight, eps, centered=centered), want(x), rtol=1e-5, atol=1e-6)
+    total = residual + x
+    got = native.rms_norm(x, weight, eps, residual=residual, centered=centered)
+    torch.testing.assert_close(residual, total, rtol=0, atol=0)  # updated in place, exactly
+    torch.testing.assert_close(got, want(total), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        native.rms_norm(x, weight, eps, residual=torch.zeros(t + 1, d))

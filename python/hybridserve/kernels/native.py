@@ -151,3 +151,13 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     listed sequence."""
     _k.paged_attention_decode(_np(q.reshape(q.shape[0], -1)), _np(k_cache), _np(v_cache), rows, seq_lens,
                               _np(block_tables.to(torch.int32).contiguous()), float(scale), _np(out))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             centered: bool = True) -> torch.Tensor:
+    """RMSNorm of ``x`` ``[T, D]`` (contiguous); with ``residual``, ``residual += x`` first
+    (in place) and the sum is normalised. ``centered``: scale by ``1 + weight``."""
+    out = torch.empty_like(x)
+    _k.rms_norm(_np(x), _np(weight), float(eps), _np(out), None if residual is None else _np(residual),
+                bool(centered))
+    return out

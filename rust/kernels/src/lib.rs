@@ -13,6 +13,7 @@
 //!   q/k l2-norm and the gated RMSNorm of the output are fused in.
 //! * [`conv1d`]: the depthwise causal conv1d over a flattened varlen batch, with the
 //!   conv state read from and written back to its slot and `silu` fused.
+//! * [`norm`]: RMSNorm with the residual add fused in.
 //! * [`attention`]: decode attention (one query per sequence) straight from the paged
 //!   KV pool through the block table, every query head of a KV group at once.
 //!
@@ -29,6 +30,7 @@ pub mod attention;
 pub mod conv1d;
 pub mod delta_rule;
 mod math;
+pub mod norm;
 mod pool;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};

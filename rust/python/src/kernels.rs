@@ -232,6 +232,31 @@ fn paged_attention_decode(
         .map_err(err)
 }
 
+/// RMSNorm of `x` (`[T, D]`) into `out`; with `residual`, first `residual += x` and
+/// normalise the sum. `centered`: scale by `1 + weight` (Qwen3.5) instead of `weight`.
+#[pyfunction]
+#[pyo3(signature = (x, weight, eps, out, residual=None, centered=true))]
+fn rms_norm(
+    py: Python<'_>,
+    x: PyReadonlyArrayDyn<'_, f32>,
+    weight: PyReadonlyArrayDyn<'_, f32>,
+    eps: f32,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    residual: Option<PyReadwriteArrayDyn<'_, f32>>,
+    centered: bool,
+) -> PyResult<()> {
+    let x = contiguous("x", &x)?;
+    let weight = contiguous("weight", &weight)?;
+    let out = contiguous_mut("out", &mut out)?;
+    let mut residual = residual;
+    let residual = match residual.as_mut() {
+        Some(r) => Some(contiguous_mut("residual", r)?),
+        None => None,
+    };
+    py.detach(|| hybridserve_cpu_kernels::norm::rms_norm(x, residual, weight, eps, centered, out))
+        .map_err(err)
+}
+
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
 #[pyfunction]
 fn set_kernel_threads(n: usize) {
@@ -267,6 +292,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
