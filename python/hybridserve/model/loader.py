@@ -143,5 +143,7 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     if unknown:
         warnings.warn(f"ignored {len(unknown)} unexpected tensor(s) in {model_dir}: {unknown[:5]}",
                       stacklevel=2)
+    if device.type == "cpu":
+        model.store_projections_column_major()
     model.eval()
     return model, config

@@ -332,6 +332,18 @@ class Qwen3_5ForServing(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def store_projections_column_major(self) -> None:
+        """CPU layout: keep each projection's weight transposed in memory (same values and
+        shape, strides ``(1, out)``). MKL then reads it in place instead of repacking it
+        on every call; measured 7-20% off the GEMMs of decode steps (few rows), neutral
+        for long chunks. Not for a tied LM head: it is also the embedding table, whose
+        rows are gathered."""
+        tied = self.embed_tokens.weight
+        with torch.no_grad():
+            for m in self.modules():
+                if isinstance(m, nn.Linear) and m.weight is not tied:
+                    m.weight.data = m.weight.data.t().contiguous().t()
+
     def new_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> HybridCache:
         """A zeroed :class:`HybridCache` in this model's dtype and on its device."""
         return HybridCache(self.config, num_blocks, block_size, num_state_slots, self.dtype, self.device)
