@@ -182,11 +182,184 @@ pub fn gated_delta_rule(
         })
         .collect();
     let work = t * h * kd * vd * 4;
-    for_each_task(runs.len() * h, work, |i| run_task(&ctx, runs[i / h], i % h));
+    let task = task_fn(vd);
+    for_each_task(runs.len() * h, work, |i| task(&ctx, runs[i / h], i % h));
     Ok(())
 }
 
 dispatch!(fn run_task(ctx: &Ctx<'_>, b: usize, head: usize) => run_task_body);
+
+type TaskFn = fn(&Ctx<'_>, usize, usize);
+
+/// The hand-vectorised AVX2 task for value dims of 32, 64 or 128 (Qwen3.5's sizes),
+/// the portable one otherwise.
+fn task_fn(vd: usize) -> TaskFn {
+    #[cfg(target_arch = "x86_64")]
+    if crate::math::has_avx2() {
+        match vd {
+            32 => return |c, b, h| unsafe { avx2::run_task::<4>(c, b, h) },
+            64 => return |c, b, h| unsafe { avx2::run_task::<8>(c, b, h) },
+            128 => return |c, b, h| unsafe { avx2::run_task::<16>(c, b, h) },
+            _ => {}
+        }
+    }
+    run_task
+}
+
+/// Per-token inputs: normalised `k`, scaled normalised `q`, decay `exp(g)` and `beta`.
+#[inline(always)]
+fn token_inputs(
+    ctx: &Ctx<'_>,
+    t: usize,
+    j: usize,
+    head: usize,
+    kn: &mut [f32],
+    qn: &mut [f32],
+) -> (f32, f32) {
+    let kd = ctx.heads.key_dim;
+    let qr = &ctx.q.row(t)[j * kd..(j + 1) * kd];
+    let kr = &ctx.k.row(t)[j * kd..(j + 1) * kd];
+    let (qs, ks) = if ctx.l2norm {
+        (
+            1.0 / (sum_sq(qr) + 1e-6).sqrt(),
+            1.0 / (sum_sq(kr) + 1e-6).sqrt(),
+        )
+    } else {
+        (1.0, 1.0)
+    };
+    for i in 0..kd {
+        kn[i] = kr[i] * ks;
+        qn[i] = (qr[i] * qs) * ctx.scale;
+    }
+    let (g, beta) = match &ctx.gates {
+        Gates::Direct { g, beta } => (g.row(t)[head], beta.row(t)[head]),
+        Gates::Raw {
+            a,
+            b: bb,
+            a_log,
+            dt_bias,
+        } => (
+            -a_log[head].exp() * softplus(a.row(t)[head] + dt_bias[head]),
+            sigmoid(bb.row(t)[head]),
+        ),
+    };
+    (g.exp(), beta)
+}
+
+/// Writes token `t`'s output `o` (normalised when asked) to its row.
+#[inline(always)]
+fn write_output(ctx: &Ctx<'_>, t: usize, head: usize, o: &[f32]) {
+    let (h, vd) = (ctx.heads.value_heads, o.len());
+    // SAFETY: row t, head `head` of the output belongs to this task.
+    let dst = unsafe { ctx.out.slice((t * h + head) * vd, vd) };
+    match &ctx.norm {
+        None => dst.copy_from_slice(o),
+        Some(n) => {
+            let r = 1.0 / (sum_sq(o) / vd as f32 + n.eps).sqrt();
+            let z = &n.z.row(t)[head * vd..(head + 1) * vd];
+            for (((d, &x), &w), &zz) in dst.iter_mut().zip(o).zip(n.weight).zip(z) {
+                *d = (w * (x * r)) * silu(zz);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! Rows of `8 * NV` values held in `NV` AVX registers; the correction and the
+    //! output accumulators stay in registers across the sweep.
+    //!
+    //! Token `t` needs two sweeps over the state: decay it and read `S^T k`, then
+    //! write `k delta^T` and read `S^T q`. The second sweep of token `t` and the first
+    //! of token `t + 1` are fused, so a run of `L` tokens makes `L + 1` sweeps instead
+    //! of `2L`.
+    use super::{token_inputs, write_output, Ctx, Heads};
+    use std::arch::x86_64::*;
+
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn run_task<const NV: usize>(ctx: &Ctx<'_>, b: usize, head: usize) {
+        let Heads {
+            key_heads: hk,
+            value_heads: h,
+            key_dim: kd,
+            value_dim: vd,
+        } = ctx.heads;
+        debug_assert_eq!(vd, 8 * NV);
+        let j = head / (h / hk);
+        let (start, end) = ctx.varlen.run(b);
+        let slot = ctx.varlen.state_slots[b] as usize;
+        // SAFETY: (slot, head) is this task's alone (distinct slots, one task per head).
+        let s = ctx.state.slice((slot * h + head) * kd * vd, kd * vd);
+        if !ctx.varlen.has_initial_state[b] {
+            s.fill(0.0);
+        }
+        let sp = s.as_mut_ptr();
+        let (mut kn, mut qn) = (vec![0.0f32; kd], vec![0.0f32; kd]);
+        let (mut kn2, mut qn2) = (vec![0.0f32; kd], vec![0.0f32; kd]);
+        let mut o = vec![0.0f32; vd];
+        let zero = _mm256_setzero_ps();
+        // Token `start`'s first sweep: decay, and mem = S^T k.
+        let (decay, mut beta) = token_inputs(ctx, start, j, head, &mut kn, &mut qn);
+        let mut mem = [zero; NV];
+        let dv = _mm256_set1_ps(decay);
+        for (kk, &kc) in kn.iter().enumerate() {
+            let kc = _mm256_set1_ps(kc);
+            for (i, m) in mem.iter_mut().enumerate() {
+                let p = sp.add(kk * vd + 8 * i);
+                let x = _mm256_mul_ps(_mm256_loadu_ps(p), dv);
+                _mm256_storeu_ps(p, x);
+                *m = _mm256_fmadd_ps(x, kc, *m);
+            }
+        }
+        for t in start..end {
+            let vr = ctx.v.row(t)[head * vd..(head + 1) * vd].as_ptr();
+            let bv = _mm256_set1_ps(beta);
+            let mut delta = [zero; NV];
+            for i in 0..NV {
+                delta[i] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vr.add(8 * i)), mem[i]), bv);
+            }
+            let mut acc = [zero; NV];
+            if t + 1 < end {
+                let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2);
+                let dv = _mm256_set1_ps(decay2);
+                let mut mem2 = [zero; NV];
+                for kk in 0..kd {
+                    let (kc, qc, kc2) = (
+                        _mm256_set1_ps(kn[kk]),
+                        _mm256_set1_ps(qn[kk]),
+                        _mm256_set1_ps(kn2[kk]),
+                    );
+                    for i in 0..NV {
+                        let p = sp.add(kk * vd + 8 * i);
+                        let w = _mm256_fmadd_ps(kc, delta[i], _mm256_loadu_ps(p));
+                        acc[i] = _mm256_fmadd_ps(w, qc, acc[i]);
+                        let w2 = _mm256_mul_ps(w, dv);
+                        mem2[i] = _mm256_fmadd_ps(w2, kc2, mem2[i]);
+                        _mm256_storeu_ps(p, w2);
+                    }
+                }
+                mem = mem2;
+                beta = beta2;
+            } else {
+                for kk in 0..kd {
+                    let (kc, qc) = (_mm256_set1_ps(kn[kk]), _mm256_set1_ps(qn[kk]));
+                    for i in 0..NV {
+                        let p = sp.add(kk * vd + 8 * i);
+                        let w = _mm256_fmadd_ps(kc, delta[i], _mm256_loadu_ps(p));
+                        acc[i] = _mm256_fmadd_ps(w, qc, acc[i]);
+                        _mm256_storeu_ps(p, w);
+                    }
+                }
+            }
+            for (i, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), *a);
+            }
+            write_output(ctx, t, head, &o);
+            std::mem::swap(&mut kn, &mut kn2);
+            std::mem::swap(&mut qn, &mut qn2);
+        }
+    }
+}
 
 #[inline(always)]
 fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
@@ -357,11 +530,18 @@ mod tests {
 
     #[test]
     fn matches_the_formula_on_a_mixed_batch() {
+        // 12: the portable task; 32 and 64: the AVX2 ones (where the CPU has AVX2).
+        for vd in [12, 32, 64] {
+            check_mixed_batch(vd);
+        }
+    }
+
+    fn check_mixed_batch(vd: usize) {
         let heads = Heads {
             key_heads: 2,
             value_heads: 4,
             key_dim: 16,
-            value_dim: 12,
+            value_dim: vd,
         };
         let lens = [1usize, 37, 0, 1, 5, 64];
         let mut qsl = vec![0i64];
@@ -374,10 +554,10 @@ mod tests {
         let mut rng = Lcg(7);
         let q = rng.vec(t * 2 * 16);
         let k = rng.vec(t * 2 * 16);
-        let v = rng.vec(t * 4 * 12);
+        let v = rng.vec(t * 4 * vd);
         let g: Vec<f32> = rng.vec(t * 4).iter().map(|x| -(x.abs()) * 0.5).collect();
         let beta: Vec<f32> = rng.vec(t * 4).iter().map(|x| x.abs()).collect();
-        let per = 4 * 16 * 12;
+        let per = 4 * 16 * vd;
         let mut state: Vec<f32> = rng.vec(8 * per).iter().map(|x| x * 0.3).collect();
         let mut want_state: Vec<f64> = state.iter().map(|&x| x as f64).collect();
         let want = reference(
@@ -393,7 +573,7 @@ mod tests {
             &slots,
             &init,
         );
-        let mut out = vec![0.0f32; t * 4 * 12];
+        let mut out = vec![0.0f32; t * 4 * vd];
         let varlen = Varlen {
             query_start_loc: &qsl,
             state_slots: &slots,
@@ -402,7 +582,7 @@ mod tests {
         gated_delta_rule(
             Rows::dense(&q, 32).unwrap(),
             Rows::dense(&k, 32).unwrap(),
-            Rows::dense(&v, 48).unwrap(),
+            Rows::dense(&v, 4 * vd).unwrap(),
             Gates::Direct {
                 g: Rows::dense(&g, 4).unwrap(),
                 beta: Rows::dense(&beta, 4).unwrap(),
