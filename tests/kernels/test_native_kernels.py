@@ -201,3 +201,16 @@ def test_rms_norm_with_and_without_the_residual_add(centered):
     torch.testing.assert_close(got, want(total), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="residual"):
         native.rms_norm(x, weight, eps, residual=torch.zeros(t + 1, d))
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 64, 130])
+def test_few_rows_linear_matches_f_linear(m):
+    """Weights stored transposed (as the CPU path keeps them); widths with and without
+    a partial 16-column strip; an input that is a column range of a wider buffer."""
+    gen = torch.Generator().manual_seed(m)
+    for n_out, k in ((48, 32), (35, 20), (272, 256)):
+        w = torch.randn(n_out, k, generator=gen).t().contiguous().t()
+        x = _wide(m, k, gen)
+        torch.testing.assert_close(native.linear_few_rows(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="wt must be"):
+        native.linear_few_rows(torch.randn(3, 8), torch.randn(5, 9).t().contiguous().t())

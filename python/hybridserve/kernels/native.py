@@ -161,3 +161,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     _k.rms_norm(_np(x), _np(weight), float(eps), _np(out), None if residual is None else _np(residual),
                 bool(centered))
     return out
+
+
+def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a ``weight`` stored transposed (strides ``(1, out)``, see
+    :meth:`Qwen3_5ForServing.store_projections_column_major`); ``x`` ``[M, K]`` with
+    unit column stride. For decode-sized ``M``, where BLAS repacks the weight per call."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    _k.matmul(_np(x), _np(weight.t()), _np(out))
+    return out

@@ -13,6 +13,8 @@
 //!   q/k l2-norm and the gated RMSNorm of the output are fused in.
 //! * [`conv1d`]: the depthwise causal conv1d over a flattened varlen batch, with the
 //!   conv state read from and written back to its slot and `silu` fused.
+//! * [`matmul`]: `x W^T` for the few rows of a decode step, without BLAS's per-call
+//!   repacking of the weight.
 //! * [`norm`]: RMSNorm with the residual add fused in.
 //! * [`attention`]: decode attention (one query per sequence) straight from the paged
 //!   KV pool through the block table, every query head of a KV group at once.
@@ -30,6 +32,7 @@ pub mod attention;
 pub mod conv1d;
 pub mod delta_rule;
 mod math;
+pub mod matmul;
 pub mod norm;
 mod pool;
 

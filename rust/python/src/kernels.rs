@@ -257,6 +257,19 @@ fn rms_norm(
         .map_err(err)
 }
 
+/// `out = x @ wt` for `x` `[M, K]` (row-strided allowed), `wt` `[K, N]` row-major
+/// (a projection weight stored transposed), `out` `[M, N]`.
+#[pyfunction]
+fn matmul(py: Python<'_>, x: PyReadonlyArray2<'_, f32>, wt: PyReadonlyArray2<'_, f32>, mut out: PyReadwriteArrayDyn<'_, f32>) -> PyResult<()> {
+    let x = rows("x", &x)?;
+    let n = wt.shape()[1];
+    let wt = wt
+        .as_slice()
+        .map_err(|_| PyValueError::new_err("wt must be a C-contiguous [K, N] float32 array (the weight transposed)"))?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| hybridserve_cpu_kernels::matmul::matmul(x, wt, n, out)).map_err(err)
+}
+
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
 #[pyfunction]
 fn set_kernel_threads(n: usize) {
@@ -293,6 +306,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
