@@ -10,7 +10,21 @@ import random
 import pytest
 import torch
 
+from hybridserve.kernels import native
+
 PRESETS = ["test-a", "test-b"]
+
+
+@pytest.fixture(autouse=True, params=["native", "pytorch"])
+def cpu_path(request, monkeypatch):
+    """Every fidelity test runs twice: with the native CPU kernels (the default for
+    float32 on the CPU) and with them off, so the PyTorch CPU path stays checked
+    against HF too (it serves other dtypes, and HYBRIDSERVE_NO_NATIVE=1)."""
+    if request.param == "pytorch":
+        monkeypatch.setattr(native, "_DISABLED", True)
+    else:
+        assert native.available(), "the extension was built without hybridserve._core.kernels"
+    return request.param
 
 
 def _prompt(rng, n, vocab=259):

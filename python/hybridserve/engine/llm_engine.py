@@ -119,7 +119,10 @@ class LLMEngine:
             why = "--cpu-threads" if args.cpu_threads else "physical cores available"
         else:
             self.cpu_threads, why = torch.get_num_threads(), "left as found"
-        logger.info("torch intra-op threads: %d (%s)", self.cpu_threads, why)
+        from hybridserve.kernels import native
+
+        logger.info("torch intra-op threads: %d (%s); native CPU kernels: %s", self.cpu_threads, why,
+                    f"{native.threads()} threads on the {native.pool()} pool" if native.available() else "off")
         torch.manual_seed(args.seed)
         self.model, _ = load_model(args.model, dtype=self.dtype, device=self.device)
         self.model.eval()
