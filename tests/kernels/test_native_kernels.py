@@ -214,3 +214,36 @@ def test_few_rows_linear_matches_f_linear(m):
         torch.testing.assert_close(native.linear_few_rows(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="wt must be"):
         native.linear_few_rows(torch.randn(3, 8), torch.randn(5, 9).t().contiguous().t())
+
+
+def test_state_shapes_that_only_divide_are_refused():
+    """A pool whose element count happens to divide, but whose shape disagrees with the
+    head sizes the inputs imply, is an error, not a silently wrong layout."""
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match=r"state must be \[S, H=1, K=4, V=4\]"):
+        native.gated_delta_rule(x, x, x, torch.zeros(4, 2, 8, 8), native.Varlen([0, 3], [0], [True]), key_heads=1,
+                                value_heads=1, scale=1.0, g=torch.zeros(3, 1), beta=torch.zeros(3, 1))
+    with pytest.raises(ValueError, match=r"state \[S, C, W-1\]"):
+        native.causal_conv1d(torch.randn(3, 8), torch.randn(8, 4), None, torch.zeros(2, 8, 4),
+                             native.Varlen([0, 3], [0], [True]))
+
+
+def test_a_written_tensor_overlapping_an_input_is_refused():
+    x = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="residual overlaps x"):
+        native.rms_norm(x, torch.zeros(8), 1e-6, residual=x)
+    pool = torch.zeros(2, 8, 3)
+    with pytest.raises(ValueError, match="conv_state overlaps x"):
+        native.causal_conv1d(pool.view(2, 24)[:, :8], torch.randn(8, 4), None, pool, native.Varlen([0, 2], [0], [True]))
+
+
+def test_single_rows_and_broadcast_views_work_like_f_linear():
+    """Strides torch allows for one row (anything in the outer stride) and expanded
+    inputs (outer stride 0) must not make the native path refuse what F.linear takes."""
+    from hybridserve.model.qwen3_5 import Projection
+
+    proj = Projection(5, 3, bias=True)
+    with torch.no_grad():
+        proj.weight.data = proj.weight.data.t().contiguous().t()
+    for x in (torch.randn(5, 1).t(), torch.randn(5).expand(4, 5), torch.randn(1, 5)):
+        torch.testing.assert_close(proj(x), F.linear(x, proj.weight, proj.bias), rtol=1e-5, atol=1e-6)

@@ -86,6 +86,26 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    start = t.data_ptr()
+    extent = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1 if t.numel() else 0
+    return start, start + extent * t.element_size()
+
+
+def _check_disjoint(written: dict[str, torch.Tensor], read: dict[str, torch.Tensor | None]) -> None:
+    """A tensor the kernel writes must not overlap one it reads (the Rust side would
+    hold a mutable and a shared slice of one memory). numpy's borrow tracking cannot
+    see it: every ``.numpy()`` view has its own base."""
+    for wn, w in written.items():
+        a0, a1 = _span(w)
+        for rn, r in read.items():
+            if r is None or r.numel() == 0 or w.numel() == 0:
+                continue
+            b0, b1 = _span(r)
+            if a0 < b1 and b0 < a1:
+                raise ValueError(f"{wn} overlaps {rn} in memory; the kernel writes {wn}, so pass separate tensors")
+
+
 def _i64(x) -> np.ndarray:
     if torch.is_tensor(x):
         x = x.detach().cpu().numpy()
@@ -114,6 +134,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     ``x`` ``[T, C]`` may be a column range of a wider buffer."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}; use 'silu' or None")
+    _check_disjoint({"conv_state": conv_state}, {"x": x, "weight": weight, "bias": bias})
     out = torch.empty(x.shape, dtype=torch.float32)
     _k.causal_conv1d(_np(x), _np(weight.contiguous()), None if bias is None else _np(bias), _np(conv_state),
                      varlen.qsl, varlen.slots, varlen.init, _np(out), activation is not None)
@@ -136,6 +157,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: t
     t = q.shape[0]
     out = torch.empty(t, v.shape[1], dtype=torch.float32)
     given = dict(g=g, beta=beta, a=a, b=b, a_log=A_log, dt_bias=dt_bias, z=z, norm_weight=norm_weight)
+    _check_disjoint({"state": state}, {"q": q, "k": k, "v": v, **given})
     opt = {name: _np(x) for name, x in given.items() if x is not None}
     _k.gated_delta_rule(_np(q), _np(k), _np(v), _np(state), varlen.qsl, varlen.slots, varlen.init, _np(out),
                         key_heads=key_heads, value_heads=value_heads, scale=float(scale),
@@ -157,6 +179,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
              centered: bool = True) -> torch.Tensor:
     """RMSNorm of ``x`` ``[T, D]`` (contiguous); with ``residual``, ``residual += x`` first
     (in place) and the sum is normalised. ``centered``: scale by ``1 + weight``."""
+    if residual is not None:
+        _check_disjoint({"residual": residual}, {"x": x, "weight": weight})
     out = torch.empty_like(x)
     _k.rms_norm(_np(x), _np(weight), float(eps), _np(out), None if residual is None else _np(residual),
                 bool(centered))

@@ -84,7 +84,8 @@ class Projection(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if (x.dim() == 2 and x.shape[0] <= self.NATIVE_MAX_ROWS and w.stride(0) == 1
-                and x.stride(-1) == 1 and native.usable(x, w)):
+                and x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1])
+                and native.usable(x, w)):
             y = native.linear_few_rows(x, w)
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, w, self.bias)
@@ -415,5 +416,7 @@ class Qwen3_5ForServing(nn.Module):
         # Only the sampled rows need the last residual add, the final norm and the
         # (large) LM head.
         rows = batch.logits_indices
-        h = self.norm(residual.index_select(0, rows) + x.index_select(0, rows))
-        return self.lm_head(h).float()
+        h = x.index_select(0, rows)
+        if residual is not None:  # None only for a model without layers
+            h = residual.index_select(0, rows) + h
+        return self.lm_head(self.norm(h)).float()

@@ -107,13 +107,13 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
     let slot = ctx.varlen.state_slots[b] as usize;
     // SAFETY: channels c0..c1 of this slot are this task's alone (distinct slots
     // among runs, validated; channel blocks split by task).
-    let st = unsafe { ctx.state.slice(slot * c * hw, c * hw) };
+    let st = unsafe { ctx.state.slice((slot * c + c0) * hw, n * hw) };
     // hist[i] = input at position i - hw of the sequence, for i in 0..hw.
     let mut hist = vec![0.0f32; hw * n];
     if ctx.varlen.has_initial_state[b] {
-        for (k, ch) in (c0..c1).enumerate() {
+        for k in 0..n {
             for i in 0..hw {
-                hist[i * n + k] = st[ch * hw + i];
+                hist[i * n + k] = st[k * hw + i];
             }
         }
     }
@@ -154,9 +154,9 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
     for i in 0..hw {
         last[i * n..(i + 1) * n].copy_from_slice(input(len as isize - hw as isize + i as isize));
     }
-    for (k, ch) in (c0..c1).enumerate() {
+    for k in 0..n {
         for i in 0..hw {
-            st[ch * hw + i] = last[i * n + k];
+            st[k * hw + i] = last[i * n + k];
         }
     }
 }

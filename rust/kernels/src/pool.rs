@@ -131,5 +131,6 @@ pub(crate) fn for_each_task<F: Fn(usize) + Sync + Send>(n: usize, work: usize, f
         return;
     }
     use rayon::prelude::*;
-    rayon_pool(threads).install(|| (0..n).into_par_iter().with_max_len(1).for_each(f));
+    // One pool of the configured size (not of `threads`, which follows the task count).
+    rayon_pool(num_threads()).install(|| (0..n).into_par_iter().with_max_len(1).for_each(f));
 }

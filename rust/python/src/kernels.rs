@@ -27,20 +27,22 @@ fn rows<'a>(name: &str, a: &'a PyReadonlyArray2<'_, f32>) -> PyResult<Rows<'a>> 
     let v = a.as_array();
     let (t, w) = v.dim();
     let s = v.strides();
-    if t > 0 && w > 0 && (s[1] != 1 || s[0] < w as isize) {
+    if t > 0 && w > 0 && (s[1] != 1 || (t > 1 && s[0] < w as isize)) {
         return Err(PyValueError::new_err(format!(
             "{name} must be [T, X] with contiguous rows (column stride 1), got strides {s:?}; pass .contiguous()"
         )));
     }
+    // A single row's outer stride is meaningless (torch may report anything there).
+    let stride = if t <= 1 { w } else { s[0] as usize };
     let len = if t == 0 || w == 0 {
         0
     } else {
-        (t - 1) * s[0] as usize + w
+        (t - 1) * stride + w
     };
     // SAFETY: the view's rows lie in the array's buffer (numpy guarantees its strided
     // extent is allocated), and the borrow `a` outlives the returned slice.
     let data = unsafe { std::slice::from_raw_parts(v.as_ptr(), len) };
-    Rows::new(data, t, w, s[0].max(1) as usize).map_err(err)
+    Rows::new(data, t, w, stride.max(w)).map_err(err)
 }
 
 fn contiguous<'a>(name: &str, a: &'a PyReadonlyArrayDyn<'_, f32>) -> PyResult<&'a [f32]> {
@@ -107,6 +109,13 @@ fn gated_delta_rule(
         key_dim: q.width / key_heads,
         value_dim: v.width / value_heads,
     };
+    let shape = state.shape();
+    if shape.len() != 4 || shape[1..] != [value_heads, heads.key_dim, heads.value_dim] {
+        return Err(PyValueError::new_err(format!(
+            "state must be [S, H={value_heads}, K={}, V={}] (from q/k/v widths and head counts), got {shape:?}",
+            heads.key_dim, heads.value_dim
+        )));
+    }
     let gates = match (&g, &beta, &a, &b, &a_log, &dt_bias) {
         (Some(g), Some(beta), None, None, None, None) => Gates::Direct {
             g: rows("g", g)?,
@@ -171,6 +180,17 @@ fn causal_conv1d(
     silu: bool,
 ) -> PyResult<()> {
     let x = rows("x", &x)?;
+    let (wshape, sshape) = (weight.shape().to_vec(), state.shape().to_vec());
+    if wshape.len() != 2
+        || wshape[0] != x.width
+        || sshape.len() != 3
+        || sshape[1..] != [x.width, wshape[1].saturating_sub(1)]
+    {
+        return Err(PyValueError::new_err(format!(
+            "weight must be [C={}, W] and state [S, C, W-1]; got {wshape:?} and {sshape:?}",
+            x.width
+        )));
+    }
     let weight = contiguous("weight", &weight)?;
     let bias = match &bias {
         Some(b) => Some(contiguous("bias", b)?),
@@ -260,14 +280,22 @@ fn rms_norm(
 /// `out = x @ wt` for `x` `[M, K]` (row-strided allowed), `wt` `[K, N]` row-major
 /// (a projection weight stored transposed), `out` `[M, N]`.
 #[pyfunction]
-fn matmul(py: Python<'_>, x: PyReadonlyArray2<'_, f32>, wt: PyReadonlyArray2<'_, f32>, mut out: PyReadwriteArrayDyn<'_, f32>) -> PyResult<()> {
+fn matmul(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    wt: PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<()> {
     let x = rows("x", &x)?;
     let n = wt.shape()[1];
-    let wt = wt
-        .as_slice()
-        .map_err(|_| PyValueError::new_err("wt must be a C-contiguous [K, N] float32 array (the weight transposed)"))?;
+    let wt = wt.as_slice().map_err(|_| {
+        PyValueError::new_err(
+            "wt must be a C-contiguous [K, N] float32 array (the weight transposed)",
+        )
+    })?;
     let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| hybridserve_cpu_kernels::matmul::matmul(x, wt, n, out)).map_err(err)
+    py.detach(|| hybridserve_cpu_kernels::matmul::matmul(x, wt, n, out))
+        .map_err(err)
 }
 
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
