@@ -1,7 +1,8 @@
 //! The native CPU kernels at the `bench` model's shapes (Gated DeltaNet: 4 key heads,
 //! 8 value heads, K = V = 32, conv 512 channels x 4 taps; attention: 4 query heads over
 //! 2 KV heads of 64, blocks of 16), for a prefill step (8 runs of 256 tokens) and a
-//! decode step (64 sequences; attention at 300 tokens of context).
+//! decode step (64 sequences; attention at 300 tokens of context), and decode-sized
+//! projections (throughput in flops).
 //!
 //! Run: `cargo bench -p hybridserve-cpu-kernels --bench cpu_kernels -- --warm-up-time 0.5 --measurement-time 2`.
 //! Threads: `HYBRIDSERVE_KERNEL_THREADS` (default 1), printed.
@@ -10,6 +11,7 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use hybridserve_cpu_kernels::attention::{paged_attention_decode, DecodeSeqs, PagedKv};
 use hybridserve_cpu_kernels::conv1d::causal_conv1d;
 use hybridserve_cpu_kernels::delta_rule::{gated_delta_rule, Gates, Heads, OutputNorm};
+use hybridserve_cpu_kernels::matmul::matmul;
 use hybridserve_cpu_kernels::{Rows, Varlen};
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
@@ -147,6 +149,20 @@ fn bench(c: &mut Criterion) {
             .unwrap()
         })
     });
+    // Decode-sized projections: the MLP's gate+up (256 -> 2,560) and down (1,280 -> 256).
+    for (m, k, n) in [
+        (64usize, 256usize, 2560usize),
+        (64, 1280, 256),
+        (8, 256, 2560),
+    ] {
+        let x = data(m * k, 12);
+        let wt = data(k * n, 13);
+        let mut out = vec![0.0f32; m * n];
+        g.throughput(Throughput::Elements((2 * m * k * n) as u64));
+        g.bench_function(format!("matmul/{m}x{k}x{n}"), |b| {
+            b.iter(|| matmul(Rows::new(&x, m, k, k).unwrap(), &wt, n, &mut out).unwrap())
+        });
+    }
     g.finish();
 }
 

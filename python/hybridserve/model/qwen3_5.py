@@ -130,7 +130,22 @@ class MLP(_Fused, nn.Module):
         self.down_proj = Projection(inter, hidden, bias=False)
         self._init_fused("gate_up_proj", [("gate_proj", inter), ("up_proj", inter)])
 
+    # CPU: long inputs go through in tiles of this many rows, so each tile's [rows,
+    # 2 * inter] gate+up output stays in cache for the activation and the down
+    # projection instead of a round trip through memory (21 MB per 2,048 rows at the
+    # bench shape). Measured 0-25% off the MLP at 2,048 rows, more when memory is busy.
+    ROW_TILE = 512
+
     def forward(self, x):
+        t = x.shape[0]
+        if t > self.ROW_TILE and x.device.type == "cpu":
+            out = torch.empty(t, self.down_proj.out_features, dtype=x.dtype)
+            for s in range(0, t, self.ROW_TILE):
+                out[s:s + self.ROW_TILE] = self._forward(x[s:s + self.ROW_TILE])
+            return out
+        return self._forward(x)
+
+    def _forward(self, x):
         gu = self.gate_up_proj(x)
         # silu(gate) * up in place in the gate half: no [T, inter] temporaries (at a
         # 2,048-token chunk each is 10 MB at the bench shape, 140 MB at 27B's), and the

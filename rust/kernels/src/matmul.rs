@@ -84,34 +84,53 @@ mod avx2 {
     use super::Ctx;
     use std::arch::x86_64::*;
 
+    /// Keys per pass: a strip's `[KB, 16]` slice of the weight (16 KiB) and a row
+    /// block's `[6, KB]` slice of `x` stay in L1 while the block's rows pass over it.
+    const KB: usize = 256;
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn strip(ctx: &Ctx<'_>, c0: usize) {
-        let m = ctx.x.rows;
-        let mut r = 0;
-        while r < m {
-            match m - r {
-                1 => block::<1>(ctx, c0, r),
-                2 => block::<2>(ctx, c0, r),
-                3 => block::<3>(ctx, c0, r),
-                4 => block::<4>(ctx, c0, r),
-                5 => block::<5>(ctx, c0, r),
-                _ => block::<6>(ctx, c0, r),
+        let (m, k) = (ctx.x.rows, ctx.x.width);
+        let mut k0 = 0;
+        while k0 < k || k0 == 0 {
+            let k1 = (k0 + KB).min(k);
+            let mut r = 0;
+            while r < m {
+                match m - r {
+                    1 => block::<1>(ctx, c0, r, k0, k1),
+                    2 => block::<2>(ctx, c0, r, k0, k1),
+                    3 => block::<3>(ctx, c0, r, k0, k1),
+                    4 => block::<4>(ctx, c0, r, k0, k1),
+                    5 => block::<5>(ctx, c0, r, k0, k1),
+                    _ => block::<6>(ctx, c0, r, k0, k1),
+                }
+                r += (m - r).min(6);
             }
-            r += (m - r).min(6);
+            if k1 == k {
+                break;
+            }
+            k0 = k1;
         }
     }
 
-    /// Rows `r0 .. r0 + R`, columns `c0 .. c0 + 16`: 2R accumulators in registers.
+    /// Rows `r0 .. r0 + R`, columns `c0 .. c0 + 16`, keys `k0 .. k1`: 2R accumulators
+    /// in registers, added to what earlier key passes left in `out`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn block<const R: usize>(ctx: &Ctx<'_>, c0: usize, r0: usize) {
-        let (k, n) = (ctx.x.width, ctx.n);
+    unsafe fn block<const R: usize>(ctx: &Ctx<'_>, c0: usize, r0: usize, k0: usize, k1: usize) {
+        let n = ctx.n;
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        let mut dst = [std::ptr::null_mut::<f32>(); R];
         let mut xs = [std::ptr::null::<f32>(); R];
-        for (i, p) in xs.iter_mut().enumerate() {
-            *p = ctx.x.row(r0 + i).as_ptr();
+        for i in 0..R {
+            xs[i] = ctx.x.row(r0 + i).as_ptr();
+            // SAFETY: columns c0..c0+16 of these rows belong to this strip's task.
+            dst[i] = ctx.out.slice((r0 + i) * n + c0, 16).as_mut_ptr();
+            if k0 > 0 {
+                acc[i] = [_mm256_loadu_ps(dst[i]), _mm256_loadu_ps(dst[i].add(8))];
+            }
         }
         let w = ctx.wt.as_ptr().add(c0);
-        for kk in 0..k {
+        for kk in k0..k1 {
             let wp = w.add(kk * n);
             let (w0, w1) = (_mm256_loadu_ps(wp), _mm256_loadu_ps(wp.add(8)));
             for i in 0..R {
@@ -120,11 +139,9 @@ mod avx2 {
                 acc[i][1] = _mm256_fmadd_ps(xb, w1, acc[i][1]);
             }
         }
-        for (i, a) in acc.iter().enumerate() {
-            // SAFETY: columns c0..c0+16 of these rows belong to this strip's task.
-            let dst = ctx.out.slice((r0 + i) * n + c0, 16).as_mut_ptr();
-            _mm256_storeu_ps(dst, a[0]);
-            _mm256_storeu_ps(dst.add(8), a[1]);
+        for i in 0..R {
+            _mm256_storeu_ps(dst[i], acc[i][0]);
+            _mm256_storeu_ps(dst[i].add(8), acc[i][1]);
         }
     }
 }
