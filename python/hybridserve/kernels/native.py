@@ -97,11 +97,12 @@ def _check_disjoint(written: dict[str, torch.Tensor], read: dict[str, torch.Tens
     hold a mutable and a shared slice of one memory). numpy's borrow tracking cannot
     see it: every ``.numpy()`` view has its own base."""
     for wn, w in written.items():
-        a0, a1 = _span(w)
+        ws = w.untyped_storage().data_ptr()
         for rn, r in read.items():
-            if r is None or r.numel() == 0 or w.numel() == 0:
+            # Different storages never overlap: the span arithmetic only for shared ones.
+            if r is None or r.untyped_storage().data_ptr() != ws or r.numel() == 0 or w.numel() == 0:
                 continue
-            b0, b1 = _span(r)
+            (a0, a1), (b0, b1) = _span(w), _span(r)
             if a0 < b1 and b0 < a1:
                 raise ValueError(f"{wn} overlaps {rn} in memory; the kernel writes {wn}, so pass separate tensors")
 

@@ -37,9 +37,14 @@ pub fn set_num_threads(n: usize) {
 /// Threads the kernels use (the machine's available parallelism until set).
 pub fn num_threads() -> usize {
     match THREADS.load(Ordering::Relaxed) {
-        0 => std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
+        0 => {
+            // Read once: on Linux this reads cgroup files (tens of microseconds).
+            let n = std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1);
+            let _ = THREADS.compare_exchange(0, n, Ordering::Relaxed, Ordering::Relaxed);
+            THREADS.load(Ordering::Relaxed)
+        }
         n => n,
     }
 }
