@@ -58,13 +58,21 @@ def _share_torchs_openmp_pool() -> bool:
 _OPENMP = _share_torchs_openmp_pool()
 
 
+_F32 = torch.float32
+
+
 def available() -> bool:
     return _k is not None and not _DISABLED
 
 
 def usable(*tensors: torch.Tensor) -> bool:
     """True when the native kernels can run on these tensors (float32, on the CPU)."""
-    return available() and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+    if _k is None or _DISABLED:
+        return False
+    for t in tensors:  # a plain loop: this runs ~40 times per model step
+        if t.dtype != _F32 or t.is_cuda or t.device.type != "cpu":
+            return False
+    return True
 
 
 def set_threads(n: int) -> None:
@@ -193,5 +201,16 @@ def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     :meth:`Qwen3_5ForServing.store_projections_column_major`); ``x`` ``[M, K]`` with
     unit column stride. For decode-sized ``M``, where BLAS repacks the weight per call."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    _k.matmul(_np(x), _np(weight.t()), _np(out))
+    _k.matmul(_np(x), _weight_view(weight), _np(out))
     return out
+
+
+def _weight_view(weight: torch.Tensor) -> np.ndarray:
+    """``weight.T`` as numpy, cached on the parameter (its storage never moves: loading
+    copies into it), rebuilt if the tensor's memory or shape changed."""
+    key = (weight.data_ptr(), tuple(weight.shape))
+    cached = getattr(weight, "_hybridserve_wt", None)
+    if cached is None or cached[0] != key:
+        cached = (key, weight.detach().t().numpy())
+        weight._hybridserve_wt = cached
+    return cached[1]
