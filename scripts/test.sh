@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README): installs what it needs, builds and installs
-# the real wheel, then runs the Rust tests (unit, proptest, stress, loom) and pytest.
+# the real wheel, then runs the Rust tests (unit, proptest, stress, loom, the CPU
+# kernels') and pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,8 +12,8 @@ echo "== pip: pinned test requirements"
 echo "== wheel: pip install . (maturin, release build)"
 "$PY" -m pip install --quiet --disable-pip-version-check --no-deps --force-reinstall .
 
-echo "== cargo test (core: unit, proptest, stress)"
-cargo test --release -p hybridserve-core
+echo "== cargo test (core: unit, proptest, stress; CPU kernels against their formulas)"
+cargo test --release -p hybridserve-core -p hybridserve-cpu-kernels
 
 echo "== cargo test under loom (bounded model check of the lock-free allocator)"
 RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom \
