@@ -361,6 +361,8 @@ mod avx2 {
     }
 }
 
+/// The portable task: two sweeps over the state per token (see the AVX2 module for
+/// the fused form).
 #[inline(always)]
 fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
     let Heads {
@@ -383,34 +385,8 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
     let mut mem = vec![0.0f32; vd];
     let mut o = vec![0.0f32; vd];
     for t in start..end {
-        let qr = &ctx.q.row(t)[j * kd..(j + 1) * kd];
-        let kr = &ctx.k.row(t)[j * kd..(j + 1) * kd];
         let vr = &ctx.v.row(t)[head * vd..(head + 1) * vd];
-        let (qs, ks) = if ctx.l2norm {
-            (
-                1.0 / (sum_sq(qr) + 1e-6).sqrt(),
-                1.0 / (sum_sq(kr) + 1e-6).sqrt(),
-            )
-        } else {
-            (1.0, 1.0)
-        };
-        for i in 0..kd {
-            kn[i] = kr[i] * ks;
-            qn[i] = (qr[i] * qs) * ctx.scale;
-        }
-        let (g, beta) = match &ctx.gates {
-            Gates::Direct { g, beta } => (g.row(t)[head], beta.row(t)[head]),
-            Gates::Raw {
-                a,
-                b: bb,
-                a_log,
-                dt_bias,
-            } => (
-                -a_log[head].exp() * softplus(a.row(t)[head] + dt_bias[head]),
-                sigmoid(bb.row(t)[head]),
-            ),
-        };
-        let decay = g.exp();
+        let (decay, beta) = token_inputs(ctx, t, j, head, &mut kn, &mut qn);
         // Pass 1: decay the state and read S^T k.
         mem.fill(0.0);
         for (row, &kc) in s.chunks_exact_mut(vd).zip(&kn) {
@@ -430,18 +406,7 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
                 *oo += *x * qc;
             }
         }
-        // SAFETY: row t, head `head` of the output belongs to this task.
-        let dst = unsafe { ctx.out.slice((t * h + head) * vd, vd) };
-        match &ctx.norm {
-            None => dst.copy_from_slice(&o),
-            Some(n) => {
-                let r = 1.0 / (sum_sq(&o) / vd as f32 + n.eps).sqrt();
-                let z = &n.z.row(t)[head * vd..(head + 1) * vd];
-                for (((d, &x), &w), &zz) in dst.iter_mut().zip(&o).zip(n.weight).zip(z) {
-                    *d = (w * (x * r)) * silu(zz);
-                }
-            }
-        }
+        write_output(ctx, t, head, &o);
     }
 }
 

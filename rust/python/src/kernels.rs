@@ -63,6 +63,21 @@ fn ints<'a>(name: &str, a: &'a PyReadonlyArray1<'_, i64>) -> PyResult<&'a [i64]>
         .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous int64 array")))
 }
 
+/// The varlen layout arrays (`query_start_loc`, `state_slots` int64; `has_initial_state` bool).
+fn varlen<'a>(
+    query_start_loc: &'a PyReadonlyArray1<'_, i64>,
+    state_slots: &'a PyReadonlyArray1<'_, i64>,
+    has_initial_state: &'a PyReadonlyArray1<'_, bool>,
+) -> PyResult<Varlen<'a>> {
+    Ok(Varlen {
+        query_start_loc: ints("query_start_loc", query_start_loc)?,
+        state_slots: ints("state_slots", state_slots)?,
+        has_initial_state: has_initial_state.as_slice().map_err(|_| {
+            PyValueError::new_err("has_initial_state must be a contiguous bool array")
+        })?,
+    })
+}
+
 /// Gated delta rule over a varlen batch, in place on `state`; see the Rust docs of
 /// `hybridserve_cpu_kernels::delta_rule`. Gates: `g` + `beta`, or `a` + `b` + `a_log`
 /// + `dt_bias`. Output norm when `z` and `norm_weight` are given.
@@ -146,13 +161,7 @@ fn gated_delta_rule(
             ))
         }
     };
-    let varlen = Varlen {
-        query_start_loc: ints("query_start_loc", &query_start_loc)?,
-        state_slots: ints("state_slots", &state_slots)?,
-        has_initial_state: has_initial_state.as_slice().map_err(|_| {
-            PyValueError::new_err("has_initial_state must be a contiguous bool array")
-        })?,
-    };
+    let varlen = varlen(&query_start_loc, &state_slots, &has_initial_state)?;
     let state = contiguous_mut("state", &mut state)?;
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| {
@@ -196,13 +205,7 @@ fn causal_conv1d(
         Some(b) => Some(contiguous("bias", b)?),
         None => None,
     };
-    let varlen = Varlen {
-        query_start_loc: ints("query_start_loc", &query_start_loc)?,
-        state_slots: ints("state_slots", &state_slots)?,
-        has_initial_state: has_initial_state.as_slice().map_err(|_| {
-            PyValueError::new_err("has_initial_state must be a contiguous bool array")
-        })?,
-    };
+    let varlen = varlen(&query_start_loc, &state_slots, &has_initial_state)?;
     let state = contiguous_mut("state", &mut state)?;
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| conv(x, weight, bias, silu, state, varlen, out))
