@@ -247,3 +247,26 @@ def test_single_rows_and_broadcast_views_work_like_f_linear():
         proj.weight.data = proj.weight.data.t().contiguous().t()
     for x in (torch.randn(5, 1).t(), torch.randn(5).expand(4, 5), torch.randn(1, 5)):
         torch.testing.assert_close(proj(x), F.linear(x, proj.weight, proj.bias), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rotary", [8, 32])
+def test_qk_norm_rope_matches_the_model_formulas(rotary):
+    """Query heads interleaved with their output gates ([q_h | gate_h] per head, as
+    Qwen3.5's q_proj yields them), partial and full rotary, against the model's torch
+    norm and HF-style rotate_half."""
+    from hybridserve.model.qwen3_5 import RotaryEmbedding, ZeroCenteredRMSNorm
+
+    gen = torch.Generator().manual_seed(rotary)
+    t, heads, d = 9, 3, 32
+    qg = _wide(t, heads * 2 * d, gen)
+    norm = ZeroCenteredRMSNorm(d, 1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(0.1 * torch.randn(d, generator=gen))
+    angles = torch.randn(t, rotary // 2, generator=gen)
+    emb = torch.cat([angles, angles], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    want = RotaryEmbedding.apply(norm(qg.reshape(t, heads, 2 * d)[..., :d]), cos, sin)
+    got = native.qk_norm_rope(qg, heads, 2 * d, norm.weight, norm.eps, cos, sin)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="do not fit"):
+        native.qk_norm_rope(qg, heads + 1, 2 * d, norm.weight, norm.eps, cos, sin)

@@ -214,3 +214,15 @@ def _weight_view(weight: torch.Tensor) -> np.ndarray:
         cached = (key, weight.detach().t().numpy())
         weight._hybridserve_wt = cached
     return cached[1]
+
+
+def qk_norm_rope(x: torch.Tensor, heads: int, head_stride: int, weight: torch.Tensor, eps: float,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Qwen3.5 attention's per-head q/k preparation: zero-centred RMSNorm of each head
+    then rotary embedding on the first ``cos.shape[1]`` channels (half-split). ``x``
+    rows hold ``heads`` heads ``head_stride`` apart (the query's gate may sit between
+    them); returns ``[T, heads, head_dim]`` contiguous."""
+    d = weight.shape[0]
+    out = torch.empty(x.shape[0], heads, d, dtype=torch.float32)
+    _k.qk_norm_rope(_np(x), heads, head_stride, _np(weight), float(eps), _np(cos), _np(sin), _np(out))
+    return out

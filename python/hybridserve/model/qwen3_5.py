@@ -213,12 +213,19 @@ class Attention(_Fused, nn.Module):
         qkv = self.qkv_proj(x)
         qr, kvr = self.q_rows, self.kv_rows
         qg = qkv[:, :qr].view(t, self.num_heads, 2 * self.head_dim)
-        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim:]
-        q = self.q_norm(q)
-        k = self.k_norm(qkv[:, qr:qr + kvr].view(t, self.num_kv_heads, self.head_dim))
+        gate = qg[..., self.head_dim:]
         v = qkv[:, qr + kvr:].view(t, self.num_kv_heads, self.head_dim)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
+        if native.usable(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight) and qkv.is_contiguous():
+            # One pass per tensor instead of ~15 ops: norm each head, then rope.
+            q = native.qk_norm_rope(qkv[:, :qr], self.num_heads, 2 * self.head_dim, self.q_norm.weight,
+                                    self.q_norm.eps, cos, sin)
+            k = native.qk_norm_rope(qkv[:, qr:qr + kvr], self.num_kv_heads, self.head_dim,
+                                    self.k_norm.weight, self.k_norm.eps, cos, sin)
+        else:
+            q = self.q_norm(qg[..., : self.head_dim])
+            k = self.k_norm(qkv[:, qr:qr + kvr].view(t, self.num_kv_heads, self.head_dim))
+            q = RotaryEmbedding.apply(q, cos, sin)
+            k = RotaryEmbedding.apply(k, cos, sin)
         k_cache, v_cache = cache.kv(self.layer_idx)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         o = ops.paged_attention(q.contiguous(), k_cache, v_cache, batch.query_start_loc,

@@ -15,6 +15,7 @@
 //!   conv state read from and written back to its slot and `silu` fused.
 //! * [`matmul`]: `x W^T` for the few rows of a decode step, without BLAS's per-call
 //!   repacking of the weight.
+//! * [`rope`]: attention's per-head q/k norm and rotary embedding in one pass.
 //! * [`norm`]: RMSNorm with the residual add fused in.
 //! * [`attention`]: decode attention (one query per sequence) straight from the paged
 //!   KV pool through the block table, every query head of a KV group at once.
@@ -35,6 +36,7 @@ mod math;
 pub mod matmul;
 pub mod norm;
 mod pool;
+pub mod rope;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 

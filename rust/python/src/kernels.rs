@@ -301,6 +301,39 @@ fn matmul(
         .map_err(err)
 }
 
+/// Per-head zero-centred RMSNorm then rotary embedding (half-split) of `x` rows
+/// holding `heads` heads `head_stride` apart; `out` `[T, heads, head_dim]`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_rope(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    heads: usize,
+    head_stride: usize,
+    weight: PyReadonlyArrayDyn<'_, f32>,
+    eps: f32,
+    cos: PyReadonlyArray2<'_, f32>,
+    sin: PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<()> {
+    let (x, cos, sin) = (rows("x", &x)?, rows("cos", &cos)?, rows("sin", &sin)?);
+    let weight = contiguous("weight", &weight)?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| {
+        hybridserve_cpu_kernels::rope::qk_norm_rope(
+            x,
+            heads,
+            head_stride,
+            weight,
+            eps,
+            cos,
+            sin,
+            out,
+        )
+    })
+    .map_err(err)
+}
+
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
 #[pyfunction]
 fn set_kernel_threads(n: usize) {
@@ -337,6 +370,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
