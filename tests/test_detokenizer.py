@@ -281,3 +281,23 @@ def test_sentencepiece_style_leading_space_uses_prompt_context():
     for split in range(1, len(ids)):
         _, deltas = stream(tok, ids[:split], ids[split:])
         assert tok.decode(ids[:split]) + "".join(deltas) == tok.decode(ids)
+
+
+def test_a_tokenizer_with_space_clean_up_is_decoded_through_its_own_decode(raw_tokenizer):
+    """The detokenizer calls a fast tokenizer's Rust backend directly, except when the
+    tokenizer cleans up spaces after decoding (the backend does not): then its own
+    ``decode``, so the stream still equals it."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer, eos_token="<|endoftext|>",
+                                  clean_up_tokenization_spaces=True)
+    out = tok.encode("Hello , world . It 's done .")
+    d, deltas = stream(tok, tok.encode("Stop here. "), out)
+    d.flush()
+    assert d._decode_fn == tok.decode
+    assert "".join(deltas) == d.output_text == tok.decode(out)
+    # Without the clean-up the backend is used, and gives the same text.
+    plain = PreTrainedTokenizerFast(tokenizer_object=raw_tokenizer, eos_token="<|endoftext|>",
+                                    clean_up_tokenization_spaces=False)
+    d2, deltas2 = stream(plain, plain.encode("Stop here. "), out)
+    d2.flush()
+    assert d2._decode_fn == plain.backend_tokenizer.decode
+    assert "".join(deltas2) == plain.decode(out)
