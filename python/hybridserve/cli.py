@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from hybridserve.argtypes import non_negative_int, positive_int, size
 from hybridserve.bench.cli import add_bench_arguments, run_bench
 from hybridserve.errors import HybridServeError
 from hybridserve.server.serve import add_serve_arguments, run_serve
@@ -32,33 +33,6 @@ class Subcommand:
 
 
 # ---- argument types (argparse turns ArgumentTypeError into exit 2 + usage) -----------
-
-
-def _size(text: str) -> int:
-    from hybridserve.planner import parse_size
-
-    try:
-        return parse_size(text)
-    except HybridServeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a whole number; write e.g. 32768"
-        ) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    if text.strip() == "0":
-        return 0
-    return _positive_int(text)
 
 
 def _fraction(text: str) -> float:
@@ -94,7 +68,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     mem = p.add_argument_group("memory (the pool is --pool-mib, else derived from the device)")
     mem.add_argument(
-        "--device-memory", type=_size, default="80GB", metavar="SIZE",
+        "--device-memory", type=size, default="80GB", metavar="SIZE",
         help="device memory: 80GB (decimal), 80GiB or 81559MiB (default: 80GB)",
     )
     mem.add_argument(
@@ -102,18 +76,18 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="fraction of device memory hybridserve may use (default: 0.9)",
     )
     mem.add_argument(
-        "--reserve", type=_size, default="2GiB", metavar="SIZE",
+        "--reserve", type=size, default="2GiB", metavar="SIZE",
         help="runtime reserve for activations and the CUDA context (default: 2GiB)",
     )
     mem.add_argument(
-        "--pool-mib", type=_positive_int, metavar="N",
+        "--pool-mib", type=positive_int, metavar="N",
         help="give the KV + state pool size in MiB directly (e.g. 23859), ignoring the above",
     )
     p.add_argument(
-        "--context", type=_positive_int, default=32768, metavar="L",
+        "--context", type=positive_int, default=32768, metavar="L",
         help="tokens per session (default: 32768)",
     )
-    p.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default: 16)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)")
     p.add_argument(
         "--kv-dtype", type=_dtype, default=None,
         help="KV cache dtype (default: the model's dtype)",
@@ -124,13 +98,13 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     share = p.add_argument_group("scenarios")
     share.add_argument(
-        "--shared-prefix", type=_non_negative_int, metavar="P",
+        "--shared-prefix", type=non_negative_int, metavar="P",
         help="sessions share their first P tokens (with --sessions)",
     )
-    share.add_argument("--sessions", type=_positive_int, metavar="K", help="number of sessions sharing the prefix")
-    share.add_argument("--n", type=_positive_int, default=1, help="samples per request (default: 1)")
+    share.add_argument("--sessions", type=positive_int, metavar="K", help="number of sessions sharing the prefix")
+    share.add_argument("--n", type=positive_int, default=1, help="samples per request (default: 1)")
     share.add_argument(
-        "--prompt-len", type=_non_negative_int, metavar="P",
+        "--prompt-len", type=non_negative_int, metavar="P",
         help="with --n > 1: the shared prompt's length (default: context - 1, i.e. each "
         "sample has written its first token)",
     )

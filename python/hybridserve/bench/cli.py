@@ -17,13 +17,12 @@ from hybridserve.errors import ConfigError
 
 
 def _rate(text: str) -> float:
+    from hybridserve.bench.workload import parse_rate
+
     try:
-        r = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a rate; write e.g. 4 or inf") from None
-    if not r > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive (inf: all requests at once)")
-    return r
+        return parse_rate(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _range(text: str) -> tuple[int, int]:

@@ -96,7 +96,8 @@ def parse_range(text: str, what: str = "length") -> tuple[int, int]:
     return _range(text, what)
 
 
-def _rate(text: str, what: str) -> float:
+def parse_rate(text: str, what: str = "--request-rate") -> float:
+    """A request rate (per second) > 0, or ``inf`` for all at once."""
     try:
         r = float(text)
     except ValueError:
@@ -122,7 +123,7 @@ def parse_class(spec: str, *, default_prompt: tuple[int, int], default_output: t
         elif key == "output":
             kw["output_len"] = _range(value, f"class {name!r} output")
         elif key == "rate":
-            kw["rate"] = _rate(value, f"class {name!r} rate")
+            kw["rate"] = parse_rate(value, f"class {name!r} rate")
         elif key == "priority":
             try:
                 kw["priority"] = int(value)

@@ -23,6 +23,7 @@ import signal
 import socket
 from typing import Any
 
+from hybridserve.argtypes import non_negative_seconds, positive_int, positive_seconds, positive_size
 from hybridserve.errors import ConfigError
 
 DEFAULT_MODEL_PRESET = "bench"
@@ -61,45 +62,6 @@ def parse_port(text: str | int) -> int:
     return value
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number of seconds")
-    return value
-
-
-def _non_negative_seconds(text: str) -> float:
-    if text.strip() in ("0", "0.0"):
-        return 0.0
-    return _seconds(text)
-
-
-def _bytes(text: str) -> int:
-    from hybridserve.errors import HybridServeError
-    from hybridserve.planner import parse_size
-
-    try:
-        value = int(text) if text.isdigit() else parse_size(text)
-    except HybridServeError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive size")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number")
-    return value
-
-
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (config.json + safetensors + tokenizer); "
@@ -116,14 +78,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           f"(default: ${API_KEY_ENV} if set, else no key)")
     net.add_argument("--metrics-require-key", action="store_true",
                      help="also require the API key on /metrics (default: /metrics is open)")
-    net.add_argument("--max-request-body-bytes", type=_bytes, default=16 << 20, metavar="SIZE",
+    net.add_argument("--max-request-body-bytes", type=positive_size, default=16 << 20, metavar="SIZE",
                      help="largest request body accepted, e.g. 16MiB; larger gets 413 (default: %(default)s)")
-    net.add_argument("--request-read-timeout", type=_seconds, default=60.0, metavar="S",
+    net.add_argument("--request-read-timeout", type=positive_seconds, default=60.0, metavar="S",
                      help="seconds a client may take to send its request body; slower gets 408 "
                           "(default: %(default)s)")
-    net.add_argument("--keepalive-timeout", type=_seconds, default=75.0, metavar="S",
+    net.add_argument("--keepalive-timeout", type=positive_seconds, default=75.0, metavar="S",
                      help="seconds an idle keep-alive connection stays open (default: %(default)s)")
-    net.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=30.0, metavar="S",
+    net.add_argument("--shutdown-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                      help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are "
                           "aborted (default: %(default)s)")
     eng = p.add_argument_group("engine")
@@ -137,9 +99,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="most tokens in one step's batch (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
                      help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    eng.add_argument("--max-waiting-requests", type=_positive, default=4096,
+    eng.add_argument("--max-waiting-requests", type=positive_int, default=4096,
                      help="waiting-queue cap in requests; beyond it requests get 503 (default: %(default)s)")
-    eng.add_argument("--max-waiting-tokens", type=_positive, default=1 << 24,
+    eng.add_argument("--max-waiting-tokens", type=positive_int, default=1 << 24,
                      help="waiting-queue cap in prompt tokens; beyond it requests get 503 (default: %(default)s)")
     eng.add_argument("--num-gpu-blocks", type=int, default=None,
                      help="KV blocks; with --num-state-slots: exact pools (default: sized from the memory budget)")
@@ -156,7 +118,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "baseline) (default: %(default)s)")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="run every step eagerly: no CUDA graphs for decode steps (default: graphs on CUDA)")
-    eng.add_argument("--cpu-threads", type=_positive, default=None, metavar="N",
+    eng.add_argument("--cpu-threads", type=positive_int, default=None, metavar="N",
                      help="torch intra-op threads (default: the physical cores this process may use)")
     eng.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
                      action="store_true",
