@@ -18,7 +18,7 @@
 //! Tasks are (sequence, value head) pairs: each owns its state slice and its output
 //! elements, so they run in parallel without locks.
 
-use crate::math::{dispatch, sigmoid, silu, softplus, sum_sq};
+use crate::math::{dispatch, inv_rms, sigmoid, silu, softplus, sum_sq};
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut, Varlen};
 
@@ -255,7 +255,7 @@ fn write_output(ctx: &Ctx<'_>, t: usize, head: usize, o: &[f32]) {
     match &ctx.norm {
         None => dst.copy_from_slice(o),
         Some(n) => {
-            let r = 1.0 / (sum_sq(o) / vd as f32 + n.eps).sqrt();
+            let r = inv_rms(o, n.eps);
             let z = &n.z.row(t)[head * vd..(head + 1) * vd];
             for (((d, &x), &w), &zz) in dst.iter_mut().zip(o).zip(n.weight).zip(z) {
                 *d = (w * (x * r)) * silu(zz);

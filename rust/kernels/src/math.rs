@@ -78,6 +78,12 @@ pub fn sum_sq(a: &[f32]) -> f32 {
     dot(a, a)
 }
 
+/// `1 / sqrt(mean(x^2) + eps)`: the scale of an RMSNorm (one place for its formula).
+#[inline(always)]
+pub fn inv_rms(x: &[f32], eps: f32) -> f32 {
+    1.0 / (sum_sq(x) / x.len() as f32 + eps).sqrt()
+}
+
 /// True when the AVX2 copies of the kernels may run on this CPU (checked once).
 #[cfg(target_arch = "x86_64")]
 pub fn has_avx2() -> bool {

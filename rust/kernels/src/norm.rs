@@ -5,7 +5,7 @@
 //! `out = r * rsqrt(mean(r^2) + eps) * (1 + weight)` (Qwen3.5's zero-centred weight) or
 //! `* weight` (plain), with `r` the updated residual or `x`.
 
-use crate::math::{dispatch, sum_sq};
+use crate::math::{dispatch, inv_rms};
 use crate::pool::for_each_task;
 use crate::{KernelError, SharedMut};
 
@@ -74,7 +74,7 @@ fn run_task_body(ctx: &Ctx<'_>, i: usize) {
             }
             None => x,
         };
-        let inv = 1.0 / (sum_sq(src) / d as f32 + ctx.eps).sqrt();
+        let inv = inv_rms(src, ctx.eps);
         // SAFETY: this row of the output belongs to this task.
         let dst = unsafe { ctx.out.slice(row * d, d) };
         if ctx.centered {

@@ -5,7 +5,7 @@
 //! `y[i + r/2] = x[i + r/2] cos[i + r/2] + x[i] sin[i + r/2]`; channels past
 //! `rotary_dim` pass through. In torch this is about fifteen ops per tensor.
 
-use crate::math::{dispatch, sum_sq};
+use crate::math::{dispatch, inv_rms};
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
 
@@ -84,7 +84,7 @@ fn run_task_body(ctx: &Ctx<'_>, i: usize) {
         let (row, cos, sin) = (ctx.x.row(t), ctx.cos.row(t), ctx.sin.row(t));
         for h in 0..ctx.heads {
             let x = &row[h * ctx.head_stride..h * ctx.head_stride + d];
-            let inv = 1.0 / (sum_sq(x) / d as f32 + ctx.eps).sqrt();
+            let inv = inv_rms(x, ctx.eps);
             for ((o, &v), &w) in y.iter_mut().zip(x).zip(ctx.weight) {
                 *o = (v * inv) * (1.0 + w);
             }
