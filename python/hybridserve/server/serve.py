@@ -197,37 +197,78 @@ def check_max_model_len(requested: int | None, model_dir: str) -> None:
                           f"({limit}); give at most {limit}, or leave it out")
 
 
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
+def _resident_bytes() -> int:
+    """This process's resident set now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def memory_held_line(engine: Any) -> str:
-    """The start-up line with the total memory this process holds: weights + the KV and
-    DeltaNet state pools + the runtime (the rest: torch, the tokenizer, buffers, CUDA
-    graphs and context). On CUDA the device's memory; the host's resident set too."""
-    import resource
+def _tensor_bytes(root: Any) -> int:
+    """Bytes of the distinct tensor storages reachable from ``root``'s attributes (and
+    their lists, tuples and dicts), counted once however many views share them."""
+    import torch
 
+    seen: dict[int, int] = {}
+    stack, visited = [root], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif obj is root or type(obj).__module__.startswith("hybridserve."):
+            stack.extend(getattr(obj, "__dict__", {}).values())
+    return sum(seen.values())
+
+
+def memory_held(engine: Any) -> dict[str, Any]:
+    """What the process holds once the engine is up: the weights (every parameter and
+    buffer of the model), the KV and DeltaNet state pools (the cache's tensors), and
+    the runtime (everything else: torch and its allocator, the tokenizer, step
+    buffers, CUDA graphs and context). On CUDA the device's memory, with the host's
+    resident set reported beside it; on CPU the resident set."""
     import torch
 
     tensors = list(engine.model.parameters()) + list(engine.model.buffers())
     weights = sum(t.numel() * t.element_size() for t in tensors)
-    plan = engine.pool_plan
-    pools = int(getattr(plan, "kv_pool_bytes", 0) + getattr(plan, "state_pool_bytes", 0)) or \
-        int(getattr(plan, "pool_bytes", 0))
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    pools = _tensor_bytes(engine.cache)
+    rss = _resident_bytes()
     device = engine.device
     if device.type == "cuda":
+        # torch's reserved bytes leave out the CUDA context and libraries; the device's
+        # used memory includes them (and other processes' on a shared GPU).
         free, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.memory_reserved(device)
-        # The CUDA context and libraries are not in torch's reserved bytes: what the
-        # device lost since before the engine started is closer; take the larger.
-        held = max(held, total - free) if torch.cuda.device_count() == 1 else held
-        runtime = max(0, held - weights - pools)
-        return (f"memory held on {device}: {_gib(held)} = weights {_gib(weights)} + KV/state pools "
-                f"{_gib(pools)} + runtime {_gib(runtime)}; host resident set {_gib(rss)}")
-    runtime = max(0, rss - weights - pools)
-    return (f"memory held (host): {_gib(max(rss, weights + pools))} = weights {_gib(weights)} + KV/state pools "
-            f"{_gib(pools)} + runtime {_gib(runtime)} (torch, tokenizer, buffers)")
+        held = max(torch.cuda.memory_reserved(device), total - free)
+        where = str(device)
+    else:
+        held = rss
+        where = "host"
+    runtime = max(0, held - weights - pools)
+    return {"where": where, "weights": weights, "pools": pools, "runtime": runtime,
+            "total": weights + pools + runtime, "host_resident": rss}
+
+
+def memory_held_line(engine: Any) -> str:
+    """The start-up log line of :func:`memory_held`."""
+    from hybridserve.planner import format_mib
+
+    m = memory_held(engine)
+    line = (f"memory held ({m['where']}): {format_mib(m['total'])} = weights {format_mib(m['weights'])} + "
+            f"KV/state pools {format_mib(m['pools'])} + runtime {format_mib(m['runtime'])}")
+    if m["where"] != "host":
+        line += f"; host resident set {format_mib(m['host_resident'])}"
+    return line
 
 
 class _BindError(ConfigError):
