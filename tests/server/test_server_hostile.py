@@ -78,6 +78,10 @@ CASES = [
     ("gzip-not-gzip", "POST", C, b'{"prompt":"a","max_tokens":2}', 400, "Content-Encoding", GZIP),
     ("deflate-not-deflate", "POST", C, b'{"prompt":"a"}', 400, "Content-Encoding",
      {"Content-Type": "application/json", "Content-Encoding": "deflate"}),
+    ("content-encoding-unknown", "POST", C, b'{"prompt":"a"}', 415, "Content-Encoding",
+     {"Content-Type": "application/json", "Content-Encoding": "foo"}),
+    ("content-encoding-twice", "POST", C, b'{"prompt":"a"}', 415, "Content-Encoding",
+     {"Content-Type": "application/json", "Content-Encoding": "gzip, gzip"}),
     # ---- issue 21: float64 values that over/underflow float32 (all-id-0 output before)
     ("temperature-1e308", "POST", C, {"prompt": "x", "temperature": 1e308}, 400, "temperature"),
     ("temperature-1e308-min-tokens", "POST", C, {"prompt": "x", "temperature": 1e308, "min_tokens": 3}, 400,
@@ -361,4 +365,13 @@ def test_half_closed_client_gets_its_answer(live, caplog):
     status, _, payload = _parse(_raw(live, _POST + b"Content-Length: 100\r\n\r\n" + _BODY, half_close=True))
     assert status == 400 and "Content-Length" in json.loads(payload)["error"]["message"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    live.wait_idle_and_whole()
+
+
+def test_a_real_gzip_body_is_served(live):
+    import gzip
+
+    body = gzip.compress(json.dumps({"prompt": [5, 6], "max_tokens": 2}).encode())
+    r = _send(live, "POST", C, body, GZIP)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     live.wait_idle_and_whole()

@@ -125,6 +125,12 @@ def _check_json_content_type(request: web.Request) -> None:
         got = "no Content-Type" if ctype is None else f"Content-Type {media!r}"
         raise ApiError(f"the request body must be JSON sent with 'Content-Type: application/json' (got {got})",
                        status=415, err_type="invalid_request_error")
+    # aiohttp decodes gzip and deflate and passes any other coding through as if it
+    # were none: the body would be parsed as what it is not.
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "x-gzip", "deflate", ""):
+        raise ApiError(f"Content-Encoding {encoding[:40]!r} is not supported; send the body as is, gzip or deflate",
+                       status=415, err_type="invalid_request_error")
 
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
