@@ -5,7 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# PYTHON: the interpreter to install into and test with (default: the first python3 on
+# the PATH). The script pip-installs pinned packages and the wheel into it: activate a
+# virtual environment first, or set PYTHON to one.
 PY=${PYTHON:-python3}
+if [ -z "${PYTHON:-}" ] && [ "$("$PY" -c 'import sys; print(sys.prefix != sys.base_prefix)')" != "True" ]; then
+    echo "warning: $(command -v "$PY") is not in a virtual environment; pinned packages go into it" \
+         "(activate a venv first, or set PYTHON=/path/to/venv/bin/python)" >&2
+fi
 echo "== pip: pinned test requirements"
 "$PY" -m pip install --quiet --disable-pip-version-check -r requirements/test.txt
 

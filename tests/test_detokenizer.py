@@ -177,7 +177,7 @@ def test_stop_checker_matches_brute_force():
         acc = ""
         for chunk in chunks:
             acc += chunk
-            hit, truncated = checker.check(acc, len(chunk))
+            hit, truncated = checker.check(acc)
             got = (hit, truncated)
             if hit:
                 break
@@ -193,7 +193,7 @@ def test_stream_holdback_never_leaks_a_stop_string():
         acc, streamed, hit = "", "", None
         for ch in text:
             acc += ch
-            hit, acc = checker.check(acc, 1)
+            hit, acc = checker.check(acc)
             end = checker.stream_safe_length(acc, finished=hit is not None)
             streamed += acc[len(streamed):max(end, len(streamed))]
             if hit:
@@ -203,6 +203,80 @@ def test_stream_holdback_never_leaks_a_stop_string():
         assert streamed == brute_force_stop(list(text), stop, False)[1]
         for k in range(len(streamed)):
             assert stop[0] not in streamed[: k + 1]
+
+
+def test_stop_checker_with_many_overlapping_stops_matches_brute_force():
+    """Many stop strings that are prefixes, suffixes and infixes of each other (the
+    cases where an automaton's failure and output links matter)."""
+    rng = random.Random(3)
+    for _ in range(300):
+        text = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randrange(0, 12)))) if len(text) > 1 else []
+        chunks = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])] if text else []
+        stop = ["".join(rng.choice("ab") for _ in range(rng.randrange(1, 7))) for _ in range(rng.randrange(1, 30))]
+        include = rng.random() < 0.5
+        checker = StopChecker(stop, include)
+        got, acc = (None, ""), ""
+        for chunk in chunks:
+            acc += chunk
+            got = checker.check(acc)
+            if got[0]:
+                break
+        assert got == brute_force_stop(chunks, stop, include), (chunks, stop, include)
+
+
+def _brute_force_pending(text, stop):
+    """The longest suffix of text that is a prefix of some stop string."""
+    return max((k for k in range(len(text) + 1) for s in stop if s.startswith(text[len(text) - k:])), default=0)
+
+
+def test_stream_holdback_is_only_a_possible_stop_prefix():
+    """Text is held back only while its tail could still grow into a stop string: a
+    50-character stop string does not delay text that cannot start it."""
+    rng = random.Random(4)
+    for _ in range(300):
+        text = "".join(rng.choice("xyz") for _ in range(rng.randrange(1, 30)))
+        stop = ["".join(rng.choice("xyz") for _ in range(rng.randrange(2, 6))) for _ in range(rng.randrange(1, 4))]
+        checker = StopChecker(stop)
+        acc = ""
+        for ch in text:
+            acc += ch
+            hit, acc = checker.check(acc)
+            if hit:
+                break
+            assert checker.stream_safe_length(acc, finished=False) == len(acc) - _brute_force_pending(acc, stop)
+    long_stop = StopChecker(["<" + "=" * 49])
+    acc = ""
+    for word in ["Hello", " world", ", no stop", " here <", "=="]:
+        acc += word
+        assert long_stop.check(acc) == (None, acc)
+    # Everything before the "<==" that could start the stop string is released.
+    assert long_stop.stream_safe_length(acc, finished=False) == len(acc) - 3
+
+
+def test_stop_checker_cost_does_not_grow_with_the_number_of_stops():
+    """One automaton reads each character once: 64 stop strings cost about what one
+    does (a scan per string per token would cost 64x)."""
+    import time as _time
+
+    rng = random.Random(5)
+    text = "".join(rng.choice("abcdefgh ") for _ in range(60_000))
+    many = ["".join(rng.choice("abcdefgh") for _ in range(12)) + "#" for _ in range(64)]
+
+    def run(stop):
+        best = float("inf")
+        for _ in range(3):
+            checker = StopChecker(stop)
+            acc = ""
+            t0 = _time.perf_counter()
+            for i in range(0, len(text), 4):  # ~a token at a time
+                acc = text[: i + 4]
+                checker.check(acc)
+            best = min(best, _time.perf_counter() - t0)
+        return best
+
+    one, sixty_four = run(many[:1]), run(many)
+    assert sixty_four < 3 * one, (one, sixty_four)
 
 
 # ---------------------------------------------------------------- token stops
@@ -262,7 +336,8 @@ def test_completion_text_finish_flushes_partial_character(raw_tokenizer):
     for t in ids:
         assert ct.append(t) is None
         streamed += ct.take_delta(finished=False)
-    assert len(streamed) < len("hi ")  # "zzz" holds back 2 chars; the emoji is held
+    # "hi " cannot start "zzz": all of it streams; the half emoji is held back.
+    assert streamed == "hi "
     ct.finish()
     streamed += ct.take_delta(True)
     assert streamed == ct.text == raw_tokenizer.decode(ids)

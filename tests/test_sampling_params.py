@@ -36,6 +36,9 @@ BAD = [
     ("presence_penalty", 2.5), ("presence_penalty", -2.01),
     ("frequency_penalty", 3.0), ("frequency_penalty", -9.0),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0),
+    # float32 turns these into 0 / inf, and every sampled token into id 0 (issue 21).
+    ("repetition_penalty", 1e-300), ("repetition_penalty", 1e-45), ("repetition_penalty", 1e4),
+    ("temperature", 1e308), ("temperature", 1e4 + 1),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", 2.0),
     ("stop", 5), ("stop", [""]), ("stop", ["ok", 3]),
     ("stop_token_ids", [-1]), ("stop_token_ids", "12"), ("stop_token_ids", [1.0]),
@@ -66,6 +69,7 @@ GOOD = [
     ("top_p", 1e-9), ("top_p", 1), ("top_k", 1), ("top_k", 0), ("min_p", 0), ("min_p", 1),
     ("seed", 0), ("seed", -5), ("seed", 2**70), ("presence_penalty", -2), ("presence_penalty", 2),
     ("frequency_penalty", 2.0), ("repetition_penalty", 1e-3), ("repetition_penalty", 10),
+    ("repetition_penalty", 1e3), ("temperature", 1e4),
     ("logprobs", 0), ("logprobs", MAX_LOGPROBS), ("stop_token_ids", (1, 2)),
 ]
 
@@ -78,6 +82,10 @@ def test_boundary_values_accepted(field, value):
 
 def test_normalisations():
     assert SamplingParams(top_k=-1).top_k == 0  # vLLM's old "off" spelling
+    # A top_p float32 would round to 0 (keeping no token) is raised to the smallest
+    # nucleus, which is greedy.
+    assert SamplingParams(top_p=1e-300).top_p == 1e-30
+    assert SamplingParams(top_p=1e-30).top_p == 1e-30
     assert SamplingParams(stop="END").stop == ["END"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
     assert SamplingParams(stop=None).stop == []

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from hybridserve.sampling import SamplingParams
+from hybridserve.stop_strings import StopAutomaton
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -99,44 +100,61 @@ class IncrementalDetokenizer:
 
 
 class StopChecker:
-    """Finds the first stop string in a completion's text.
+    """Finds the first stop string in a completion's growing text.
 
-    Matches may straddle old and new text. When several stop strings occur, the one
-    that starts earliest wins (ties: the first in ``stop``).
+    One :class:`~hybridserve.stop_strings.StopAutomaton` reads each character once, so
+    the cost per new character does not grow with the number of stop strings. Matches
+    may straddle old and new text. When several stop strings end in the same new text,
+    the one that starts earliest wins (ties: the first in ``stop``).
+
+    The checker reads the text in order: pass the whole text each time, grown by the
+    new characters (``check`` to look for stop strings, ``skip`` to read without
+    matching, as before ``min_tokens``).
     """
 
-    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False,
+                 automaton: StopAutomaton | None = None) -> None:
         self.stop = [s for s in stop if s]
         self.include = include_stop_str_in_output
-        self.max_len = max((len(s) for s in self.stop), default=0)
+        self.automaton = automaton if automaton is not None else StopAutomaton(self.stop)
+        self.max_len = self.automaton.max_len
+        self._state = 0
+        self._read = 0  # characters of the text read so far
 
-    def check(self, text: str, num_new_chars: int) -> tuple[str | None, str]:
-        """Look for a stop string that ends within the last ``num_new_chars`` chars.
+    def _feed(self, text: str):
+        if len(text) <= self._read:
+            return None
+        self._state, match = self.automaton.feed(self._state, text[self._read:], self._read)
+        self._read = len(text)
+        return match
+
+    def skip(self, text: str) -> None:
+        """Read the characters of ``text`` not read yet without looking for a stop."""
+        if self.stop:
+            self._feed(text)
+
+    def check(self, text: str) -> tuple[str | None, str]:
+        """Look for a stop string that ends within the characters not read yet.
 
         Returns (the stop string, the text truncated before it, or after it when
-        include_stop_str_in_output) or (None, text). O(num_new_chars + max stop length)
-        per stop string.
+        include_stop_str_in_output) or (None, text). Amortised O(new characters).
         """
-        if not self.stop or num_new_chars <= 0:
+        if not self.stop:
             return None, text
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            start = max(0, len(text) - num_new_chars - len(s) + 1)
-            idx = text.find(s, start)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
-        if best is None:
+        match = self._feed(text)
+        if match is None:
             return None, text
-        idx, s = best
-        return s, text[: idx + len(s)] if self.include else text[:idx]
+        end = match.start + len(match.text)
+        return match.text, text[:end] if self.include else text[: match.start]
 
     def stream_safe_length(self, text: str, finished: bool) -> int:
-        """How many leading characters of ``text`` may be streamed now: all when
-        finished; otherwise all but the last (longest stop - 1), which could be the
-        start of a stop string that must not reach the client (vLLM's holdback)."""
-        if finished or self.include or self.max_len == 0:
+        """How many leading characters of ``text`` (read by check/skip) may be streamed
+        now: all when finished; otherwise all but the longest suffix that is a prefix of
+        some stop string, which must not reach the client if the stop string completes.
+        Text that cannot become a stop string is never held back."""
+        if finished or self.include or not self.stop:
             return len(text)
-        return max(0, len(text) - (self.max_len - 1))
+        return max(0, min(len(text), self._read) - self.automaton.pending(self._state))
 
 
 def check_stop_token(
@@ -170,7 +188,7 @@ class CompletionText:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
-        self.stops = StopChecker(params.stop, params.include_stop_str_in_output)
+        self.stops = StopChecker(params.stop, params.include_stop_str_in_output, params.stop_automaton)
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
         self.text = ""
@@ -185,10 +203,12 @@ class CompletionText:
         if not delta:
             return None
         self.text += delta
-        # As vLLM: stop strings are not looked for before min_tokens.
+        # As vLLM: stop strings are not looked for before min_tokens (their text is
+        # still read: a stop string may start before min_tokens and end after).
         if self.num_tokens < self.min_tokens:
+            self.stops.skip(self.text)
             return None
-        hit, self.text = self.stops.check(self.text, len(delta))
+        hit, self.text = self.stops.check(self.text)
         self.stop_string = hit
         return hit
 

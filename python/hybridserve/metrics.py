@@ -8,6 +8,12 @@ Two sources, one registry:
 * per-request latencies observed on the engine thread after each step: queue delay,
   time to first token, inter-token latency and end-to-end latency, each labelled
   with the request's class so that throughput cannot hide one class starving.
+
+``request_class`` comes from clients, and every distinct value adds a set of series
+(~57 lines) to every scrape: its cardinality is bounded, as Prometheus practice asks.
+Either the operator names the classes (``request_classes``; any other value is counted
+as ``other``) or the first ``max_request_classes`` distinct values get their own label
+and later ones are counted as ``other``.
 """
 
 from __future__ import annotations
@@ -20,6 +26,35 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 PREFIX = "hybridserve:"
+
+# The label for request classes beyond the configured set or the cap.
+OTHER_CLASS = "other"
+DEFAULT_MAX_REQUEST_CLASSES = 16
+
+
+class RequestClassLabels:
+    """Maps a request's class to its metrics label, bounding the label's values."""
+
+    def __init__(self, request_classes: "list[str] | None" = None,
+                 max_request_classes: int = DEFAULT_MAX_REQUEST_CLASSES) -> None:
+        if max_request_classes < 1:
+            raise ValueError(f"max_request_classes must be >= 1, got {max_request_classes}")
+        self.fixed = request_classes is not None
+        self.max = max_request_classes
+        self._known: set[str] = set(request_classes or ()) | {"default"}
+        self._lock = threading.Lock()
+
+    def __call__(self, klass: str) -> str:
+        if klass in self._known:
+            return klass
+        if self.fixed:
+            return OTHER_CLASS
+        with self._lock:
+            # "default" is always known and does not count against the cap.
+            if len(self._known) - 1 < self.max:
+                self._known.add(klass)
+                return klass
+        return OTHER_CLASS
 
 # (stats key, metric name, help) — cumulative counters of the core.
 _COUNTERS = [
@@ -75,9 +110,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 1
 
 
 class _CoreCollector:
-    def __init__(self) -> None:
+    def __init__(self, labels: RequestClassLabels) -> None:
         self.snapshot: dict[str, Any] = {}
         self.lock = threading.Lock()
+        self.labels = labels
 
     def collect(self):
         with self.lock:
@@ -93,8 +129,12 @@ class _CoreCollector:
         c = CounterMetricFamily(PREFIX + "preemptions_by_cause", "Requests preempted, by cause "
                                 "(blocks_needed, priority) and the victim's request_class",
                                 labels=["cause", "request_class"])
+        merged: dict[tuple[str, str], float] = {}
         for cause, klass, n in snap.get("preemptions_by", ()):
-            c.add_metric([cause, klass], float(n))
+            key = (cause, self.labels(klass))
+            merged[key] = merged.get(key, 0.0) + float(n)
+        for (cause, klass), n in merged.items():
+            c.add_metric([cause, klass], n)
         yield c
         total = float(snap.get("num_blocks", 0)) or 1.0
         g = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
@@ -121,9 +161,11 @@ class EngineMetrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self) -> None:
+    def __init__(self, request_classes: "list[str] | None" = None,
+                 max_request_classes: int = DEFAULT_MAX_REQUEST_CLASSES) -> None:
         self.registry = CollectorRegistry()
-        self._core = _CoreCollector()
+        self.class_label = RequestClassLabels(request_classes, max_request_classes)
+        self._core = _CoreCollector(self.class_label)
         self.registry.register(self._core)
         labels = ["request_class"]
         self.queue_time = Histogram(
@@ -151,7 +193,7 @@ class EngineMetrics:
             m = out.metrics
             if m is None:
                 continue
-            klass = m.request_class
+            klass = self.class_label(m.request_class)
             rid = out.request_id
             if rid not in self._seen_first and m.first_token_time is not None:
                 self._seen_first.add(rid)

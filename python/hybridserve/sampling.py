@@ -10,11 +10,13 @@ immutable by the engine; the sampler reads it every step without re-checking.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from hybridserve.errors import InvalidRequest
+from hybridserve.stop_strings import StopAutomaton
 
 # Below this temperature a request samples greedily (vLLM's _SAMPLING_EPS): dividing
 # logits by such a tiny number would overflow to inf and make softmax produce NaN.
@@ -26,6 +28,23 @@ MAX_LOGPROBS = 20
 
 # vLLM's ranges for the additive OpenAI penalties.
 _PENALTY_MIN, _PENALTY_MAX = -2.0, 2.0
+
+# The sampler works in float32. Every float parameter has a range inside which its
+# float32 value gives the limit behaviour a caller expects, never NaN or inf (which
+# make every sampled token id 0): outside the range is an InvalidRequest.
+#
+# temperature: logits are divided by it; above ~100 sampling is already uniform over
+# the tokens left (logits differ by tens), and 1e4 keeps the quotient finite even for
+# tokens masked to -inf (-inf / inf would be NaN).
+TEMPERATURE_MAX = 1e4
+# repetition_penalty: logits are divided or multiplied by it; float32 turns 1e-45 into
+# 0 or a denormal, and x / 0 is inf. [1e-3, 1e3] keeps every product finite.
+REPETITION_PENALTY_MIN, REPETITION_PENALTY_MAX = 1e-3, 1e3
+# top_p: any value in (0, 1] is accepted; one below this (which float32 may round to
+# 0, keeping nothing) is raised to it. It is below any token's share of the top
+# probability (>= 1 / vocabulary size), so the nucleus is the most likely token (and
+# its ties): a vanishing top_p is greedy, as its limit is.
+TOP_P_MIN = 1e-30
 
 
 def _is_int(value: Any) -> bool:
@@ -76,9 +95,11 @@ class SamplingParams:
       max_tokens: the most tokens each completion generates (>= 1).
       min_tokens: EOS and ``stop_token_ids`` are masked out, and stop strings are not
         checked, until a completion has this many tokens (0 <= min_tokens <= max_tokens).
-      temperature: >= 0; below ``SAMPLING_EPS`` (1e-5) the request is greedy (argmax
-        after penalties) and top_p/top_k/min_p are ignored.
-      top_p: nucleus mass in (0, 1]; 1 disables.
+      temperature: in [0, TEMPERATURE_MAX=1e4]; below ``SAMPLING_EPS`` (1e-5) the
+        request is greedy (argmax after penalties) and top_p/top_k/min_p are ignored;
+        a large temperature samples uniformly among the tokens not masked out.
+      top_p: nucleus mass in (0, 1]; 1 disables. Values below TOP_P_MIN (1e-30) are
+        stored as TOP_P_MIN, which keeps only the most likely token (greedy).
       top_k: keep the k most likely tokens; 0 or -1 disables (vLLM accepts both; -1 is
         stored as 0).
       min_p: in [0, 1]; drop tokens whose probability is below min_p times the top
@@ -87,12 +108,13 @@ class SamplingParams:
         None draws from the global RNG.
       stop: strings that end a completion when they appear in its text (a single
         string is accepted and stored as a one-element list).
-      stop_token_ids: token ids that end a completion (the id is kept in token_ids).
+      stop_token_ids: token ids that end a completion (the id is kept in token_ids);
+        below the model's vocabulary size (checked by :meth:`check_vocab`).
       ignore_eos: keep generating after the tokenizer's EOS token.
       presence_penalty, frequency_penalty: in [-2, 2], subtracted from the logits of
         tokens already generated (once, and once per occurrence respectively).
-      repetition_penalty: > 0; logits of tokens in the prompt or the output are divided
-        by it when positive and multiplied by it when negative; 1 disables.
+      repetition_penalty: in [1e-3, 1e3]; logits of tokens in the prompt or the output
+        are divided by it when positive and multiplied by it when negative; 1 disables.
       logprobs: None for no logprobs; k in [0, MAX_LOGPROBS] returns the chosen token's
         logprob plus the k most likely alternatives.
       include_stop_str_in_output: keep the matched stop string at the end of the text.
@@ -134,10 +156,14 @@ class SamplingParams:
                 self.min_tokens,
                 f"an integer in [0, max_tokens={self.max_tokens}]",
             )
-        if not _is_number(self.temperature) or self.temperature < 0:
-            raise _bad("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= TEMPERATURE_MAX:
+            raise _bad("temperature", self.temperature,
+                       f"a number in [0, {TEMPERATURE_MAX:g}] (0 means greedy; above ~100 it is "
+                       "already uniform)")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise _bad("top_p", self.top_p, "a number in (0, 1] (1 disables it)")
+        if self.top_p < TOP_P_MIN:
+            self.top_p = TOP_P_MIN
         if not _is_int(self.top_k) or self.top_k < -1:
             raise _bad("top_k", self.top_k, "an integer >= 1, or 0 or -1 to disable it")
         if self.top_k == -1:
@@ -150,8 +176,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not _PENALTY_MIN <= value <= _PENALTY_MAX:
                 raise _bad(name, value, f"a number in [{_PENALTY_MIN}, {_PENALTY_MAX}] (0 disables it)")
-        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise _bad("repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        if not _is_number(self.repetition_penalty) or not (
+            REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX
+        ):
+            raise _bad("repetition_penalty", self.repetition_penalty,
+                       f"a number in [{REPETITION_PENALTY_MIN:g}, {REPETITION_PENALTY_MAX:g}] (1 disables it)")
         if self.logprobs is not None and (
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
@@ -189,12 +218,19 @@ class SamplingParams:
     def check_vocab(self, vocab_size: int) -> None:
         """InvalidRequest when a token id this request names lies outside the model's
         vocabulary (known only to the engine, so checked when the request arrives)."""
-        bad = sorted(t for t in (self.logit_bias or {}) if t >= vocab_size)
-        if bad:
-            raise InvalidRequest(
-                f"SamplingParams.logit_bias names token id(s) {bad[:5]} outside the model's "
-                f"vocabulary [0, {vocab_size}); remove them"
-            )
+        for name, ids in (("logit_bias", self.logit_bias or {}), ("stop_token_ids", self.stop_token_ids)):
+            bad = sorted(t for t in ids if t >= vocab_size)
+            if bad:
+                raise InvalidRequest(
+                    f"SamplingParams.{name} names token id(s) {bad[:5]} outside the model's "
+                    f"vocabulary [0, {vocab_size}); remove them"
+                )
+
+    @functools.cached_property
+    def stop_automaton(self) -> StopAutomaton:
+        """One automaton over all of ``stop``, built once per request and shared by its
+        completions (the server builds it off the engine thread by reading this)."""
+        return StopAutomaton(self.stop)
 
     @property
     def greedy(self) -> bool:
@@ -240,4 +276,4 @@ class SamplingParams:
         return cls(**dict(data))
 
 
-__all__ = ["SamplingParams", "SAMPLING_EPS", "MAX_LOGPROBS"]
+__all__ = ["SamplingParams", "SAMPLING_EPS", "MAX_LOGPROBS", "TEMPERATURE_MAX", "TOP_P_MIN"]

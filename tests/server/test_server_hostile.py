@@ -9,6 +9,7 @@ cases to ``CASES``.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import time
 
@@ -21,7 +22,10 @@ def _user(content):
     return {"messages": [{"role": "user", "content": content}]}
 
 
-# (id, method, path, body: dict | bytes | None, expected status, fragment of the message)
+# (id, method, path, body: dict | bytes | None, expected status, fragment of the message
+#  [, request headers])
+GZIP = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+VOCAB = 272  # the test-a tiny checkpoint's vocabulary
 CASES = [
     ("body-over-cap", "POST", C, b'{"prompt": "' + b"a" * (17 << 20) + b'"}', 413, "larger than"),
     ("max-tokens-huge", "POST", C, {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens"),
@@ -70,10 +74,77 @@ CASES = [
     ("tokenize-both", "POST", TOK, {"prompt": "x", **_user("y")}, 400, "exactly one"),
     ("detokenize-out-of-vocab", "POST", DETOK, {"tokens": [1, 10**9]}, 400, "token ids"),
     ("detokenize-not-list", "POST", DETOK, {"tokens": "abc"}, 400, "tokens"),
+    # ---- issue 21: no 500s left
+    ("gzip-not-gzip", "POST", C, b'{"prompt":"a","max_tokens":2}', 400, "Content-Encoding", GZIP),
+    ("deflate-not-deflate", "POST", C, b'{"prompt":"a"}', 400, "Content-Encoding",
+     {"Content-Type": "application/json", "Content-Encoding": "deflate"}),
+    ("content-encoding-unknown", "POST", C, b'{"prompt":"a"}', 415, "Content-Encoding",
+     {"Content-Type": "application/json", "Content-Encoding": "foo"}),
+    ("content-encoding-twice", "POST", C, b'{"prompt":"a"}', 415, "Content-Encoding",
+     {"Content-Type": "application/json", "Content-Encoding": "gzip, gzip"}),
+    # ---- issue 21: float64 values that over/underflow float32 (all-id-0 output before)
+    ("temperature-1e308", "POST", C, {"prompt": "x", "temperature": 1e308}, 400, "temperature"),
+    ("temperature-1e308-min-tokens", "POST", C, {"prompt": "x", "temperature": 1e308, "min_tokens": 3}, 400,
+     "temperature"),
+    ("temperature-1e308-stop-ids", "POST", C,
+     {"prompt": "x", "temperature": 1e308, "min_tokens": 2, "stop_token_ids": [3]}, 400, "temperature"),
+    ("repetition-penalty-1e-300", "POST", C, {"prompt": "x", "repetition_penalty": 1e-300}, 400,
+     "repetition_penalty"),
+    ("repetition-penalty-1e-45", "POST", C, {"prompt": "x", "repetition_penalty": 1e-45}, 400,
+     "repetition_penalty"),
+    ("repetition-penalty-1e300", "POST", C, {"prompt": "x", "repetition_penalty": 1e300}, 400,
+     "repetition_penalty"),
+    ("chat-temperature-1e308", "POST", CHAT, {**_user("hi"), "temperature": 1e308}, 400, "temperature"),
+    # ---- issue 21: accepted although invalid
+    ("stop-token-beyond-vocab", "POST", C, {"prompt": "x", "stop_token_ids": [VOCAB]}, 400, "stop_token_ids"),
+    ("chat-stop-token-beyond-vocab", "POST", CHAT, {**_user("hi"), "stop_token_ids": [1, 10**6]}, 400,
+     "stop_token_ids"),
+    ("chat-name-object", "POST", CHAT, {"messages": [{"role": "user", "content": "hi", "name": {"a": 1}}]}, 400,
+     "name"),
+    ("chat-tool-calls-string", "POST", CHAT,
+     {"messages": [{"role": "assistant", "content": "x", "tool_calls": "call"}, {"role": "user", "content": "y"}]},
+     400, "tool_calls"),
+    ("chat-tool-call-id-number", "POST", CHAT,
+     {"messages": [{"role": "tool", "content": "x", "tool_call_id": 5}]}, 400, "tool_call_id"),
+    ("user-object", "POST", C, {"prompt": "x", "user": {"id": 1}}, 400, "user"),
+    ("chat-user-list", "POST", CHAT, {**_user("hi"), "user": ["a"]}, 400, "user"),
+    ("content-type-text-plain", "POST", C, b'{"prompt": "x"}', 415, "Content-Type",
+     {"Content-Type": "text/plain"}),
+    ("content-type-none", "POST", C, b'{"prompt": "x"}', 415, "Content-Type", {}),
+    ("content-type-form", "POST", TOK, b'{"prompt": "x"}', 415, "Content-Type",
+     {"Content-Type": "application/x-www-form-urlencoded"}),
+    # ---- issue 21: one request must not slow everyone
+    ("stop-100k-strings", "POST", C, {"prompt": "x", "stop": [f"s{i}" for i in range(100_000)]}, 400,
+     "max-stop-strings"),
+    ("stop-5000-chars", "POST", C, {"prompt": "x", "stop": ["=" * 5000]}, 400, "max-stop-string-chars"),
+    ("chat-stop-100k", "POST", CHAT, {**_user("hi"), "stop": ["ab"] * 100_000}, 400, "max-stop-strings"),
+    # ---- issue 21: protocol
+    ("model-retrieve-unknown", "GET", "/v1/models/gpt-5", None, 404, "does not exist"),
 ]
 
 
-def _send(live, method, path, body):
+class _Response:
+    def __init__(self, status, headers, content):
+        self.status_code, self.headers, self.content = status, headers, content
+        self.text = content.decode("utf-8", "replace")
+
+    def json(self):
+        return json.loads(self.content)
+
+
+def _send(live, method, path, body, headers=None):
+    if headers is not None:
+        conn = live.connect()
+        try:
+            conn.putrequest(method, path, skip_accept_encoding=True)
+            for k, v in headers.items():
+                conn.putheader(k, v)
+            conn.putheader("Content-Length", str(len(body or b"")))
+            conn.endheaders(body)
+            r = conn.getresponse()
+            return _Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
+        finally:
+            conn.close()
     if isinstance(body, bytes):
         return live.request(method, path, content=body)
     return live.request(method, path, json_body=body)
@@ -81,8 +152,8 @@ def _send(live, method, path, body):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_hostile_request_gets_its_4xx_and_loses_nothing(live, case):
-    _, method, path, body, status, fragment = case
-    r = _send(live, method, path, body)
+    _, method, path, body, status, fragment, *headers = case
+    r = _send(live, method, path, body, *headers)
     assert r.status_code == status, r.text[:500]
     assert r.headers["content-type"].startswith("application/json"), r.headers
     err = r.json()["error"]
@@ -181,4 +252,126 @@ def test_text_prompts_are_tokenized_off_the_engine_thread(live, monkeypatch):
     monkeypatch.setattr(live.engine, "tokenize", spy)
     assert live.post(C, {"prompt": "hello " * 100, "max_tokens": 1}).status_code == 200
     assert seen and all(name.startswith("hybridserve-tokenize") for name in seen), seen
+    live.wait_idle_and_whole()
+
+
+# ---------------------------------------------------------------- raw bytes (issue 21)
+def _raw(live, data: bytes, half_close: bool = False) -> bytes:
+    s = socket.create_connection(("127.0.0.1", live.port), timeout=30)
+    try:
+        s.sendall(data)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        out = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return out
+            out += chunk
+    finally:
+        s.close()
+
+
+def _parse(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Status, headers and the (de-chunked) body of one HTTP/1.x response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    if headers.get("transfer-encoding") == "chunked":
+        out = b""
+        while True:
+            size, _, body = body.partition(b"\r\n")
+            n = int(size, 16)
+            if n == 0:
+                break
+            out, body = out + body[:n], body[n + 2:]
+        body = out
+    return status, headers, body
+
+
+_POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n"
+_BODY = b'{"prompt": [5, 6], "max_tokens": 2}'
+
+# (id, raw request, expected status, fragment of the message, bytes the log must not quote)
+RAW_CASES = [
+    ("bad-content-length", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 12abc\r\n\r\n", 400,
+     "Content-Length", b"12abc"),
+    ("header-100KB", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"q" * 100_000 + b"\r\n\r\n", 400,
+     "longer than", b"qqqqqqqq"),
+    ("garbage-request-line", b"\x00\x01zorglub\r\n\r\n", 400, "HTTP method", b"zorglub"),
+    ("http2-preface", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400, "HTTP/2", b"SM"),
+    ("bad-header-name", b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header\x7f: zorglub\r\n\r\n", 400, "",
+     b"zorglub"),
+    ("chunked-garbage", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+     b"Content-Type: application/json\r\n\r\nzz-not-hex\r\n", 400, "", b"not-hex"),
+]
+
+
+@pytest.mark.parametrize("case", RAW_CASES, ids=[c[0] for c in RAW_CASES])
+def test_parser_rejection_answers_json_and_logs_one_warning_without_the_bytes(live, case, caplog):
+    _, data, status, fragment, secret = case
+    caplog.set_level("DEBUG")
+    got, headers, body = _parse(_raw(live, data))
+    assert got == status, body
+    assert headers["content-type"].startswith("application/json"), headers
+    err = json.loads(body)["error"]
+    assert fragment in err["message"] and err["type"] == "invalid_request_error", err
+    assert secret.decode("latin-1") not in err["message"]
+    time.sleep(0.1)  # the log line is written on the server's thread
+    mine = [r for r in caplog.records if r.name.startswith(("hybridserve", "aiohttp"))
+            and r.levelno >= logging.WARNING]
+    assert len(mine) == 1 and mine[0].levelno == logging.WARNING and not mine[0].exc_info, \
+        [(r.name, r.levelname, r.getMessage()[:200]) for r in mine]
+    assert secret.decode("latin-1") not in mine[0].getMessage()
+    ok = live.post(C, {"prompt": [5, 6], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text
+    live.wait_idle_and_whole()
+
+
+@pytest.mark.parametrize("token", [b"\xff\xfe", b"sekrit\x80", b"sekr\xc3it"])
+def test_api_key_header_that_is_not_utf8_gets_401(live, token, caplog):
+    live.settings.api_key = "sekrit"
+    try:
+        raw = _raw(live, _POST + b"Authorization: Bearer " + token + b"\r\nContent-Length: "
+                   + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY)
+        good = live.post(C, {"prompt": [5, 6], "max_tokens": 2}, headers={"Authorization": "Bearer sekrit"})
+    finally:
+        live.settings.api_key = None
+    status, headers, body = _parse(raw)
+    assert status == 401, body
+    assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert good.status_code == 200
+    live.wait_idle_and_whole()
+
+
+def test_half_closed_client_gets_its_answer(live, caplog):
+    """HTTP allows a client to shut its sending side after the request: it is answered
+    (streamed or not), and a body cut short by the EOF is a 400, not a hang."""
+    for stream in (False, True):
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": stream}).encode()
+        raw = _raw(live, _POST.replace(b"Connection: close\r\n", b"") + b"Content-Length: "
+                   + str(len(body)).encode() + b"\r\n\r\n" + body, half_close=True)
+        status, _, payload = _parse(raw)
+        assert status == 200, payload
+        if stream:
+            events = [ln[6:] for ln in payload.split(b"\n") if ln.startswith(b"data: ")]
+            assert events[-1] == b"[DONE]"
+            assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        else:
+            out = json.loads(payload)
+            assert out["usage"]["completion_tokens"] == 4 and out["choices"][0]["finish_reason"] == "length"
+    status, _, payload = _parse(_raw(live, _POST + b"Content-Length: 100\r\n\r\n" + _BODY, half_close=True))
+    assert status == 400 and "Content-Length" in json.loads(payload)["error"]["message"]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    live.wait_idle_and_whole()
+
+
+def test_a_real_gzip_body_is_served(live):
+    import gzip
+
+    body = gzip.compress(json.dumps({"prompt": [5, 6], "max_tokens": 2}).encode())
+    r = _send(live, "POST", C, body, GZIP)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
     live.wait_idle_and_whole()

@@ -253,3 +253,47 @@ def test_prompt_logprobs_across_prefill_chunks_match_hf(live, client, hf_tiny):
     assert got[0] is None
     assert got[1:] == pytest.approx(expect[1:], abs=TOL)
     live.wait_idle_and_whole()
+
+
+# ---------------------------------------------------------------- issue 21
+def test_models_retrieve_with_the_client(live, client):
+    card = client.models.retrieve("tiny")
+    assert card.id == "tiny" and card.object == "model"
+    assert card.id == client.models.list().data[0].id
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-5")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_include_usage_chunks_carry_null_usage_until_the_last(live):
+    import json
+
+    conn = live.connect()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}), headers={"Content-Type": "application/json"})
+    events = [ln[6:] for ln in conn.getresponse().read().split(b"\n") if ln.startswith(b"data: ")]
+    conn.close()
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == b"[DONE]" and len(chunks) >= 3
+    # OpenAI: every chunk has the key; null on all but the last, which has no choices.
+    assert all("usage" in c and c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    live.wait_idle_and_whole()
+
+
+def test_vanishing_top_p_and_huge_temperature_give_their_limits_not_id_0(live, client, hf_tiny):
+    """top_p 1e-300 underflows float32 to 0; inside the range it must be greedy (HF's
+    argmax), and the largest temperature with min_tokens must still sample real tokens."""
+    prompt = [40, 41, 42, 43]
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, top_p=1e-300,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == _tok(live).decode(_hf_greedy(hf_tiny, prompt, 6))
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=64, temperature=1e4, seed=1,
+                                  logprobs=0, extra_body={"ignore_eos": True, "min_tokens": 64,
+                                                          "stop_token_ids": [3], "repetition_penalty": 1e-3})
+    lps = r.choices[0].logprobs.token_logprobs
+    assert len(lps) == 64 and all(math.isfinite(v) for v in lps)
+    # Uniform over ~272 tokens: 64 draws hit many distinct tokens, never all one id.
+    assert len(set(r.choices[0].logprobs.tokens)) > 20
+    live.wait_idle_and_whole()

@@ -68,18 +68,25 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (default: the embedded ~10M-parameter tiny model)")
     e = p.add_argument_group("engine")
-    e.add_argument("--dtype", default="auto")
+    e.add_argument("--dtype", default="auto",
+                   help="auto, float32, bfloat16 or float16; auto is float32 on CPU, the checkpoint's on CUDA "
+                        "(default: auto)")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (default: cpu)")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the engine's choice)")
-    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts, at most 256")
-    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="most tokens in one step's batch (default: 2048)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
     e.add_argument("--kv-cache-memory", default=None, help="byte budget of both pools, e.g. 512MiB")
     e.add_argument("--expected-context-len", type=int, default=None,
                    help="length the pools are split for (default: the workload's longest prompt + output)")
-    e.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged")
-    e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged",
+                   help="paged, or reserve_max (each sequence reserves max_model_len up front: the pre-paging "
+                        "baseline) (default: paged)")
+    e.add_argument("--no-prefix-caching", action="store_true",
+                   help="turn off prefix caching (cached KV blocks and DeltaNet state checkpoints) (default: on)")
     e.add_argument("--breakdown", action="store_true",
                    help="also time the scheduler, runner and sampler shares of the run")
     h = p.add_argument_group("HF transformers baseline")

@@ -102,6 +102,7 @@ def run_engine(
     try:
         while nxt < len(reqs) or live:
             now = time.perf_counter() - start
+            arrived = nxt
             while nxt < len(reqs) and reqs[nxt].arrival_time <= now:
                 r, rec = reqs[nxt], records[nxt]
                 params = SamplingParams(temperature=temperature, max_tokens=r.output_len,
@@ -119,6 +120,15 @@ def run_engine(
                 if nxt < len(reqs):
                     time.sleep(max(0.0, reqs[nxt].arrival_time - (time.perf_counter() - start)))
                 continue
+            if nxt > arrived:
+                # A sample at the arrivals, before the step that admits them (which may
+                # take seconds): the timeline shows them waiting from the moment they came.
+                s = engine.stats()
+                timeline.append({
+                    "t": now, "running": s.get("num_running_requests", 0),
+                    "waiting": s.get("num_waiting_requests", 0), "kv_blocks_used": s.get("used_blocks", 0),
+                    "state_slots_used": s.get("used_slots", 0), "output_tokens": out_total,
+                })
             engine.step()
             steps += 1
             t = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """The aiohttp server: OpenAI-compatible completions and chat, SSE streaming, metrics.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with
-``"stream": true`` for server-sent events), ``GET /v1/models``, ``POST /tokenize``,
+``"stream": true`` for server-sent events), ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /tokenize``,
 ``POST /detokenize`` (vLLM's shapes), ``GET /health``, ``GET /metrics`` (Prometheus).
 
 Errors are values at the boundary: every failure a client can cause is a 4xx with an
@@ -22,12 +23,17 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
+from aiohttp import ClientPayloadError, web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
+from hybridserve.detokenizer import StopChecker
 from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
 from hybridserve.server import protocol
+from hybridserve.server.access_log import REQUEST_ID_KEY, USAGE_KEY
+from hybridserve.server.http_protocol import describe_rejection, peer_eof
 from hybridserve.server.protocol import ApiError
 from hybridserve.tokenizer import apply_chat_template
 
@@ -43,6 +49,13 @@ class ServerSettings:
     max_request_body_bytes: int = 16 << 20
     request_read_timeout: float = 60.0
     keepalive_timeout: float = 75.0
+    # One line per request on the ``hybridserve.access`` logger (serve --no-access-log).
+    access_log: bool = True
+    # Stop strings per request and characters per stop string; beyond is a 400. The
+    # automaton over them is built per request (off the engine thread) and costs
+    # memory and build time in proportion to their total length.
+    max_stop_strings: int = 64
+    max_stop_string_chars: int = 256
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -104,10 +117,34 @@ def _parse_json(raw: bytes) -> Any:
     return body
 
 
+def _check_json_content_type(request: web.Request) -> None:
+    ctype = request.headers.get("Content-Type")
+    media = request.content_type  # aiohttp's parse: lower-cased, parameters dropped
+    if ctype is None or not (media == "application/json" or (media.startswith("application/")
+                                                             and media.endswith("+json"))):
+        got = "no Content-Type" if ctype is None else f"Content-Type {media!r}"
+        raise ApiError(f"the request body must be JSON sent with 'Content-Type: application/json' (got {got})",
+                       status=415, err_type="invalid_request_error")
+    # aiohttp decodes gzip and deflate and passes any other coding through as if it
+    # were none: the body would be parsed as what it is not.
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("identity", "gzip", "x-gzip", "deflate", ""):
+        raise ApiError(f"Content-Encoding {encoding[:40]!r} is not supported; send the body as is, gzip or deflate",
+                       status=415, err_type="invalid_request_error")
+
+
 async def _json_body(request: web.Request) -> dict[str, Any]:
     settings = request.app[SETTINGS_KEY]
+    _check_json_content_type(request)
     try:
         raw = await asyncio.wait_for(request.read(), timeout=settings.request_read_timeout)
+    except (HttpProcessingError, ClientPayloadError, RequestPayloadError) as e:
+        # A Content-Encoding body that does not decode (gzip that is not gzip), or a
+        # body cut short: the client's fault, named without quoting its bytes. The
+        # reader is ended, or aiohttp would drain it after the answer and log its error.
+        request.content.feed_eof()
+        cause = e if isinstance(e, HttpProcessingError) else (e.__cause__ or e)
+        raise ApiError(f"the request body could not be read: {describe_rejection(cause)}") from None
     except web.HTTPRequestEntityTooLarge:
         raise ApiError(
             f"the request body is larger than this server's limit of {settings.max_request_body_bytes} bytes "
@@ -125,15 +162,24 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
 
 
 class _Deltas:
-    """Per-choice text and tokens already streamed; holds back a possible stop-string prefix."""
+    """Per-choice text and tokens already streamed. Text is held back only while its
+    tail could still grow into a stop string (one automaton per request, read once per
+    character), so text that cannot match streams at once."""
 
-    def __init__(self, n: int, holdback: int) -> None:
+    def __init__(self, n: int, params: Any) -> None:
         self.sent = [0] * n
         self.sent_tokens = [0] * n
-        self.holdback = holdback
+        hold = bool(params.stop) and not params.include_stop_str_in_output
+        self.checkers = [StopChecker(params.stop, False, params.stop_automaton) if hold else None
+                         for _ in range(n)]
 
     def take(self, index: int, text: str, finished: bool) -> str:
-        end = len(text) if finished else max(len(text) - self.holdback, 0)
+        checker = self.checkers[index]
+        if finished or checker is None:
+            end = len(text)
+        else:
+            checker.skip(text)
+            end = checker.stream_safe_length(text, False)
         start = self.sent[index]
         if end <= start:
             return ""
@@ -174,6 +220,18 @@ async def _open_streams(request: web.Request, engine: AsyncEngine, rid: str, pro
     return streams
 
 
+def _check_stop_limits(request: web.Request, params: Any) -> None:
+    settings = request.app[SETTINGS_KEY]
+    stops = params.stop or []
+    if len(stops) > settings.max_stop_strings:
+        raise ApiError(f"'stop' has {len(stops)} strings; this server allows at most {settings.max_stop_strings} "
+                       "(serve --max-stop-strings)", param="stop")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > settings.max_stop_string_chars:
+        raise ApiError(f"a stop string has {longest} characters; this server allows at most "
+                       f"{settings.max_stop_string_chars} (serve --max-stop-string-chars)", param="stop")
+
+
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     engine = request.app[ENGINE_KEY]
     state = request.app[STATE_KEY]
@@ -187,6 +245,9 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         fields = protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS
         params = protocol.sampling_params_from(body, fields, chat=chat,
                                                vocab_size=engine.engine.model_config.vocab_size)
+        _check_stop_limits(request, params)
+        if params.stop:  # built here, off the engine thread that reads it every token
+            await engine.run_off_engine(lambda: params.stop_automaton)
         opts = protocol.stream_options(body)
         priority, klass = protocol.request_priority(body)
         beam = None if chat else protocol.beam_search_params(body, params)
@@ -210,6 +271,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             echo = protocol._bool(body, "echo", False)
         prompt_lp = params.logprobs if echo else None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        request[REQUEST_ID_KEY] = rid
         streams = await _open_streams(request, engine, rid, prompts, beam or params, priority, klass, prompt_lp)
     except Exception as e:  # noqa: BLE001 - every failure becomes an error body
         if not isinstance(e, HybridServeError):
@@ -234,14 +296,63 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
             final = out
         return final
 
+    # Concurrently, so no stream's queue piles up outputs while another is read.
+    work = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    early: web.StreamResponse | None = None
     try:
-        # Concurrently, so no stream's queue piles up outputs while another is read.
-        finals = await asyncio.gather(*(last(s) for s in streams))
+        eof = peer_eof(request)
+        if eof is not None and not work.done():
+            early = await _answer_after_half_close(request, work, eof)
+        finals = await work
+    except (ConnectionError, asyncio.CancelledError):
+        raise  # the client is gone: the handler's finally aborts the requests
     except Exception as e:  # noqa: BLE001
-        return _error(e)
+        if early is None:
+            return _error(e)
+        status = getattr(e, "http_status", 500) if isinstance(e, HybridServeError) else 500
+        body = protocol.error_body(str(e) if isinstance(e, (HybridServeError, EngineDeadError)) else
+                                   "internal error", protocol.error_type_for(e, status), status)
+        await early.write(json.dumps(body).encode())
+        await early.write_eof()
+        return early
+    finally:
+        work.cancel()
+    request[USAGE_KEY] = protocol.usage(finals)
     if chat:
-        return web.json_response(protocol.chat_body(rid, model_name, finals[0], tt, params))
-    return web.json_response(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts))
+        body = protocol.chat_body(rid, model_name, finals[0], tt, params)
+    else:
+        body = protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)
+    if early is None:
+        return web.json_response(body)
+    await early.write(json.dumps(body).encode())
+    await early.write_eof()
+    return early
+
+
+# While a half-closed client waits for a non-streamed answer, a space is written this
+# often: a client that closed entirely answers it with a reset, and its request is
+# aborted instead of computed for nobody.
+_HALF_CLOSE_PROBE_S = 0.5
+
+
+async def _answer_after_half_close(request: web.Request, work: asyncio.Future,
+                                   eof: asyncio.Event) -> web.StreamResponse | None:
+    """Wait for ``work``; if the client sends EOF first, start a chunked 200 answer
+    and write whitespace (valid before a JSON value) until the work is done."""
+    eof_wait = asyncio.ensure_future(eof.wait())
+    try:
+        await asyncio.wait([work, eof_wait], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        eof_wait.cancel()
+    if work.done():
+        return None
+    resp = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+    resp.enable_chunked_encoding()
+    await resp.prepare(request)
+    while not work.done():
+        await resp.write(b" ")
+        await asyncio.wait([work], timeout=_HALF_CLOSE_PROBE_S)
+    return resp
 
 
 async def _merged(streams: list[RequestStream]):
@@ -283,15 +394,18 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     n = params.n
-    holdback = max((len(s) for s in params.stop), default=1) - 1 if not params.include_stop_str_in_output else 0
-    deltas = _Deltas(n * len(streams), holdback)
+    deltas = _Deltas(n * len(streams), params)
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
     k = params.logprobs or 0
     lasts: dict[int, Any] = {}
 
+    # OpenAI: with include_usage every chunk carries "usage", null until the last one.
+    usage_field = {"usage": None} if opts.include_usage else {}
+
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices, **extra})
+        return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                     **usage_field, **extra})
 
     try:
         if chat:
@@ -332,8 +446,10 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
                 await resp.write(chunk(choices))
+        if lasts:
+            request[USAGE_KEY] = protocol.usage(list(lasts.values()))
         if opts.include_usage and lasts:
-            await resp.write(chunk([], usage=protocol.usage(list(lasts.values()))))
+            await resp.write(chunk([], usage=request[USAGE_KEY]))
         await resp.write(b"data: [DONE]\n\n")
     except (ConnectionResetError, ConnectionError):
         pass  # the client went away: the handler's finally aborts the requests
@@ -358,13 +474,26 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
-async def models(request: web.Request) -> web.Response:
+def _model_card(request: web.Request) -> dict[str, Any]:
     name = request.app[MODEL_NAME_KEY]
     engine = request.app[ENGINE_KEY].engine
-    return web.json_response({"object": "list", "data": [
-        {"id": name, "object": "model", "created": request.app[STATE_KEY]["created"], "owned_by": "hybridserve",
-         "root": name, "parent": None, "max_model_len": engine.max_model_len}
-    ]})
+    return {"id": name, "object": "model", "created": request.app[STATE_KEY]["created"], "owned_by": "hybridserve",
+            "root": name, "parent": None, "max_model_len": engine.max_model_len}
+
+
+async def models(request: web.Request) -> web.Response:
+    return web.json_response({"object": "list", "data": [_model_card(request)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the openai client's ``models.retrieve``)."""
+    name = request.app[MODEL_NAME_KEY]
+    wanted = request.match_info["model"]
+    if wanted != name:
+        return web.json_response(protocol.error_body(
+            f"The model `{wanted}` does not exist; this server serves `{name}` (GET /v1/models).",
+            "invalid_request_error", "model_not_found", "model"), status=404)
+    return web.json_response(_model_card(request))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -462,7 +591,9 @@ async def _middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     if settings.api_key and _needs_key(request.path, settings):
         auth = request.headers.get("Authorization", "")
         given = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(given.encode(), settings.api_key.encode()):
+        # aiohttp decodes header bytes that are not UTF-8 as lone surrogates
+        # (surrogateescape); encoding them back the same way compares the raw bytes.
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), settings.api_key.encode()):
             msg = ("Incorrect API key provided." if given else
                    "Missing API key: send the header 'Authorization: Bearer <key>'.")
             return web.json_response(protocol.error_body(msg, "invalid_request_error", "invalid_api_key"),
@@ -526,6 +657,7 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)

@@ -230,7 +230,15 @@ def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *
     bias = logit_bias(body, vocab_size)
     if bias:
         kwargs["logit_bias"] = bias
-    return SamplingParams(**kwargs)
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise ApiError(f"'user' must be a string (an end-user id), got {type(user).__name__}", param="user")
+    params = SamplingParams(**kwargs)
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ApiError(f"stop_token_ids holds {bad[:5]}, outside the vocabulary [0, {vocab_size})",
+                       param="stop_token_ids")
+    return params
 
 
 BEAM_SEARCH_UNSUPPORTED = ("stop", "stop_token_ids", "logprobs", "echo", "logit_bias", "min_tokens",
@@ -332,6 +340,14 @@ def chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
         elif not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string, a list of text parts or null",
                            param="messages")
+        for key in ("name", "tool_call_id"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise ApiError(f"messages[{i}].{key} must be a string, got {type(m[key]).__name__}",
+                               param="messages")
+        calls = m.get("tool_calls")
+        if calls is not None and (not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls)):
+            raise ApiError(f"messages[{i}].tool_calls must be a list of tool-call objects, got "
+                           f"{type(calls).__name__}", param="messages")
         msg = {k: v for k, v in m.items() if k in ("name", "tool_calls", "tool_call_id")}
         msg.update(role=role, content=content)
         out.append(msg)

@@ -26,6 +26,7 @@ from typing import Any
 from hybridserve.argtypes import non_negative_seconds, positive_int, positive_seconds, positive_size
 from hybridserve.errors import ConfigError
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_PRESET = "bench"
 DEFAULT_MODEL_SEED = 0
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
@@ -85,6 +86,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "(default: %(default)s)")
     net.add_argument("--keepalive-timeout", type=positive_seconds, default=75.0, metavar="S",
                      help="seconds an idle keep-alive connection stays open (default: %(default)s)")
+    net.add_argument("--no-access-log", dest="access_log", action="store_false",
+                     help="turn off the access log: one INFO line per request on the hybridserve.access "
+                          "logger with method, path, status, duration, prompt and output tokens and the "
+                          "request id (default: on)")
+    net.add_argument("--max-stop-strings", type=positive_int, default=64, metavar="N",
+                     help="most stop strings one request may give; more gets 400 (default: %(default)s)")
+    net.add_argument("--max-stop-string-chars", type=positive_int, default=256, metavar="N",
+                     help="longest stop string in characters; longer gets 400 (default: %(default)s)")
+    net.add_argument("--request-classes", default=None, metavar="A,B,...",
+                     help="the request_class values /metrics labels by name; any other is counted as "
+                          "'other' (default: the first --max-request-classes values seen)")
+    net.add_argument("--max-request-classes", type=positive_int, default=16, metavar="N",
+                     help="without --request-classes, the first N distinct request_class values get their "
+                          "own /metrics label and later ones count as 'other' (default: %(default)s)")
     net.add_argument("--shutdown-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                      help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are "
                           "aborted (default: %(default)s)")
@@ -98,7 +113,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="most tokens in one step's batch (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
-                     help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+                     help="longest prompt + output in tokens, at most the model's max_position_embeddings "
+                          "(default: that)")
     eng.add_argument("--max-waiting-requests", type=positive_int, default=4096,
                      help="waiting-queue cap in requests; beyond it requests get 503 (default: %(default)s)")
     eng.add_argument("--max-waiting-tokens", type=positive_int, default=1 << 24,
@@ -138,7 +154,121 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="prompts longer than this are prefilled in chunks of at most this many tokens; "
                           "0 = no limit (default: %(default)s)")
     p.add_argument("--log-level", default="info",
-                   help="debug, info, warning or error (default: %(default)s)")
+                   help=f"{', '.join(LOG_LEVELS[:-1])} or {LOG_LEVELS[-1]} (default: %(default)s)")
+
+
+def check_log_level(level: str) -> str:
+    """The logging level name, or a one-line ConfigError."""
+    if level.lower() not in LOG_LEVELS:
+        raise ConfigError(f"--log-level {level!r} is not a level; use one of {', '.join(LOG_LEVELS)}")
+    return level.upper()
+
+
+def check_device(device: str) -> None:
+    """A one-line ConfigError for a --device this machine cannot give (checked before
+    seconds of model loading, instead of torch's traceback from deep inside it)."""
+    import torch
+
+    if device == "auto" or device == "cpu":
+        return
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ConfigError(f"--device {device!r} is not a device; use auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA GPU is visible to this process "
+                          "(torch.cuda.is_available() is false); use --device cpu or auto")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+                          f"(cuda:0..cuda:{torch.cuda.device_count() - 1})")
+
+
+def check_max_model_len(requested: int | None, model_dir: str) -> None:
+    """Refuse a --max-model-len above what the model was trained for (the engine would
+    otherwise lower it silently)."""
+    from hybridserve.config import ModelConfig
+
+    if requested is None:
+        return
+    if requested < 1:
+        raise ConfigError(f"--max-model-len {requested} must be a positive number of tokens")
+    limit = ModelConfig.from_json(model_dir).max_position_embeddings
+    if requested > limit:
+        raise ConfigError(f"--max-model-len {requested} is above this model's max_position_embeddings "
+                          f"({limit}); give at most {limit}, or leave it out")
+
+
+def _resident_bytes() -> int:
+    """This process's resident set now (Linux /proc), else its peak (getrusage)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _tensor_bytes(root: Any) -> int:
+    """Bytes of the distinct tensor storages reachable from ``root``'s attributes (and
+    their lists, tuples and dicts), counted once however many views share them."""
+    import torch
+
+    seen: dict[int, int] = {}
+    stack, visited = [root], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            st = obj.untyped_storage()
+            seen[st.data_ptr()] = max(seen.get(st.data_ptr(), 0), st.nbytes())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif obj is root or type(obj).__module__.startswith("hybridserve."):
+            stack.extend(getattr(obj, "__dict__", {}).values())
+    return sum(seen.values())
+
+
+def memory_held(engine: Any) -> dict[str, Any]:
+    """What the process holds once the engine is up: the weights (every parameter and
+    buffer of the model), the KV and DeltaNet state pools (the cache's tensors), and
+    the runtime (everything else: torch and its allocator, the tokenizer, step
+    buffers, CUDA graphs and context). On CUDA the device's memory, with the host's
+    resident set reported beside it; on CPU the resident set."""
+    import torch
+
+    tensors = list(engine.model.parameters()) + list(engine.model.buffers())
+    weights = sum(t.numel() * t.element_size() for t in tensors)
+    pools = _tensor_bytes(engine.cache)
+    rss = _resident_bytes()
+    device = engine.device
+    if device.type == "cuda":
+        # torch's reserved bytes leave out the CUDA context and libraries; the device's
+        # used memory includes them (and other processes' on a shared GPU).
+        free, total = torch.cuda.mem_get_info(device)
+        held = max(torch.cuda.memory_reserved(device), total - free)
+        where = str(device)
+    else:
+        held = rss
+        where = "host"
+    runtime = max(0, held - weights - pools)
+    return {"where": where, "weights": weights, "pools": pools, "runtime": runtime,
+            "total": weights + pools + runtime, "host_resident": rss}
+
+
+def memory_held_line(engine: Any) -> str:
+    """The start-up log line of :func:`memory_held`."""
+    from hybridserve.planner import format_mib
+
+    m = memory_held(engine)
+    line = (f"memory held ({m['where']}): {format_mib(m['total'])} = weights {format_mib(m['weights'])} + "
+            f"KV/state pools {format_mib(m['pools'])} + runtime {format_mib(m['runtime'])}")
+    if m["where"] != "host":
+        line += f"; host resident set {format_mib(m['host_resident'])}"
+    return line
 
 
 class _BindError(ConfigError):
@@ -190,12 +320,15 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
     from aiohttp import web
 
     from hybridserve.engine.async_engine import ServerShuttingDown
+    from hybridserve.server.access_log import ACCESS_LOGGER, AccessLogger
     from hybridserve.server.app import ENGINE_KEY, SETTINGS_KEY, STATE_KEY, runner_kwargs
+    from hybridserve.server.http_protocol import AppRunner
 
     log = logging.getLogger("hybridserve.server")
     engine = app[ENGINE_KEY]
-    runner = web.AppRunner(app, handle_signals=False, access_log=None,
-                           shutdown_timeout=5.0, **runner_kwargs(app[SETTINGS_KEY]))
+    settings = app[SETTINGS_KEY]
+    runner = AppRunner(app, handle_signals=False, access_log=ACCESS_LOGGER if settings.access_log else None,
+                       access_log_class=AccessLogger, shutdown_timeout=5.0, **runner_kwargs(settings))
     await runner.setup()
     site = web.SockSite(runner, sock)
     await site.start()
@@ -254,6 +387,9 @@ def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
         max_request_body_bytes=args.max_request_body_bytes,
         request_read_timeout=args.request_read_timeout,
         keepalive_timeout=args.keepalive_timeout,
+        access_log=getattr(args, "access_log", True),
+        max_stop_strings=getattr(args, "max_stop_strings", 64),
+        max_stop_string_chars=getattr(args, "max_stop_string_chars", 256),
     )
     if settings.metrics_require_key and not settings.api_key:
         raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
@@ -268,13 +404,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from hybridserve.planner import parse_size
     from hybridserve.server.app import build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = check_log_level(args.log_level)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.model is not None:
         check_model_dir(args.model)
+    check_device(args.device)
     settings = server_settings(args)
+    classes = [c.strip() for c in args.request_classes.split(",") if c.strip()] \
+        if args.request_classes else None
     sock = bind_socket(args.host, parse_port(args.port))
     try:
         model = args.model or default_model_dir()
+        check_max_model_len(args.max_model_len, model)
         engine_args = EngineArgs(
             model=model,
             dtype=args.dtype,
@@ -300,7 +441,8 @@ def run_serve(args: argparse.Namespace) -> int:
             cpu_threads=args.cpu_threads,
         )
         engine = LLMEngine(engine_args)
-        metrics = EngineMetrics()
+        logging.getLogger("hybridserve.server").info(memory_held_line(engine))
+        metrics = EngineMetrics(request_classes=classes, max_request_classes=args.max_request_classes)
         async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
         name = args.served_model_name or os.path.basename(os.path.normpath(model))
         app = build_app(async_engine, metrics, name, settings)
