@@ -84,6 +84,19 @@ def _copy_checked(f, name: str, path: str, target: torch.Tensor, dtype: torch.dt
         target.copy_(f.get_tensor(name).to(dtype))
 
 
+def _name_missing(expected, loaded: set[str], aliases: dict[str, tuple[torch.Tensor, list[str]]]) -> list[str]:
+    """The missing tensors' names; where every tensor a fused expert tensor stands for is
+    missing, that one name (with the per-expert alternative) instead of all of them."""
+    missing = [n for n in expected if n not in loaded]
+    gone = set(missing)
+    for alias, (_, covered) in aliases.items():
+        if covered and gone.issuperset(covered):
+            gone.difference_update(covered)
+            gone.add(f"{alias} (or its {len(covered)} per-expert tensors, e.g. {covered[0]})")
+    order = {n: i for i, n in enumerate(expected)}
+    return sorted(gone, key=lambda n: order.get(n, -1))
+
+
 def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", progress: bool = True,
                ) -> tuple[Qwen3_5ForServing, ModelConfig]:
@@ -149,7 +162,7 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
         if bar is not None:
             bar.close()
 
-    missing = [n for n in expected if n not in loaded]
+    missing = _name_missing(expected, loaded, aliases)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

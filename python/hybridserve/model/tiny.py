@@ -242,7 +242,8 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
             "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
             "text_config": text,
             "vision_config": {"model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision", "depth": 1, "hidden_size": 8,
-                              "num_heads": 1, "intermediate_size": 16, "out_hidden_size": text["hidden_size"]},
+                              "num_heads": 1, "intermediate_size": 16, "out_hidden_size": text["hidden_size"],
+                              "patch_size": 4, "temporal_patch_size": 2},
             "tie_word_embeddings": text["tie_word_embeddings"],
             "eos_token_id": text["eos_token_id"],
         }
