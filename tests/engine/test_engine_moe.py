@@ -82,3 +82,55 @@ def test_the_checkpoints_are_moe(tiny_dirs):
 
     types = {k: ModelConfig.from_json(d).model_type for k, d in tiny_dirs.items()}
     assert types == {"test-a": "qwen3_5_moe_text", "test-b": "qwen3_5_moe"}
+
+
+def test_metrics_histogram_of_expert_load_per_step(tiny_dirs):
+    """``/metrics`` gets one expert-load observation per step that ran the model: the
+    busiest expert's rows over the mean, in the worst layer, recomputed here from the
+    reference router on the rows each MoE layer actually received."""
+    import torch.nn.functional as F
+
+    from hybridserve import SamplingParams
+    from hybridserve.engine.args import EngineArgs
+    from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.kernels.moe import route_ref
+    from hybridserve.metrics import EngineMetrics
+
+    engine = LLMEngine(EngineArgs(model=tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
+                                  num_gpu_blocks=64, num_state_slots=8, max_num_seqs=4,
+                                  max_num_batched_tokens=24))
+    metrics = EngineMetrics()
+    config = engine.model.config
+    step_worst: list[int] = []
+    step_rows: list[int] = []
+    for layer in engine.model.layers:
+        mlp = layer.mlp
+        orig = mlp.forward
+
+        def spy(x, orig=orig, mlp=mlp):
+            _, ids = route_ref(F.linear(x, mlp.gate.weight), mlp.top_k)
+            busiest = int(torch.bincount(ids.reshape(-1), minlength=mlp.num_experts).max())
+            if mlp is engine.model.layers[0].mlp:
+                step_worst.append(busiest)
+                step_rows.append(x.shape[0])
+            else:
+                step_worst[-1] = max(step_worst[-1], busiest)
+            return orig(x)
+        mlp.forward = spy
+    for i, n in enumerate((5, 30, 11)):
+        engine.add_request(f"r{i}", [3 + (7 * j + i) % 250 for j in range(n)],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        metrics.observe_step(engine, engine.step())
+        metrics.observe_step(engine, [])  # a second call for the same step observes nothing
+        steps += 1
+    e, k = config.num_experts, config.num_experts_per_tok
+    want = [w * e / (t * k) for w, t in zip(step_worst, step_rows)]
+    assert len(want) == steps
+    text = metrics.render().decode()
+    count = float(text.split("hybridserve:moe_expert_load_ratio_count ")[1].split()[0])
+    total = float(text.split("hybridserve:moe_expert_load_ratio_sum ")[1].split()[0])
+    assert count == steps
+    assert total == pytest.approx(sum(want))
+    assert min(want) >= 1.0
