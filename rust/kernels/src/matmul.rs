@@ -99,6 +99,8 @@ mod avx2 {
     /// Keys per pass: a strip's `[KB, 16]` slice of the weight (16 KiB) and a row
     /// block's `[6, KB]` slice of `x` stay in L1 while the block's rows pass over it.
     const KB: usize = 256;
+    /// Keys ahead to prefetch the weight strip (measured: see benches/moe_layer.py).
+    const PREFETCH_KEYS: usize = 64;
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn strip(ctx: &Ctx<'_>, c0: usize, r0: usize, r1: usize, oc: usize) {
@@ -151,6 +153,10 @@ mod avx2 {
         let w = ctx.wt.as_ptr().add(c0);
         for kk in k0..k1 {
             let wp = w.add(kk * n);
+            // The strip's rows lie a row stride apart: a stride the hardware prefetcher
+            // follows poorly when the weight is not in cache (an MoE expert's, read once
+            // per step for its one or two rows). Ask for the line a few keys ahead.
+            _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(PREFETCH_KEYS * n) as *const i8);
             let (w0, w1) = (_mm256_loadu_ps(wp), _mm256_loadu_ps(wp.add(8)));
             for i in 0..R {
                 let xb = _mm256_broadcast_ss(&*xs[i].add(kk));

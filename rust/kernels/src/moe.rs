@@ -21,7 +21,7 @@
 //! [`ROW_TILE`] rows by a few 16-column strips, so a large group's tile of `x` stays
 //! in L2 while the strips pass over it and a small group still splits over threads.
 
-use crate::math::{sigmoid, silu};
+use crate::math::{dispatch, sigmoid, silu};
 use crate::matmul::{run_strip, Ctx};
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
@@ -217,7 +217,7 @@ pub fn moe_block(
     let bufs = |g: &Group<'_>, a: SharedMut, a_s: SharedMut| if g.shared { a_s } else { a };
     {
         let (a, a_s) = (SharedMut::new(&mut act), SharedMut::new(&mut act_s));
-        let tasks = tasks(&groups, |g| g.inter);
+        let tasks = tasks(&groups, |g| g.inter, FEW_UP_UNITS);
         let work = groups.iter().map(|g| g.x.rows * h * 2 * g.inter).sum();
         for_each_task(tasks.len(), work, |i| {
             let (g, r0, u0) = tasks[i];
@@ -227,7 +227,7 @@ pub fn moe_block(
     }
     {
         let (y, y_s) = (SharedMut::new(&mut ys), SharedMut::new(&mut ys_s));
-        let tasks = tasks(&groups, |_| h);
+        let tasks = tasks(&groups, |_| h, FEW_DOWN_UNITS);
         let work = groups.iter().map(|g| g.x.rows * h * g.inter).sum();
         let (act, act_s) = (&act, &act_s);
         for_each_task(tasks.len(), work, |i| {
@@ -356,19 +356,66 @@ fn route(
     });
 }
 
-/// Tasks `(group, first row, first strip unit)` over every group's rows x `units(g)`
-/// columns cut into strips.
-fn tasks(groups: &[Group<'_>], width: impl Fn(&Group<'_>) -> usize) -> Vec<(usize, usize, usize)> {
+/// Tasks `(group, first row, first strip unit)` over every group's rows x `width(g)`
+/// columns cut into strips: [`ROW_TILE`] rows x [`STRIPS_PER_TASK`] strips, or for a
+/// group of at most [`FEW_ROWS`] rows, all its rows x `few_units` strips.
+fn tasks(
+    groups: &[Group<'_>],
+    width: impl Fn(&Group<'_>) -> usize,
+    few_units: usize,
+) -> Vec<(usize, usize, usize)> {
     let mut out = Vec::new();
     for (gi, g) in groups.iter().enumerate() {
         let units = width(g).div_ceil(STRIP);
+        let step = if g.x.rows <= FEW_ROWS {
+            few_units
+        } else {
+            STRIPS_PER_TASK
+        };
         for r0 in (0..g.x.rows).step_by(ROW_TILE) {
-            for u0 in (0..units).step_by(STRIPS_PER_TASK) {
+            for u0 in (0..units).step_by(step) {
                 out.push((gi, r0, u0));
             }
         }
     }
     out
+}
+
+/// Groups of at most this many rows (most experts at decode sizes) take
+/// [`wide_rows`] instead of the strip kernel.
+const FEW_ROWS: usize = 4;
+/// Columns [`wide_rows`] computes per call: an expert's whole gate+up row up to an
+/// intermediate size of 512 (35B-A3B's), its whole down row up to 1,024.
+const WIDE_COLS: usize = 1024;
+/// Strip units per task of a few-row group: first GEMM (gate and up halves), second.
+const FEW_UP_UNITS: usize = WIDE_COLS / 2 / STRIP;
+const FEW_DOWN_UNITS: usize = WIDE_COLS / STRIP;
+
+dispatch!(fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) => wide_rows_body);
+
+/// `out[r, oc..oc + w] = x[r] wt[:, c0..c0 + w]` for `m <= FEW_ROWS` rows and
+/// `w <= WIDE_COLS`, reading the weight key by key as contiguous runs of `w` floats
+/// (for a whole row, one sequential stream). An expert with a row or two is bound by
+/// reading its weight once from memory: the strip kernel's 64-byte pieces a row
+/// stride apart ran 3x slower (6.9 vs 2.3 ms at 16 tokens x 64 experts whose weights
+/// do not fit in cache; MKL 9.5 ms), and so did register-blocked passes of 16 keys
+/// over all strips (3.6 ms). The accumulators stay in L1.
+#[inline(always)]
+fn wide_rows_body(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
+    let mut acc = [[0.0f32; WIDE_COLS]; FEW_ROWS];
+    for kk in 0..ctx.x.width {
+        let wr = &ctx.wt[kk * ctx.n + c0..][..w];
+        for (r, a) in acc.iter_mut().enumerate().take(m) {
+            let xv = ctx.x.row(r)[kk];
+            for (av, &wv) in a[..w].iter_mut().zip(wr) {
+                *av += xv * wv;
+            }
+        }
+    }
+    for (r, a) in acc.iter().enumerate().take(m) {
+        // SAFETY: the caller's task owns these output columns of these rows.
+        unsafe { ctx.out.slice(r * ctx.ldo + oc, w) }.copy_from_slice(&a[..w]);
+    }
 }
 
 /// First GEMM of a task's rows and strip pairs, with `silu(gate) * up` into `act`.
@@ -386,6 +433,36 @@ unsafe fn up_task(g: &Group<'_>, act: SharedMut, r0: usize, u0: usize) {
         width: g.x.width,
         stride: g.x.stride,
     };
+    if n <= FEW_ROWS {
+        let c0 = u0 * STRIP;
+        let w = (FEW_UP_UNITS * STRIP).min(i - c0);
+        let mut scratch = [0.0f32; FEW_ROWS * WIDE_COLS + STRIP];
+        let ctx = Ctx {
+            x,
+            wt: g.w13,
+            n: 2 * i,
+            out: SharedMut::new(&mut scratch),
+            ldo: WIDE_COLS,
+        };
+        // Gate columns at 0, up columns at `half`: the whole row in one stream when
+        // the task covers all of the intermediate size.
+        let half = if w == i {
+            wide_rows(&ctx, n, 0, 2 * i, 0);
+            i
+        } else {
+            wide_rows(&ctx, n, c0, w, 0);
+            wide_rows(&ctx, n, i + c0, w, WIDE_COLS / 2);
+            WIDE_COLS / 2
+        };
+        for r in 0..n {
+            let s = &scratch[r * WIDE_COLS..];
+            let dst = act.slice((g.at + r0 + r) * i + c0, w);
+            for (c, d) in dst.iter_mut().enumerate() {
+                *d = silu(s[c]) * s[half + c];
+            }
+        }
+        return;
+    }
     // Gate strip in columns 0..16, up strip in 16..32.
     let mut scratch = [0.0f32; ROW_TILE * 2 * STRIP];
     let ctx = Ctx {
@@ -431,6 +508,11 @@ unsafe fn down_task(g: &Group<'_>, act: &[f32], h: usize, y: SharedMut, r0: usiz
         out: y.add((g.at + r0) * h),
         ldo: h,
     };
+    if r1 - r0 <= FEW_ROWS {
+        let c0 = u0 * STRIP;
+        wide_rows(&ctx, r1 - r0, c0, (FEW_DOWN_UNITS * STRIP).min(h - c0), c0);
+        return;
+    }
     let strips = h.div_ceil(STRIP);
     for s in u0..(u0 + STRIPS_PER_TASK).min(strips) {
         run_strip(&ctx, s * STRIP, 0, r1 - r0, s * STRIP);
@@ -467,7 +549,9 @@ mod tests {
             let mut st = s.wrapping_mul(0x9E37_79B9_7F4A_7C15);
             (0..n)
                 .map(|_| {
-                    st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    st = st
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     ((st >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1.5
                 })
                 .collect()
@@ -483,23 +567,45 @@ mod tests {
         let (mut ids, mut ws) = (vec![0i64; t * k], vec![0.0f32; t * k]);
         let max = moe_block(
             Rows::dense(&x, h).unwrap(),
-            Router { weight_t: &wr, num_experts: e, top_k: k },
-            Experts { w13: &w13, w2: &w2, inter: i },
-            Some(SharedExpert { w13: &s13, w2: &s2, inter: si, gate: &sg }),
+            Router {
+                weight_t: &wr,
+                num_experts: e,
+                top_k: k,
+            },
+            Experts {
+                w13: &w13,
+                w2: &w2,
+                inter: i,
+            },
+            Some(SharedExpert {
+                w13: &s13,
+                w2: &s2,
+                inter: si,
+                gate: &sg,
+            }),
             &mut out,
-            Routing { ids: &mut ids, weights: &mut ws },
+            Routing {
+                ids: &mut ids,
+                weights: &mut ws,
+            },
         )
         .unwrap();
         let mut counts = vec![0usize; e];
         let ffn = |xr: &[f32], w13: &[f32], w2: &[f32], inter: usize| -> Vec<f64> {
             let a: Vec<f64> = (0..inter)
                 .map(|c| {
-                    let g: f64 = (0..h).map(|kk| xr[kk] as f64 * w13[kk * 2 * inter + c] as f64).sum();
-                    let u: f64 = (0..h).map(|kk| xr[kk] as f64 * w13[kk * 2 * inter + inter + c] as f64).sum();
+                    let g: f64 = (0..h)
+                        .map(|kk| xr[kk] as f64 * w13[kk * 2 * inter + c] as f64)
+                        .sum();
+                    let u: f64 = (0..h)
+                        .map(|kk| xr[kk] as f64 * w13[kk * 2 * inter + inter + c] as f64)
+                        .sum();
                     silu64(g) * u
                 })
                 .collect();
-            (0..h).map(|c| (0..inter).map(|j| a[j] * w2[j * h + c] as f64).sum()).collect()
+            (0..h)
+                .map(|c| (0..inter).map(|j| a[j] * w2[j * h + c] as f64).sum())
+                .collect()
         };
         for tok in 0..t {
             let xr = &x[tok * h..(tok + 1) * h];
@@ -511,7 +617,10 @@ mod tests {
             let mut order: Vec<usize> = (0..e).collect();
             order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap());
             let chosen = &order[..k];
-            let ids_row: Vec<usize> = ids[tok * k..(tok + 1) * k].iter().map(|&v| v as usize).collect();
+            let ids_row: Vec<usize> = ids[tok * k..(tok + 1) * k]
+                .iter()
+                .map(|&v| v as usize)
+                .collect();
             assert_eq!(ids_row, chosen, "token {tok} routed differently");
             let tot: f64 = chosen.iter().map(|&j| (logits[j] - m).exp() / z).sum();
             let mut want = vec![0.0f64; h];
@@ -528,7 +637,10 @@ mod tests {
             let y = ffn(xr, &s13, &s2, si);
             for c in 0..h {
                 want[c] += y[c] / (1.0 + (-g).exp());
-                assert!((out[tok * h + c] as f64 - want[c]).abs() < 1e-4, "token {tok} col {c}");
+                assert!(
+                    (out[tok * h + c] as f64 - want[c]).abs() < 1e-4,
+                    "token {tok} col {c}"
+                );
             }
         }
         assert_eq!(max, counts.into_iter().max().unwrap());

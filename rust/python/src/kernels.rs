@@ -328,11 +328,15 @@ fn moe_block(
     let x = rows("x", &x)?;
     let num_experts = router_wt.shape()[1];
     let router_wt = router_wt.as_slice().map_err(|_| {
-        PyValueError::new_err("router_wt must be a C-contiguous [H, E] float32 array (the router weight transposed)")
+        PyValueError::new_err(
+            "router_wt must be a C-contiguous [H, E] float32 array (the router weight transposed)",
+        )
     })?;
     let wshape = w2.shape().to_vec();
     if wshape.len() != 3 {
-        return Err(PyValueError::new_err(format!("w2 must be [E, I, H], got shape {wshape:?}")));
+        return Err(PyValueError::new_err(format!(
+            "w2 must be [E, I, H], got shape {wshape:?}"
+        )));
     }
     let inter = wshape[1];
     let w13 = contiguous("w13", &w13)?;
@@ -340,8 +344,12 @@ fn moe_block(
     let shared = match (&shared_w13, &shared_w2, &shared_gate) {
         (Some(a), Some(b), Some(g)) => Some(SharedExpert {
             inter: b.shape()[0],
-            w13: a.as_slice().map_err(|_| PyValueError::new_err("shared_w13 must be C-contiguous [H, 2Is]"))?,
-            w2: b.as_slice().map_err(|_| PyValueError::new_err("shared_w2 must be C-contiguous [Is, H]"))?,
+            w13: a
+                .as_slice()
+                .map_err(|_| PyValueError::new_err("shared_w13 must be C-contiguous [H, 2Is]"))?,
+            w2: b
+                .as_slice()
+                .map_err(|_| PyValueError::new_err("shared_w2 must be C-contiguous [Is, H]"))?,
             gate: contiguous("shared_gate", g)?,
         }),
         (None, None, None) => None,
@@ -359,7 +367,11 @@ fn moe_block(
     py.detach(|| {
         hybridserve_cpu_kernels::moe::moe_block(
             x,
-            Router { weight_t: router_wt, num_experts, top_k },
+            Router {
+                weight_t: router_wt,
+                num_experts,
+                top_k,
+            },
             Experts { w13, w2, inter },
             shared,
             out,
