@@ -30,8 +30,12 @@ def route_ref(router_logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, to
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Rows routed to each expert (int64 ``[E]``)."""
-    return torch.bincount(topk_ids.reshape(-1), minlength=num_experts)
+    """Rows routed to each expert (int64 ``[E]``). A scatter-add, not ``bincount``:
+    on CUDA ``bincount`` reads the largest id back to size its output (a host sync,
+    and no CUDA-graph capture)."""
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat))
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
