@@ -298,3 +298,24 @@ def test_expert_load_is_busiest_over_mean(our_models, cpu_path):
             del layer.mlp.forward
     mean = n * config.num_experts_per_tok / config.num_experts
     assert model.expert_load() == pytest.approx(max(seen) / mean)
+
+
+def test_load_state_dict_takes_per_expert_and_fused_names(our_models, hf_models):
+    """``load_state_dict`` accepts the published per-expert names (stacked by a
+    pre-hook) and HF's in-memory fused tensors alike."""
+    from hybridserve.model import Qwen3_5ForServing
+    from hybridserve.model.tiny import random_state_dict
+
+    model, config = our_models["test-a"]
+    per_expert = random_state_dict(config, seed=5)  # moe-a's checkpoint: seed 5, local names
+    fresh = Qwen3_5ForServing(config)
+    fresh.load_state_dict(per_expert, strict=False)
+    for k, v in model.state_dict().items():
+        if ".mlp." in k:
+            assert torch.equal(fresh.state_dict()[k], v), k
+    hf_sd = {k.removeprefix("model."): v for k, v in hf_models["test-a"].state_dict().items()
+             if ".mlp.experts." in k}
+    fresh2 = Qwen3_5ForServing(config)
+    fresh2.load_state_dict(hf_sd, strict=False)
+    assert torch.equal(fresh2.layers[1].mlp.experts.w2, model.layers[1].mlp.experts.w2)
+    assert fresh2.layers[1].mlp.experts.w13.is_contiguous()
