@@ -178,9 +178,15 @@ pub fn moe_block(
         let dst = SharedMut::new(&mut xs);
         let chunk = 64;
         for_each_task(rows.div_ceil(chunk), rows * h, |c| {
-            for r in c * chunk..((c + 1) * chunk).min(rows) {
+            let r0 = c * chunk;
+            for (r, &tok) in token_of
+                .iter()
+                .enumerate()
+                .take((r0 + chunk).min(rows))
+                .skip(r0)
+            {
                 // SAFETY: row r of xs belongs to this task alone.
-                unsafe { dst.slice(r * h, h) }.copy_from_slice(x.row(token_of[r]));
+                unsafe { dst.slice(r * h, h) }.copy_from_slice(x.row(tok));
             }
         });
     }
