@@ -21,7 +21,7 @@ def test_gpu_check_dry_run_on_the_cpu():
                        capture_output=True, text=True, env=env, cwd=REPO, timeout=600)
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
     by_name = {rec["check"]: rec for rec in lines}
-    assert set(by_name) == {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "summary"}, \
+    assert set(by_name) == {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "moe", "summary"}, \
         r.stdout + r.stderr[-3000:]
     failed = {k: v for k, v in by_name.items() if not v["ok"]}
     assert not failed, json.dumps(failed, indent=1)[:4000]

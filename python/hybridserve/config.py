@@ -3,7 +3,8 @@
 Pure Python (no torch): the capacity planner, the engine, the model and the
 checkpoint generator all read the shape from here. Both HF spellings are accepted:
 ``model_type`` ``qwen3_5_text`` (the causal LM, fields at top level) and ``qwen3_5``
-(the vision-language wrapper, text fields nested under ``text_config``).
+(the vision-language wrapper, text fields nested under ``text_config``), and the same
+two for the mixture-of-experts models: ``qwen3_5_moe_text`` and ``qwen3_5_moe``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from typing import Any
 
 from hybridserve.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+# The vision-language wrappers, whose text fields sit under ``text_config``.
+_VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+_MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
@@ -43,7 +47,15 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Qwen3.5 hybrid (attention + Gated DeltaNet) language model."""
+    """Shape of a Qwen3.5 hybrid (attention + Gated DeltaNet) language model.
+
+    A mixture-of-experts model (``num_experts > 0``) has a sparse MoE block in place of
+    every layer's dense MLP: ``num_experts`` routed SwiGLU experts of
+    ``moe_intermediate_size``, ``num_experts_per_tok`` of them per token, plus a shared
+    expert of ``shared_expert_intermediate_size`` (0: none). Its ``intermediate_size``
+    (the dense MLP's) is 0: no layer has a dense MLP. Dense models have 0 in every MoE
+    field.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -66,6 +78,10 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "qwen3_5_text"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
     # The raw text-config dict, for whatever a consumer needs beyond the fields above.
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -85,6 +101,10 @@ class ModelConfig:
     @property
     def num_linear_attention_layers(self) -> int:
         return len(self.linear_attention_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def rotary_dim(self) -> int:
@@ -114,11 +134,11 @@ class ModelConfig:
                 f"models ({' or '.join(SUPPORTED_MODEL_TYPES)}); check config.json"
             )
         top = cfg
-        if model_type == "qwen3_5":
+        if model_type in _VL_MODEL_TYPES:
             text = cfg.get("text_config")
             if not isinstance(text, dict):
                 raise ConfigError(
-                    "config.json has model_type 'qwen3_5' but no 'text_config' object; "
+                    f"config.json has model_type {model_type!r} but no 'text_config' object; "
                     "a Qwen3.5 VL checkpoint nests the language model's fields there"
                 )
         else:
@@ -165,10 +185,11 @@ class ModelConfig:
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
+        moe = _moe_fields(text, need) if model_type in _MOE_MODEL_TYPES else {}
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=0 if moe else int(need("intermediate_size")),
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads", heads)),
@@ -193,6 +214,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             model_type=model_type,
             raw=dict(text),
+            **moe,
         )
 
     @classmethod
@@ -216,3 +238,33 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         d["eos_token_ids"] = list(self.eos_token_ids)
         return d
+
+
+def _moe_fields(text: dict[str, Any], need) -> dict[str, int]:
+    """The MoE fields of a ``qwen3_5_moe(_text)`` text config, checked.
+
+    HF's Qwen3.5 MoE block always renormalises the top-k weights and puts an MoE block
+    in every layer; a config asking otherwise (keys some other MoE families carry) is
+    refused rather than served wrong.
+    """
+    fields = {
+        "num_experts": int(need("num_experts")),
+        "num_experts_per_tok": int(need("num_experts_per_tok")),
+        "moe_intermediate_size": int(need("moe_intermediate_size")),
+        "shared_expert_intermediate_size": int(text.get("shared_expert_intermediate_size", 0)),
+    }
+    e, k = fields["num_experts"], fields["num_experts_per_tok"]
+    if e < 1 or not 1 <= k <= e:
+        raise ConfigError(
+            f"num_experts_per_tok ({k}) must be between 1 and num_experts ({e}), and num_experts at least 1"
+        )
+    if fields["moe_intermediate_size"] < 1 or fields["shared_expert_intermediate_size"] < 0:
+        raise ConfigError("moe_intermediate_size must be positive and shared_expert_intermediate_size >= 0")
+    if text.get("norm_topk_prob", True) is False:
+        raise ConfigError("norm_topk_prob=false is not supported: Qwen3.5 MoE renormalises the top-k weights")
+    if text.get("mlp_only_layers") or int(text.get("decoder_sparse_step", 1)) != 1:
+        raise ConfigError(
+            "dense-MLP layers in an MoE model (mlp_only_layers / decoder_sparse_step) are not supported: "
+            "Qwen3.5 MoE has an MoE block in every layer"
+        )
+    return fields

@@ -106,6 +106,8 @@ _GAUGES = [
     ("last_step_seqs", "step_batched_seqs", "Sequences in the last step's batch"),
 ]
 
+# Busiest expert / mean: 1 is even; k experts of E all taking one row is E / k.
+_EXPERT_LOAD_BUCKETS = (1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -182,6 +184,7 @@ class EngineMetrics:
             registry=self.registry, buckets=_LATENCY_BUCKETS)
         self._last_token: dict[str, float] = {}
         self._seen_first: set[str] = set()
+        self._init_expert_load()
 
     def refresh(self, engine: Any) -> None:
         snap = engine.stats()
@@ -209,11 +212,35 @@ class EngineMetrics:
                     self.e2e.labels(klass).observe(m.finished_time - m.arrival_time)
                 self._last_token.pop(rid, None)
                 self._seen_first.discard(rid)
+        self._observe_expert_load(engine)
         # Aborted requests never report a finished output: forget them in bulk.
         if len(self._last_token) > len(engine.requests) + 1024:
             live = engine.requests.keys()
             self._last_token = {r: t for r, t in self._last_token.items() if r in live}
             self._seen_first &= set(live)
+
+    # ---- MoE routing balance (mixture-of-experts models only) ---------------------
+    def _init_expert_load(self) -> None:
+        # One series, not one per expert and layer (512 x 60 on the 397B model): the
+        # imbalance that costs time is the busiest expert's, since a layer waits for it.
+        self.expert_load = Histogram(
+            PREFIX + "moe_expert_load_ratio",
+            "Per step with MoE layers: rows routed to the busiest expert over the mean rows per "
+            "expert, in the most imbalanced layer (1 = perfectly even)",
+            registry=self.registry, buckets=_EXPERT_LOAD_BUCKETS)
+        self._expert_load_step = -1
+
+    def _observe_expert_load(self, engine: Any) -> None:
+        model = getattr(engine, "model", None)
+        step = getattr(engine, "step_count", None)
+        if getattr(model, "expert_load", None) is None or step is None or step == self._expert_load_step:
+            return
+        self._expert_load_step = step
+        if not getattr(engine, "last_step_stats", {}).get("num_batched_tokens"):
+            return  # no forward ran this step: the model's numbers are an older step's
+        ratio = model.expert_load()
+        if ratio is not None:
+            self.expert_load.observe(ratio)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

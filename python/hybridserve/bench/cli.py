@@ -66,7 +66,8 @@ def _add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
 def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (default: the embedded ~10M-parameter tiny model)")
+                   help="checkpoint directory, or tiny:PRESET for a generated tiny model (e.g. tiny:moe-bench, "
+                        "64 experts, 4 routed + shared; default: the embedded ~10M-parameter tiny model)")
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="auto",
                    help="auto, float32, bfloat16 or float16; auto is float32 on CPU, the checkpoint's on CUDA "
@@ -184,7 +185,12 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             raise ConfigError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    model = args.model or default_model_dir()
+    if args.model is None:
+        model = default_model_dir()
+    elif args.model.startswith("tiny:"):
+        model = default_model_dir(args.model.removeprefix("tiny:"))
+    else:
+        model = args.model
     progress = not args.no_progress
     engine_kwargs: dict[str, Any] = dict(
         dtype=args.dtype, device=args.device, block_size=args.block_size,

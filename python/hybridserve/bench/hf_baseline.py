@@ -23,8 +23,19 @@ from hybridserve.bench.workload import BenchRequest
 
 
 def load_hf_model(model_dir: str) -> Any:
+    import json
+    import os
+
     import transformers
 
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        model_type = json.load(f).get("model_type")
+    # The mixture-of-experts models have their own classes (the dense class would load
+    # a MoE checkpoint with its MLPs missing).
+    moe = {"qwen3_5_moe_text": transformers.Qwen3_5MoeForCausalLM,
+           "qwen3_5_moe": transformers.Qwen3_5MoeForConditionalGeneration}
+    if model_type in moe:
+        return moe[model_type].from_pretrained(model_dir, dtype=torch.float32).eval()
     try:
         model = transformers.Qwen3_5ForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     except (ValueError, OSError, AttributeError):

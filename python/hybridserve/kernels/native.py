@@ -226,3 +226,24 @@ def qk_norm_rope(x: torch.Tensor, heads: int, head_stride: int, weight: torch.Te
     out = torch.empty(x.shape[0], heads, d, dtype=torch.float32)
     _k.qk_norm_rope(_np(x), heads, head_stride, _np(weight), float(eps), _np(cos), _np(sin), _np(out))
     return out
+
+
+def moe_block(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
+              shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A whole sparse MoE block in one native call; same contract as
+    :func:`hybridserve.kernels.moe.moe_block_ref`. ``router_weight`` ``[E, H]`` and the
+    shared expert's ``(gate_up [2Is, H], down [H, Is], gate [1, H])`` stored transposed
+    (the CPU layout), ``w13`` ``[E, H, 2I]`` and ``w2`` ``[E, I, H]`` contiguous.
+    Returns (output ``[T, H]``, expert ids ``[T, k]``, rows of the busiest expert)."""
+    t = x.shape[0]
+    out = torch.empty(t, x.shape[1], dtype=torch.float32)
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    opt = {}
+    if shared is not None:
+        s13, s2, sg = shared
+        opt = dict(shared_w13=_weight_view(s13), shared_w2=_weight_view(s2), shared_gate=_np(sg.reshape(-1)))
+    busiest = _k.moe_block(_np(x), _weight_view(router_weight), _np(w13), _np(w2), int(top_k), _np(out),
+                           ids.numpy(), _np(weights), **opt)
+    return out, ids, busiest

@@ -136,3 +136,15 @@ def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_ep
         q, k, v, state, _varlen(plans, query_start_loc, state_slots, has_initial_state),
         key_heads=key_heads, value_heads=value_heads, scale=scale, a=a, b=b,
         A_log=A_log.float(), dt_bias=dt_bias.float(), z=z, norm_weight=norm_weight, norm_eps=norm_eps)
+
+
+def fused_moe(x, w13, w2, topk_weights, topk_ids):
+    """The routed experts of an MoE block; see :func:`hybridserve.kernels.moe.fused_moe_ref`
+    (the CPU's float32 path runs the whole block natively instead, ``native.moe_block``)."""
+    if _use_triton(x):
+        from hybridserve.kernels.moe_triton import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids)
+    from hybridserve.kernels.moe import fused_moe_ref
+
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids)

@@ -70,6 +70,33 @@ def _refuse_quantized(model_dir: str) -> None:
         )
 
 
+def _copy_checked(f, name: str, path: str, target: torch.Tensor, dtype: torch.dtype) -> None:
+    """Copy checkpoint tensor ``name`` into ``target`` (a parameter or a view of one),
+    cast to ``dtype``; CheckpointError naming it if its shape differs."""
+    shape = tuple(f.get_slice(name).get_shape())
+    if shape != tuple(target.shape):
+        raise CheckpointError(
+            f"tensor {name!r} in {os.path.basename(path)} has shape {list(shape)}, "
+            f"but config.json implies {list(target.shape)}; the weights do not "
+            "match this config"
+        )
+    with torch.no_grad():
+        target.copy_(f.get_tensor(name).to(dtype))
+
+
+def _name_missing(expected, loaded: set[str], aliases: dict[str, tuple[torch.Tensor, list[str]]]) -> list[str]:
+    """The missing tensors' names; where every tensor a fused expert tensor stands for is
+    missing, that one name (with the per-expert alternative) instead of all of them."""
+    missing = [n for n in expected if n not in loaded]
+    gone = set(missing)
+    for alias, (_, covered) in aliases.items():
+        if covered and gone.issuperset(covered):
+            gone.difference_update(covered)
+            gone.add(f"{alias} (or its {len(covered)} per-expert tensors, e.g. {covered[0]})")
+    order = {n: i for i, n in enumerate(expected)}
+    return sorted(gone, key=lambda n: order.get(n, -1))
+
+
 def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", progress: bool = True,
                ) -> tuple[Qwen3_5ForServing, ModelConfig]:
@@ -78,7 +105,10 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     Raises ConfigError (from :class:`ModelConfig`) for an unsupported ``model_type``,
     CheckpointError naming the tensor for a missing or mis-shaped one. Tensors of the
     vision tower and MTP head are skipped; unknown tensors are ignored with a warning.
-    Weights are cast to ``dtype`` on the way in; peak extra memory is one tensor.
+    Weights are cast to ``dtype`` on the way in; peak extra memory is one tensor. MoE
+    experts come per expert (``mlp.experts.{e}.gate_proj.weight`` ...) or as HF's fused
+    3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; either is copied straight into the
+    packed expert parameters (no second copy of the experts at any time).
     """
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
@@ -95,6 +125,8 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     # HF name -> the parameter (or rows of a fused one) it fills.
     params = model.checkpoint_tensors()
     expected = {name: tuple(t.shape) for name, t in params.items()}
+    # HF's fused 3-D expert tensors, accepted in place of the per-expert ones.
+    aliases = model.checkpoint_aliases()
     loaded: set[str] = set()
     unknown: list[str] = []
 
@@ -111,20 +143,18 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
                     local = local_name(name)
                     if local is None:
                         continue
+                    if local in aliases:
+                        target, covered = aliases[local]
+                        _copy_checked(f, name, path, target, dtype)
+                        loaded.update(covered)
+                        if bar is not None:
+                            bar.update(len(covered))
+                        continue
                     if local not in expected:
                         if not (local == "lm_head.weight" and config.tie_word_embeddings):
                             unknown.append(name)
                         continue
-                    t = f.get_slice(name)
-                    shape = tuple(t.get_shape())
-                    if shape != expected[local]:
-                        raise CheckpointError(
-                            f"tensor {name!r} in {os.path.basename(path)} has shape {list(shape)}, "
-                            f"but config.json implies {list(expected[local])}; the weights do not "
-                            "match this config"
-                        )
-                    with torch.no_grad():
-                        params[local].copy_(f.get_tensor(name).to(dtype))
+                    _copy_checked(f, name, path, params[local], dtype)
                     loaded.add(local)
                     if bar is not None:
                         bar.update(1)
@@ -132,7 +162,7 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
         if bar is not None:
             bar.close()
 
-    missing = [n for n in expected if n not in loaded]
+    missing = _name_missing(expected, loaded, aliases)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""

@@ -103,6 +103,10 @@ class _Fused:
         self._parts = parts
         self._register_load_state_dict_pre_hook(self._fuse_hf_tensors)
 
+    def fused_param_names(self) -> set[str]:
+        """This module's parameters that checkpoints provide only through :meth:`hf_views`."""
+        return {self._fused_name}
+
     def hf_views(self) -> dict[str, torch.Tensor]:
         """HF parameter name (relative to this module) -> view of the fused tensor."""
         fused = getattr(self, self._fused_name)
@@ -305,7 +309,13 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(config, layer_idx)
         else:
             self.linear_attn = GatedDeltaNet(config, layer_idx)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        if config.is_moe:
+            # Imported here: the MoE block builds on this module's Projection and MLP.
+            from hybridserve.model.moe import SparseMoeBlock
+
+            self.mlp = SparseMoeBlock(config)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -409,14 +419,46 @@ class Qwen3_5ForServing(nn.Module):
         for prefix, m in fused.items():
             out.update({f"{prefix}.{k}": v for k, v in m.hf_views().items()})
         for name, p in self.named_parameters(remove_duplicate=True):
-            parent, _, _ = name.rpartition(".")
+            parent, _, pleaf = name.rpartition(".")
             owner, _, leaf = parent.rpartition(".")
-            if owner in fused and leaf == fused[owner]._fused_name:
+            # A fused Linear's weight (owner.gate_up_proj.weight) or a fused parameter
+            # held directly (the experts' owner.gate_up_proj).
+            if owner in fused and leaf in fused[owner].fused_param_names():
+                continue
+            if parent in fused and pleaf in fused[parent].fused_param_names():
                 continue
             out[name] = p
         if self.config.tie_word_embeddings:
             out.pop("lm_head.weight", None)
         return out
+
+    def checkpoint_aliases(self) -> dict[str, tuple[torch.Tensor, list[str]]]:
+        """Tensors a checkpoint may carry instead of several of :meth:`checkpoint_tensors`:
+        HF's fused 3-D expert tensors (``layers.N.mlp.experts.gate_up_proj`` ...) -> (the
+        parameter to fill, the per-expert names it covers)."""
+        out: dict[str, tuple[torch.Tensor, list[str]]] = {}
+        for prefix, m in self.named_modules():
+            views = getattr(m, "fused_views", None)
+            if views is not None:
+                for name, (t, covered) in views().items():
+                    out[f"{prefix}.{name}"] = (t, [f"{prefix}.{c}" for c in covered])
+        return out
+
+    def expert_load(self) -> float | None:
+        """Routing imbalance of the last step: over the MoE layers, the most rows any
+        one expert received divided by the mean rows per expert (1.0 = perfectly
+        even). None for a dense model or before the first step."""
+        worst = None
+        for layer in self.layers:
+            m = getattr(layer.mlp, "last_max_load", None)
+            if m is None:
+                continue
+            worst = m if worst is None else max(worst, m)
+        self._moe_rows = getattr(self, "_moe_rows", 0)
+        if worst is None or not self._moe_rows:
+            return None
+        c = self.config
+        return float(worst) * c.num_experts / (self._moe_rows * c.num_experts_per_tok)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint must provide (local HF names), with its shape."""
@@ -431,6 +473,7 @@ class Qwen3_5ForServing(nn.Module):
         the scheduled tokens, so the next step continues with ``has_initial_state=True``.
         """
         x = self.embed_tokens(batch.input_ids)
+        self._moe_rows = x.shape[0]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:

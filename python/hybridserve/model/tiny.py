@@ -67,6 +67,39 @@ PRESETS: dict[str, dict[str, Any]] = {
         "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
         "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
     },
+    # Mixture-of-experts (model_type qwen3_5_moe_text): a sparse MoE block in every
+    # layer. Top-3 of 7 experts (not a power of two), GQA 1:1, a shared expert.
+    "moe-a": {
+        "hidden_size": 64, "num_hidden_layers": 4, "layer_types": [LIN, LIN, LIN, FULL],
+        "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 32,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "rope_theta": 10_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
+        "num_experts": 7, "num_experts_per_tok": 3, "moe_intermediate_size": 40,
+        "shared_expert_intermediate_size": 48,
+    },
+    # Top-1 of 5 experts, GQA 3:1, a custom layer pattern, tied embeddings.
+    "moe-b": {
+        "hidden_size": 48, "num_hidden_layers": 5, "layer_types": [LIN, FULL, LIN, LIN, FULL],
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 3, "linear_num_value_heads": 3,
+        "linear_key_head_dim": 8, "linear_value_head_dim": 12, "linear_conv_kernel_dim": 3,
+        "rope_theta": 1_000_000.0, "partial_rotary_factor": 0.5, "tie_word_embeddings": True,
+        "num_experts": 5, "num_experts_per_tok": 1, "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 32,
+    },
+    # The bench preset's attention/DeltaNet shape with 64 experts, 4 routed plus a
+    # shared expert: 4 x 192 + 512 = 1,280 active MLP channels per token, the dense
+    # bench preset's intermediate size (~56M parameters, ~14M active).
+    "moe-bench": {
+        "hidden_size": 256, "num_hidden_layers": 8, "layer_types": [LIN, LIN, LIN, FULL] * 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+        "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+        "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
+        "num_experts": 64, "num_experts_per_tok": 4, "moe_intermediate_size": 192,
+        "shared_expert_intermediate_size": 512,
+    },
 }
 
 CHAT_TEMPLATE = (
@@ -86,7 +119,7 @@ def text_config(preset: str = "test-a", **overrides: Any) -> dict[str, Any]:
     partial = cfg.pop("partial_rotary_factor")
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": rope_theta,
                               "partial_rotary_factor": partial}
-    cfg["model_type"] = "qwen3_5_text"
+    cfg["model_type"] = "qwen3_5_moe_text" if cfg.get("num_experts") else "qwen3_5_text"
     if len(cfg["layer_types"]) != cfg["num_hidden_layers"]:
         raise ValueError("layer_types must have num_hidden_layers entries")
     if cfg["vocab_size"] < 256 + len(SPECIAL_TOKENS):
@@ -118,13 +151,36 @@ def _init_tensor(name: str, shape: tuple[int, ...], config: ModelConfig, gen: to
     return 0.02 * torch.randn(shape, generator=gen)  # biases
 
 
-def random_state_dict(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Deterministic float32 weights (local names) for ``config``."""
+def random_state_dict(config: ModelConfig, seed: int = 0, shared_gate_scale: float = 1.0
+                      ) -> dict[str, torch.Tensor]:
+    """Deterministic float32 weights (local names) for ``config``. MoE experts come per
+    expert, as the published checkpoints store them. ``shared_gate_scale`` multiplies
+    the shared-expert gates (large: ``sigmoid`` saturates at 0 or 1)."""
     from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 
     shapes = Qwen3_5ForServing(config, device="meta").checkpoint_shapes()
     gen = torch.Generator().manual_seed(seed)
-    return {name: _init_tensor(name, shape, config, gen).contiguous() for name, shape in shapes.items()}
+    out = {name: _init_tensor(name, shape, config, gen).contiguous() for name, shape in shapes.items()}
+    for name in out:
+        if name.endswith("shared_expert_gate.weight"):
+            out[name] = out[name] * shared_gate_scale
+    return out
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor], config: ModelConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """Per-expert tensors -> HF's in-memory fused layout (``experts.gate_up_proj``
+    ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``), as a checkpoint saved from
+    transformers' fused modules carries them."""
+    out = dict(tensors)
+    for layer in range(config.num_hidden_layers):
+        base = f"{prefix}layers.{layer}.mlp.experts."
+        gu, dn = [], []
+        for e in range(config.num_experts):
+            gu.append(torch.cat([out.pop(f"{base}{e}.gate_proj.weight"), out.pop(f"{base}{e}.up_proj.weight")]))
+            dn.append(out.pop(f"{base}{e}.down_proj.weight"))
+        out[f"{base}gate_up_proj"] = torch.stack(gu)
+        out[f"{base}down_proj"] = torch.stack(dn)
+    return out
 
 
 def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096) -> None:
@@ -152,6 +208,7 @@ def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096)
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "test-a", seed: int = 0,
                           dtype: str = "float32", shards: int = 1, vl_naming: bool = False,
+                          fused_experts: bool = False, shared_gate_scale: float = 1.0,
                           **overrides: Any) -> str:
     """Write a complete tiny checkpoint to ``out_dir`` (created) and return its path.
 
@@ -159,7 +216,9 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
     ``overrides`` and ``seed`` give the same weights whatever ``dtype``, ``shards`` or
     ``vl_naming``. ``vl_naming`` writes the ``qwen3_5`` VL layout (nested text_config,
     ``model.language_model.*`` names, plus a few ``model.visual.*`` and ``mtp.*`` tensors
-    that a text server must skip).
+    that a text server must skip). MoE presets: ``fused_experts`` stores HF's fused 3-D
+    expert tensors instead of per-expert ones; ``shared_gate_scale`` see
+    :func:`random_state_dict`.
     """
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -167,25 +226,29 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
     text["dtype"] = dtype
     config = ModelConfig.from_dict(text)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    local = random_state_dict(config, seed)
+    local = random_state_dict(config, seed, shared_gate_scale=shared_gate_scale)
     prefix = "model.language_model." if vl_naming else "model."
     tensors = {("lm_head.weight" if n == "lm_head.weight" else prefix + n): t.to(tdtype)
                for n, t in local.items()}
+    if fused_experts and config.is_moe:
+        tensors = fuse_experts(tensors, config, prefix)
+    moe = config.is_moe
     if vl_naming:
         gen = torch.Generator().manual_seed(seed + 1)
         tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 4, 4, generator=gen).to(tdtype)
         tensors["mtp.fc.weight"] = torch.randn(4, 8, generator=gen).to(tdtype)
         cfg = {
-            "model_type": "qwen3_5",
-            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "model_type": "qwen3_5_moe" if moe else "qwen3_5",
+            "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
             "text_config": text,
-            "vision_config": {"model_type": "qwen3_5_vision", "depth": 1, "hidden_size": 8,
-                              "num_heads": 1, "intermediate_size": 16, "out_hidden_size": text["hidden_size"]},
+            "vision_config": {"model_type": "qwen3_5_moe_vision" if moe else "qwen3_5_vision", "depth": 1, "hidden_size": 8,
+                              "num_heads": 1, "intermediate_size": 16, "out_hidden_size": text["hidden_size"],
+                              "patch_size": 4, "temporal_patch_size": 2},
             "tie_word_embeddings": text["tie_word_embeddings"],
             "eos_token_id": text["eos_token_id"],
         }
     else:
-        cfg = {**text, "architectures": ["Qwen3_5ForCausalLM"]}
+        cfg = {**text, "architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"]}
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
 

@@ -32,17 +32,20 @@ DEFAULT_MODEL_SEED = 0
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 
-def default_model_dir() -> str:
-    """Path of the embedded default checkpoint, written on first use."""
-    from hybridserve.model.tiny import write_tiny_checkpoint
+def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
+    """Path of the embedded default checkpoint (or of another tiny preset's, e.g.
+    ``moe-bench``), written on first use."""
+    from hybridserve.model.tiny import PRESETS, write_tiny_checkpoint
 
+    if preset not in PRESETS:
+        raise ConfigError(f"unknown tiny model {preset!r}; choose one of {sorted(PRESETS)}")
     root = os.environ.get("HYBRIDSERVE_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "hybridserve"
     )
-    path = os.path.join(root, f"tiny-{DEFAULT_MODEL_PRESET}-seed{DEFAULT_MODEL_SEED}")
+    path = os.path.join(root, f"tiny-{preset}-seed{DEFAULT_MODEL_SEED}")
     if not os.path.exists(os.path.join(path, "config.json")):
         tmp = path + f".tmp{os.getpid()}"
-        write_tiny_checkpoint(tmp, preset=DEFAULT_MODEL_PRESET, seed=DEFAULT_MODEL_SEED)
+        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED)
         os.makedirs(root, exist_ok=True)
         try:
             os.replace(tmp, path)

@@ -15,6 +15,9 @@
 //!   conv state read from and written back to its slot and `silu` fused.
 //! * [`matmul`]: `x W^T` for the few rows of a decode step, without BLAS's per-call
 //!   repacking of the weight.
+//! * [`moe`]: a whole sparse mixture-of-experts block (routing, tokens grouped by
+//!   expert in one counting pass, every expert's GEMM pair on the few-row GEMM, the
+//!   weighted scatter back), the shared expert fused in.
 //! * [`rope`]: attention's per-head q/k norm and rotary embedding in one pass.
 //! * [`norm`]: RMSNorm with the residual add fused in.
 //! * [`attention`]: decode attention (one query per sequence) straight from the paged
@@ -34,6 +37,7 @@ pub mod conv1d;
 pub mod delta_rule;
 mod math;
 pub mod matmul;
+pub mod moe;
 pub mod norm;
 mod pool;
 pub mod rope;
@@ -184,6 +188,15 @@ impl SharedMut {
     /// # Safety
     /// `at..at + len` must lie in the slice this was made from, and no other task may
     /// touch those elements during the call.
+    /// The pointer `at` elements further on.
+    ///
+    /// # Safety
+    /// `at` must lie within the slice this was made from.
+    #[inline(always)]
+    pub(crate) unsafe fn add(self, at: usize) -> Self {
+        Self(self.0.add(at))
+    }
+
     #[inline(always)]
     pub(crate) unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [f32] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)

@@ -14,11 +14,17 @@ use crate::{KernelError, Rows, SharedMut};
 
 const STRIP: usize = 16;
 
-struct Ctx<'a> {
-    x: Rows<'a>,
-    wt: &'a [f32],
-    n: usize,
-    out: SharedMut,
+/// One GEMM's operands: `out[r * ldo + oc] = sum_k x[r, k] * wt[k * ldw + c]` for the
+/// output column `oc` a strip maps weight column `c` to. Shared with the MoE kernel,
+/// which runs strips of many experts' GEMMs as the tasks of one parallel region.
+pub(crate) struct Ctx<'a> {
+    pub(crate) x: Rows<'a>,
+    pub(crate) wt: &'a [f32],
+    /// Row stride of `wt` (its `N`).
+    pub(crate) n: usize,
+    pub(crate) out: SharedMut,
+    /// Row stride of `out`.
+    pub(crate) ldo: usize,
 }
 
 /// `out[m, j] = sum_k x[m, k] * wt[k, j]`: `x` `[M, K]` (row-strided view allowed),
@@ -37,6 +43,7 @@ pub fn matmul(x: Rows<'_>, wt: &[f32], n: usize, out: &mut [f32]) -> Result<(), 
         wt,
         n,
         out: SharedMut::new(out),
+        ldo: n,
     };
     let strips = n.div_ceil(STRIP);
     // Tasks of about 4 strips: few enough to keep the scheduling cheap, enough to
@@ -44,27 +51,33 @@ pub fn matmul(x: Rows<'_>, wt: &[f32], n: usize, out: &mut [f32]) -> Result<(), 
     let per_task = 4usize;
     for_each_task(strips.div_ceil(per_task), m * n * k, |t| {
         for s in t * per_task..((t + 1) * per_task).min(strips) {
-            run_strip(&ctx, s * STRIP);
+            // SAFETY: strip s's columns of every row belong to this task alone.
+            unsafe { run_strip(&ctx, s * STRIP, 0, m, s * STRIP) };
         }
     });
     Ok(())
 }
 
-fn run_strip(ctx: &Ctx<'_>, c0: usize) {
+/// Rows `r0..r1`, weight columns `c0..min(c0 + 16, n)`, written to output columns from
+/// `oc` on.
+///
+/// # Safety
+/// Those output elements must lie in `out` and belong to the calling task alone.
+pub(crate) unsafe fn run_strip(ctx: &Ctx<'_>, c0: usize, r0: usize, r1: usize, oc: usize) {
     #[cfg(target_arch = "x86_64")]
     if crate::math::has_avx2() && c0 + STRIP <= ctx.n {
         // SAFETY: the CPU has AVX2 and FMA; the strip is whole.
-        unsafe { avx2::strip(ctx, c0) };
+        avx2::strip(ctx, c0, r0, r1, oc);
         return;
     }
-    strip_portable(ctx, c0);
+    strip_portable(ctx, c0, r0, r1, oc);
 }
 
 /// Any strip width (the last, partial one) and CPUs without AVX2.
-fn strip_portable(ctx: &Ctx<'_>, c0: usize) {
-    let (m, k, n) = (ctx.x.rows, ctx.x.width, ctx.n);
+unsafe fn strip_portable(ctx: &Ctx<'_>, c0: usize, r0: usize, r1: usize, oc: usize) {
+    let (k, n) = (ctx.x.width, ctx.n);
     let c1 = (c0 + STRIP).min(n);
-    for r in 0..m {
+    for r in r0..r1 {
         let xr = ctx.x.row(r);
         let mut acc = [0.0f32; STRIP];
         for (kk, &xv) in xr.iter().enumerate().take(k) {
@@ -73,8 +86,7 @@ fn strip_portable(ctx: &Ctx<'_>, c0: usize) {
                 *a += xv * wv;
             }
         }
-        // SAFETY: columns c0..c1 of every row belong to this strip's task.
-        let dst = unsafe { ctx.out.slice(r * n + c0, c1 - c0) };
+        let dst = ctx.out.slice(r * ctx.ldo + oc, c1 - c0);
         dst.copy_from_slice(&acc[..c1 - c0]);
     }
 }
@@ -87,24 +99,26 @@ mod avx2 {
     /// Keys per pass: a strip's `[KB, 16]` slice of the weight (16 KiB) and a row
     /// block's `[6, KB]` slice of `x` stay in L1 while the block's rows pass over it.
     const KB: usize = 256;
+    /// Keys ahead to prefetch the weight strip (measured: see benches/moe_layer.py).
+    const PREFETCH_KEYS: usize = 64;
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn strip(ctx: &Ctx<'_>, c0: usize) {
-        let (m, k) = (ctx.x.rows, ctx.x.width);
+    pub(super) unsafe fn strip(ctx: &Ctx<'_>, c0: usize, r0: usize, r1: usize, oc: usize) {
+        let k = ctx.x.width;
         let mut k0 = 0;
         while k0 < k || k0 == 0 {
             let k1 = (k0 + KB).min(k);
-            let mut r = 0;
-            while r < m {
-                match m - r {
-                    1 => block::<1>(ctx, c0, r, k0, k1),
-                    2 => block::<2>(ctx, c0, r, k0, k1),
-                    3 => block::<3>(ctx, c0, r, k0, k1),
-                    4 => block::<4>(ctx, c0, r, k0, k1),
-                    5 => block::<5>(ctx, c0, r, k0, k1),
-                    _ => block::<6>(ctx, c0, r, k0, k1),
+            let mut r = r0;
+            while r < r1 {
+                match r1 - r {
+                    1 => block::<1>(ctx, c0, r, k0, k1, oc),
+                    2 => block::<2>(ctx, c0, r, k0, k1, oc),
+                    3 => block::<3>(ctx, c0, r, k0, k1, oc),
+                    4 => block::<4>(ctx, c0, r, k0, k1, oc),
+                    5 => block::<5>(ctx, c0, r, k0, k1, oc),
+                    _ => block::<6>(ctx, c0, r, k0, k1, oc),
                 }
-                r += (m - r).min(6);
+                r += (r1 - r).min(6);
             }
             if k1 == k {
                 break;
@@ -116,15 +130,22 @@ mod avx2 {
     /// Rows `r0 .. r0 + R`, columns `c0 .. c0 + 16`, keys `k0 .. k1`: 2R accumulators
     /// in registers, added to what earlier key passes left in `out`.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn block<const R: usize>(ctx: &Ctx<'_>, c0: usize, r0: usize, k0: usize, k1: usize) {
+    unsafe fn block<const R: usize>(
+        ctx: &Ctx<'_>,
+        c0: usize,
+        r0: usize,
+        k0: usize,
+        k1: usize,
+        oc: usize,
+    ) {
         let n = ctx.n;
         let mut acc = [[_mm256_setzero_ps(); 2]; R];
         let mut dst = [std::ptr::null_mut::<f32>(); R];
         let mut xs = [std::ptr::null::<f32>(); R];
         for i in 0..R {
             xs[i] = ctx.x.row(r0 + i).as_ptr();
-            // SAFETY: columns c0..c0+16 of these rows belong to this strip's task.
-            dst[i] = ctx.out.slice((r0 + i) * n + c0, 16).as_mut_ptr();
+            // SAFETY: these 16 output columns of these rows belong to this task.
+            dst[i] = ctx.out.slice((r0 + i) * ctx.ldo + oc, 16).as_mut_ptr();
             if k0 > 0 {
                 acc[i] = [_mm256_loadu_ps(dst[i]), _mm256_loadu_ps(dst[i].add(8))];
             }
@@ -132,6 +153,10 @@ mod avx2 {
         let w = ctx.wt.as_ptr().add(c0);
         for kk in k0..k1 {
             let wp = w.add(kk * n);
+            // The strip's rows lie a row stride apart: a stride the hardware prefetcher
+            // follows poorly when the weight is not in cache (an MoE expert's, read once
+            // per step for its one or two rows). Ask for the line a few keys ahead.
+            _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(PREFETCH_KEYS * n) as *const i8);
             let (w0, w1) = (_mm256_loadu_ps(wp), _mm256_loadu_ps(wp.add(8)));
             for i in 0..R {
                 let xb = _mm256_broadcast_ss(&*xs[i].add(kk));

@@ -301,6 +301,86 @@ fn matmul(
         .map_err(err)
 }
 
+/// A whole sparse MoE block (see `hybridserve_cpu_kernels::moe`): `x` `[T, H]`,
+/// `router_wt` `[H, E]`, `w13` `[E, H, 2I]`, `w2` `[E, I, H]`, the optional shared
+/// expert `shared_w13` `[H, 2Is]`, `shared_w2` `[Is, H]`, `shared_gate` `[H]`; writes
+/// `out` `[T, H]`, `topk_ids` (int64) and `topk_weights` `[T, top_k]`. Returns the
+/// most rows any one expert received.
+#[pyfunction]
+#[pyo3(signature = (x, router_wt, w13, w2, top_k, out, topk_ids, topk_weights,
+                    shared_w13=None, shared_w2=None, shared_gate=None))]
+#[allow(clippy::too_many_arguments)]
+fn moe_block(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    router_wt: PyReadonlyArray2<'_, f32>,
+    w13: PyReadonlyArrayDyn<'_, f32>,
+    w2: PyReadonlyArrayDyn<'_, f32>,
+    top_k: usize,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+    mut topk_ids: PyReadwriteArrayDyn<'_, i64>,
+    mut topk_weights: PyReadwriteArrayDyn<'_, f32>,
+    shared_w13: Option<PyReadonlyArray2<'_, f32>>,
+    shared_w2: Option<PyReadonlyArray2<'_, f32>>,
+    shared_gate: Option<PyReadonlyArrayDyn<'_, f32>>,
+) -> PyResult<usize> {
+    use hybridserve_cpu_kernels::moe::{Experts, Router, Routing, SharedExpert};
+    let x = rows("x", &x)?;
+    let num_experts = router_wt.shape()[1];
+    let router_wt = router_wt.as_slice().map_err(|_| {
+        PyValueError::new_err(
+            "router_wt must be a C-contiguous [H, E] float32 array (the router weight transposed)",
+        )
+    })?;
+    let wshape = w2.shape().to_vec();
+    if wshape.len() != 3 {
+        return Err(PyValueError::new_err(format!(
+            "w2 must be [E, I, H], got shape {wshape:?}"
+        )));
+    }
+    let inter = wshape[1];
+    let w13 = contiguous("w13", &w13)?;
+    let w2 = contiguous("w2", &w2)?;
+    let shared = match (&shared_w13, &shared_w2, &shared_gate) {
+        (Some(a), Some(b), Some(g)) => Some(SharedExpert {
+            inter: b.shape()[0],
+            w13: a
+                .as_slice()
+                .map_err(|_| PyValueError::new_err("shared_w13 must be C-contiguous [H, 2Is]"))?,
+            w2: b
+                .as_slice()
+                .map_err(|_| PyValueError::new_err("shared_w2 must be C-contiguous [Is, H]"))?,
+            gate: contiguous("shared_gate", g)?,
+        }),
+        (None, None, None) => None,
+        _ => {
+            return Err(PyValueError::new_err(
+                "give all of shared_w13, shared_w2 and shared_gate, or none",
+            ))
+        }
+    };
+    let out = contiguous_mut("out", &mut out)?;
+    let ids = topk_ids
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("topk_ids must be C-contiguous int64"))?;
+    let weights = contiguous_mut("topk_weights", &mut topk_weights)?;
+    py.detach(|| {
+        hybridserve_cpu_kernels::moe::moe_block(
+            x,
+            Router {
+                weight_t: router_wt,
+                num_experts,
+                top_k,
+            },
+            Experts { w13, w2, inter },
+            shared,
+            out,
+            Routing { ids, weights },
+        )
+    })
+    .map_err(err)
+}
+
 /// Per-head zero-centred RMSNorm then rotary embedding (half-split) of `x` rows
 /// holding `heads` heads `head_stride` apart; `out` `[T, heads, head_dim]`.
 #[pyfunction]
@@ -372,6 +452,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(moe_block, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;

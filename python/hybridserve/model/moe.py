@@ -1,0 +1,126 @@
+"""The sparse mixture-of-experts block of the Qwen3.5 MoE models (35B-A3B, 122B-A10B,
+397B-A17B), in place of the dense MLP in every layer.
+
+Numerically HF's ``Qwen3_5MoeSparseMoeBlock``: a router ``gate`` (linear, no bias),
+softmax over experts in float32, top-k, the k weights renormalised; the chosen
+SwiGLU experts' outputs weighted and summed; plus the shared expert scaled by
+``sigmoid(shared_expert_gate(x))``.
+
+Expert weights live in one tensor per kind, with HF's in-memory shapes
+(``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) but
+stored per expert transposed, i.e. ``[E, H, 2I]`` and ``[E, I, H]`` in memory: the
+layout of the dense path's projections on the CPU, which the native kernel's GEMMs
+and the Triton kernel read in place. Checkpoints store one tensor per expert and
+projection (``experts.{e}.gate_proj.weight`` ...) or HF's fused 3-D tensors; both are
+views of these two parameters (:meth:`Experts.hf_views`, :meth:`Experts.fused_views`),
+so the loader streams either straight into place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.config import ModelConfig
+from hybridserve.kernels import native, ops
+from hybridserve.kernels.moe import expert_counts, route_ref
+from hybridserve.model.qwen3_5 import MLP, Projection, _Fused
+
+
+class Experts(_Fused, nn.Module):
+    """``num`` routed SwiGLU experts of ``inter`` channels on ``hidden``."""
+
+    def __init__(self, num: int, hidden: int, inter: int):
+        super().__init__()
+        self.num, self.hidden, self.inter = num, hidden, inter
+        # HF's shapes, per-expert transposed storage (see the module docstring).
+        self.gate_up_proj = nn.Parameter(torch.empty(num, hidden, 2 * inter).transpose(1, 2))
+        self.down_proj = nn.Parameter(torch.empty(num, inter, hidden).transpose(1, 2))
+        self._register_load_state_dict_pre_hook(self._stack_hf_tensors)
+
+    def fused_param_names(self) -> set[str]:
+        return {"gate_up_proj", "down_proj"}
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """``[E, H, 2I]`` contiguous: ``x @ w13[e]`` is expert e's gate then up."""
+        return self.gate_up_proj.transpose(1, 2)
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """``[E, I, H]`` contiguous."""
+        return self.down_proj.transpose(1, 2)
+
+    def hf_views(self) -> dict[str, torch.Tensor]:
+        """Per-expert checkpoint names (the published checkpoints') -> views."""
+        out, i = {}, self.inter
+        for e in range(self.num):
+            out[f"{e}.gate_proj.weight"] = self.gate_up_proj[e, :i]
+            out[f"{e}.up_proj.weight"] = self.gate_up_proj[e, i:]
+            out[f"{e}.down_proj.weight"] = self.down_proj[e]
+        return out
+
+    def fused_views(self) -> dict[str, tuple[torch.Tensor, list[str]]]:
+        """HF's fused 3-D names -> (the parameter, the per-expert names it stands for)."""
+        return {
+            "gate_up_proj": (self.gate_up_proj, [f"{e}.{p}.weight" for e in range(self.num)
+                                                 for p in ("gate_proj", "up_proj")]),
+            "down_proj": (self.down_proj, [f"{e}.down_proj.weight" for e in range(self.num)]),
+        }
+
+    def _stack_hf_tensors(self, state_dict, prefix, *args) -> None:
+        # load_state_dict with per-expert HF names: stack them into the fused tensors.
+        keys = [f"{prefix}{e}.{p}.weight" for e in range(self.num) for p in ("gate_proj", "up_proj", "down_proj")]
+        if all(k in state_dict for k in keys):
+            gu = [torch.cat([state_dict.pop(f"{prefix}{e}.gate_proj.weight"),
+                             state_dict.pop(f"{prefix}{e}.up_proj.weight")]) for e in range(self.num)]
+            state_dict[f"{prefix}gate_up_proj"] = torch.stack(gu)
+            state_dict[f"{prefix}down_proj"] = torch.stack(
+                [state_dict.pop(f"{prefix}{e}.down_proj.weight") for e in range(self.num)])
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts + gated shared expert; one call per layer and step.
+
+    ``last_max_load`` is the number of rows the busiest expert received in the last
+    call (a 0-d tensor or an int; read by :meth:`Qwen3_5ForServing.expert_load`).
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.num_experts = c.num_experts
+        self.top_k = c.num_experts_per_tok
+        self.gate = Projection(c.hidden_size, c.num_experts, bias=False)
+        self.experts = Experts(c.num_experts, c.hidden_size, c.moe_intermediate_size)
+        si = c.shared_expert_intermediate_size
+        self.shared_expert = MLP(c.hidden_size, si) if si else None
+        self.shared_expert_gate = Projection(c.hidden_size, 1, bias=False) if si else None
+        self.last_max_load: torch.Tensor | int | None = None
+
+    def _native_ok(self, x: torch.Tensor) -> bool:
+        if not (x.dim() == 2 and x.is_contiguous() and native.usable(x, self.gate.weight, self.experts.gate_up_proj)):
+            return False
+        weights = [self.gate.weight]
+        if self.shared_expert is not None:
+            weights += [self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight]
+        # The kernel reads the projections transposed (the CPU layout, see
+        # Qwen3_5ForServing.store_projections_column_major).
+        return all(w.stride(0) == 1 for w in weights)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native_ok(x):
+            shared = None
+            if self.shared_expert is not None:
+                shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
+                          self.shared_expert_gate.weight)
+            out, _, self.last_max_load = native.moe_block(
+                x, self.gate.weight, self.experts.w13, self.experts.w2, self.top_k, shared)
+            return out
+        weights, ids = route_ref(F.linear(x, self.gate.weight), self.top_k)
+        out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        self.last_max_load = expert_counts(ids, self.num_experts).max() if ids.numel() else 0
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
