@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -107,6 +108,11 @@ def test_access_log_line_per_request(live, caplog):
     events = _events(live, {"prompt": [5, 6], "max_tokens": 4, "ignore_eos": True})
     bad = live.post(C, {"prompt": "x", "temperature": -1})
     live.request("GET", "/health")
+    # aiohttp writes the access line once the response is out, so the client may see
+    # the answer a moment before the line exists: wait for it (bounded).
+    deadline = time.monotonic() + 10
+    while not any(m and m.group(3) == "/health" for m in _access_lines(caplog)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     lines = _access_lines(caplog)
     assert all(lines), [r.getMessage() for r in caplog.records if r.name == "hybridserve.access"]
     by_id = {m.group(8): m for m in lines}
