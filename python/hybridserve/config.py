@@ -15,7 +15,9 @@ from typing import Any
 
 from hybridserve.errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+#: The mixture-of-experts spellings (an MoE block in place of every dense MLP).
+MOE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_5_moe")
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
 
@@ -66,6 +68,12 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     eos_token_ids: tuple[int, ...] = ()
     model_type: str = "qwen3_5_text"
+    # Mixture of experts (0 for dense models): routed experts, experts per token, each
+    # routed expert's SwiGLU width, the shared expert's width (0: no shared expert).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
     # The raw text-config dict, for whatever a consumer needs beyond the fields above.
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -114,11 +122,11 @@ class ModelConfig:
                 f"models ({' or '.join(SUPPORTED_MODEL_TYPES)}); check config.json"
             )
         top = cfg
-        if model_type == "qwen3_5":
+        if model_type in ("qwen3_5", "qwen3_5_moe"):
             text = cfg.get("text_config")
             if not isinstance(text, dict):
                 raise ConfigError(
-                    "config.json has model_type 'qwen3_5' but no 'text_config' object; "
+                    f"config.json has model_type {model_type!r} but no 'text_config' object; "
                     "a Qwen3.5 VL checkpoint nests the language model's fields there"
                 )
         else:
@@ -165,10 +173,13 @@ class ModelConfig:
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
+        moe = model_type in MOE_MODEL_TYPES
+        # An MoE config has no dense MLP width (HF's Qwen3_5MoeTextConfig has no field).
+        intermediate = int(text.get("intermediate_size", 0)) if moe else int(need("intermediate_size"))
         return cls(
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
+            intermediate_size=intermediate,
             num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads", heads)),
@@ -192,6 +203,12 @@ class ModelConfig:
             ),
             eos_token_ids=eos_ids,
             model_type=model_type,
+            num_experts=int(need("num_experts")) if moe else 0,
+            num_experts_per_tok=int(need("num_experts_per_tok")) if moe else 0,
+            moe_intermediate_size=int(need("moe_intermediate_size")) if moe else 0,
+            shared_expert_intermediate_size=(
+                int(text.get("shared_expert_intermediate_size", 0)) if moe else 0
+            ),
             raw=dict(text),
         )
 
