@@ -117,13 +117,19 @@ def test_other_context_block_size_and_dtype(capsys, seed_config):
 def test_scenarios_in_json(capsys, seed_config):
     d = _json(capsys, ["plan", seed_config, "--pool-mib", "23859", "--shared-prefix", "1000",
                        "--sessions", "4", "--n", "4"])
-    # 62 shared blocks + 4 x 1,986 own (see test_planner's hand arithmetic).
+    # In the arena's 1 MiB pages, 23,859 - 147 scratch = 23,712 for sequences.
+    # 62 shared blocks + 4 x 1,986 own (see test_planner's hand arithmetic); the most
+    # sessions keeping the prefix's 147-page checkpoint: (23,712 - 62 - 147) // (1,986 +
+    # 147) = 23,503 // 2,133 = 11.
     sp = d["shared_prefix"]
     assert (sp["shared_blocks"], sp["total_blocks"], sp["max_count"]) == (62, 8_006, 11)
+    assert sp["checkpoint_bytes"] == 147 * MiB
+    # n = 4 after a 32,767-token prompt: 2,047 shared + 4 x 1 own blocks + 4 x 147 state
+    # pages = 2,639 pages a request; 23,712 // 2,639 = 8 (9 would need 23,751: the
+    # scratch state costs the ninth request the seed's byte count had).
     ps = d["parallel_sampling"]
-    assert (ps["blocks_per_request"], ps["requests_that_fit"], ps["sequences_that_fit"]) == (
-        2_051, 9, 36
-    )
+    assert (ps["blocks_per_request"], ps["bytes_per_request"]) == (2_051, 2_639 * MiB)
+    assert (ps["requests_that_fit"], ps["sequences_that_fit"]) == (8, 32)
 
 
 def test_pool_from_device_memory(capsys, tmp_path):

@@ -189,3 +189,24 @@ def test_plan_prints_the_engines_start_up_lines(capsys):
     assert "1,024: 64 (max_num_seqs)" in engine_lines[-1]
     assert {row["context_len"]: (row["sessions"], row["limited_by"]) for row in d["session_table"]}[1_024] == (
         64, "max_num_seqs")
+
+
+def test_sharing_in_the_arena_by_hand():
+    # The 27B arena without graphs: 23,859 pages. 4 sessions of 32K sharing a 1,000-token
+    # prefix: 62 full prefix blocks shared, 2,048 - 62 = 1,986 own blocks + 147 state
+    # pages each; with the prefix's 147-page checkpoint kept: (23,859 - 62 - 147) //
+    # 2,133 = 23,650 // 2,133 = 11; evicting it: 23,797 // 2,133 = 11; no sharing:
+    # 23,859 // 2,195 = 10.
+    plan = pl.size_arena(_seed(), num_pages=23_859)
+    sp = pl.arena_sharing_plan(plan, 32_768, 1_000, 4)
+    assert (sp.shared_blocks, sp.private_blocks, sp.total_blocks) == (62, 1_986, 8_006)
+    assert sp.total_bytes == (8_006 + 4 * 147) * MiB
+    assert (sp.max_count, sp.max_count_evicting_checkpoint, sp.max_count_without_sharing) == (11, 11, 10)
+    # A pool where the checkpoint decides: 62 + 11 x 2,133 = 23,525 pages.
+    edge = pl.arena_sharing_plan(pl.size_arena(_seed(), num_pages=23_525), 32_768, 1_000, 4)
+    assert (edge.max_count, edge.max_count_evicting_checkpoint) == (10, 11)
+    # n = 4 samples of 1,500 tokens after a 1,000-token prompt: 62 shared + 4 x (94 - 62)
+    # own blocks + 4 x 147 state pages = 778 pages; 23,859 // 778 = 30 requests.
+    ps = pl.arena_parallel_sampling_plan(plan, 1_500, 4, prompt_len=1_000)
+    assert ps.bytes_per_request == 778 * MiB
+    assert (ps.requests_that_fit, ps.sequences_that_fit) == (30, 120)

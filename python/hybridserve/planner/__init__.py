@@ -52,6 +52,8 @@ from hybridserve.planner.sessions import (
 from hybridserve.planner.sharing import (
     ParallelSamplingPlan,
     SharingPlan,
+    arena_parallel_sampling_plan,
+    arena_sharing_plan,
     parallel_sampling_plan,
     sharing_plan,
 )
@@ -97,6 +99,7 @@ __all__ = [
     "paged_sequence_bytes", "reserved_blocks_per_sequence", "reserved_sequence_bytes",
     "sessions_paged", "sessions_reserved_max",
     "SharingPlan", "sharing_plan", "ParallelSamplingPlan", "parallel_sampling_plan",
+    "arena_sharing_plan", "arena_parallel_sampling_plan",
     "TP_DEGREES", "DevicePlan", "DeviceShare", "device_share", "devices_needed",
     "shard_config", "weight_bytes_per_device",
     "PoolPlan", "size_pools", "max_concurrency", "max_concurrency_reserved",

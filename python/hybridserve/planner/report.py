@@ -19,7 +19,14 @@ from hybridserve.planner.arena import ArenaPlan, SessionFit, context_lens_for, f
 from hybridserve.planner.budget import describe_budget, usable_after_weights
 from hybridserve.planner.devices import DevicePlan, devices_needed
 from hybridserve.planner.sessions import paged_sequence_bytes, reserved_sequence_bytes, sessions_paged, sessions_reserved_max
-from hybridserve.planner.sharing import ParallelSamplingPlan, SharingPlan, parallel_sampling_plan, sharing_plan
+from hybridserve.planner.sharing import (
+    ParallelSamplingPlan,
+    SharingPlan,
+    arena_parallel_sampling_plan,
+    arena_sharing_plan,
+    parallel_sampling_plan,
+    sharing_plan,
+)
 from hybridserve.planner.sizes import (
     DEFAULT_BLOCK_SIZE,
     block_bytes,
@@ -131,7 +138,8 @@ def capacity_report(
     ``cuda_graphs`` sets the graphs' scratch state aside as the engine does on CUDA.
     ``include_conv`` only affects the seed's byte counts (the arena always holds the
     conv state). The shared-prefix scenario needs ``shared_prefix_len`` and
-    ``sessions``; the sampling scenario runs when ``n > 1``.
+    ``sessions``; the sampling scenario runs when ``n > 1``; both count in the arena's
+    pages (in raw bytes only when there is no arena on one device).
     """
     kv_dtype = cache_dtype(config, kv_dtype)
     check_context(config, context_len)
@@ -168,13 +176,17 @@ def capacity_report(
     if shared_prefix_len is not None or sessions is not None:
         if shared_prefix_len is None or sessions is None:
             raise ConfigError("the shared-prefix scenario needs both a prefix length and a session count")
-        shared = sharing_plan(
-            config, sharing_pool, context_len, shared_prefix_len, sessions, block_size, kv_dtype, include_conv
+        shared = (
+            arena_sharing_plan(arena, context_len, shared_prefix_len, sessions) if arena else
+            sharing_plan(config, sharing_pool, context_len, shared_prefix_len, sessions, block_size,
+                         kv_dtype, include_conv)
         )
     sampling = None
     if n != 1:
-        sampling = parallel_sampling_plan(
-            config, sharing_pool, context_len, n, prompt_len, block_size, kv_dtype, include_conv
+        sampling = (
+            arena_parallel_sampling_plan(arena, context_len, n, prompt_len) if arena else
+            parallel_sampling_plan(config, sharing_pool, context_len, n, prompt_len, block_size,
+                                   kv_dtype, include_conv)
         )
     elif prompt_len is not None:
         raise ConfigError("a prompt length only matters with n > 1 samples per request")

@@ -9,7 +9,8 @@ from typing import Any
 
 from hybridserve.config import ModelConfig
 from hybridserve.errors import ConfigError
-from hybridserve.planner.sessions import fit, paged_sequence_bytes, sessions_paged
+from hybridserve.planner.arena import ArenaPlan
+from hybridserve.planner.sessions import fit
 from hybridserve.planner.sizes import (
     DEFAULT_BLOCK_SIZE,
     block_bytes,
@@ -62,6 +63,43 @@ class SharingPlan:
         return asdict(self)
 
 
+def _check_shared(context_len: int, shared_len: int, count: int) -> None:
+    positive_int("number of sequences", count)
+    if not 0 <= shared_len <= context_len:
+        raise ConfigError(
+            f"shared prefix of {shared_len:,} tokens must be between 0 and the context "
+            f"length {context_len:,}"
+        )
+
+
+def _share(block: int, state: int, pool: int, context_len: int, shared_len: int, count: int,
+           block_size: int) -> SharingPlan:
+    """The accounting with a KV block costing ``block`` and a sequence's state ``state``
+    (bytes, or pages times the page size in the arena) in a pool of ``pool``."""
+    shared = shared_len // block_size
+    private = blocks_for_tokens(context_len, block_size) - shared
+    per_seq_private = private * block + state
+    per_seq = (shared + private) * block + state
+    total_blocks = shared + count * private
+    checkpoints = 1 if shared > 0 else 0
+    return SharingPlan(
+        count=count,
+        context_len=context_len,
+        shared_len=shared_len,
+        block_size=block_size,
+        shared_blocks=shared,
+        private_blocks=private,
+        total_blocks=total_blocks,
+        total_bytes=total_blocks * block + count * state,
+        bytes_without_sharing=count * per_seq,
+        max_count=fit(pool - shared * block - checkpoints * state, per_seq_private),
+        max_count_without_sharing=fit(pool, per_seq),
+        checkpoint_slots=checkpoints,
+        checkpoint_bytes=checkpoints * state,
+        max_count_evicting_checkpoint=fit(pool - shared * block, per_seq_private),
+    )
+
+
 def sharing_plan(
     config: ModelConfig,
     pool_bytes: int,
@@ -72,43 +110,24 @@ def sharing_plan(
     kv_dtype: str | None = None,
     include_conv: bool = True,
 ) -> SharingPlan:
-    """Memory of ``count`` sequences sharing a ``shared_len``-token prefix (see
-    :class:`SharingPlan`). O(1)."""
+    """Memory of ``count`` sequences sharing a ``shared_len``-token prefix, in raw bytes
+    (see :class:`SharingPlan`; :func:`arena_sharing_plan` for the arena's pages). O(1)."""
     check_context(config, context_len)
-    positive_int("number of sequences", count)
-    if not 0 <= shared_len <= context_len:
-        raise ConfigError(
-            f"shared prefix of {shared_len:,} tokens must be between 0 and the context "
-            f"length {context_len:,}"
-        )
-    bb = block_bytes(config, block_size, kv_dtype)
-    slot = state_slot_bytes(config, include_conv, kv_dtype)
-    shared = shared_len // block_size
-    private = blocks_for_tokens(context_len, block_size) - shared
-    per_seq_private = private * bb + slot
-    total_blocks = shared + count * private
-    shared_bytes = shared * bb
-    checkpoints = 1 if shared > 0 else 0
-    return SharingPlan(
-        count=count,
-        context_len=context_len,
-        shared_len=shared_len,
-        block_size=block_size,
-        shared_blocks=shared,
-        private_blocks=private,
-        total_blocks=total_blocks,
-        total_bytes=total_blocks * bb + count * slot,
-        bytes_without_sharing=count * paged_sequence_bytes(
-            config, context_len, block_size, kv_dtype, include_conv
-        ),
-        max_count=fit(pool_bytes - shared_bytes - checkpoints * slot, per_seq_private),
-        max_count_without_sharing=sessions_paged(
-            config, pool_bytes, context_len, block_size, kv_dtype, include_conv
-        ),
-        checkpoint_slots=checkpoints,
-        checkpoint_bytes=checkpoints * slot,
-        max_count_evicting_checkpoint=fit(pool_bytes - shared_bytes, per_seq_private),
-    )
+    _check_shared(context_len, shared_len, count)
+    return _share(block_bytes(config, block_size, kv_dtype),
+                  state_slot_bytes(config, include_conv, kv_dtype),
+                  pool_bytes, context_len, shared_len, count, block_size)
+
+
+def arena_sharing_plan(arena: ArenaPlan, context_len: int, shared_len: int, count: int) -> SharingPlan:
+    """:func:`sharing_plan` in the arena: a block is one page, a state (and the prefix's
+    checkpoint) ``state_pages`` pages, the pool the scheduler's ``num_pages`` (scratch
+    excluded); byte fields are pages x the page size. O(1)."""
+    arena.sessions(context_len)  # checks the length against max_model_len
+    _check_shared(context_len, shared_len, count)
+    page = arena.page_bytes
+    return _share(page, arena.state_pages * page, arena.num_pages * page,
+                  context_len, shared_len, count, arena.block_size)
 
 
 @dataclass(frozen=True)
@@ -144,6 +163,27 @@ class ParallelSamplingPlan:
         }
 
 
+def _check_prompt(context_len: int, n: int, prompt_len: int | None) -> int:
+    positive_int("n (samples per request)", n)
+    prompt = context_len - 1 if prompt_len is None else prompt_len
+    if not 0 <= prompt < context_len:
+        raise ConfigError(
+            f"prompt length {prompt:,} must be below the per-sample context length "
+            f"{context_len:,}: each sample holds the prompt plus at least one token of its own"
+        )
+    return prompt
+
+
+def _sampling(req: SharingPlan, pool: int, n: int) -> ParallelSamplingPlan:
+    return ParallelSamplingPlan(
+        n=n,
+        per_request=req,
+        bytes_per_request=req.total_bytes,
+        requests_that_fit=fit(pool, req.total_bytes),
+        requests_that_fit_without_sharing=fit(pool, req.bytes_without_sharing),
+    )
+
+
 def parallel_sampling_plan(
     config: ModelConfig,
     pool_bytes: int,
@@ -154,26 +194,25 @@ def parallel_sampling_plan(
     kv_dtype: str | None = None,
     include_conv: bool = True,
 ) -> ParallelSamplingPlan:
-    """How many ``n``-sample requests fit, each sample at ``context_len`` tokens.
+    """How many ``n``-sample requests fit, each sample at ``context_len`` tokens, in raw
+    bytes (:func:`arena_parallel_sampling_plan` for the arena's pages).
 
     ``prompt_len`` defaults to ``context_len - 1``: the step after prefill, when every
     sample has written its first token, so each holds one (copied, partly-filled)
-    tail block and one state slot of its own beyond the shared full prompt blocks.
+    tail block and one state of its own beyond the shared full prompt blocks.
     ``prompt_len`` must be < ``context_len`` (samples diverge at their first token).
     """
-    positive_int("n (samples per request)", n)
     check_context(config, context_len)
-    prompt = context_len - 1 if prompt_len is None else prompt_len
-    if not 0 <= prompt < context_len:
-        raise ConfigError(
-            f"prompt length {prompt:,} must be below the per-sample context length "
-            f"{context_len:,}: each sample holds the prompt plus at least one token of its own"
-        )
+    prompt = _check_prompt(context_len, n, prompt_len)
     req = sharing_plan(config, pool_bytes, context_len, prompt, n, block_size, kv_dtype, include_conv)
-    return ParallelSamplingPlan(
-        n=n,
-        per_request=req,
-        bytes_per_request=req.total_bytes,
-        requests_that_fit=fit(pool_bytes, req.total_bytes),
-        requests_that_fit_without_sharing=fit(pool_bytes, req.bytes_without_sharing),
-    )
+    return _sampling(req, pool_bytes, n)
+
+
+def arena_parallel_sampling_plan(
+    arena: ArenaPlan, context_len: int, n: int, prompt_len: int | None = None
+) -> ParallelSamplingPlan:
+    """:func:`parallel_sampling_plan` in the arena's pages (see :func:`arena_sharing_plan`)."""
+    arena.sessions(context_len)
+    prompt = _check_prompt(context_len, n, prompt_len)
+    req = arena_sharing_plan(arena, context_len, prompt, n)
+    return _sampling(req, arena.num_pages * arena.page_bytes, n)
