@@ -18,7 +18,12 @@ from hybridserve.errors import ConfigError
 from hybridserve.planner.arena import ArenaPlan, SessionFit, context_lens_for, format_arena_log, size_arena
 from hybridserve.planner.budget import describe_budget, usable_after_weights
 from hybridserve.planner.devices import DevicePlan, devices_needed
-from hybridserve.planner.sessions import paged_sequence_bytes, reserved_sequence_bytes, sessions_paged, sessions_reserved_max
+from hybridserve.planner.sessions import (
+    paged_sequence_bytes,
+    reserved_sequence_bytes,
+    sessions_paged,
+    sessions_reserved_max,
+)
 from hybridserve.planner.sharing import (
     ParallelSamplingPlan,
     SharingPlan,
@@ -251,12 +256,14 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
     r = report
     L = r.context_len
     conv_note = "counted" if r.conv_state_counted else "not counted (--omit-conv-state)"
-    model = f"{r.num_layers} = {r.num_full_attention_layers} full attention + {r.num_linear_attention_layers} Gated DeltaNet"
+    model = (f"{r.num_layers} = {r.num_full_attention_layers} full attention + "
+             f"{r.num_linear_attention_layers} Gated DeltaNet")
     if r.num_experts:
         model += f"; MoE: {r.num_experts} experts, {r.num_experts_per_tok} routed per token"
     rows: list[tuple[str, str]] = [
         ("layers", model),
-        ("parameters", f"{r.param_count:,} ({_billions(r.param_count)}; {_billions(r.active_param_count)} active per token)"),
+        ("parameters", f"{r.param_count:,} ({_billions(r.param_count)}; "
+                       f"{_billions(r.active_param_count)} active per token)"),
         (f"KV per token ({r.kv_dtype})", f"{r.kv_bytes_per_token:,} B ({fb(r.kv_bytes_per_token)})"),
         (f"KV per sequence at the native {r.max_position_embeddings:,} tokens", fb(r.kv_bytes_at_native_max)),
         (f"one {r.block_size}-token block (all attention layers)", fb(r.block_bytes)),

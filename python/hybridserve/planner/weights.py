@@ -116,7 +116,8 @@ def active_param_count(config: ModelConfig) -> int:
     total = param_count(config)
     if config.num_experts <= 0:
         return total
-    idle = (config.num_experts - config.num_experts_per_tok) * 3 * config.hidden_size * config.moe_intermediate_size
+    idle_experts = config.num_experts - config.num_experts_per_tok
+    idle = idle_experts * 3 * config.hidden_size * config.moe_intermediate_size
     return total - idle * config.num_hidden_layers
 
 
