@@ -1,6 +1,7 @@
 //! The continuous-batching scheduler: owns every request, decides at each
 //! iteration boundary which sequences run and how many tokens each advances, and
-//! keeps the KV blocks and DeltaNet slots they hold.
+//! keeps the arena pages they hold (KV blocks and DeltaNet state pages, behind
+//! one [`cache_manager::CacheManager`] with one free count).
 //!
 //! # Step protocol
 //! `schedule(now)` returns a [`SchedulerOutput`]; the caller runs the model and
@@ -17,16 +18,20 @@
 //!   request that does not fit blocks those behind it, which keeps FCFS within a
 //!   priority and makes the starvation bound below hold). The plan lists decodes
 //!   first, then prefill chunks.
-//! * Out of blocks while growing a running sequence: preempt by recompute the
+//! * Room is counted in pages of the one arena: a sequence holds its state
+//!   pages plus its KV blocks. Reclaimable pages (parked cached blocks, then
+//!   checkpoints by their compute-saved-per-page order) are evicted before
+//!   anything is refused or preempted.
+//! * Out of pages while growing a running sequence: preempt by recompute the
 //!   running request with the largest key (lowest effective priority, latest
 //!   arrival) not yet scheduled this step, or the request itself when it is the
-//!   last. Its blocks, slots and rows are freed; it re-enters the waiting queue
+//!   last. Its blocks, states and rows are freed; it re-enters the waiting queue
 //!   with its old key (front of its priority) and on readmission re-prefills
 //!   prompt + generated tokens; the last chunk samples the next token. No
 //!   admission happens in a step that preempted. The unit of preemption is the
 //!   whole request (all n samples).
 //! * Priority preemption, first thing in a step: while the waiting head does
-//!   not fit (sequences, state slots or blocks for its first chunk) and the
+//!   not fit (sequences, or pages for its states and its first chunk) and the
 //!   running request with the largest key has a strictly larger static
 //!   priority and an effective priority worse by more than
 //!   `priority_preemption_threshold` levels, that request is preempted (same
@@ -38,21 +43,20 @@
 //!   FCFS as before. The fit check does not count prefix-cache hits
 //!   (conservative: it may preempt when a hit alone would have made room).
 //! * A running request never fails for lack of room: `add_request` refuses any
-//!   request whose worst case (`n * ceil((prompt + max_tokens) / block_size)`
-//!   blocks, n slots, n sequences) exceeds the whole pool, so a request alone
+//!   request whose worst case (`n * (ceil((prompt + max_tokens) / block_size)
+//!   + state_pages)` pages, n sequences) exceeds the whole arena, so a request alone
 //!   always fits, and preemption frees room for the highest-keyed ones.
 //! * n > 1: the prompt is prefilled once; its last chunk samples n tokens;
 //!   `update()` forks n sequences sharing the prompt blocks (copy-on-write on the
-//!   shared tail) and copies the DeltaNet slot (a `state_copies` pair in the next
-//!   plan). The n slots are reserved at admission.
+//!   shared tail) and copies the DeltaNet state (page pairs in the next plan's
+//!   `state_copies`). The n states are reserved at admission.
 //! * Prefix cache: looked up at admission (and readmission after preemption).
 //!   The KV of the longest cached run of full blocks is reused; compute is
 //!   skipped up to the longest prefix of it that ends at a DeltaNet state
-//!   checkpoint, copied into the sequence's own slot by the plan. Prefill
-//!   chunks end exactly at the block boundaries where a checkpoint is to be
-//!   written (the prompt's last full block, a branch point); see
-//!   [`checkpoints`] for where, the copy ordering and the eviction order.
-//!   Checkpoint slots are reclaimable: admission counts them as available.
+//!   checkpoint, copied into the sequence's own state pages by the plan. The
+//!   plan asks the forward to write a checkpoint at a position inside a chunk
+//!   (the prompt's last full block, a branch point); see [`checkpoints`] for
+//!   where, the copy ordering and the eviction order.
 //!
 //! # Starvation bound (aging)
 //! With aging interval A > 0, a request X of priority p that arrived at step s
@@ -77,6 +81,7 @@
 //! O(prompt) for admission (hashing, block-table rows) and forks. All buffers are
 //! reused; ids are numeric inside, strings only at `add_request` and in events.
 
+pub mod cache_manager;
 pub mod checkpoints;
 pub mod config;
 pub mod metrics;
@@ -90,8 +95,9 @@ pub use metrics::{ScheduledEvent, SchedulerStats};
 pub use output::{PreemptCause, SchedulerOutput, StepUpdate};
 pub use request::{FinishReason, RequestParams};
 
-use crate::{BlockId, CoreError, KvCacheManager, SlotId, StatePool};
-use checkpoints::Checkpoints;
+pub use cache_manager::CacheManager;
+
+use crate::{BlockId, CoreError, KvCacheManager, StateId};
 use queue::{order_key, WaitingQueue};
 use request::{ReqState, Request, Seq};
 use std::collections::{HashMap, VecDeque};
@@ -136,21 +142,29 @@ struct Entry {
     start: u32,
     k: u32,
     num_samples: u32,
+    /// A checkpoint written inside this chunk: (boundary in tokens, its state).
+    ckpt: Option<(u32, StateId)>,
 }
 
 #[derive(Debug, Clone, Copy)]
 struct PendingStateCopy {
     req: u32,
     seq_id: u64,
-    src: SlotId,
-    dst: SlotId,
+    src: StateId,
+    dst: StateId,
+}
+
+/// What stopped admission at the waiting head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AdmitLimit {
+    Pages,
+    MaxNumSeqs,
+    TokenBudget,
 }
 
 pub struct Scheduler {
     cfg: SchedulerConfig,
-    kv: KvCacheManager,
-    pool: StatePool,
-    ckpts: Checkpoints,
+    cache: CacheManager,
     free_rows: Vec<u32>,
     requests: Vec<Option<Box<Request>>>,
     free_handles: Vec<u32>,
@@ -173,14 +187,22 @@ pub struct Scheduler {
     d_slots: Vec<i32>,
     p_slots: Vec<i32>,
     copies: Vec<(BlockId, BlockId)>,
-    slot_scratch: Vec<SlotId>,
     pending_state_copies: Vec<PendingStateCopy>,
     finished_outside: Vec<(String, u32, FinishReason)>,
     out: SchedulerOutput,
     upd: StepUpdate,
     events: Vec<ScheduledEvent>,
-    reserved_blocks: u64,
+    reserved_pages: u64,
     req_reserved: HashMap<u32, u64>,
+    /// Checkpoint states of the plan in flight (allocated, not registered yet).
+    plan_ckpt_states: u32,
+    /// States of finished sequences that a pending fork copy still reads:
+    /// kept through the next plan (`states_in_plan`) and freed by the update
+    /// after it, so no page of that plan is both read and written.
+    deferred_states: Vec<StateId>,
+    states_in_plan: Vec<StateId>,
+    admission_limited: [u64; 3],
+    last_admission_limit: Option<AdmitLimit>,
     preemptions: u64,
     preemptions_priority: u64,
     state_fork_copies: u64,
@@ -196,21 +218,18 @@ struct Snap {
     p_s: usize,
     copies: usize,
     bt: usize,
+    st: usize,
     budget: usize,
 }
 
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Result<Self, CoreError> {
         cfg.validate()?;
-        let kv = KvCacheManager::new(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching)?;
-        let pool = StatePool::new(cfg.num_state_slots);
-        let ckpts = Checkpoints::new(cfg.block_size, cfg.checkpoint_slot_cost_blocks);
+        let cache = CacheManager::new(cfg.num_pages, cfg.block_size, cfg.state_pages, cfg.enable_prefix_caching)?;
         // Rows are handed out from the end: row 0 first.
         let free_rows = (0..cfg.max_num_seqs).rev().collect();
         Ok(Scheduler {
-            kv,
-            pool,
-            ckpts,
+            cache,
             free_rows,
             requests: Vec::new(),
             free_handles: Vec::new(),
@@ -232,14 +251,18 @@ impl Scheduler {
             d_slots: Vec::new(),
             p_slots: Vec::new(),
             copies: Vec::new(),
-            slot_scratch: Vec::new(),
             pending_state_copies: Vec::new(),
             finished_outside: Vec::new(),
             out: SchedulerOutput::default(),
             upd: StepUpdate::default(),
             events: Vec::new(),
-            reserved_blocks: 0,
+            reserved_pages: 0,
             req_reserved: HashMap::new(),
+            plan_ckpt_states: 0,
+            deferred_states: Vec::new(),
+            states_in_plan: Vec::new(),
+            admission_limited: [0; 3],
+            last_admission_limit: None,
             preemptions: 0,
             preemptions_priority: 0,
             state_fork_copies: 0,
@@ -301,28 +324,32 @@ impl Scheduler {
                 c.max_model_len as usize - p
             ));
         }
-        if params.n > c.num_state_slots || params.n > c.max_num_seqs {
+        if params.n > c.max_num_seqs {
             return inv(format!(
-                "n = {} parallel samples exceeds the state pool ({} slots) or max_num_seqs ({}); lower n",
-                params.n, c.num_state_slots, c.max_num_seqs
+                "n = {} parallel samples exceeds max_num_seqs ({}); lower n",
+                params.n, c.max_num_seqs
             ));
         }
         let bs = c.block_size as u64;
-        let worst = params.n as u64 * total.div_ceil(bs);
-        if worst > c.num_blocks as u64 {
+        let worst = params.n as u64 * (total.div_ceil(bs) + c.state_pages as u64);
+        if worst > c.num_pages as u64 {
             return inv(format!(
-                "prompt + max_tokens = {total} tokens x n = {} needs up to {worst} KV blocks but the whole pool has {}; \
+                "prompt + max_tokens = {total} tokens x n = {} needs up to {worst} arena pages \
+                 ({} KV blocks + {} DeltaNet state pages per sequence) but the whole arena has {}; \
                  lower max_tokens, n or the prompt length",
-                params.n, c.num_blocks
+                params.n,
+                total.div_ceil(bs),
+                c.state_pages,
+                c.num_pages
             ));
         }
         if c.reserve_max_context {
-            let need = params.n as u64 * c.max_blocks_per_seq() as u64;
-            if need > c.num_blocks as u64 {
+            let need = params.n as u64 * c.max_pages_per_seq() as u64;
+            if need > c.num_pages as u64 {
                 return inv(format!(
-                    "reserve_max_context needs {need} blocks for n = {} sequences of max_model_len but the pool has {}; \
+                    "reserve_max_context needs {need} pages for n = {} sequences of max_model_len but the arena has {}; \
                      lower n or max_model_len",
-                    params.n, c.num_blocks
+                    params.n, c.num_pages
                 ));
             }
         }
@@ -366,7 +393,7 @@ impl Scheduler {
             state: ReqState::Waiting,
             seqs: vec![seq],
             forked: false,
-            spare_slots: Vec::new(),
+            spare_states: Vec::new(),
             first_scheduled: false,
             num_preemptions: 0,
             refork: false,
@@ -404,25 +431,9 @@ impl Scheduler {
         self.copies.clear();
         std::mem::swap(&mut self.out.finished, &mut self.finished_outside);
 
-        // First, so the fork copies below skip the victims' (freed) slots: a
-        // freed slot may be the destination of the admitted head's restore.
+        // Pages of dropped checkpoints whose plan has run.
+        self.cache.reconcile(self.step);
         let priority_preempted = self.priority_preempt();
-
-        // Fork copies decided by the last update(), for children still holding the slot.
-        for pc in self.pending_state_copies.drain(..) {
-            let live = self.requests[pc.req as usize].as_ref().is_some_and(|r| {
-                r.state == ReqState::Running && r.seqs.iter().any(|s| s.seq_id == pc.seq_id && s.slot == Some(pc.dst))
-            });
-            if live {
-                self.out.state_copies.push(pc.src as i32);
-                self.out.state_copies.push(pc.dst as i32);
-            }
-        }
-        // Checkpoint writes registered by the last update(), before any forward
-        // advances their sequences; then slots of dropped checkpoints whose
-        // copies have run.
-        self.ckpts.reconcile(&mut self.kv, &mut self.pool, self.step);
-        self.ckpts.emit_writes(&mut self.out.state_copies);
 
         let mut pending_decodes = 0usize;
         let mut running_units = 0u32;
@@ -455,6 +466,7 @@ impl Scheduler {
                 p_s: self.p_slots.len(),
                 copies: self.copies.len(),
                 bt: self.out.bt_update_rows.len(),
+                st: self.out.st_update_rows.len(),
                 budget,
             };
             let mut self_preempt = false;
@@ -492,11 +504,7 @@ impl Scheduler {
                     if thresh > 0 {
                         k = k.min(thresh);
                     }
-                    let due = seq.next_checkpoint(self.cfg.prefix_checkpoint_interval as usize);
-                    if due > seq.num_computed {
-                        k = k.min(due - seq.num_computed);
-                    }
-                    k
+                    seq.cap_to_one_checkpoint(seq.num_computed, k, self.cfg.prefix_checkpoint_interval as usize)
                 };
                 if k == 0 {
                     continue;
@@ -509,7 +517,7 @@ impl Scheduler {
                     let slots = if decode { &mut self.d_slots } else { &mut self.p_slots };
                     let before = slots.len();
                     slots.extend(std::iter::repeat_n(-1, n_cached));
-                    match self.kv.append_slots(&mut seq.table, n_new, slots, &mut self.copies) {
+                    match self.cache.append_slots(&mut seq.table, n_new, slots, &mut self.copies, self.step) {
                         Ok(()) => break,
                         Err(CoreError::OutOfBlocks { .. }) => {
                             slots.truncate(before);
@@ -547,10 +555,19 @@ impl Scheduler {
                 if seq.row.is_none() {
                     seq.row = Some(self.free_rows.pop().expect("a row per running sequence (max_num_seqs)"));
                     seq.bt_synced = 0;
+                    seq.st_synced = false;
                 }
-                sync_row(seq, &mut self.out);
+                sync_row(seq, &self.cache, &mut self.out);
                 budget -= k;
-                let e = Entry { req: r, seq: si as u32, seq_id: seq.seq_id, start: start as u32, k: k as u32, num_samples };
+                let e = Entry {
+                    req: r,
+                    seq: si as u32,
+                    seq_id: seq.seq_id,
+                    start: start as u32,
+                    k: k as u32,
+                    num_samples,
+                    ckpt: None,
+                };
                 if decode {
                     self.d_entries.push(e);
                 } else {
@@ -566,6 +583,9 @@ impl Scheduler {
                 self.out.bt_update_rows.truncate(snap.bt);
                 self.out.bt_update_cols.truncate(snap.bt);
                 self.out.bt_update_values.truncate(snap.bt);
+                self.out.st_update_rows.truncate(snap.st);
+                self.out.st_update_cols.truncate(snap.st);
+                self.out.st_update_values.truncate(snap.st);
                 budget = snap.budget;
                 let popped = self.running.pop();
                 debug_assert_eq!(popped, Some(r));
@@ -581,20 +601,62 @@ impl Scheduler {
 
         // A block preemption means the running set is short of room: admitting
         // would only evict again. Room made for a higher priority is for it.
+        self.last_admission_limit = None;
         if !preempted_any || priority_preempted > 0 {
-            while budget > 0 {
+            loop {
                 let Some(r) = self.waiting.first() else { break };
+                if budget == 0 {
+                    self.note_admission_limit(AdmitLimit::TokenBudget);
+                    break;
+                }
                 let mut req = self.requests[r as usize].take().expect("waiting handle");
-                let ok = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh);
+                let mut res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, false);
+                if res == Err(AdmitLimit::Pages) && self.cache.kv.prefix_caching_enabled() {
+                    // A prefix match longer than the first chunk holds pages the
+                    // chunk does not need yet: try again without them.
+                    res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, true);
+                }
                 self.requests[r as usize] = Some(req);
-                if !ok {
+                if let Err(limit) = res {
+                    self.note_admission_limit(limit);
                     break;
                 }
             }
         }
 
+        // Checkpoint pages for this plan's chunks, now that every sequence and
+        // admission has its room: from free or reclaimable pages only.
+        self.plan_ckpt_states = 0;
+        if self.cfg.enable_prefix_caching {
+            let interval = self.cfg.prefix_checkpoint_interval as usize;
+            for e in self.p_entries.iter_mut() {
+                let seq = &self.requests[e.req as usize].as_ref().expect("planned handle").seqs[e.seq as usize];
+                let due = seq.next_checkpoint_after(e.start as usize, interval);
+                if due == 0 || due > (e.start + e.k) as usize {
+                    continue;
+                }
+                match self.cache.alloc_state(self.step) {
+                    Some(st) => {
+                        e.ckpt = Some((due as u32, st));
+                        self.plan_ckpt_states += 1;
+                    }
+                    None => self.cache.ckpts.stats.writes_skipped += 1,
+                }
+            }
+        }
+        // Fork copies decided by the last update(), for children still holding
+        // the destination (not preempted or finished in between).
+        for pc in self.pending_state_copies.drain(..) {
+            let live = self.requests[pc.req as usize].as_ref().is_some_and(|r| {
+                r.state == ReqState::Running && r.seqs.iter().any(|s| s.seq_id == pc.seq_id && s.state == Some(pc.dst))
+            });
+            if live {
+                push_state_copy(&self.cache, pc.src, pc.dst, &mut self.out.state_copies);
+            }
+        }
+        std::mem::swap(&mut self.states_in_plan, &mut self.deferred_states);
         // Checkpoints whose KV chain lost a block to this step's allocations.
-        self.ckpts.reconcile(&mut self.kv, &mut self.pool, self.step);
+        self.cache.reconcile(self.step);
 
         // Assemble the plan: decodes, then prefill chunks.
         let out = &mut self.out;
@@ -617,7 +679,13 @@ impl Scheduler {
             out.query_start_loc.push(t);
             out.input_ids.extend(seq.tokens[start..start + k].iter().map(|&x| x as i32));
             out.positions.extend(start as i32..(start + k) as i32);
-            out.state_slots.push(seq.slot.expect("running sequence has a slot") as i32);
+            match e.ckpt {
+                Some((due, st)) => {
+                    out.checkpoint_positions.push(due as i32 - start as i32);
+                    out.checkpoint_pages.extend(self.cache.state_pages(st).iter().map(|&p| p as i32));
+                }
+                None => out.checkpoint_positions.push(-1),
+            }
             out.num_samples.push(e.num_samples as i32);
             out.block_table_rows.push(seq.row.expect("scheduled sequence has a row") as i32);
             self.plan.push(*e);
@@ -634,6 +702,13 @@ impl Scheduler {
         Ok(&self.out)
     }
 
+    fn note_admission_limit(&mut self, limit: AdmitLimit) {
+        self.admission_limited[limit as usize] += 1;
+        self.last_admission_limit = Some(limit);
+    }
+
+    /// Admits waiting request `r` with its first chunk(s), or says what was
+    /// short (nothing changes then except evictions of reclaimable pages).
     #[allow(clippy::too_many_arguments)]
     fn try_admit(
         &mut self,
@@ -644,25 +719,23 @@ impl Scheduler {
         now: f64,
         bs: usize,
         thresh: usize,
-    ) -> bool {
+        trim_match: bool,
+    ) -> Result<(), AdmitLimit> {
         let units = req.units();
         if *running_units + units > self.cfg.max_num_seqs {
-            return false;
+            return Err(AdmitLimit::MaxNumSeqs);
         }
-        let free_slots = self.pool.num_free();
-        if free_slots < units && free_slots + self.ckpts.num_evictable(self.step) < units {
-            return false;
-        }
+        let pps = self.cfg.state_pages as u64;
         let reserve = if self.cfg.reserve_max_context {
-            let need = units as u64 * self.cfg.max_blocks_per_seq() as u64;
-            if self.reserved_blocks + need > self.cfg.num_blocks as u64 {
-                return false;
+            let need = units as u64 * self.cfg.max_pages_per_seq() as u64;
+            if self.reserved_pages + need > self.cfg.num_pages as u64 {
+                return Err(AdmitLimit::Pages);
             }
             need
         } else {
             0
         };
-        // Chunk sizes, and a conservative block check before touching the cache.
+        // Chunk sizes, and a conservative page check before touching the cache.
         let mut left = *budget;
         let mut need_blocks = 0usize;
         let mut chunks = Vec::with_capacity(req.seqs.len());
@@ -684,17 +757,24 @@ impl Scheduler {
             chunks.push(k);
         }
         if chunks.first().copied().unwrap_or(0) == 0 && req.seqs[0].is_live() {
-            return false;
+            return Err(AdmitLimit::TokenBudget);
         }
-        let caching = self.kv.prefix_caching_enabled();
+        let caching = self.cache.kv.prefix_caching_enabled();
+        let available = self.cache.available_pages(self.step);
+        // The states are needed whatever a prefix hit covers (a restore only
+        // saves them when it adopts a checkpoint, which counts as available).
+        if units as u64 * pps > available {
+            return Err(AdmitLimit::Pages);
+        }
         // Without a prefix cache this bound is exact enough to skip the work below;
         // with one, blocks a hit covers are not needed, so the appends decide.
-        if !caching && need_blocks > self.kv.num_free_blocks() as usize {
-            return false;
+        if !caching && need_blocks as u64 + units as u64 * pps > available {
+            return Err(AdmitLimit::Pages);
         }
         let pending = req.pending_tokens();
-        // (sequence, slot to copy the state from, checkpoint key)
-        let mut restores: Vec<(usize, SlotId, u64)> = Vec::new();
+        let interval = self.cfg.prefix_checkpoint_interval as usize;
+        // (sequence, state to copy from, checkpoint key)
+        let mut restores: Vec<(usize, StateId, u64)> = Vec::new();
         let p_s = self.p_slots.len();
         let c_s = self.copies.len();
         let mut failed = false;
@@ -706,16 +786,21 @@ impl Scheduler {
             // A re-forking leader must end at the prompt with nothing of its own in
             // its table: the others fork that table.
             let upto = if refork { req.prompt_len } else { s.tokens.len() };
-            s.matched = self.kv.match_prefix(&mut s.table, &s.tokens[..upto], req.params.extra_key);
+            s.matched = self.cache.kv.match_prefix(&mut s.table, &s.tokens[..upto], req.params.extra_key);
+            if trim_match {
+                let keep = (chunks[si] / bs).min(s.table.num_blocks());
+                self.cache.kv.truncate_match(&mut s.table, keep);
+                s.matched = s.table.num_tokens();
+            }
             let mut hit = 0;
             if caching {
-                if let Some((t, src, key)) = self.ckpts.lookup(&s.table.chain, s.matched / bs, self.step) {
+                if let Some((t, src, key)) = self.cache.ckpts.lookup(&s.table.chain, s.matched / bs, self.step) {
                     hit = t;
                     restores.push((si, src, key));
                 }
             }
             s.num_computed = hit;
-            set_checkpoint_targets(s, req.prompt_len, hit, caching, bs, self.cfg.prefix_checkpoint_interval > 0);
+            set_checkpoint_targets(s, req.prompt_len, hit, caching, bs, interval > 0);
             let mut k = chunks[si].min(s.tokens.len() - hit);
             if refork && si == leader {
                 k = k.min(req.prompt_len - hit);
@@ -724,58 +809,51 @@ impl Scheduler {
                 // Recompute of a beam: its last token is fed as a decode, with the others'.
                 k = k.min(s.tokens.len() - 1 - hit);
             }
-            let due = s.next_checkpoint(self.cfg.prefix_checkpoint_interval as usize);
-            if due > hit {
-                k = k.min(due - hit);
-            }
+            k = s.cap_to_one_checkpoint(hit, k, interval);
             chunks[si] = k;
             if k == 0 {
                 continue;
             }
             let n_cached = (hit + k).min(s.matched).saturating_sub(hit);
             self.p_slots.extend(std::iter::repeat_n(-1, n_cached));
-            if self.kv.append_slots(&mut s.table, k - n_cached, &mut self.p_slots, &mut self.copies).is_err() {
+            if self.cache.append_slots(&mut s.table, k - n_cached, &mut self.p_slots, &mut self.copies, self.step).is_err() {
                 failed = true;
                 break;
             }
         }
-        // Slots: checkpoints are reclaimable. Those this request restores from
-        // are busy (kept); when nothing else is left, a sequence takes over the
-        // checkpoint it resumes from instead of copying it.
-        while !failed && self.pool.num_free() < units {
-            if !self.ckpts.evict_one(&mut self.kv, &mut self.pool, self.step) {
-                break;
-            }
-        }
+        // States: fresh pages (evicting reclaimable ones); when none are left,
+        // a sequence takes over the checkpoint it resumes from instead of
+        // copying it (the restores' checkpoints are busy, so never evicted).
+        let mut fresh: Vec<StateId> = Vec::new();
         let mut adopted = 0usize;
-        if !failed && self.pool.num_free() < units {
-            let short = (units - self.pool.num_free()) as usize;
-            if short > restores.len() {
-                failed = true;
-            } else {
-                for rs in restores.iter_mut().take(short) {
-                    match self.ckpts.adopt(&mut self.kv, &mut self.pool, rs.2) {
-                        Some(slot) => {
-                            req.seqs[rs.0].slot = Some(slot);
-                            rs.1 = slot;
-                            adopted += 1;
-                        }
-                        None => {
-                            failed = true;
-                            break;
-                        }
+        while !failed && fresh.len() + adopted < units as usize {
+            if let Some(st) = self.cache.alloc_state(self.step) {
+                fresh.push(st);
+            } else if adopted < restores.len() {
+                let rs = &mut restores[adopted];
+                match self.cache.ckpts.adopt(&mut self.cache.kv, rs.2) {
+                    Some(st) => {
+                        req.seqs[rs.0].state = Some(st);
+                        rs.1 = st;
+                        adopted += 1;
                     }
+                    None => failed = true,
                 }
+            } else {
+                failed = true;
             }
         }
         if failed {
             self.p_slots.truncate(p_s);
             self.copies.truncate(c_s);
+            for st in fresh {
+                self.cache.free_state(st);
+            }
             for s in req.seqs.iter_mut() {
-                self.kv.free(&mut s.table);
-                if let Some(slot) = s.slot.take() {
+                self.cache.kv.free(&mut s.table);
+                if let Some(st) = s.state.take() {
                     // Adopted from a checkpoint above; that checkpoint is lost.
-                    self.pool.free(slot).expect("adopted slot held");
+                    self.cache.free_state(st);
                 }
                 s.matched = 0;
                 s.num_computed = 0;
@@ -783,32 +861,30 @@ impl Scheduler {
                 s.ckpt_after = 0;
                 s.ckpt_until = 0;
             }
-            return false;
+            self.cache.reconcile(self.step);
+            return Err(AdmitLimit::Pages);
         }
         // Commit.
-        self.slot_scratch.clear();
-        self.pool.allocate_n(units as usize - adopted, &mut self.slot_scratch).expect("slots checked above");
-        let mut it = self.slot_scratch.iter();
+        let mut it = fresh.into_iter();
         if req.forked {
-            for s in req.seqs.iter_mut().filter(|s| s.is_live() && s.slot.is_none()) {
-                s.slot = Some(*it.next().expect("one slot per live sequence"));
+            for s in req.seqs.iter_mut().filter(|s| s.is_live() && s.state.is_none()) {
+                s.state = Some(it.next().expect("one state per live sequence"));
             }
         } else {
-            if req.seqs[0].slot.is_none() {
-                req.seqs[0].slot = Some(*it.next().expect("a slot for the sequence"));
+            if req.seqs[0].state.is_none() {
+                req.seqs[0].state = Some(it.next().expect("a state for the sequence"));
             }
-            req.spare_slots.clear();
-            req.spare_slots.extend(it);
+            req.spare_states.clear();
+            req.spare_states.extend(it);
         }
         for &(si, src, _) in &restores {
-            let dst = req.seqs[si].slot.expect("slot assigned above");
+            let dst = req.seqs[si].state.expect("state assigned above");
             if src != dst {
-                self.out.state_copies.push(src as i32);
-                self.out.state_copies.push(dst as i32);
+                push_state_copy(&self.cache, src, dst, &mut self.out.state_copies);
             }
         }
         if caching {
-            let st = &mut self.ckpts.stats;
+            let st = &mut self.cache.ckpts.stats;
             for s in req.seqs.iter().filter(|s| s.is_live()) {
                 st.queries += 1;
                 st.hits += (s.num_computed > 0) as u64;
@@ -823,7 +899,7 @@ impl Scheduler {
         self.running.insert(pos, r);
         *running_units += units;
         if reserve > 0 {
-            self.reserved_blocks += reserve;
+            self.reserved_pages += reserve;
             self.req_reserved.insert(r, reserve);
         }
         for (si, s) in req.seqs.iter_mut().enumerate() {
@@ -833,7 +909,8 @@ impl Scheduler {
             }
             s.row = Some(self.free_rows.pop().expect("a row per running sequence (max_num_seqs)"));
             s.bt_synced = 0;
-            sync_row(s, &mut self.out);
+            s.st_synced = false;
+            sync_row(s, &self.cache, &mut self.out);
             *budget -= k;
             let start = s.num_computed;
             let num_samples = if start + k == s.tokens.len() {
@@ -848,6 +925,7 @@ impl Scheduler {
                 start: start as u32,
                 k: k as u32,
                 num_samples,
+                ckpt: None,
             });
         }
         if !req.first_scheduled {
@@ -859,7 +937,7 @@ impl Scheduler {
                 queue_delay: now - req.params.arrival_time,
             });
         }
-        true
+        Ok(())
     }
 
     /// Whether running request `v` may be preempted to make room for waiting
@@ -894,29 +972,26 @@ impl Scheduler {
         (running_units, decodes, decode_blocks)
     }
 
-    /// Would waiting request `h` be admitted with `units` sequences, `slots`
-    /// state slots and `blocks` KV blocks free, given the running load (see
-    /// `running_load`)? Counts the blocks of its first chunk and one per running
-    /// decode crossing into a new block; a prefix hit, which may need fewer, is
-    /// not counted (conservative). O(h's sequences).
-    fn admission_room(&self, h: &Request, load: (u32, usize, u64), extra_units: u32, extra_slots: u32, extra_blocks: u64) -> bool {
+    /// Would waiting request `h` be admitted with `units` more sequences and
+    /// `pages` more pages available, given the running load (see
+    /// `running_load`)? Counts its states, the blocks of its first chunk and
+    /// one per running decode crossing into a new block; a prefix hit, which
+    /// may need fewer, is not counted (conservative). O(h's sequences).
+    fn admission_room(&self, h: &Request, load: (u32, usize, u64), extra_units: u32, extra_pages: u64) -> bool {
         let (running_units, decodes, decode_blocks) = load;
         let units = h.units();
         let bs = self.cfg.block_size as usize;
         if running_units.saturating_sub(extra_units) + units > self.cfg.max_num_seqs {
             return false;
         }
-        if self.pool.num_free() + self.ckpts.num_evictable(self.step) + extra_slots < units {
-            return false;
-        }
         if self.cfg.reserve_max_context {
-            let need = units as u64 * self.cfg.max_blocks_per_seq() as u64;
-            let held = self.reserved_blocks.saturating_sub(extra_blocks);
-            return held + need <= self.cfg.num_blocks as u64;
+            let need = units as u64 * self.cfg.max_pages_per_seq() as u64;
+            let held = self.reserved_pages.saturating_sub(extra_pages);
+            return held + need <= self.cfg.num_pages as u64;
         }
         let thresh = self.cfg.long_prefill_token_threshold as usize;
         let mut left = (self.cfg.max_num_batched_tokens as usize).saturating_sub(decodes);
-        let mut need = decode_blocks;
+        let mut need = decode_blocks + units as u64 * self.cfg.state_pages as u64;
         for s in h.seqs.iter().filter(|s| s.is_live()) {
             let mut k = (s.tokens.len() - s.num_computed).min(left);
             if thresh > 0 {
@@ -925,24 +1000,24 @@ impl Scheduler {
             left -= k;
             need += k.div_ceil(bs) as u64;
         }
-        need <= self.kv.num_free_blocks() as u64 + extra_blocks
+        need <= self.cache.available_pages(self.step) + extra_pages
     }
 
-    /// What preempting `v` gives back: (sequences, slots, blocks). Blocks only
-    /// count when no other request holds them (shared ones stay).
-    fn room_of(&self, v: &Request, r: u32) -> (u32, u32, u64) {
-        let slots = v.seqs.iter().filter(|s| s.slot.is_some()).count() as u32 + v.spare_slots.len() as u32;
+    /// What preempting `v` gives back: (sequences, pages). Blocks only count
+    /// when no other request holds them (shared ones stay).
+    fn room_of(&self, v: &Request, r: u32) -> (u32, u64) {
         if self.cfg.reserve_max_context {
-            return (v.units(), slots, self.req_reserved.get(&r).copied().unwrap_or(0));
+            return (v.units(), self.req_reserved.get(&r).copied().unwrap_or(0));
         }
+        let states = v.seqs.iter().filter(|s| s.state.is_some()).count() as u64 + v.spare_states.len() as u64;
         let mut held: HashMap<BlockId, u32> = HashMap::new();
         for s in v.seqs.iter().filter(|s| s.is_live()) {
             for &b in s.table.blocks() {
                 *held.entry(b).or_insert(0) += 1;
             }
         }
-        let blocks = held.iter().filter(|&(&b, &c)| self.kv.refcount(b) == c).count() as u64;
-        (v.units(), slots, blocks)
+        let blocks = held.iter().filter(|&(&b, &c)| self.cache.kv.refcount(b) == c).count() as u64;
+        (v.units(), blocks + states * self.cfg.state_pages as u64)
     }
 
     /// Priority preemption, before the running walk: while the waiting head
@@ -965,11 +1040,11 @@ impl Scheduler {
             return 0;
         }
         let load = self.running_load();
-        if self.admission_room(head, load, 0, 0, 0) {
+        if self.admission_room(head, load, 0, 0) {
             return 0;
         }
         // Feasibility: everything the outranked requests hold, lowest first.
-        let (mut u, mut sl, mut bl) = (0u32, 0u32, 0u64);
+        let (mut u, mut pg) = (0u32, 0u64);
         let mut victims = 0usize;
         let mut feasible = false;
         for &v in self.running.iter().rev() {
@@ -977,12 +1052,11 @@ impl Scheduler {
             if !self.outranks(head, q) {
                 break;
             }
-            let (a, b, c) = self.room_of(q, v);
+            let (a, b) = self.room_of(q, v);
             u += a;
-            sl += b;
-            bl += c;
+            pg += b;
             victims += 1;
-            if self.admission_room(head, load, u, sl, bl) {
+            if self.admission_room(head, load, u, pg) {
                 feasible = true;
                 break;
             }
@@ -1003,18 +1077,18 @@ impl Scheduler {
     /// Frees everything a running request holds and puts it back in the queue.
     fn preempt(&mut self, req: &mut Request, r: u32, cause: PreemptCause) {
         for s in req.seqs.iter_mut().filter(|s| s.is_live()) {
-            release_seq(&mut self.kv, &mut self.pool, &mut self.free_rows, s);
+            release_seq(&mut self.cache, &mut self.free_rows, s);
             s.num_computed = 0;
             s.matched = 0;
             s.ckpt_next = 0;
             s.ckpt_after = 0;
             s.ckpt_until = 0;
         }
-        for s in req.spare_slots.drain(..) {
-            self.pool.free(s).expect("spare slot held");
+        for st in req.spare_states.drain(..) {
+            self.cache.free_state(st);
         }
         if let Some(res) = self.req_reserved.remove(&r) {
-            self.reserved_blocks -= res;
+            self.reserved_pages -= res;
         }
         req.refork = req.forked && req.seqs.iter().filter(|s| s.is_live()).count() > 1;
         req.state = ReqState::Waiting;
@@ -1050,6 +1124,9 @@ impl Scheduler {
             )));
         }
         self.plan_pending = false;
+        for st in self.states_in_plan.drain(..) {
+            self.cache.free_state(st);
+        }
         self.forget_old_finished();
         self.upd.clear();
         let bs = self.cfg.block_size as usize;
@@ -1065,28 +1142,31 @@ impl Scheduler {
             let valid = req.state == ReqState::Running
                 && req.seqs.get(si).is_some_and(|s| s.seq_id == e.seq_id && s.is_live() && s.num_computed == e.start as usize);
             if !valid {
+                if let Some((_, st)) = e.ckpt {
+                    self.cache.free_state(st);
+                }
                 self.requests[e.req as usize] = Some(req);
                 continue;
             }
             let extra_key = req.params.extra_key;
             {
                 let seq = &mut req.seqs[si];
-                let due = if seq.ckpt_next != 0 || seq.ckpt_until > seq.num_computed {
-                    seq.next_checkpoint(self.cfg.prefix_checkpoint_interval as usize)
-                } else {
-                    0
-                };
                 seq.num_computed += e.k as usize;
                 if self.cfg.enable_prefix_caching && seq.num_computed / bs > seq.table.num_hashed_blocks() {
-                    self.kv.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
+                    self.cache.kv.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
                 }
-                if due != 0 && seq.num_computed == due && seq.table.chain.len() >= due / bs {
-                    let slot = seq.slot.expect("running sequence has a slot");
-                    // The copy runs in the next plan, before the next forward.
-                    let next = self.step + 1;
-                    self.ckpts.write(&mut self.kv, &mut self.pool, &seq.table.chain[..due / bs], slot, next, next);
+                if let Some((due, st)) = e.ckpt {
+                    // The forward wrote the state after `due` tokens into `st`.
+                    let due = due as usize;
+                    let c = &mut self.cache;
+                    if seq.table.chain.len() >= due / bs {
+                        c.ckpts.register(&mut c.kv, &mut c.states, &seq.table.chain[..due / bs], st, self.step);
+                    } else {
+                        c.free_state(st);
+                        c.ckpts.stats.writes_skipped += 1;
+                    }
                 }
-                if seq.ckpt_next != 0 && seq.num_computed >= seq.ckpt_next {
+                while seq.ckpt_next != 0 && seq.num_computed >= seq.ckpt_next {
                     seq.ckpt_next = seq.ckpt_after;
                     seq.ckpt_after = 0;
                 }
@@ -1114,7 +1194,8 @@ impl Scheduler {
             }
             self.requests[e.req as usize] = Some(req);
         }
-        self.ckpts.reconcile(&mut self.kv, &mut self.pool, self.step + 1);
+        self.plan_ckpt_states = 0;
+        self.cache.reconcile(self.step + 1);
         if any_done {
             let reqs = &self.requests;
             self.running
@@ -1130,19 +1211,19 @@ impl Scheduler {
         req.refork = false;
         let p = req.prompt_len;
         debug_assert_eq!(req.seqs[leader].table.num_tokens, p);
-        let src = req.seqs[leader].slot.expect("running leader has a slot");
+        let src = req.seqs[leader].state.expect("running leader has a state");
         for j in 0..req.seqs.len() {
             if j == leader || !req.seqs[j].is_live() {
                 continue;
             }
-            let table = self.kv.fork(&req.seqs[leader].table);
+            let table = self.cache.kv.fork(&req.seqs[leader].table);
             let s = &mut req.seqs[j];
             debug_assert!(s.num_computed == 0 && s.table.blocks().is_empty());
             s.table = table;
             s.num_computed = p;
             s.matched = 0;
             s.bt_synced = 0;
-            let dst = s.slot.expect("reserved slot");
+            let dst = s.state.expect("reserved state");
             self.pending_state_copies.push(PendingStateCopy { req: r, seq_id: s.seq_id, src, dst });
             self.state_fork_copies += 1;
         }
@@ -1151,17 +1232,17 @@ impl Scheduler {
     fn fork(&mut self, req: &mut Request, r: u32, si: usize, toks: &[i32]) {
         debug_assert!(!req.forked && si == 0 && toks.len() == req.params.n as usize);
         req.forked = true;
-        let parent_slot = req.seqs[0].slot.expect("running parent has a slot");
-        let spares = std::mem::take(&mut req.spare_slots);
+        let parent_state = req.seqs[0].state.expect("running parent has a state");
+        let spares = std::mem::take(&mut req.spare_states);
         for (i, &dst) in spares.iter().enumerate() {
             let parent = &req.seqs[0];
             let mut child = Seq::new(self.next_seq_id, (i + 1) as u32, parent.tokens.clone());
             self.next_seq_id += 1;
-            child.table = self.kv.fork(&parent.table);
+            child.table = self.cache.kv.fork(&parent.table);
             child.num_computed = parent.num_computed;
             child.matched = parent.matched;
-            child.slot = Some(dst);
-            self.pending_state_copies.push(PendingStateCopy { req: r, seq_id: child.seq_id, src: parent_slot, dst });
+            child.state = Some(dst);
+            self.pending_state_copies.push(PendingStateCopy { req: r, seq_id: child.seq_id, src: parent_state, dst });
             self.state_fork_copies += 1;
             req.seqs.push(child);
         }
@@ -1179,14 +1260,20 @@ impl Scheduler {
     }
 
     /// Marks one sequence finished and frees what it holds. An unforked request
-    /// is one sequence standing for all n samples: its spare slots go too.
+    /// is one sequence standing for all n samples: its spare states go too.
     fn finish_seq(&mut self, req: &mut Request, si: usize, reason: FinishReason) {
         let s = &mut req.seqs[si];
         s.finished = Some(reason);
-        release_seq(&mut self.kv, &mut self.pool, &mut self.free_rows, s);
+        if let Some(st) = s.state {
+            if self.pending_state_copies.iter().any(|pc| pc.src == st) {
+                s.state = None;
+                self.deferred_states.push(st);
+            }
+        }
+        release_seq(&mut self.cache, &mut self.free_rows, s);
         if !req.forked {
-            for s in req.spare_slots.drain(..) {
-                self.pool.free(s).expect("spare slot held");
+            for st in req.spare_states.drain(..) {
+                self.cache.free_state(st);
             }
         }
     }
@@ -1194,7 +1281,7 @@ impl Scheduler {
     fn close_request(&mut self, req: &mut Request, r: u32, aborted: bool) {
         req.state = ReqState::Finished;
         if let Some(res) = self.req_reserved.remove(&r) {
-            self.reserved_blocks -= res;
+            self.reserved_pages -= res;
         }
         if aborted {
             self.aborted_requests += 1;
@@ -1228,10 +1315,10 @@ impl Scheduler {
     /// Beam search: between `schedule()` and `update()` of a step that decoded
     /// every beam of request `id`, makes beam `i` a continuation of beam
     /// `parents[i]` (as it was after this step's forward). Beam i keeps its
-    /// slot, row and sample index: its block table becomes a fork of the
+    /// state pages, row and sample index: its block table becomes a fork of the
     /// parent's (refcounts rise; the shared partly-filled tail is copied on the
     /// next append), its old blocks are released (freed when no one else holds
-    /// them), and the parent's DeltaNet state is copied into its slot by the
+    /// them), and the parent's DeltaNet state is copied into its pages by the
     /// next plan's `state_copies` (a permutation is safe: copies are one gather,
     /// then one scatter). `update()` then appends beam i's token. O(W x blocks).
     pub fn reorder_beams(&mut self, id: &str, parents: &[u32]) -> Result<(), SchedError> {
@@ -1253,19 +1340,19 @@ impl Scheduler {
             return Ok(());
         }
         let mut req = self.requests[h as usize].take().expect("known handle");
-        let new_tables: Vec<_> = parents.iter().map(|&p| self.kv.fork(&req.seqs[p as usize].table)).collect();
+        let new_tables: Vec<_> = parents.iter().map(|&p| self.cache.kv.fork(&req.seqs[p as usize].table)).collect();
         let new_tokens: Vec<Vec<u32>> = parents.iter().map(|&p| req.seqs[p as usize].tokens.clone()).collect();
-        let slots: Vec<SlotId> = req.seqs.iter().map(|s| s.slot.expect("running beam has a slot")).collect();
+        let states: Vec<StateId> = req.seqs.iter().map(|s| s.state.expect("running beam has a state")).collect();
         for (i, (mut t, toks)) in new_tables.into_iter().zip(new_tokens).enumerate() {
             let p = parents[i] as usize;
             let s = &mut req.seqs[i];
             std::mem::swap(&mut s.table, &mut t);
-            self.kv.free(&mut t);
+            self.cache.kv.free(&mut t);
             s.tokens = toks;
             // Every cell of the row may differ now: resend it.
             s.bt_synced = 0;
             if p != i {
-                self.pending_state_copies.push(PendingStateCopy { req: h, seq_id: s.seq_id, src: slots[p], dst: slots[i] });
+                self.pending_state_copies.push(PendingStateCopy { req: h, seq_id: s.seq_id, src: states[p], dst: states[i] });
                 self.state_fork_copies += 1;
             }
         }
@@ -1335,7 +1422,7 @@ impl Scheduler {
         Ok(true)
     }
 
-    /// Aborts a request in any state, returning every block and slot. Returns
+    /// Aborts a request in any state, returning every page it holds. Returns
     /// false if it had already finished; Err for an unknown id. O(running).
     pub fn abort(&mut self, id: &str) -> Result<bool, SchedError> {
         let h = self.handle(id)?;
@@ -1424,46 +1511,104 @@ impl Scheduler {
     }
 
     pub fn kv(&self) -> &KvCacheManager {
-        &self.kv
+        &self.cache.kv
     }
-    pub fn state_pool(&self) -> &StatePool {
-        &self.pool
+    pub fn cache(&self) -> &CacheManager {
+        &self.cache
     }
 
-    /// `(slot, tokens, last block of its chain)` of every live checkpoint,
-    /// sorted (tests and debugging).
-    pub fn checkpoints(&self) -> Vec<(SlotId, usize, BlockId)> {
-        self.ckpts.list()
+    /// `(state pages, tokens, last block of its chain, generation of that
+    /// block's prefix-cache entry)` of every live checkpoint, sorted (tests and
+    /// debugging).
+    pub fn checkpoints(&self) -> Vec<(Vec<BlockId>, usize, BlockId, u64)> {
+        let mut v: Vec<_> = self
+            .cache
+            .ckpts
+            .list()
+            .into_iter()
+            .map(|(st, t, b, g)| (self.cache.state_pages(st).to_vec(), t, b, g))
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     pub fn checkpoint_stats(&self) -> CheckpointStats {
-        self.ckpts.stats()
+        self.cache.checkpoint_stats()
+    }
+
+    /// The KV blocks of every live running sequence's block table, one list
+    /// per sequence (tests and debugging).
+    pub fn running_tables(&self) -> Vec<Vec<BlockId>> {
+        let mut v = Vec::new();
+        for &r in &self.running {
+            let req = self.requests[r as usize].as_ref().expect("running");
+            v.extend(req.seqs.iter().filter(|s| s.is_live()).map(|s| s.table.blocks().to_vec()));
+        }
+        v
+    }
+
+    /// `(sequence id, its state pages)` of every running sequence holding a
+    /// state, plus the states reserved for unforked children as id `u64::MAX`
+    /// and finished sequences' states a fork copy still reads as
+    /// `u64::MAX - 1` (tests and debugging).
+    pub fn running_states(&self) -> Vec<(u64, Vec<BlockId>)> {
+        let mut v = Vec::new();
+        for &r in &self.running {
+            let req = self.requests[r as usize].as_ref().expect("running");
+            for s in req.seqs.iter().filter(|s| s.is_live()) {
+                if let Some(st) = s.state {
+                    v.push((s.seq_id, self.cache.state_pages(st).to_vec()));
+                }
+            }
+            for &st in &req.spare_states {
+                v.push((u64::MAX, self.cache.state_pages(st).to_vec()));
+            }
+        }
+        for &st in self.deferred_states.iter().chain(&self.states_in_plan) {
+            v.push((u64::MAX - 1, self.cache.state_pages(st).to_vec()));
+        }
+        v
     }
 
     pub fn stats(&self) -> SchedulerStats {
-        let kv = self.kv.stats();
-        let ck = self.ckpts.stats();
+        let kv = self.cache.kv.stats();
+        let ck = self.cache.checkpoint_stats();
         let mut tail_waste = 0u64;
         let mut running_seqs = 0u32;
         let mut shared = std::collections::HashSet::new();
         for &r in &self.running {
             let req = self.requests[r as usize].as_ref().expect("running");
             for s in req.seqs.iter().filter(|s| s.is_live()) {
-                tail_waste += self.kv.tail_waste(&s.table) as u64;
+                tail_waste += self.cache.kv.tail_waste(&s.table) as u64;
                 running_seqs += 1;
-                shared.extend(s.table.blocks().iter().copied().filter(|&b| self.kv.refcount(b) > 1));
+                shared.extend(s.table.blocks().iter().copied().filter(|&b| self.cache.kv.refcount(b) > 1));
             }
         }
+        let pps = self.cfg.state_pages;
+        let num_pages = self.cache.num_pages();
+        let free_pages = self.cache.kv.num_free_list();
+        let cached_pages = self.cache.kv.num_cached_blocks();
+        let state_pages = self.cache.states.num_live() * pps;
+        let checkpoint_pages = (ck.states + self.plan_ckpt_states) * pps;
         SchedulerStats {
-            num_blocks: self.kv.num_blocks(),
-            free_blocks: self.kv.num_free_blocks(),
-            used_blocks: self.kv.num_used_blocks(),
-            cached_blocks: self.kv.num_cached_blocks(),
-            num_slots: self.pool.num_slots(),
-            // Like free_blocks (which counts parked cached blocks), free_slots
-            // counts the reclaimable checkpoint slots; used_slots is sequences'.
-            free_slots: self.pool.num_free() + ck.slots,
-            used_slots: self.pool.num_used() - ck.slots,
+            num_pages,
+            free_pages,
+            kv_pages: num_pages - free_pages - cached_pages - state_pages,
+            running_state_pages: state_pages - checkpoint_pages,
+            checkpoint_pages,
+            cached_pages,
+            // While a plan is out, its checkpoints are not evictable yet.
+            available_pages: self.cache.available_pages(self.step + !self.plan_pending as u64),
+            pages_per_state: pps,
+            admission_limited_pages: self.admission_limited[AdmitLimit::Pages as usize],
+            admission_limited_seqs: self.admission_limited[AdmitLimit::MaxNumSeqs as usize],
+            admission_limited_budget: self.admission_limited[AdmitLimit::TokenBudget as usize],
+            last_admission_limit: match self.last_admission_limit {
+                None => "",
+                Some(AdmitLimit::Pages) => "pages",
+                Some(AdmitLimit::MaxNumSeqs) => "max_num_seqs",
+                Some(AdmitLimit::TokenBudget) => "token_budget",
+            },
             alloc_failures: kv.alloc_failures,
             tail_waste,
             prefix_queries: kv.prefix_queries,
@@ -1486,8 +1631,8 @@ impl Scheduler {
             last_step_seqs: self.plan.len() as u32,
             finished_requests: self.finished_requests,
             aborted_requests: self.aborted_requests,
-            reserved_blocks: self.reserved_blocks,
-            checkpoint_slots: ck.slots,
+            reserved_pages: self.reserved_pages,
+            checkpoints: ck.states,
             checkpoint_queries: ck.queries,
             checkpoint_hits: ck.hits,
             prefix_skipped_tokens: ck.skipped_tokens,
@@ -1533,23 +1678,42 @@ fn set_checkpoint_targets(s: &mut Seq, prompt_len: usize, hit: usize, caching: b
     }
 }
 
-/// Frees a sequence's blocks (tail first), slot and buffer row.
-fn release_seq(kv: &mut KvCacheManager, pool: &mut StatePool, free_rows: &mut Vec<u32>, s: &mut Seq) {
-    kv.free(&mut s.table);
-    if let Some(slot) = s.slot.take() {
-        pool.free(slot).expect("sequence slot held");
+/// Frees a sequence's blocks (tail first), state pages and buffer row.
+fn release_seq(cache: &mut CacheManager, free_rows: &mut Vec<u32>, s: &mut Seq) {
+    cache.kv.free(&mut s.table);
+    if let Some(st) = s.state.take() {
+        cache.free_state(st);
     }
     if let Some(row) = s.row.take() {
         free_rows.push(row);
     }
     s.bt_synced = 0;
+    s.st_synced = false;
+}
+
+/// Appends the page pairs copying state `src` into state `dst`.
+fn push_state_copy(cache: &CacheManager, src: StateId, dst: StateId, out: &mut Vec<i32>) {
+    for (&a, &b) in cache.state_pages(src).iter().zip(cache.state_pages(dst)) {
+        out.push(a as i32);
+        out.push(b as i32);
+    }
 }
 
 /// Emits the block-table cells of `seq`'s row that the caller's buffer lacks:
-/// a changed tail (copy-on-write) and the blocks appended since the last sync.
+/// a changed tail (copy-on-write) and the blocks appended since the last sync;
+/// and the whole state page table row when the row is new to this state.
 #[inline]
-fn sync_row(seq: &mut Seq, out: &mut SchedulerOutput) {
+fn sync_row(seq: &mut Seq, cache: &CacheManager, out: &mut SchedulerOutput) {
     let row = seq.row.expect("row assigned") as i32;
+    if !seq.st_synced {
+        let st = seq.state.expect("a running sequence has a state");
+        for (c, &p) in cache.state_pages(st).iter().enumerate() {
+            out.st_update_rows.push(row);
+            out.st_update_cols.push(c as i32);
+            out.st_update_values.push(p as i32);
+        }
+        seq.st_synced = true;
+    }
     let blocks = seq.table.blocks();
     let synced = seq.bt_synced;
     if synced > 0 && blocks[synced - 1] != seq.bt_last {
