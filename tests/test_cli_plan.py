@@ -303,3 +303,24 @@ def test_flagship_needs_eight_h200s(capsys):
     # scratch: 103,411 left; 32,768 tokens = 2,048 + 122 = 2,170 pages -> 47 sessions.
     assert eight["kv_head_replicas"] == 4
     assert (eight["page_bytes"], eight["pages_per_device"]) == (245_760, 103_411)
+
+
+def test_devices_for_more_sessions(capsys):
+    # One H200 runs 75 sessions of 32K of Qwen3.5-35B-A3B (test_moe_preset_on_one_h200);
+    # 76 need 2 devices. Each holds (34,660,610,688 - 21,228,288 replicated) / 2 +
+    # 21,228,288 = 17,340,919,488 params (replicated: norms 40 x 2 x 2,048 + 2,048 =
+    # 165,888, q/k norms 10 x 512 = 5,120, gated norms 30 x 128 = 3,840, routers 40 x 256
+    # x 2,048 = 20,971,520, shared gates 40 x 2,048 = 81,920) = 34,681,838,976 B; budget
+    # 126,900,000,000 - that - 2 GiB = 90,070,677,376 B. The 2-way shard (8 heads, 1 KV
+    # head, 8/16 DeltaNet heads): pages of 10 x 16 x 256 x 2 x 2 B = 163,840 B, 549,747 of
+    # them; state 30 x 16 heads of 64 KiB, 2 a page = 240 + conv 4,096 x 3 x 2 B = 24,576 B
+    # a layer, 6 a page = 5: 245 pages, also the scratch: 549,502 left; 32K = 2,048 + 245
+    # = 2,293 pages -> 239 sessions.
+    d = _json(capsys, ["plan", "qwen3.5-35b-a3b", "--device-memory", "h200", "--min-sessions", "76"])
+    dev = d["devices"]
+    assert (dev["devices_needed"], dev["min_sessions"]) == (2, 76)
+    two = dev["shares"][-1]
+    assert two["weight_bytes_per_device"] == 34_681_838_976
+    assert two["budget_bytes_per_device"] == 90_070_677_376
+    assert (two["page_bytes"], two["pages_per_device"], two["sessions"]) == (163_840, 549_502, 239)
+    assert main(["plan", "qwen3.5-35b-a3b", "--device-memory", "h200", "--min-sessions", "0"]) == 2

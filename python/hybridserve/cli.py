@@ -104,6 +104,11 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "(default: one sequence's state pages are, as on CUDA)",
     )
     mem.add_argument(
+        "--min-sessions", type=positive_int, default=1, metavar="K",
+        help="with a device (not --pool-mib): count the devices needed to run K sessions of "
+        "--context tokens at once (default: 1)",
+    )
+    mem.add_argument(
         "--max-num-seqs", type=positive_int, default=None, metavar="N",
         help="cap the session counts at the engine's max_num_seqs (default: no cap)",
     )
@@ -169,6 +174,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         include_conv=not args.omit_conv_state,
         cuda_graphs=not args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
+        min_sessions=args.min_sessions,
         shared_prefix_len=args.shared_prefix,
         sessions=args.sessions,
         n=args.n,

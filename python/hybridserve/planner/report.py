@@ -129,6 +129,7 @@ def capacity_report(
     include_conv: bool = True,
     cuda_graphs: bool = False,
     max_num_seqs: int | None = None,
+    min_sessions: int = 1,
     shared_prefix_len: int | None = None,
     sessions: int | None = None,
     n: int = 1,
@@ -139,7 +140,8 @@ def capacity_report(
     The budget is ``pool_bytes`` if given, else derived from ``device_memory`` (see
     :func:`~hybridserve.planner.budget.pool_from_device`); then the device plan (how
     many such devices the model needs) is reported too, and a model whose weights do
-    not fit one device gets ``arena=None`` and zero sessions rather than an error.
+    not fit one device gets ``arena=None`` and zero sessions rather than an error; the
+    device count is for ``min_sessions`` sessions of ``context_len`` tokens.
     ``cuda_graphs`` sets the graphs' scratch state aside as the engine does on CUDA.
     ``include_conv`` only affects the seed's byte counts (the arena always holds the
     conv state). The shared-prefix scenario needs ``shared_prefix_len`` and
@@ -167,6 +169,7 @@ def capacity_report(
         devices = devices_needed(
             config, device_memory=device_memory, context_len=context_len, utilization=utilization,
             reserve=reserve, block_size=block_size, kv_dtype=kv_dtype, cuda_graphs=cuda_graphs,
+            min_sessions=min_sessions,
         )
     arena = None
     if pool > 0:
@@ -292,7 +295,8 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
             need = f"more than {dp.shares[-1].tensor_parallel if dp.shares else 1} devices of {mem}"
         else:
             need = f"{dp.devices_needed} device{'s' if dp.devices_needed > 1 else ''} of {mem}"
-        rows.append((f"devices needed for a {L:,}-token session", need + " (tensor parallel)"))
+        what = f"a {L:,}-token session" if dp.min_sessions == 1 else f"{dp.min_sessions:,} sessions of {L:,} tokens"
+        rows.append((f"devices needed for {what}", need + " (tensor parallel)"))
         for s in dp.shares:
             rows.append((
                 f"  {s.tensor_parallel} device{'s' if s.tensor_parallel > 1 else ''}",
