@@ -3,7 +3,8 @@ the sharded weights, a full copy of the replicated ones and its own arena.
 
 **The rule** (what the future tensor-parallel engine will do, vLLM's way):
 
-* Weights: per device ``ceil(sharded / N) + replicated`` parameters x the model dtype,
+* Weights: per device ``ceil(sharded / N) + replicated`` parameters x the model dtype
+  (from the parameter count, also when a checkpoint directory gave the one-device weights),
   with sharded / replicated as :func:`~hybridserve.planner.weights.param_split` classes
   them (norms, the MoE router and ``shared_expert_gate`` replicated; projections,
   experts, conv1d, embeddings and lm_head split).
