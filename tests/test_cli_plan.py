@@ -324,3 +324,14 @@ def test_devices_for_more_sessions(capsys):
     assert two["budget_bytes_per_device"] == 90_070_677_376
     assert (two["page_bytes"], two["pages_per_device"], two["sessions"]) == (163_840, 549_502, 239)
     assert main(["plan", "qwen3.5-35b-a3b", "--device-memory", "h200", "--min-sessions", "0"]) == 2
+
+
+def test_flagship_table_shows_each_devices_arena(capsys):
+    # The 8-way shard's arena (see test_flagship_needs_eight_h200s for the arithmetic):
+    # 2,170 pages a 32K session; 122 state pages hold 45 x 8 x 64 KiB + 45 x 9,216 B =
+    # 24,007,680 B in 122 x 245,760 = 29,982,720 B: 5,975,040 B (5.6982 MiB) padding.
+    assert main(["plan", "qwen3.5-397b-a17b", "--device-memory", "h200"]) == 0
+    out = capsys.readouterr().out
+    assert "the arena on each of 8 devices" in out
+    assert "47 paged (2,170 pages each)" in out
+    assert "122 pages (120 recurrent" in out and "padding 5.6982 MiB" in out

@@ -335,4 +335,10 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
     if r.arena_log:
         lines += ["", "the arena on one device (the engine logs these lines at start-up):"]
         lines += [f"  {line}" for line in r.arena_log]
+    elif r.devices is not None and r.devices.devices_needed is not None:
+        share = r.devices.shares[-1]
+        if share.arena is not None:
+            lines += ["", f"the arena on each of {share.tensor_parallel} devices (a 1/{share.tensor_parallel} "
+                          "shard of every sequence's heads):"]
+            lines += [f"  {line}" for line in format_arena_log(share.arena, L)]
     return "\n".join(lines)
