@@ -123,7 +123,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--omit-conv-state", action="store_true",
-        help="leave the DeltaNet conv state out of the session counts, as the seed does",
+        help="leave the DeltaNet conv state out of the seed's byte counts, as the seed does "
+        "(the arena's page counts always hold it)",
     )
     share = p.add_argument_group("scenarios")
     share.add_argument(
