@@ -200,18 +200,22 @@ def context_lens_for(plan: ArenaPlan, extra: Iterable[int] = ()) -> list[int]:
     return sorted(lens)
 
 
+def _count(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
 def _layout_line(plan: ArenaPlan) -> str:
     lay = plan.layout
     line = (
         f"page layout ({lay.kv_dtype} cache): a page is one {lay.block_size}-token KV block of "
-        f"{lay.num_attention_layers} attention layers ({format_bytes(lay.kv_block_bytes)}, padding "
+        f"{_count(lay.num_attention_layers, 'attention layer')} ({format_bytes(lay.kv_block_bytes)}, padding "
         f"{format_bytes(lay.kv_padding_bytes)})"
     )
     if lay.num_linear_layers:
         line += (
             f"; a sequence's DeltaNet state is {lay.state_pages:,} pages ({lay.recurrent_pages:,} "
-            f"recurrent, {lay.recurrent_per_page} heads of {format_bytes(lay.recurrent_item_bytes)} "
-            f"each + {lay.conv_pages:,} conv, {lay.conv_per_page} layers of "
+            f"recurrent, {_count(lay.recurrent_per_page, 'head')} of {format_bytes(lay.recurrent_item_bytes)} "
+            f"each + {lay.conv_pages:,} conv, {_count(lay.conv_per_page, 'layer')} of "
             f"{format_bytes(lay.conv_item_bytes)} each): {format_bytes(lay.state_bytes)} of state, "
             f"padding {format_bytes(lay.state_padding_bytes)}"
         )
