@@ -287,6 +287,18 @@ impl Harness {
         // plus the blocks of its first chunk, no prefix hit counted; pages
         // could still be had: free, cached, evictable checkpoints, and what
         // this plan's checkpoint writes took after admission.
+        if st.last_admission_limit == "max_num_seqs" {
+            let planned: HashSet<u32> = out.req_indices.iter().copied().collect();
+            let h = (0..self.reqs.len())
+                .filter(|&i| self.reqs[i].st == St::Waiting && !planned.contains(&self.reqs[i].handle))
+                .min_by_key(|&i| self.key(i))
+                .expect("a head was refused");
+            assert!(
+                st.last_admission_running_seqs + self.units(h) > cfg.max_num_seqs,
+                "refused for max_num_seqs with {} running",
+                st.last_admission_running_seqs
+            );
+        }
         if st.last_admission_limit == "pages" && out.preempted.is_empty() && !cfg.reserve_max_context {
             // The head after this step's admissions (the harness marks them
             // running only after this check).
@@ -304,7 +316,8 @@ impl Harness {
                     chunk = chunk.min(cfg.long_prefill_token_threshold as usize);
                 }
                 let need = r.params.n as u64 * pps as u64 + chunk.div_ceil(cfg.block_size as usize) as u64;
-                let could = st.available_pages + out.checkpoint_pages.len() as u64;
+                let could = st.last_admission_available_pages;
+                assert!(could <= st.available_pages + out.checkpoint_pages.len() as u64, "pages appeared from nowhere");
                 assert!(could < need, "{} refused for pages with {could} available, needing at most {need}; chunk {chunk} stats {st:?} out {out:?}", r.id);
             }
         }

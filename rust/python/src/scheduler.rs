@@ -483,6 +483,8 @@ impl PyScheduler {
         d.set_item("admission_limited_seqs", s.admission_limited_seqs)?;
         d.set_item("admission_limited_budget", s.admission_limited_budget)?;
         d.set_item("last_admission_limit", s.last_admission_limit)?;
+        d.set_item("last_admission_running_seqs", s.last_admission_running_seqs)?;
+        d.set_item("last_admission_available_pages", s.last_admission_available_pages)?;
         // The KV view of the same arena (names kept for KV-only readers):
         // blocks = pages; free = free list + parked cached; used = KV in use.
         d.set_item("num_blocks", s.num_pages)?;

@@ -7,9 +7,12 @@ use super::{push_state_copy, sync_row, AdmitLimit, Entry, ScheduledEvent, Schedu
 use crate::StateId;
 
 impl Scheduler {
-    pub(super) fn note_admission_limit(&mut self, limit: AdmitLimit) {
+    /// Records what stopped admission, with the room there was at that moment
+    /// (sequences running, pages obtainable) for the stats.
+    pub(super) fn note_admission_limit(&mut self, limit: AdmitLimit, running_units: u32) {
         self.admission_limited[limit as usize] += 1;
         self.last_admission_limit = Some(limit);
+        self.last_limit_room = (running_units, self.cache.available_pages(self.step));
     }
 
     /// Admits waiting request `r` with its first chunk(s), or says what was

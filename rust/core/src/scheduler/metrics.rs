@@ -29,6 +29,10 @@ pub struct SchedulerStats {
     pub admission_limited_budget: u64,
     /// The last limit hit: "pages", "max_num_seqs", "token_budget" or "".
     pub last_admission_limit: &'static str,
+    /// At that moment: sequences running (n > 1 requests count n) and pages
+    /// obtainable (free + cached + evictable checkpoints).
+    pub last_admission_running_seqs: u32,
+    pub last_admission_available_pages: u64,
     pub alloc_failures: u64,
     /// Unused slots in the last blocks of running sequences (O(running) to compute).
     pub tail_waste: u64,

@@ -216,6 +216,8 @@ pub struct Scheduler {
     states_in_plan: Vec<StateId>,
     admission_limited: [u64; 3],
     last_admission_limit: Option<AdmitLimit>,
+    /// (sequences running, pages obtainable) when admission last stopped.
+    last_limit_room: (u32, u64),
     preemptions: u64,
     preemptions_priority: u64,
     state_fork_copies: u64,
@@ -276,6 +278,7 @@ impl Scheduler {
             states_in_plan: Vec::new(),
             admission_limited: [0; 3],
             last_admission_limit: None,
+            last_limit_room: (0, 0),
             preemptions: 0,
             preemptions_priority: 0,
             state_fork_copies: 0,

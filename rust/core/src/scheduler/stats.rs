@@ -131,6 +131,8 @@ impl Scheduler {
                 Some(AdmitLimit::MaxNumSeqs) => "max_num_seqs",
                 Some(AdmitLimit::TokenBudget) => "token_budget",
             },
+            last_admission_running_seqs: self.last_limit_room.0,
+            last_admission_available_pages: self.last_limit_room.1,
             alloc_failures: kv.alloc_failures,
             tail_waste,
             prefix_queries: kv.prefix_queries,

@@ -196,10 +196,11 @@ impl Scheduler {
         // A block preemption means the running set is short of room: admitting
         // would only evict again. Room made for a higher priority is for it.
         self.last_admission_limit = None;
+        self.last_limit_room = (0, 0);
         if !preempted_any || priority_preempted > 0 {
             while let Some(r) = self.waiting.first() {
                 if budget == 0 {
-                    self.note_admission_limit(AdmitLimit::TokenBudget);
+                    self.note_admission_limit(AdmitLimit::TokenBudget, running_units);
                     break;
                 }
                 let mut req = self.requests[r as usize].take().expect("waiting handle");
@@ -211,7 +212,7 @@ impl Scheduler {
                 }
                 self.requests[r as usize] = Some(req);
                 if let Err(limit) = res {
-                    self.note_admission_limit(limit);
+                    self.note_admission_limit(limit, running_units);
                     break;
                 }
             }
