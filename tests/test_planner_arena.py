@@ -210,3 +210,29 @@ def test_sharing_in_the_arena_by_hand():
     ps = pl.arena_parallel_sampling_plan(plan, 1_500, 4, prompt_len=1_000)
     assert ps.bytes_per_request == 778 * MiB
     assert (ps.requests_that_fit, ps.sequences_that_fit) == (30, 120)
+
+
+def test_engine_start_up_log_is_what_plan_prints(tmp_path, caplog, capsys):
+    # End to end: an engine built from one byte budget logs, line for line, what
+    # `hybridserve plan` prints for that checkpoint and budget (CPU: no CUDA graphs, so
+    # --enforce-eager; the engine's default context is max_model_len).
+    import logging
+
+    from hybridserve.engine.args import EngineArgs
+    from hybridserve.engine.llm_engine import LLMEngine
+    from hybridserve.model.tiny import write_tiny_checkpoint
+
+    d = str(write_tiny_checkpoint(tmp_path / "m", preset="test-a", seed=7))
+    cfg = ModelConfig.from_json(d)
+    with caplog.at_level(logging.INFO, logger="hybridserve.engine"):
+        engine = LLMEngine(EngineArgs(model=d, dtype="float32", device="cpu",
+                                      kv_cache_memory_bytes=3 * MiB, max_num_seqs=8))
+    logged = [r.getMessage() for r in caplog.records]
+    assert main(["plan", d, "--pool-mib", "3", "--enforce-eager", "--kv-dtype", "float32",
+                 "--max-num-seqs", "8", "--context", str(cfg.max_position_embeddings), "--json"]) == 0
+    plan_lines = json.loads(capsys.readouterr().out)["arena_log"]
+    assert len(plan_lines) == 4
+    for line in plan_lines:
+        assert line in logged
+    # And the engine runs the arena it logged: 3 MiB of 8 KiB pages = 384 for the scheduler.
+    assert (engine.arena_plan.num_pages, engine.arena_plan.page_bytes) == (384, 8 * KiB)
