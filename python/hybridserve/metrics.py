@@ -66,6 +66,8 @@ _GAUGES = [
     ("tail_waste", "kv_tail_waste_slots", "Unused token slots in the last blocks of running sequences"),
     ("shared_blocks", "kv_blocks_shared",
      "KV blocks referenced by more than one running sequence (samples, beams, a common prefix)"),
+    ("running_state_pages", "arena_pages_running_state",
+     "Arena pages holding running sequences' DeltaNet state (also in arena_pages{use=...})"),
     ("checkpoints", "state_checkpoints", "DeltaNet state checkpoints held (each pages_per_state pages)"),
     ("num_running_requests", "num_requests_running", "Requests running"),
     ("num_running_seqs", "num_seqs_running", "Sequences running (n > 1 requests count n)"),

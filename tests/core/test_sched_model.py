@@ -309,6 +309,8 @@ def run_workload(seed: int) -> None:
         step()
         n += 1
         assert n < 3000, "did not drain"
+    held = s.stats()
+    assert (held["kv_pages"], held["running_state_pages"]) == (0, 0), "pages held after the last request ended"
     step()
     assert all(r["st"] == "d" for r in reqs.values()), "an admitted request never finished"
     st_ = s.stats()

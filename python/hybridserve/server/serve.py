@@ -106,16 +106,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--num-pages", type=positive_int, default=None,
                      help="exact pages of the cache arena (KV blocks, DeltaNet state and checkpoints share "
                           "them; default: sized from the memory budget)")
-    # The pre-arena split, still read (converted to the same bytes in pages, with a warning).
-    eng.add_argument("--num-gpu-blocks", type=int, default=None, help=argparse.SUPPRESS)
-    eng.add_argument("--num-state-slots", type=int, default=None, help=argparse.SUPPRESS)
+    eng.add_argument("--num-gpu-blocks", type=int, default=None,
+                     help="deprecated (the pre-arena split): with --num-state-slots, read as the same bytes "
+                          "in pages, with a warning; use --num-pages (default: unset)")
+    eng.add_argument("--num-state-slots", type=int, default=None,
+                     help="deprecated (the pre-arena split), see --num-gpu-blocks (default: unset)")
     eng.add_argument("--kv-cache-memory", default=None,
                      help="the one byte budget of the cache arena (KV blocks, DeltaNet state, checkpoints), "
                           "e.g. 512MiB (default: from device memory; 512MiB on CPU)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of device memory to use (default: %(default)s)")
-    # Refused with a message saying why (there is no split to size any more).
-    eng.add_argument("--expected-context-len", type=int, default=None, help=argparse.SUPPRESS)
+    eng.add_argument("--expected-context-len", type=int, default=None,
+                     help="removed: it sized the KV/state split, and there is one arena now; "
+                          "giving it is an error that says so (default: unset)")
     eng.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged",
                      help="paged, or reserve_max (each sequence reserves max_model_len; the pre-paging "
                           "baseline) (default: %(default)s)")

@@ -761,6 +761,9 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
         steps += 1;
         assert!(steps < 5000, "workload did not drain: livelock");
     }
+    // Nothing is held once nothing is unfinished, before any further step.
+    let st = h.s.stats();
+    assert_eq!((st.kv_pages, st.running_state_pages), (0, 0), "pages held after the last request ended");
     h.do_step(); // reports any outstanding finished-outside entries
     assert!(h.reqs.iter().all(|r| r.st == St::Done), "a request never finished");
     let st = h.s.stats();

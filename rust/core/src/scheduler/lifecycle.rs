@@ -250,6 +250,7 @@ impl Scheduler {
             self.waiting_tokens += req.pending_tokens();
         }
         self.requests[h as usize] = Some(req);
+        self.settle_deferred_states();
         Ok(true)
     }
 

@@ -3,10 +3,39 @@
 //! arrays).
 
 use super::request::{ReqState, Seq};
-use super::{CacheManager, Scheduler, SchedulerOutput};
+use super::{CacheManager, PendingStateCopy, Scheduler, SchedulerOutput};
 use crate::StateId;
 
 impl Scheduler {
+    /// Whether the destination of a pending fork copy is still held by its
+    /// child (not preempted or finished since the copy was decided).
+    pub(super) fn copy_dst_live(&self, pc: &PendingStateCopy) -> bool {
+        self.requests[pc.req as usize].as_ref().is_some_and(|r| {
+            r.state == ReqState::Running && r.seqs.iter().any(|s| s.seq_id == pc.seq_id && s.state == Some(pc.dst))
+        })
+    }
+
+    /// Drops pending fork copies whose child is gone and frees the deferred
+    /// states no remaining copy reads (when a request ends, nothing is left
+    /// held for a plan that will never come).
+    pub(super) fn settle_deferred_states(&mut self) {
+        if self.deferred_states.is_empty() {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending_state_copies);
+        self.pending_state_copies = pending.into_iter().filter(|pc| self.copy_dst_live(pc)).collect();
+        let mut i = 0;
+        while i < self.deferred_states.len() {
+            let st = self.deferred_states[i];
+            if self.pending_state_copies.iter().any(|pc| pc.src == st) {
+                i += 1;
+            } else {
+                self.deferred_states.swap_remove(i);
+                self.cache.free_state(st);
+            }
+        }
+    }
+
     /// The plan's memory side after the walk and admission (checkpoint pages,
     /// fork copies, checkpoint reconciliation), then the output arrays:
     /// decodes first, then prefill chunks. O(entries + tokens + copies).
@@ -33,11 +62,8 @@ impl Scheduler {
         }
         // Fork copies decided by the last update(), for children still holding
         // the destination (not preempted or finished in between).
-        for pc in self.pending_state_copies.drain(..) {
-            let live = self.requests[pc.req as usize].as_ref().is_some_and(|r| {
-                r.state == ReqState::Running && r.seqs.iter().any(|s| s.seq_id == pc.seq_id && s.state == Some(pc.dst))
-            });
-            if live {
+        for pc in std::mem::take(&mut self.pending_state_copies) {
+            if self.copy_dst_live(&pc) {
                 push_state_copy(&self.cache, pc.src, pc.dst, &mut self.out.state_copies);
             }
         }

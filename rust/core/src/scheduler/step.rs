@@ -315,6 +315,7 @@ impl Scheduler {
             self.requests[e.req as usize] = Some(req);
         }
         self.plan_ckpt_states = 0;
+        self.settle_deferred_states();
         self.cache.reconcile(self.step + 1);
         if any_done {
             let reqs = &self.requests;
