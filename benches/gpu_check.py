@@ -646,11 +646,11 @@ def check_seed(ctx: Ctx) -> dict[str, Any]:
         with random_weight_engine():
             eng = make_engine(
                 d, ctx, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=native,
-                kv_cache_memory_bytes=pool, expected_context_len=L if policy == "paged" else native,
-                admission_policy=policy, enable_prefix_caching=False,
+                kv_cache_memory_bytes=pool, admission_policy=policy, enable_prefix_caching=False,
             )
-        predicted = (planner.max_concurrency(eng.pool_plan, L) if policy == "paged"
-                     else planner.max_concurrency_reserved(eng.pool_plan))
+        # One arena for both policies (issue 17): the plan the engine sized it by.
+        predicted = (eng.arena_plan.sessions(L).sessions if policy == "paged"
+                     else eng.arena_plan.sessions_reserved_max().sessions)
         target = want[policy] if not ctx.small else predicted
         run = _admission_run(eng, target + 1, L - out_len, out_len, policy)
         # The memory a decode step of B sessions must move: weights (less the unread
@@ -669,7 +669,7 @@ def check_seed(ctx: Ctx) -> dict[str, Any]:
                               "bytes_per_step_gib": round(bytes_moved / 2**30, 3)}
         res = {"sessions_submitted": target + 1, "peak_concurrent": run["peak"], "planner_predicts": predicted,
                "expected": target, "outputs_well_formed": run["shapes_ok"], "decode": floors,
-               "kv_blocks": eng.num_blocks, "state_slots": eng.num_state_slots,
+               "arena_pages": eng.num_pages, "state_pages": eng.state_pages,
                "params": sum(p.numel() for p in eng.model.parameters()),
                "cuda_graphs": eng.runner.graphs is not None}
         res["ok"] = run["peak"] == target == predicted and run["shapes_ok"] and str(target) in floors
@@ -696,11 +696,15 @@ def check_pools(ctx: Ctx) -> dict[str, Any]:
     L, out_len = (1024, 8) if not ctx.small else (128, 2)
     dtype = "bfloat16" if ctx.cuda else "float32"
     kw = dict(dtype=dtype, max_num_seqs=32, max_num_batched_tokens=16 * L, max_model_len=L,
-              expected_context_len=L, enable_prefix_caching=False)
+              enable_prefix_caching=False)
     import dataclasses
 
+    from hybridserve.memory.layout import arena_layout
+
     config = dataclasses.replace(ModelConfig.from_json(d), torch_dtype=dtype, max_position_embeddings=L)
-    session = planner.paged_sequence_bytes(config, L, 16, dtype)
+    layout = arena_layout(config, 16, dtype)
+    # One session's pages (its state + its blocks); the CUDA-graph scratch state on top.
+    session = layout.pages_for_sequence(L) * layout.page_bytes
     out: dict[str, Any] = {"session_bytes": session}
     if ctx.cuda:
         total = torch.cuda.mem_get_info(ctx.device)[1]
@@ -715,7 +719,7 @@ def check_pools(ctx: Ctx) -> dict[str, Any]:
         del probe
         free_memory()
         reserve = 2 << 30
-        util = (in_use + reserve + 12 * session) / total
+        util = (in_use + reserve + 12 * session + layout.state_pages * layout.page_bytes) / total
         kw.update(gpu_memory_utilization=min(util, 1.0), runtime_reserve_bytes=reserve)
         out["gpu_memory_utilization"] = util
     else:
@@ -723,9 +727,9 @@ def check_pools(ctx: Ctx) -> dict[str, Any]:
         out["note"] = "CPU dry run: the pool comes from cpu_pool_bytes; the CUDA path measures free memory"
     with random_weight_engine():
         eng = make_engine(d, ctx, **kw)
-    predicted = planner.max_concurrency(eng.pool_plan, L)
+    predicted = eng.arena_plan.sessions(L).sessions
     run = _admission_run(eng, predicted + 1, L - out_len, out_len, "pools")
-    out.update({"pool_bytes": eng.pool_plan.pool_bytes,
+    out.update({"pool_bytes": eng.arena_plan.budget_bytes,
                 "cache_bytes": eng.cache.memory_bytes(), "planner_predicts": predicted,
                 "peak_concurrent": run["peak"], "outputs_well_formed": run["shapes_ok"],
                 "cuda_graphs": eng.runner.graphs is not None})
