@@ -23,8 +23,8 @@ number is used for both sides, so the two ratios compare directly.
 
 ``--ttft N`` also measures first-turn time to first token: N distinct prompts of
 ``--chat-prompt`` tokens, one at a time (``max_tokens=1``), on an engine with
-prefix caching on and one with it off (this tree only); median of each and the
-ratio on / off.
+prefix caching on and one with it off (on both sides with ``--before``); median of
+each and the ratio on / off.
 
     python benches/arena.py --threads 1 --before 6c663d6 --ttft 20
 """
@@ -192,10 +192,14 @@ def main() -> None:
 
         assert os.path.abspath(hybridserve.__file__).startswith(args.expect_root), hybridserve.__file__
     if args.json:
-        print(json.dumps(measure(args)))
+        res = measure(args)
+        if args.ttft:
+            res["ttft"] = ttft(args)
+        print(json.dumps(res))
         return
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in (
-        "threads", "budget", "max_num_seqs", "chats", "chat_prompt", "chat_out", "docs", "doc_prompt", "doc_out")]
+        "threads", "budget", "max_num_seqs", "chats", "chat_prompt", "chat_out", "docs", "doc_prompt", "doc_out",
+        "ttft")]
     before = _before(args.before, passthrough) if args.before else None
     after = measure(args)
     model = _model_dir()
@@ -213,9 +217,10 @@ def main() -> None:
         print("| " + " | ".join(cells) + " |")
     print("end of run:", ("before " + json.dumps(before["end"]) + "; ") if before else "", "arena", json.dumps(after["end"]))
     if args.ttft:
-        t = ttft(args)
-        print(f"first-turn TTFT ({args.ttft} prompts of {args.chat_prompt} tokens, median): caching off "
-              f"{t['off']:.1f} ms, on {t['on']:.1f} ms, ratio {t['ratio']:.3f}x")
+        sides = ([("split (before)", before["ttft"])] if before else []) + [("arena", ttft(args))]
+        for name, t in sides:
+            print(f"first-turn TTFT, {name} ({args.ttft} prompts of {args.chat_prompt} tokens, median): "
+                  f"caching off {t['off']:.1f} ms, on {t['on']:.1f} ms, ratio {t['ratio']:.3f}x")
 
 
 if __name__ == "__main__":
