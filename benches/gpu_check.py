@@ -252,10 +252,15 @@ def _our_prefill_logits(model, config, prompt: list[int], device):
 
     n, bs = len(prompt), 16
     nb = -(-n // bs)
-    cache = model.new_cache(nb + 1, bs, 1)
+    from hybridserve.memory.layout import arena_layout
+    from hybridserve.model.cache import dtype_name
+
+    state_pages = arena_layout(config, bs, dtype_name(model.dtype)).state_pages
+    cache = model.new_cache(nb + state_pages, bs)
+    state = list(range(nb, nb + state_pages))  # the arena's pages after the blocks
     batch = ForwardBatch.from_lists(
         input_ids=prompt, positions=range(n), slot_mapping=range(n), query_start_loc=[0, n],
-        seq_lens=[n], block_tables=[list(range(nb))], state_slots=[0], has_initial_state=[False],
+        seq_lens=[n], block_tables=[list(range(nb))], state_pages=[state], has_initial_state=[False],
         logits_indices=range(n), device=device,
     )
     with torch.no_grad():
@@ -546,14 +551,17 @@ def _fake_prefill(eng) -> Callable:
             s = runner._staged
             _, sampling, num_samples = runner._host
             slots = s["slot_mapping"]
-            for kc in (*cache.k_caches, *cache.v_caches):
-                flat = kc.view(-1, kc.shape[2], kc.shape[3])
-                flat.index_copy_(0, slots, torch.randn(n_tok, kc.shape[2], kc.shape[3], device=kc.device,
-                                                       generator=gen).to(kc.dtype))
-            st = s["state_slots"]
-            for pool in (*cache.conv_states, *cache.recurrent_states):
-                pool.index_copy_(0, st, (0.1 * torch.randn(n_seq, *pool.shape[1:], device=pool.device,
-                                                           generator=gen)).to(pool.dtype))
+            slots = slots[slots >= 0]
+            bs = cache.block_size
+            for kc in (*cache.k_caches, *cache.v_caches):  # strided views of the arena's pages
+                kc[slots // bs, slots % bs] = torch.randn(len(slots), kc.shape[2], kc.shape[3], device=kc.device,
+                                                          generator=gen).to(kc.dtype)
+            # Every state page of the step's sequences (their state page table rows).
+            table = runner.state_table_buf.index_select(0, s["block_table_rows"]).long()
+            rec, conv = table[:, :cache.layout.recurrent_pages].reshape(-1), table[:, cache.layout.recurrent_pages:]
+            for pool, pages in ((cache.recurrent_pool, rec), (cache.conv_pool, conv.reshape(-1))):
+                pool[pages] = (0.1 * torch.randn(len(pages), *pool.shape[1:], device=pool.device,
+                                                 generator=gen)).to(pool.dtype)
             logits = torch.randn(len(sampling), eng.model_config.vocab_size, device=cache.device, generator=gen)
         return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples)
 
