@@ -643,6 +643,12 @@ class LLMEngine:
     # ----------------------------------------------------------------- helpers
     def stats(self) -> dict[str, Any]:
         d = dict(self.scheduler.stats())
+        # Layout padding of the pages in use: every KV page wastes kv_padding_bytes,
+        # every state (running or checkpoint) state_padding_bytes.
+        lay = self.arena_plan.layout
+        states = (d["running_state_pages"] + d["checkpoint_pages"]) // max(lay.state_pages, 1)
+        d["page_bytes"] = lay.page_bytes
+        d["padding_bytes"] = d["kv_pages"] * lay.kv_padding_bytes + states * lay.state_padding_bytes
         # [(cause, victim request_class, count)]: JSON-friendly.
         d["preemptions_by"] = [(c, k, n) for (c, k), n in sorted(self.preemptions_by.items())]
         return d
