@@ -375,6 +375,22 @@ impl Harness {
         for c in out.block_copies.chunks(2) {
             assert!(written.insert(c[1]), "two copies write page {}", c[1]);
         }
+        // No copy reads a page another copy writes, except beams re-parented into
+        // each other (state copies among one request's beams: a permutation, safe
+        // because the runner gathers every source before scattering).
+        let state_dst: HashSet<i32> = out.state_copies.chunks(2).map(|c| c[1]).collect();
+        let block_dst: HashSet<i32> = out.block_copies.chunks(2).map(|c| c[1]).collect();
+        for c in out.block_copies.chunks(2) {
+            assert!(!written.contains(&c[0]), "a block copy reads page {} that a copy of the same plan writes", c[0]);
+        }
+        for c in out.state_copies.chunks(2) {
+            assert!(!block_dst.contains(&c[0]), "a state copy reads page {} that a block copy writes", c[0]);
+        }
+        if !self.reqs.iter().any(|r| r.params.beam_search && r.st == St::Running) {
+            for c in out.state_copies.chunks(2) {
+                assert!(!state_dst.contains(&c[0]), "a state copy reads page {} another state copy writes", c[0]);
+            }
+        }
         let ckpts = self.s.checkpoints();
         let ckpt_pages: HashSet<i32> = ckpts.iter().flat_map(|c| c.0.iter().map(|&p| p as i32)).collect();
         assert_eq!(ckpt_pages.len(), ckpts.len() * cfg.state_pages as usize, "two checkpoints share a page");
