@@ -26,8 +26,8 @@ PROMPT = [5, 9, 33, 2, 71, 18, 4, 40, 12, 3, 7, 91, 15, 60, 22, 8, 31, 44, 6, 13
 OTHERS = [[17, 3, 88, 41, 9], [63, 5, 5, 120, 77, 2, 34, 19, 101]]
 
 
-def _llm(tiny_dirs, preset, width):
-    return LLM(tiny_dirs[preset], dtype="float32", device="cpu", block_size=16,
+def _llm(tiny_dirs, preset, width, block_size=16):
+    return LLM(tiny_dirs[preset], dtype="float32", device="cpu", block_size=block_size,
                num_pages=64 + 3 * (width + 2), max_num_seqs=width + 2, max_num_batched_tokens=16)
 
 
@@ -57,11 +57,11 @@ def _run_beside_others(llm, prompt, params, n_other):
 
 
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
-@pytest.mark.parametrize("width", [2, 4, 8])
-def test_beams_equal_hf_generate(tiny_dirs, hf_models, preset, width):
+@pytest.mark.parametrize("width,block_size", [(2, 16), (4, 16), (8, 16), (2, 32), (8, 32)])
+def test_beams_equal_hf_generate(tiny_dirs, hf_models, preset, width, block_size):
     hf = hf_models[preset]
     n = 7
-    llm = _llm(tiny_dirs, preset, width)
+    llm = _llm(tiny_dirs, preset, width, block_size)
     done, shared, mixed = _run_beside_others(llm, PROMPT, BeamSearchParams(beam_width=width, max_tokens=n,
                                                                            ignore_eos=True), 10)
     gc = copy.deepcopy(hf.generation_config)

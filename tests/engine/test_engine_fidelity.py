@@ -119,22 +119,25 @@ def test_chunked_prefill_at_awkward_budgets_mixed_with_decodes(budget, tiny_dirs
     assert cap.mixed_steps > 0, "no step mixed a prefill chunk with decodes"
 
 
-def test_preemption_by_recompute_gives_the_same_tokens(tiny_dirs, hf_models):
-    # 19 pages (3 per DeltaNet state + the KV blocks) cannot hold four 20-token prompts
-    # growing by 24 tokens each (3 blocks + a state each):
-    # the scheduler must preempt and recompute, and the results must not change.
-    llm = LLM(tiny_dirs["test-b"], dtype="float32", device="cpu", block_size=16,
-              num_pages=7 + 3 * 4, max_num_seqs=4, max_num_batched_tokens=64)
+@pytest.mark.parametrize("block_size,num_pages", [(16, 19), (32, 10)])
+def test_preemption_by_recompute_gives_the_same_tokens(block_size, num_pages, tiny_dirs, hf_models):
+    # Block size 16: 19 pages (3 per DeltaNet state + the KV blocks) cannot hold four
+    # 20-token prompts growing by 24 tokens each (3 blocks + a state each); block size
+    # 32: 10 pages against 4 x (2 blocks + 2 state pages). The scheduler must preempt
+    # and recompute, and the results must not change.
+    llm = LLM(tiny_dirs["test-b"], dtype="float32", device="cpu", block_size=block_size,
+              num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=64)
     prompts = _prompts(3, [20, 20, 20, 20], vocab=259)
     outs, cap = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = llm.engine.stats()
     assert stats["preemptions"] > 0, stats
     _check_against_hf(hf_models["test-b"], outs, cap, greedy=True)
-    assert stats["available_pages"] == stats["num_pages"] == 19 and stats["running_state_pages"] == 0
+    assert stats["available_pages"] == stats["num_pages"] == num_pages and stats["running_state_pages"] == 0
 
 
-def test_n2_samples_fork_after_prefill_and_match_hf(tiny_dirs, hf_models):
-    llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_n2_samples_fork_after_prefill_and_match_hf(block_size, tiny_dirs, hf_models):
+    llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=block_size,
               num_pages=64 + 3 * 8, max_num_seqs=8, max_num_batched_tokens=256)
     prompts = _prompts(4, [21, 9])  # 21 tokens: a partly-filled shared tail block
     params = SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=14, ignore_eos=True)

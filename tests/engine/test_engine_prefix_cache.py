@@ -122,9 +122,10 @@ def test_shared_system_prompt_skips_compute_and_matches_hf(tiny_dirs, hf_models)
     assert on.engine.stats()["running_state_pages"] == 0 and on.engine.stats()["used_blocks"] == 0
 
 
-def test_second_turn_resumes_from_the_first_turns_checkpoint(tiny_dirs, hf_models):
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_second_turn_resumes_from_the_first_turns_checkpoint(block_size, tiny_dirs, hf_models):
     rng = random.Random(6)
-    llm = make(tiny_dirs, "test-b")
+    llm = make(tiny_dirs, "test-b", block_size=block_size)
     cap = Capture(llm)
     first = toks(rng, 150)
     o1 = llm.generate([first], SamplingParams(max_tokens=12, **GREEDY))
@@ -132,7 +133,7 @@ def test_second_turn_resumes_from_the_first_turns_checkpoint(tiny_dirs, hf_model
     before = llm.engine.stats()
     o2 = llm.generate([second], SamplingParams(max_tokens=6, **GREEDY))
     st = llm.engine.stats()
-    assert st["prefix_skipped_tokens"] - before["prefix_skipped_tokens"] == (149 // 16) * 16
+    assert st["prefix_skipped_tokens"] - before["prefix_skipped_tokens"] == (149 // block_size) * block_size
     check_hf(hf_models["test-b"], o1 + o2, cap, greedy=True)
 
 
