@@ -40,7 +40,8 @@ from hybridserve.sampling import SamplingParams
 def make_engine(model: str, threads: int) -> LLMEngine:
     return LLMEngine(EngineArgs(
         model=model, dtype="float32", device="cpu", block_size=16, max_num_seqs=64,
-        max_num_batched_tokens=4096, num_gpu_blocks=512, num_state_slots=64,
+        # 512 KV blocks + 64 DeltaNet states of 8 pages (the bench preset at 16-token blocks).
+        max_num_batched_tokens=4096, num_pages=512 + 64 * 8,
         enable_prefix_caching=False, cpu_threads=threads,
     ))
 

@@ -4,6 +4,11 @@
 //! decode step (64 sequences; attention at 300 tokens of context), and decode-sized
 //! projections (throughput in flops).
 //!
+//! The DeltaNet state lives as the arena holds it (issue 17): items in 32 KiB pages
+//! (the bench model's page at block size 16: 8 recurrent heads or 5 conv states per
+//! page), each sequence's pages scattered through a state page table, the layer's items
+//! at its item base; attention's K/V blocks a page apart (two layers per page).
+//!
 //! Run: `cargo bench -p hybridserve-cpu-kernels --bench cpu_kernels -- --warm-up-time 0.5 --measurement-time 2`.
 //! Threads: `HYBRIDSERVE_KERNEL_THREADS` (default 1), printed.
 
@@ -12,7 +17,7 @@ use hybridserve_cpu_kernels::attention::{paged_attention_decode, DecodeSeqs, Pag
 use hybridserve_cpu_kernels::conv1d::causal_conv1d;
 use hybridserve_cpu_kernels::delta_rule::{gated_delta_rule, Gates, Heads, OutputNorm};
 use hybridserve_cpu_kernels::matmul::matmul;
-use hybridserve_cpu_kernels::{Rows, Varlen};
+use hybridserve_cpu_kernels::{PagedState, Rows, Varlen};
 
 fn data(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed;
@@ -35,12 +40,45 @@ const HEADS: Heads = Heads {
 const CONV: usize = 2 * 4 * 32 + 8 * 32;
 const PROJ: usize = CONV + 8 * 32 + 2 * 8;
 
-fn varlen(runs: usize, len: usize) -> (Vec<i64>, Vec<i64>, Vec<bool>) {
+fn varlen(runs: usize, len: usize) -> (Vec<i64>, Vec<bool>) {
     (
         (0..=runs).map(|i| (i * len) as i64).collect(),
-        (0..runs).map(|i| (2 * i) as i64).collect(),
         vec![true; runs],
     )
+}
+
+/// The bench model's arena page (32 KiB = 8,192 floats) and a sequence's state page
+/// table (6 recurrent pages + 2 conv pages); `runs` sequences' rows at scattered pages
+/// of a pool twice as large.
+const PAGE: usize = 8192;
+const STATE_PAGES: usize = 8;
+
+fn state_table(runs: usize) -> (Vec<i64>, usize) {
+    let pages = 2 * runs * STATE_PAGES;
+    let table = (0..runs * STATE_PAGES)
+        .map(|i| ((i * 2654435761) % pages) as i64)
+        .collect();
+    (table, pages)
+}
+
+fn paged(
+    table: &[i64],
+    pages: usize,
+    item_base: usize,
+    per_page: usize,
+    item_len: usize,
+) -> PagedState<'_> {
+    PagedState {
+        table,
+        cols: STATE_PAGES,
+        item_base,
+        per_page,
+        page_stride: PAGE,
+        item_len,
+        num_pages: pages,
+        checkpoint_positions: &[],
+        checkpoint_table: &[],
+    }
 }
 
 fn bench(c: &mut Criterion) {
@@ -55,14 +93,18 @@ fn bench(c: &mut Criterion) {
         let t = runs * len;
         let proj = data(t * PROJ, 1);
         let mixed = data(t * CONV, 2);
-        let (qsl, slots, init) = varlen(runs, len);
+        let (qsl, init) = varlen(runs, len);
         let vl = Varlen {
             query_start_loc: &qsl,
-            state_slots: &slots,
             has_initial_state: &init,
         };
-        let mut state = data(2 * runs * 8 * 32 * 32, 3);
-        let mut conv_state = data(2 * runs * CONV * 3, 4);
+        let (table, pages) = state_table(runs);
+        // The third DeltaNet layer's heads (items 16..24: page column 2) and its conv
+        // state (conv item 6*5 + 2: column 6, slot 2).
+        let rec = paged(&table, pages, 16, 8, 32 * 32);
+        let cst = paged(&table, pages, 6 * 5 + 2, 5, CONV * 3);
+        let mut state = data(pages * PAGE, 3);
+        let mut conv_state = data(pages * PAGE, 4);
         let weight = data(CONV * 4, 5);
         let (a_log, dt_bias, norm_w) = (data(8, 6), data(8, 7), data(32, 8));
         let mut out = vec![0.0f32; t * 256];
@@ -76,6 +118,7 @@ fn bench(c: &mut Criterion) {
                     None,
                     true,
                     &mut conv_state,
+                    cst,
                     vl,
                     &mut conv_out,
                 )
@@ -105,6 +148,7 @@ fn bench(c: &mut Criterion) {
                     0.17,
                     true,
                     &mut state,
+                    rec,
                     vl,
                     &mut out,
                 )
@@ -114,8 +158,11 @@ fn bench(c: &mut Criterion) {
     }
     // Decode attention: 64 sequences at 300 tokens, blocks scattered over a large pool.
     let (n, len, bs, blocks) = (64usize, 300usize, 16usize, 4096usize);
-    let k_cache = data(blocks * bs * 2 * 64, 9);
-    let v_cache = data(blocks * bs * 2 * 64, 10);
+    // One page per block: this layer's K and V, another layer's, as in the arena.
+    let blk = bs * 2 * 64;
+    let kv_page = 4 * blk;
+    let arena = data(blocks * kv_page, 9);
+    let (k_cache, v_cache) = (&arena[..], &arena[blk..]);
     let width = len.div_ceil(bs);
     let tables: Vec<i32> = (0..n * width)
         .map(|i| ((i * 2654435761) % blocks) as i32)
@@ -130,11 +177,13 @@ fn bench(c: &mut Criterion) {
             paged_attention_decode(
                 Rows::new(&q, n, 256, 256).unwrap(),
                 PagedKv {
-                    k_cache: &k_cache,
-                    v_cache: &v_cache,
+                    k_cache,
+                    v_cache,
                     block_size: bs,
                     kv_heads: 2,
                     head_dim: 64,
+                    num_blocks: blocks,
+                    block_stride: kv_page,
                 },
                 DecodeSeqs {
                     rows: &rows,

@@ -252,10 +252,15 @@ def _our_prefill_logits(model, config, prompt: list[int], device):
 
     n, bs = len(prompt), 16
     nb = -(-n // bs)
-    cache = model.new_cache(nb + 1, bs, 1)
+    from hybridserve.memory.layout import arena_layout
+    from hybridserve.model.cache import dtype_name
+
+    state_pages = arena_layout(config, bs, dtype_name(model.dtype)).state_pages
+    cache = model.new_cache(nb + state_pages, bs)
+    state = list(range(nb, nb + state_pages))  # the arena's pages after the blocks
     batch = ForwardBatch.from_lists(
         input_ids=prompt, positions=range(n), slot_mapping=range(n), query_start_loc=[0, n],
-        seq_lens=[n], block_tables=[list(range(nb))], state_slots=[0], has_initial_state=[False],
+        seq_lens=[n], block_tables=[list(range(nb))], state_pages=[state], has_initial_state=[False],
         logits_indices=range(n), device=device,
     )
     with torch.no_grad():
@@ -546,14 +551,17 @@ def _fake_prefill(eng) -> Callable:
             s = runner._staged
             _, sampling, num_samples = runner._host
             slots = s["slot_mapping"]
-            for kc in (*cache.k_caches, *cache.v_caches):
-                flat = kc.view(-1, kc.shape[2], kc.shape[3])
-                flat.index_copy_(0, slots, torch.randn(n_tok, kc.shape[2], kc.shape[3], device=kc.device,
-                                                       generator=gen).to(kc.dtype))
-            st = s["state_slots"]
-            for pool in (*cache.conv_states, *cache.recurrent_states):
-                pool.index_copy_(0, st, (0.1 * torch.randn(n_seq, *pool.shape[1:], device=pool.device,
-                                                           generator=gen)).to(pool.dtype))
+            slots = slots[slots >= 0]
+            bs = cache.block_size
+            for kc in (*cache.k_caches, *cache.v_caches):  # strided views of the arena's pages
+                kc[slots // bs, slots % bs] = torch.randn(len(slots), kc.shape[2], kc.shape[3], device=kc.device,
+                                                          generator=gen).to(kc.dtype)
+            # Every state page of the step's sequences (their state page table rows).
+            table = runner.state_table_buf.index_select(0, s["block_table_rows"]).long()
+            rec, conv = table[:, :cache.layout.recurrent_pages].reshape(-1), table[:, cache.layout.recurrent_pages:]
+            for pool, pages in ((cache.recurrent_pool, rec), (cache.conv_pool, conv.reshape(-1))):
+                pool[pages] = (0.1 * torch.randn(len(pages), *pool.shape[1:], device=pool.device,
+                                                 generator=gen)).to(pool.dtype)
             logits = torch.randn(len(sampling), eng.model_config.vocab_size, device=cache.device, generator=gen)
         return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples)
 
@@ -646,11 +654,11 @@ def check_seed(ctx: Ctx) -> dict[str, Any]:
         with random_weight_engine():
             eng = make_engine(
                 d, ctx, dtype=dtype, max_num_seqs=16, max_num_batched_tokens=budget, max_model_len=native,
-                kv_cache_memory_bytes=pool, expected_context_len=L if policy == "paged" else native,
-                admission_policy=policy, enable_prefix_caching=False,
+                kv_cache_memory_bytes=pool, admission_policy=policy, enable_prefix_caching=False,
             )
-        predicted = (planner.max_concurrency(eng.pool_plan, L) if policy == "paged"
-                     else planner.max_concurrency_reserved(eng.pool_plan))
+        # One arena for both policies (issue 17): the plan the engine sized it by.
+        predicted = (eng.arena_plan.sessions(L).sessions if policy == "paged"
+                     else eng.arena_plan.sessions_reserved_max().sessions)
         target = want[policy] if not ctx.small else predicted
         run = _admission_run(eng, target + 1, L - out_len, out_len, policy)
         # The memory a decode step of B sessions must move: weights (less the unread
@@ -669,7 +677,7 @@ def check_seed(ctx: Ctx) -> dict[str, Any]:
                               "bytes_per_step_gib": round(bytes_moved / 2**30, 3)}
         res = {"sessions_submitted": target + 1, "peak_concurrent": run["peak"], "planner_predicts": predicted,
                "expected": target, "outputs_well_formed": run["shapes_ok"], "decode": floors,
-               "kv_blocks": eng.num_blocks, "state_slots": eng.num_state_slots,
+               "arena_pages": eng.num_pages, "state_pages": eng.state_pages,
                "params": sum(p.numel() for p in eng.model.parameters()),
                "cuda_graphs": eng.runner.graphs is not None}
         res["ok"] = run["peak"] == target == predicted and run["shapes_ok"] and str(target) in floors
@@ -696,11 +704,15 @@ def check_pools(ctx: Ctx) -> dict[str, Any]:
     L, out_len = (1024, 8) if not ctx.small else (128, 2)
     dtype = "bfloat16" if ctx.cuda else "float32"
     kw = dict(dtype=dtype, max_num_seqs=32, max_num_batched_tokens=16 * L, max_model_len=L,
-              expected_context_len=L, enable_prefix_caching=False)
+              enable_prefix_caching=False)
     import dataclasses
 
+    from hybridserve.memory.layout import arena_layout
+
     config = dataclasses.replace(ModelConfig.from_json(d), torch_dtype=dtype, max_position_embeddings=L)
-    session = planner.paged_sequence_bytes(config, L, 16, dtype)
+    layout = arena_layout(config, 16, dtype)
+    # One session's pages (its state + its blocks); the CUDA-graph scratch state on top.
+    session = layout.pages_for_sequence(L) * layout.page_bytes
     out: dict[str, Any] = {"session_bytes": session}
     if ctx.cuda:
         total = torch.cuda.mem_get_info(ctx.device)[1]
@@ -715,7 +727,7 @@ def check_pools(ctx: Ctx) -> dict[str, Any]:
         del probe
         free_memory()
         reserve = 2 << 30
-        util = (in_use + reserve + 12 * session) / total
+        util = (in_use + reserve + 12 * session + layout.state_pages * layout.page_bytes) / total
         kw.update(gpu_memory_utilization=min(util, 1.0), runtime_reserve_bytes=reserve)
         out["gpu_memory_utilization"] = util
     else:
@@ -723,9 +735,9 @@ def check_pools(ctx: Ctx) -> dict[str, Any]:
         out["note"] = "CPU dry run: the pool comes from cpu_pool_bytes; the CUDA path measures free memory"
     with random_weight_engine():
         eng = make_engine(d, ctx, **kw)
-    predicted = planner.max_concurrency(eng.pool_plan, L)
+    predicted = eng.arena_plan.sessions(L).sessions
     run = _admission_run(eng, predicted + 1, L - out_len, out_len, "pools")
-    out.update({"pool_bytes": eng.pool_plan.pool_bytes,
+    out.update({"pool_bytes": eng.arena_plan.budget_bytes,
                 "cache_bytes": eng.cache.memory_bytes(), "planner_predicts": predicted,
                 "peak_concurrent": run["peak"], "outputs_well_formed": run["shapes_ok"],
                 "cuda_graphs": eng.runner.graphs is not None})

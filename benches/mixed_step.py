@@ -9,7 +9,14 @@ Cases run through the kernel entry points (``hybridserve.kernels.ops``) and thro
 whole model steps of the ``bench`` preset (random weights), so the same script runs
 against any version of the package. ``--before REV`` also runs it, side by side in
 one invocation, against the package as of git revision ``REV`` (extracted to a
-temporary folder with the current build of the Rust extension) and prints both.
+temporary folder with the current build of the Rust extension, or the one
+``--before-core PATH`` names when the native kernels' signatures changed in between)
+and prints both.
+
+Since issue 17 the DeltaNet state lives in arena pages found through a state page
+table; against a package of that kind the cases lay the state out as the arena does
+(items in pages of the layout's size, each sequence's pages scattered), against an
+older one in contiguous slots, so ``--before`` measures what the paging costs.
 
     python benches/mixed_step.py --threads 1 --before 596c949
 """
@@ -30,6 +37,36 @@ import time
 import torch
 
 BLOCK = 16
+
+
+def _paged() -> bool:
+    """Whether the package under test keeps DeltaNet state in arena pages (issue 17)."""
+    import importlib.util
+
+    return importlib.util.find_spec("hybridserve.kernels.state_pages") is not None
+
+
+def _state_pool(n_seqs, n_items, item_shape, gen, scale=1.0):
+    """``(pool, state_pages, item_base)``: a paged pool as the arena lays it out (items in
+    pages of 128 KiB, every sequence's pages scattered over a pool twice the size, the
+    layer's items from the second page column on), or, for a pre-arena package,
+    ``(slots pool [S, n_items, *item], slots, None)``."""
+    if not _paged():
+        return scale * torch.randn(n_seqs + 1, n_items, *item_shape, generator=gen), torch.arange(n_seqs), None
+    item = 1
+    for d in item_shape:
+        item *= d
+    page = 32768  # floats: 128 KiB
+    per_page = page // item
+    cols = 1 + -(-n_items // per_page)
+    num_pages = 2 * n_seqs * cols + 1
+    buf = scale * torch.randn(num_pages * page, generator=gen)
+    strides = [1]
+    for d in reversed(item_shape[1:]):
+        strides.insert(0, strides[0] * d)
+    pool = buf.as_strided((num_pages, per_page, *item_shape), (page, item, *strides))
+    table = torch.randperm(num_pages, generator=gen)[:n_seqs * cols].view(n_seqs, cols).to(torch.int32)
+    return pool, table, per_page
 
 
 def _median_ms(fn, reps: int, min_s: float = 0.0) -> float:
@@ -61,11 +98,11 @@ def delta_case(lens, init, h=8, kd=64, vd=64, seed=0):
     v = torch.randn(t, h, vd, generator=gen)
     g = -torch.rand(t, h, generator=gen) * 0.5
     beta = torch.rand(t, h, generator=gen)
-    state = torch.randn(len(lens) + 1, h, kd, vd, generator=gen) * 0.1
+    state, slots, base = _state_pool(len(lens), h, (kd, vd), gen, 0.1)
     qsl = _qsl(lens)
-    slots = torch.arange(len(lens))
     has = torch.tensor([init] * len(lens))
-    return lambda: ops.gated_delta_rule(q, k, v, g, beta, state, qsl, slots, has, kd ** -0.5, True)
+    kw = {} if base is None else dict(item_base=base)
+    return lambda: ops.gated_delta_rule(q, k, v, g, beta, state, qsl, slots, has, kd ** -0.5, True, **kw)
 
 
 def attention_case(q_lens, seq_lens, hq=8, hkv=2, d=64, seed=0):
@@ -74,8 +111,14 @@ def attention_case(q_lens, seq_lens, hq=8, hkv=2, d=64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     nblocks = [-(-n // BLOCK) for n in seq_lens]
     total = sum(nblocks) + 1
-    k_cache = torch.randn(total, BLOCK, hkv, d, generator=gen)
-    v_cache = torch.randn(total, BLOCK, hkv, d, generator=gen)
+    if _paged():  # K and V of one layer a page apart, as the arena holds them (4 layers)
+        blk = BLOCK * hkv * d
+        arena = torch.randn(total * 8 * blk, generator=gen)
+        shape, strides = (total, BLOCK, hkv, d), (8 * blk, hkv * d, d, 1)
+        k_cache, v_cache = arena.as_strided(shape, strides, 2 * blk), arena.as_strided(shape, strides, 3 * blk)
+    else:
+        k_cache = torch.randn(total, BLOCK, hkv, d, generator=gen)
+        v_cache = torch.randn(total, BLOCK, hkv, d, generator=gen)
     perm = torch.randperm(total, generator=gen)
     width = max(nblocks)
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int32)
@@ -95,11 +138,13 @@ def conv_case(lens, init, c=1024, w=4, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(sum(lens), c, generator=gen)
     weight = torch.randn(c, w, generator=gen)
-    state = torch.randn(len(lens) + 1, c, w - 1, generator=gen)
+    state, slots, base = _state_pool(len(lens), 1, (c, w - 1), gen)
+    if base is None:
+        state = state[:, 0]
     qsl = _qsl(lens)
-    slots = torch.arange(len(lens))
     has = torch.tensor(init)
-    return lambda: ops.causal_conv1d(x, weight, None, state, qsl, slots, has, "silu")
+    kw = {} if base is None else dict(item_base=base)
+    return lambda: ops.causal_conv1d(x, weight, None, state, qsl, slots, has, "silu", **kw)
 
 
 def op_cases():
@@ -136,12 +181,24 @@ class ModelBench:
         self.model = Qwen3_5ForServing(self.config)
         self.model.load_state_dict(random_state_dict(self.config, seed=0), strict=False)
         self.model.tie_weights()
-        self.cache = self.model.new_cache(num_blocks=4096, block_size=BLOCK, num_state_slots=160)
         gen = torch.Generator().manual_seed(0)
-        for t in self.cache.k_caches + self.cache.v_caches:
-            t.copy_(torch.randn(t.shape, generator=gen))
-        for t in self.cache.recurrent_states:
-            t.copy_(0.05 * torch.randn(t.shape, generator=gen))
+        self.paged = _paged()
+        if self.paged:
+            # 4,096 blocks + 160 sequences' state pages in one arena; state pages are
+            # handed out from a shuffled list, interleaved with the blocks.
+            self.cache = self.model.new_cache(num_pages=4096 + 160 * 8, block_size=BLOCK)
+            arena = self.cache.arena.view(torch.float32)
+            arena.copy_(torch.randn(arena.shape, generator=gen))
+            self.cache.recurrent_pool.mul_(0.05)
+            sp = self.cache.state_pages
+            self.free_state = (4096 + torch.randperm(160 * 8, generator=gen)).tolist()
+            self.take_state = lambda: [self.free_state.pop() for _ in range(sp)]
+        else:
+            self.cache = self.model.new_cache(num_blocks=4096, block_size=BLOCK, num_state_slots=160)
+            for t in self.cache.k_caches + self.cache.v_caches:
+                t.copy_(torch.randn(t.shape, generator=gen))
+            for t in self.cache.recurrent_states:
+                t.copy_(0.05 * torch.randn(t.shape, generator=gen))
         self.next_block = 1
         self.next_slot = 0
 
@@ -152,7 +209,7 @@ class ModelBench:
             nb = -(-seq_len // BLOCK)
             blocks = list(range(self.next_block, self.next_block + nb))
             self.next_block += nb
-            out.append((q_len, seq_len, blocks, self.next_slot))
+            out.append((q_len, seq_len, blocks, self.take_state() if self.paged else self.next_slot))
             self.next_slot += 1
         return out
 
@@ -174,7 +231,8 @@ class ModelBench:
             last.append(qsl[-1] - 1)
         batch = ForwardBatch.from_lists(
             input_ids=ids, positions=pos, slot_mapping=slot_map, query_start_loc=qsl, seq_lens=lens,
-            block_tables=tables, state_slots=slots, has_initial_state=init, logits_indices=last)
+            block_tables=tables, **{"state_pages" if self.paged else "state_slots": slots},
+            has_initial_state=init, logits_indices=last)
         return lambda: self.model(batch, self.cache)
 
 
@@ -214,8 +272,10 @@ def _before(rev: str, args) -> list[dict]:
                                  check=True, capture_output=True).stdout
         subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
         pkg = os.path.join(tmp, "python", "hybridserve")
-        for so in glob.glob(os.path.join(root, "python", "hybridserve", "_core*.so")):
-            shutil.copy(so, pkg)
+        sos = [args.before_core] if args.before_core else glob.glob(
+            os.path.join(root, "python", "hybridserve", "_core*.so"))
+        for so in sos:
+            shutil.copy(so, os.path.join(pkg, os.path.basename(so)))
         env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "python"))
         cmd = [sys.executable, os.path.abspath(__file__), "--json", "--threads", str(args.threads),
                "--reps", str(args.reps), "--only", args.only, "--expect-root", os.path.join(tmp, "python")]
@@ -231,6 +291,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", choices=["all", "ops", "model"], default="all")
     ap.add_argument("--before", metavar="REV", help="also measure the package as of this git revision")
+    ap.add_argument("--before-core", metavar="PATH",
+                    help="the _core extension (.so) to run --before with (default: the current build)")
     ap.add_argument("--json", action="store_true", help="print one JSON list (used by --before)")
     ap.add_argument("--expect-root", help=argparse.SUPPRESS)
     args = ap.parse_args()

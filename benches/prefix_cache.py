@@ -36,9 +36,15 @@ from hybridserve.sampling import SamplingParams
 
 
 def make_engine(model: str, caching: bool, threads: int, num_blocks: int, slots: int) -> LLMEngine:
+    """An engine whose one arena holds ``num_blocks`` KV blocks and ``slots`` DeltaNet
+    states (sequences' and checkpoints')."""
+    from hybridserve.config import ModelConfig
+    from hybridserve.memory.layout import arena_layout
+
+    state = arena_layout(ModelConfig.from_json(model), 16, "float32").state_pages
     return LLMEngine(EngineArgs(
         model=model, dtype="float32", device="cpu", block_size=16, max_num_seqs=64,
-        max_num_batched_tokens=2048, num_gpu_blocks=num_blocks, num_state_slots=slots,
+        max_num_batched_tokens=2048, num_pages=num_blocks + slots * state,
         enable_prefix_caching=caching, cpu_threads=threads,
     ))
 

@@ -43,7 +43,9 @@ impl Workload {
         let per_seq = (prompt_len + growth).div_ceil(BS as usize) + 2;
         // Churn: leave room for the parked (cached) blocks of finished requests.
         let num_blocks = (n * per_seq * if churn { 2 } else { 1 } + 1024) as u32;
-        let mut cfg = SchedulerConfig::new(num_blocks, BS, n as u32 + 8, n as u32, n as u32 + 16384, max_model_len);
+        // One arena: the blocks plus a one-page DeltaNet state per sequence.
+        let num_pages = num_blocks + n as u32 + 8;
+        let mut cfg = SchedulerConfig::new(num_pages, BS, 1, n as u32, n as u32 + 16384, max_model_len);
         cfg.enable_prefix_caching = true;
         cfg.max_finished_retained = 1024;
         let s = Scheduler::new(cfg).unwrap();

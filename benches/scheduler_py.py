@@ -32,7 +32,8 @@ class Workload:
         growth = LIFE if churn else steps + 64
         per_seq = -(-(PROMPT + growth) // 16) + 2
         blocks = n * per_seq * (2 if churn else 1) + 1024
-        self.s = Scheduler(blocks, 16, n + 8, n, n + 16384, PROMPT + growth + 16,
+        # One arena: the blocks plus a one-page DeltaNet state per sequence.
+        self.s = Scheduler(blocks + n + 8, 16, 1, n, n + 16384, PROMPT + growth + 16,
                            enable_prefix_caching=True, max_finished_retained=1024)
         self.churn = churn
         self.next = 0
@@ -62,7 +63,7 @@ class Workload:
         out = self.s.schedule()
         # What the runner reads each step (attribute access is part of the cost).
         _ = (out.input_ids, out.positions, out.slot_mapping, out.query_start_loc, out.seq_lens,
-             out.state_slots, out.block_table_rows, out.block_table_update_rows,
+             out.state_table_update_values, out.checkpoint_positions, out.block_table_rows, out.block_table_update_rows,
              out.block_table_update_cols, out.block_table_update_values, out.block_copies, out.state_copies)
         finished = self._update(out)
         if self.churn:

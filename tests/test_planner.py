@@ -159,16 +159,19 @@ def test_config_b_by_hand():
     assert pl.block_bytes(c, 32, "float8_e4m3fn") == 98_304
     # Matrix state: 3 layers x 8 value heads x 64 (d_k) x 32 (d_v) x 4 B = 196,608 B.
     assert pl.matrix_state_bytes(c) == 196_608
-    # Conv channels: 2 x (4 x 64) + 8 x 32 = 512 + 256 = 768; state: 3 x 768 x (3-1) x 2 B.
+    # Conv channels: 2 x (4 x 64) + 8 x 32 = 512 + 256 = 768; state: 3 x 768 x (3-1) x the
+    # cache dtype: 2 B in fp16 (the model dtype), 1 B in an fp8 cache -- the cache holds it
+    # in the KV dtype, so the planner sizes it so (it used the model dtype: 9,216 B).
     assert pl.conv_state_bytes(c) == 9_216
+    assert pl.conv_state_bytes(c, "float8_e4m3fn") == 4_608
     # Session of 5,000 tokens: ceil(5000/32) = 157 blocks x 98,304 = 15,433,728 B
-    # + 196,608 + 9,216 = 15,639,552 B.
-    assert pl.paged_sequence_bytes(c, 5_000, 32, "float8_e4m3fn") == 15_639_552
-    # Native 8,192 tokens = 256 blocks of 32: 8,192 x 3,072 = 25,165,824 + 205,824
-    # = 25,371,648 B.
-    assert pl.reserved_sequence_bytes(c, 32, "float8_e4m3fn") == 25_371_648
-    # Pool of 100 MiB = 104,857,600 B: 6 paged (7 x 15,639,552 = 109,476,864 > pool),
-    # 4 reserved (5 x 25,371,648 = 126,858,240 > pool; 4 x = 101,486,592).
+    # + 196,608 + 4,608 = 15,634,944 B.
+    assert pl.paged_sequence_bytes(c, 5_000, 32, "float8_e4m3fn") == 15_634_944
+    # Native 8,192 tokens = 256 blocks of 32: 8,192 x 3,072 = 25,165,824 + 201,216
+    # = 25,367,040 B.
+    assert pl.reserved_sequence_bytes(c, 32, "float8_e4m3fn") == 25_367_040
+    # Pool of 100 MiB = 104,857,600 B: 6 paged (7 x 15,634,944 = 109,444,608 > pool),
+    # 4 reserved (5 x 25,367,040 = 126,835,200 > pool; 4 x = 101,468,160).
     assert pl.sessions_paged(c, 100 * MiB, 5_000, 32, "float8_e4m3fn") == 6
     assert pl.sessions_reserved_max(c, 100 * MiB, 32, "float8_e4m3fn") == 4
 

@@ -113,29 +113,6 @@ class KvCacheManager:
         alloc_failures, evictions, cow_copies, num_free_blocks, num_used_blocks,
         num_cached_blocks."""
 
-class StatePool:
-    """DeltaNet state slots. Allocation order: most recently freed first."""
-
-    def __init__(self, num_slots: int) -> None: ...
-    @property
-    def num_slots(self) -> int: ...
-    @property
-    def num_free(self) -> int: ...
-    @property
-    def num_used(self) -> int: ...
-    def allocate(self) -> int:
-        """Raises OutOfSlots when none is free."""
-    def allocate_n(self, n: int) -> Int32Array:
-        """``n`` slots or none (OutOfSlots)."""
-    def allocate_checkpoint(self, block_hash: int) -> int:
-        """A slot holding the state after the block with this chained hash."""
-    def free(self, slot: int) -> None:
-        """InvalidSlot if free or out of range."""
-    def fork(self, src: int) -> tuple[int, int]:
-        """``(src, dst)``: a new slot for a forked child; copy the state src -> dst."""
-    def slot_use(self, slot: int) -> str | None:
-        """"free", "sequence", "checkpoint", or None out of range."""
-
 # ---------------------------------------------------------------- scheduler
 
 class SchedulerOutput:
@@ -171,7 +148,12 @@ class SchedulerOutput:
     @property
     def slot_mapping(self) -> Int32Array: ...
     @property
-    def state_slots(self) -> Int32Array: ...
+    def checkpoint_positions(self) -> Int32Array:
+        """``[B]``: -1, or write the entry's DeltaNet state as it is after its first
+        ``k`` scheduled tokens into its checkpoint pages (at most one per entry)."""
+    @property
+    def checkpoint_pages(self) -> Int32Array:
+        """``state_pages`` page ids per entry with a checkpoint position, entry order."""
     @property
     def num_samples(self) -> Int32Array:
         """Tokens to sample from the entry's last position: 0, 1, or n (an n>1 fork)."""
@@ -184,13 +166,21 @@ class SchedulerOutput:
     @property
     def block_table_update_values(self) -> Int32Array: ...
     @property
+    def state_table_update_rows(self) -> Int32Array:
+        """Cells of the persistent ``[max_num_seqs, state_pages]`` state page table
+        (entry ``b`` reads row ``block_table_rows[b]``): apply before the step."""
+    @property
+    def state_table_update_cols(self) -> Int32Array: ...
+    @property
+    def state_table_update_values(self) -> Int32Array: ...
+    @property
     def block_copies(self) -> Int32Array:
         """``[K, 2]`` copy-on-write (src, dst) block pairs."""
     @property
     def state_copies(self) -> Int32Array:
-        """``[M, 2]`` (src_slot, dst_slot) DeltaNet state copies: forks, checkpoint
-        writes and checkpoint restores. Read every source before writing any
-        destination (one gather, one scatter); do them before the forward."""
+        """``[M, 2]`` (src_page, dst_page) arena page copies of DeltaNet states: forks
+        (n > 1, beams) and checkpoint restores. Read every source (of both copy
+        lists) before writing any destination; do them before the forward."""
     @property
     def preempted(self) -> list[str]: ...
     @property
@@ -220,7 +210,8 @@ class StepUpdate:
         """"stop" or "length"."""
 
 class Scheduler:
-    """Continuous-batching scheduler over a KV block pool and a DeltaNet slot pool.
+    """Continuous-batching scheduler over one arena of pages: KV blocks, DeltaNet
+    states (``state_pages`` pages each) and checkpoints share one free count.
 
     ``add_request`` raises ``InvalidRequest`` (can never be served as given) or
     ``QueueFull`` (waiting cap) at once, changing nothing. ``schedule()`` and
@@ -229,9 +220,9 @@ class Scheduler:
 
     def __init__(
         self,
-        num_blocks: int,
+        num_pages: int,
         block_size: int,
-        num_state_slots: int,
+        state_pages: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
@@ -243,13 +234,17 @@ class Scheduler:
         aging_interval_steps: int = 256,
         reserve_max_context: bool = False,
         max_finished_retained: int = 4096,
-        checkpoint_slot_cost_blocks: float = 1.0,
         prefix_checkpoint_interval: int = 0,
         priority_preemption_threshold: int = 1,
         max_priority_preemptions_per_step: int = 4,
     ) -> None: ...
     @property
     def max_blocks_per_seq(self) -> int: ...
+    @property
+    def state_pages(self) -> int:
+        """Columns of the state page table buffer (pages per DeltaNet state)."""
+    @property
+    def num_pages(self) -> int: ...
     def now(self) -> float:
         """Seconds on the scheduler's clock (arrival times and events use it)."""
     def add_request(
@@ -277,7 +272,7 @@ class Scheduler:
         """``num_samples[b]`` tokens per entry of the last plan, in batch order."""
     def finish(self, request_id: str, sample_index: int, reason: str = "stop") -> bool: ...
     def abort(self, request_id: str) -> bool:
-        """Abort in any state; every block and slot comes back. False if already finished."""
+        """Abort in any state; every page comes back. False if already finished."""
     def get_output_tokens(self, request_id: str, sample_index: int) -> Int32Array: ...
     def has_unfinished(self) -> bool: ...
     def num_running(self) -> int: ...
@@ -286,6 +281,16 @@ class Scheduler:
         """Dense ``[B, width]`` block tables of the last plan (-1 padded)."""
     def take_events(self) -> list[tuple[str, str, float, float]]:
         """(request_id, request_class, time, queue_delay) of requests first scheduled since the last call."""
-    def checkpoints(self) -> list[tuple[int, int, int]]:
-        """Live DeltaNet checkpoints: (state slot, tokens, last KV block of its chain), sorted."""
-    def stats(self) -> dict[str, int]: ...
+    def checkpoints(self) -> list[tuple[list[int], int, int, int]]:
+        """Live DeltaNet checkpoints: (state pages, tokens, last KV block of its chain,
+        generation of that block's prefix-cache entry), sorted."""
+    def running_states(self) -> list[tuple[int, list[int]]]:
+        """(sequence id, state pages) of running sequences' states (tests)."""
+    def running_tables(self) -> list[list[int]]:
+        """KV blocks of every live running sequence's table (tests)."""
+    def free_and_cached_pages(self) -> tuple[list[int], list[int]]:
+        """The free list and the parked cached blocks (tests)."""
+    def stats(self) -> dict[str, int | str]:
+        """Arena pages by use (num_pages, free_pages, kv_pages, running_state_pages,
+        checkpoint_pages, cached_pages; they sum to num_pages), available_pages,
+        admission_limited_{pages,seqs,budget} and last_admission_limit, counters."""

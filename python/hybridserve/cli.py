@@ -47,6 +47,19 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _device_memory(text: str) -> int:
+    """A size (``80GB``, ``141GB``, ``80GiB``) or a device name (``h100``, ``h200``)."""
+    from hybridserve.planner import DEVICE_MEMORY, device_memory_bytes
+
+    named = device_memory_bytes(text)
+    if named is not None:
+        return named
+    try:
+        return size(text)
+    except argparse.ArgumentTypeError as e:
+        raise argparse.ArgumentTypeError(f"{e}; or name a device: {', '.join(DEVICE_MEMORY)}") from None
+
+
 def _dtype(text: str) -> str:
     from hybridserve.config import DTYPE_BYTES
 
@@ -64,12 +77,14 @@ def _dtype(text: str) -> str:
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "config", metavar="CONFIG",
-        help="a shipped preset (qwen3.5-27b), a config.json, or a checkpoint directory",
+        help="a shipped preset (qwen3.5-27b, qwen3.5-35b-a3b, qwen3.5-122b-a10b, "
+        "qwen3.5-397b-a17b), a config.json, or a checkpoint directory",
     )
-    mem = p.add_argument_group("memory (the pool is --pool-mib, else derived from the device)")
+    mem = p.add_argument_group("memory (the arena's budget is --pool-mib, else derived from the device)")
     mem.add_argument(
-        "--device-memory", type=size, default="80GB", metavar="SIZE",
-        help="device memory: 80GB (decimal), 80GiB or 81559MiB (default: 80GB)",
+        "--device-memory", type=_device_memory, default="80GB", metavar="SIZE|DEVICE",
+        help="memory of one device: 80GB (decimal), 80GiB, 81559MiB, or a device name "
+        "(h100 = 80GB, h200 = 141GB, b200 = 180GB) (default: 80GB)",
     )
     mem.add_argument(
         "--gpu-memory-utilization", type=_fraction, default=0.9, metavar="FRACTION",
@@ -81,7 +96,21 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     mem.add_argument(
         "--pool-mib", type=positive_int, metavar="N",
-        help="give the KV + state pool size in MiB directly (e.g. 23859), ignoring the above",
+        help="give the arena's budget (KV + state) in MiB directly (e.g. 23859), ignoring the above",
+    )
+    mem.add_argument(
+        "--enforce-eager", action="store_true",
+        help="the engine will run without CUDA graphs: no scratch state is set aside "
+        "(default: one sequence's state pages are, as on CUDA)",
+    )
+    mem.add_argument(
+        "--min-sessions", type=positive_int, default=1, metavar="K",
+        help="with a device (not --pool-mib): count the devices needed to run K sessions of "
+        "--context tokens at once (default: 1)",
+    )
+    mem.add_argument(
+        "--max-num-seqs", type=positive_int, default=None, metavar="N",
+        help="cap the session counts at the engine's max_num_seqs (default: no cap)",
     )
     p.add_argument(
         "--context", type=positive_int, default=32768, metavar="L",
@@ -94,7 +123,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--omit-conv-state", action="store_true",
-        help="leave the DeltaNet conv state out of the session counts, as the seed does",
+        help="leave the DeltaNet conv state out of the seed's byte counts, as the seed does "
+        "(the arena's page counts always hold it)",
     )
     share = p.add_argument_group("scenarios")
     share.add_argument(
@@ -143,6 +173,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         block_size=args.block_size,
         kv_dtype=args.kv_dtype,
         include_conv=not args.omit_conv_state,
+        cuda_graphs=not args.enforce_eager,
+        max_num_seqs=args.max_num_seqs,
+        min_sessions=args.min_sessions,
         shared_prefix_len=args.shared_prefix,
         sessions=args.sessions,
         n=args.n,
@@ -153,66 +186,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(d, indent=2))
     else:
-        print(render_plan(report, config_name=os.fspath(args.config)))
+        print(pl.render_plan(report, config_name=os.fspath(args.config)))
     return EXIT_OK
-
-
-def render_plan(report, config_name: str = "") -> str:
-    """The readable table of ``hybridserve plan`` (the seed's table, then the scenarios)."""
-    from hybridserve.planner import format_bytes as fb
-    from hybridserve.planner import format_mib
-
-    r = report
-    L = r.context_len
-    conv_note = "counted" if r.conv_state_counted else "not counted (--omit-conv-state)"
-    rows: list[tuple[str, str]] = [
-        ("layers", f"{r.num_layers} = {r.num_full_attention_layers} full attention + "
-                   f"{r.num_linear_attention_layers} Gated DeltaNet"),
-        (f"KV per token ({r.kv_dtype})", f"{r.kv_bytes_per_token:,} B ({fb(r.kv_bytes_per_token)})"),
-        (f"KV per sequence at the native {r.max_position_embeddings:,} tokens", fb(r.kv_bytes_at_native_max)),
-        (f"one {r.block_size}-token block (all attention layers)", fb(r.block_bytes)),
-        ("DeltaNet matrix state per sequence (float32)", fb(r.state_bytes_per_sequence)),
-        (f"DeltaNet conv state per sequence ({r.model_dtype}; {conv_note})",
-         fb(r.conv_state_bytes_per_sequence)),
-        ("weights", f"{fb(r.weight_bytes)} = {r.weight_bytes / 1e9:,.2f} GB ({r.weight_source})"),
-        ("pool for KV + state", f"{format_mib(r.pool_bytes)} ({fb(r.pool_bytes)}; {r.pool_source})"),
-        (f"one {L:,}-token session, paged",
-         f"{fb(r.kv_bytes_per_sequence)} KV + {fb(r.state_bytes_per_sequence)} state"
-         + (f" + {fb(r.conv_state_bytes_per_sequence)} conv" if r.conv_state_counted else "")
-         + f" = {format_mib(r.session_bytes_paged)}"
-         + (f" ({format_mib(r.session_bytes_paged_without_conv)} without conv)" if r.conv_state_counted else "")),
-        ("one session reserving the native maximum", format_mib(r.session_bytes_reserved_max)),
-        (f"sessions that fit at {L:,} tokens, paged", f"{r.sessions_paged:,}"),
-        ("sessions that fit, reserving the native maximum", f"{r.sessions_reserved_max:,}"),
-    ]
-    if r.shared_prefix is not None:
-        s = r.shared_prefix
-        rows += [
-            (f"{s.count} sessions sharing a {s.shared_len:,}-token prefix",
-             f"{s.shared_blocks:,} shared blocks + {s.count} x {s.private_blocks:,} own = "
-             f"{s.total_blocks:,} blocks, {format_mib(s.total_bytes)} "
-             f"(without sharing {format_mib(s.bytes_without_sharing)})"),
-            ("sessions that fit with the shared prefix",
-             f"{s.max_count:,} keeping {s.checkpoint_slots} DeltaNet checkpoint of "
-             f"{format_mib(s.checkpoint_bytes)} (prefix compute skipped; "
-             f"{s.max_count_evicting_checkpoint:,} if it is evicted; "
-             f"without caching {s.max_count_without_sharing:,})"),
-        ]
-    if r.parallel_sampling is not None:
-        p = r.parallel_sampling
-        q = p.per_request
-        rows += [
-            (f"one request of n={p.n} samples, {q.shared_len:,}-token prompt",
-             f"{q.shared_blocks:,} shared blocks + {p.n} x {q.private_blocks:,} own = "
-             f"{q.total_blocks:,} blocks + {p.n} state slots = {format_mib(p.bytes_per_request)}"),
-            (f"requests of n={p.n} that fit",
-             f"{p.requests_that_fit:,} ({p.sequences_that_fit:,} sequences; without sharing "
-             f"{p.requests_that_fit_without_sharing:,})"),
-        ]
-    width = max(len(k) for k, _ in rows)
-    head = f"hybridserve plan: {config_name} ({r.model_type})" if config_name else "hybridserve plan"
-    lines = [head, ""] + [f"{k:<{width}}  {v}" for k, v in rows]
-    return "\n".join(lines)
 
 
 class _BadInput(Exception):
@@ -221,7 +196,7 @@ class _BadInput(Exception):
 
 SUBCOMMANDS: dict[str, Subcommand] = {
     "plan": Subcommand(
-        help="memory plan: KV and DeltaNet state per session, sessions that fit (paged vs reserved)",
+        help="memory plan: the arena's pages, sessions that fit (paged vs reserved), devices needed",
         add_arguments=_add_plan_arguments,
         run=_run_plan,
     ),

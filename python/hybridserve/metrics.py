@@ -2,8 +2,8 @@
 
 Two sources, one registry:
 
-* the Rust core's counters and gauges (blocks, slots, prefix cache, preemptions,
-  queue sizes), read as one snapshot per scrape by a custom collector, so a scrape
+* the Rust core's counters and gauges (arena pages by use, prefix cache,
+  checkpoints, preemptions, what limited admission, queue sizes), read as one snapshot per scrape by a custom collector, so a scrape
   costs one ``stats()`` call and the core stays the single source of truth;
 * per-request latencies observed on the engine thread after each step: queue delay,
   time to first token, inter-token latency and end-to-end latency, each labelled
@@ -72,32 +72,38 @@ _COUNTERS = [
     ("checkpoint_hits", "state_checkpoint_hits", "Admissions that resumed from a DeltaNet state checkpoint"),
     ("checkpoint_writes", "state_checkpoint_writes", "DeltaNet state checkpoints written"),
     ("checkpoint_writes_skipped", "state_checkpoint_writes_skipped",
-     "DeltaNet checkpoint writes skipped: every state slot held by a sequence"),
+     "DeltaNet checkpoint writes skipped: no arena pages free or reclaimable"),
     ("checkpoint_evictions", "state_checkpoint_evictions",
      "DeltaNet checkpoints evicted for room (compute saved per byte, then recency)"),
     ("checkpoint_drops", "state_checkpoint_drops", "DeltaNet checkpoints dropped because their KV chain was evicted"),
     ("cow_copies", "copy_on_write_blocks", "Blocks copied on write (shared tail appended to)"),
     ("preemptions", "num_preemptions", "Requests preempted (recomputed later), all causes"),
-    ("state_fork_copies", "state_slot_fork_copies",
-     "DeltaNet state slots copied by forks: n > 1 samples from their parent, beams re-parented"),
+    ("state_fork_copies", "state_fork_copies",
+     "DeltaNet states copied by forks: n > 1 samples from their parent, beams re-parented"),
     ("steps", "engine_steps", "Scheduler steps"),
     ("finished_requests", "finished_requests", "Requests finished (stop or length)"),
     ("aborted_requests", "aborted_requests", "Requests aborted (client gone or cancelled)"),
 ]
 # (stats key, metric name, help) — gauges of the core.
 _GAUGES = [
-    ("num_blocks", "kv_blocks_total", "KV blocks in the pool"),
-    ("free_blocks", "kv_blocks_free", "KV blocks allocatable now (free + unreferenced cached)"),
+    ("num_pages", "arena_pages_total", "Pages of the one cache arena (KV blocks, DeltaNet state, checkpoints)"),
+    ("available_pages", "arena_pages_available",
+     "Pages a new request could get now: free + cached blocks + evictable checkpoints"),
+    ("page_bytes", "arena_page_bytes", "Bytes of one arena page"),
+    ("pages_per_state", "arena_pages_per_state", "Pages one DeltaNet state (a sequence's or a checkpoint's) takes"),
+    ("padding_bytes", "arena_padding_bytes",
+     "Bytes of the pages in use that hold nothing (layout padding of KV pages and state pages)"),
+    ("num_blocks", "kv_blocks_total", "Arena pages (every page can be a KV block)"),
+    ("free_blocks", "kv_blocks_free", "Pages allocatable as KV blocks now (free + unreferenced cached)"),
     ("used_blocks", "kv_blocks_used", "KV blocks referenced by sequences"),
     ("cached_blocks", "kv_blocks_cached", "Unreferenced blocks kept for prefix reuse"),
-    ("reserved_blocks", "kv_blocks_reserved", "Blocks reserved by the reserve-max admission policy"),
+    ("reserved_pages", "arena_pages_reserved", "Pages reserved by the reserve-max admission policy"),
     ("tail_waste", "kv_tail_waste_slots", "Unused token slots in the last blocks of running sequences"),
     ("shared_blocks", "kv_blocks_shared",
      "KV blocks referenced by more than one running sequence (samples, beams, a common prefix)"),
-    ("num_slots", "state_slots_total", "DeltaNet state slots in the pool"),
-    ("free_slots", "state_slots_free", "DeltaNet state slots allocatable now (free + reclaimable checkpoints)"),
-    ("checkpoint_slots", "state_slots_checkpoint", "DeltaNet state slots holding prefix checkpoints (reclaimable)"),
-    ("used_slots", "state_slots_used", "DeltaNet state slots held by sequences"),
+    ("running_state_pages", "arena_pages_running_state",
+     "Arena pages holding running sequences' DeltaNet state (also in arena_pages{use=...})"),
+    ("checkpoints", "state_checkpoints", "DeltaNet state checkpoints held (each pages_per_state pages)"),
     ("num_running_requests", "num_requests_running", "Requests running"),
     ("num_running_seqs", "num_seqs_running", "Sequences running (n > 1 requests count n)"),
     ("num_waiting_requests", "num_requests_waiting", "Requests waiting"),
@@ -108,6 +114,21 @@ _GAUGES = [
 
 # Busiest expert / mean: 1 is even; k experts of E all taking one row is E / k.
 _EXPERT_LOAD_BUCKETS = (1.1, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32, 64, 128)
+# Arena pages by use: (stats key, label value); they sum to num_pages.
+_PAGE_USES = [
+    ("kv_pages", "kv"),
+    ("running_state_pages", "running_state"),
+    ("checkpoint_pages", "checkpoint"),
+    ("cached_pages", "cached"),
+    ("free_pages", "free"),
+]
+# What stopped admission at the waiting head, one count per step at most.
+_ADMISSION_LIMITS = [
+    ("admission_limited_pages", "pages"),
+    ("admission_limited_seqs", "max_num_seqs"),
+    ("admission_limited_budget", "token_budget"),
+]
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -128,6 +149,17 @@ class _CoreCollector:
             g = GaugeMetricFamily(PREFIX + name, doc)
             g.add_metric([], float(snap.get(key, 0)))
             yield g
+        g = GaugeMetricFamily(PREFIX + "arena_pages", "Arena pages by use (they sum to arena_pages_total)",
+                              labels=["use"])
+        for key, use in _PAGE_USES:
+            g.add_metric([use], float(snap.get(key, 0)))
+        yield g
+        c = CounterMetricFamily(PREFIX + "admission_limited",
+                                "Steps whose admission stopped at the waiting head, by what was short: "
+                                "arena pages, max_num_seqs or the step's token budget", labels=["limit"])
+        for key, limit in _ADMISSION_LIMITS:
+            c.add_metric([limit], float(snap.get(key, 0)))
+        yield c
         c = CounterMetricFamily(PREFIX + "preemptions_by_cause", "Requests preempted, by cause "
                                 "(blocks_needed, priority) and the victim's request_class",
                                 labels=["cause", "request_class"])
@@ -138,9 +170,10 @@ class _CoreCollector:
         for (cause, klass), n in merged.items():
             c.add_metric([cause, klass], n)
         yield c
-        total = float(snap.get("num_blocks", 0)) or 1.0
-        g = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)")
-        g.add_metric([], float(snap.get("used_blocks", 0)) / total)
+        total = float(snap.get("num_pages", 0)) or 1.0
+        g = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc",
+                              "Fraction of the arena held by running sequences (KV blocks + DeltaNet state, 0..1)")
+        g.add_metric([], float(snap.get("kv_pages", 0) + snap.get("running_state_pages", 0)) / total)
         yield g
         q = float(snap.get("prefix_query_tokens", 0))
         g = GaugeMetricFamily(PREFIX + "prefix_cache_hit_rate", "Prompt tokens served from cache / looked up")

@@ -139,8 +139,8 @@ def live_server(model_dir):
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         # 4 sequences at once for 8 requests: the queue shows in the metrics.
-        engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", device="cpu", num_gpu_blocks=64,
-                                      num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=128,
+        engine = LLMEngine(EngineArgs(model=model_dir, dtype="float32", device="cpu", num_pages=64 + 3 * 4,
+                                      max_num_seqs=4, max_num_batched_tokens=128,
                                       max_model_len=256))
         metrics = EngineMetrics()
         app = build_app(AsyncEngine(engine, on_step=metrics.observe_step), metrics, "tiny")
@@ -169,8 +169,8 @@ def _all_fields(rep):
         for m in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
             assert set(s[m]) == {"mean", "p50", "p90", "p99"}
             assert all(isinstance(v, float) and v >= 0 for v in s[m].values()), (m, s[m])
-    assert set(rep["server"]) >= {"preemptions", "peak_kv_blocks_used", "kv_blocks_total", "peak_state_slots_used",
-                                  "state_slots_total", "peak_running", "peak_waiting", "prefix_tokens_skipped",
+    assert set(rep["server"]) >= {"preemptions", "peak_kv_blocks_used", "kv_blocks_total", "peak_state_pages_used",
+                                  "arena_pages_total", "peak_running", "peak_waiting", "prefix_tokens_skipped",
                                   "prefix_tokens_skipped_source"}
 
 
@@ -193,8 +193,8 @@ def test_bench_serve_against_a_live_server_reports_every_field_and_plots(live_se
     assert {r["request_id"]: r["prompt_len"] for r in rep["requests"]} == {r.request_id: len(r.prompt) for r in w.requests}
     assert all(r["ttft_s"] <= r["e2e_s"] for r in rep["requests"])
     srv = rep["server"]
-    assert srv["kv_blocks_total"] == 64 and srv["state_slots_total"] == 4
-    assert 1 <= srv["peak_state_slots_used"] <= 4 and srv["peak_kv_blocks_used"] >= 1
+    assert srv["kv_blocks_total"] == srv["arena_pages_total"] == 64 + 3 * 4
+    assert 3 <= srv["peak_state_pages_used"] <= 4 * 3 and srv["peak_kv_blocks_used"] >= 1
     assert srv["peak_running"] <= 4 and srv["preemptions"] == 0
     assert srv["prefix_tokens_skipped"] is not None and srv["prefix_tokens_skipped_source"]
     assert len(rep["timeline"]) >= 2
@@ -235,16 +235,20 @@ def test_seed_scenario_concurrency_matches_the_plan(model_dir, tmp_path):
                "--scenario-output", "2", "--scenario-sessions", "12", "--output", str(out), "--no-progress"])
     assert rc == 0
     s = json.loads(out.read_text())["seed_scenario"]
-    # By hand: 32-token sessions = 2 blocks + 1 slot; the pool holds 23859/2192 of them
-    # (10 paged); reserving the 256-token maximum takes 16 blocks per session.
+    # By hand, in arena pages: a page is one 16-token block (8,192 B here); a session's
+    # DeltaNet state is 3 pages (16,896 B of state); the pool (the seed's 1.79 sessions
+    # of raw bytes per MiB ratio) holds 44 pages: 32-token sessions of 2 + 3 pages -> 8
+    # paged; reserving the 256-token maximum takes 16 + 3 pages -> 2.
     import dataclasses
     cfg = dataclasses.replace(ModelConfig.from_json(model_dir), torch_dtype="float32", max_position_embeddings=256)
     bb, slot = planner.block_bytes(cfg, 16, "float32"), planner.state_slot_bytes(cfg)
     pool = (2 * bb + slot) * SEED_POOL_MIB // SEED_SESSION_MIB
     assert s["pool_bytes"] == pool
-    assert s["plan"]["sessions_paged"] == pool // (2 * bb + slot) == 10
-    assert s["plan"]["sessions_reserved_max"] == pool // (16 * bb + slot)
-    assert s["policies"]["paged"]["peak_concurrent_sessions"] == 10
+    page, state = bb, -(-slot // bb)
+    assert (page, state, pool // page) == (8192, 3, 44)
+    assert s["plan"]["sessions_paged"] == (pool // page) // (2 + state) == 8
+    assert s["plan"]["sessions_reserved_max"] == (pool // page) // (16 + state) == 2
+    assert s["policies"]["paged"]["peak_concurrent_sessions"] == 8
     assert s["policies"]["reserve_max"]["peak_concurrent_sessions"] == s["plan"]["sessions_reserved_max"]
     assert s["ratio_matches_plan"] and math.isclose(s["concurrency_ratio"], s["plan_ratio"])
     assert all(p["completed"] == 12 and p["failed"] == 0 for p in s["policies"].values())

@@ -35,7 +35,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.a.allocate() == b
             self.state[b] = 1
         else:
-            with pytest.raises(errors.OutOfBlocks, match="raise num_blocks"):
+            with pytest.raises(errors.OutOfBlocks, match="raise num_pages"):
                 self.a.allocate()
 
     @rule(n=st.integers(min_value=0, max_value=N + 1))

@@ -224,7 +224,7 @@ def test_misuse_raises_clear_errors_and_changes_nothing():
         m.cache_full_blocks(t, [1, -2, 3, 4, 5])
     with pytest.raises(ValueError, match="n must be >= 0"):
         m.append_slots(t, -1)
-    with pytest.raises(errors.OutOfBlocks, match="raise num_blocks"):
+    with pytest.raises(errors.OutOfBlocks, match="raise num_pages"):
         m.append_slots(t, 100)
     with pytest.raises(errors.InvalidBlock):
         m.refcount(4)

@@ -14,7 +14,7 @@ STUB = Path(hybridserve.__file__).with_name("_core.pyi")
 def test_stub_matches_runtime():
     tree = ast.parse(STUB.read_text())
     classes = [n for n in tree.body if isinstance(n, ast.ClassDef)]
-    assert {"BlockAllocator", "BlockTable", "KvCacheManager", "StatePool", "Scheduler", "SchedulerOutput", "StepUpdate"} <= {c.name for c in classes}
+    assert {"BlockAllocator", "BlockTable", "KvCacheManager", "Scheduler", "SchedulerOutput", "StepUpdate"} <= {c.name for c in classes}
     for node in classes:
         assert hasattr(core, node.name), f"stub declares {node.name}, the module lacks it"
         cls = getattr(core, node.name)

@@ -5,14 +5,19 @@ oracle kept here, independent of the scheduler: each sample's true token stream
 (prompt + the tokens this test sampled), a simulated KV memory (slot -> the token
 prefix whose KV was written there) fed by slot_mapping / block_copies and read
 through a caller-side block-table buffer built only from the incremental row
-updates, a simulated DeltaNet state per slot fed by the plan and state_copies, and
+updates, a simulated DeltaNet state per arena page (read through the state page
+table built from the state_table updates) fed by the plan, state_copies and the
+mid-chunk checkpoint writes, and
 the stop rule. Invariants: the budget is never exceeded; every token fed is the
 right one at the right position; attention would read the right KV; the recurrent
 state is the right one (so a preempted request resumes with the same tokens, and
 a sequence resuming from a DeltaNet checkpoint starts from exactly its prefix);
 every live checkpoint holds the state of the prefix its key block was computed
-from, and no sequence runs on a checkpoint slot; everything admitted finishes;
-afterwards every block is free and every slot is free or a checkpoint.
+from, and no sequence runs on a checkpoint's pages; the arena: every page is
+exactly one of free, parked cached, referenced KV (refcount = tables holding it),
+a running state's or a checkpoint's, and the stats' per-use counts agree;
+everything admitted finishes; afterwards every page is free, cached or a
+checkpoint's.
 Priorities: admission follows the ordering key (priority with aging, then
 arrival), and every priority-preemption victim is outranked by the waiting head
 (strictly larger priority, key larger by more than the threshold), at most the
@@ -46,8 +51,8 @@ def stop_rule(p, n_out, t):
 def run_workload(seed: int) -> None:
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 4])
-    num_blocks = rng.randint(6, 40)
-    slots = rng.randint(1, 5)
+    pps = rng.randint(1, 3)
+    num_pages = rng.randint(pps + 6, 60)
     max_seqs = rng.randint(1, 5)
     budget = max_seqs + rng.randint(0, 20)
     max_len = 40
@@ -55,7 +60,7 @@ def run_workload(seed: int) -> None:
     aging = rng.choice([0, 2])
     caching = rng.random() < 0.5
     pthr, pbound = rng.choice([0, 1, 2]), rng.choice([0, 1, 4])
-    s = Scheduler(num_blocks, bs, slots, max_seqs, budget, max_len,
+    s = Scheduler(num_pages, bs, pps, max_seqs, budget, max_len,
                   enable_prefix_caching=caching, long_prefill_token_threshold=thresh,
                   aging_interval_steps=aging, max_waiting_requests=8,
                   priority_preemption_threshold=pthr, max_priority_preemptions_per_step=pbound)
@@ -72,6 +77,7 @@ def run_workload(seed: int) -> None:
         return (h["p"]["priority"] < v["p"]["priority"]
                 and key(v)[0] - key(h)[0] > pthr * max(aging, 1))
     rows = np.full((max_seqs, s.max_blocks_per_seq), -7, dtype=np.int64)
+    st_rows = np.full((max_seqs, pps), -7, dtype=np.int64)
     reqs: dict[str, dict] = {}
     kv: dict[int, tuple] = {}
     state: dict[int, tuple] = {}
@@ -85,8 +91,8 @@ def run_workload(seed: int) -> None:
         p = dict(max_tokens=rng.randint(1, 10), min_tokens=rng.randint(0, 3), n=rng.randint(1, 3),
                  ignore_eos=rng.random() < 0.3, priority=rng.randint(-3, 2))
         total = len(prompt) + p["max_tokens"]
-        invalid = (total > max_len or p["n"] > slots or p["n"] > max_seqs
-                   or p["n"] * -(-total // bs) > num_blocks or p["min_tokens"] > p["max_tokens"])
+        invalid = (total > max_len or p["n"] > max_seqs
+                   or p["n"] * (-(-total // bs) + pps) > num_pages or p["min_tokens"] > p["max_tokens"])
         waiting = sum(r["st"] == "w" for r in reqs.values())
         rid = f"r{k}"
         try:
@@ -104,6 +110,36 @@ def run_workload(seed: int) -> None:
         reqs[rid] = dict(prompt=prompt, p=p, st="w", forked=False, out=[[] for _ in range(p["n"])],
                          done=[False] * p["n"], computed=[0] * p["n"], arrival=clock[0], order=clock[1])
         clock[1] += 1
+
+    def check_arena(out):
+        """Each page in exactly one use, from sources the stats do not compute."""
+        free, cached = s.free_and_cached_pages()
+        owner: dict[int, list] = {}
+        for pg in free:
+            owner.setdefault(pg, []).append("free")
+        for pg in cached:
+            owner.setdefault(pg, []).append("cached")
+        refs: dict[int, int] = {}
+        for table in s.running_tables():
+            for b in table:
+                refs[b] = refs.get(b, 0) + 1
+        for b in refs:
+            owner.setdefault(b, []).append("kv")
+        for _sid, pages in s.running_states():
+            for pg in pages:
+                owner.setdefault(pg, []).append("state")
+        for pages, *_ in s.checkpoints():
+            for pg in pages:
+                owner.setdefault(pg, []).append("checkpoint")
+        for pg in out.checkpoint_pages.tolist():
+            owner.setdefault(pg, []).append("checkpoint")
+        assert all(len(o) == 1 for o in owner.values()), "a page used twice"
+        st_ = s.stats()
+        count = lambda w: sum(o == [w] for o in owner.values())  # noqa: E731
+        deferred = num_pages - len(owner)  # dropped checkpoints still read by this plan
+        assert deferred % pps == 0 and st_["checkpoint_pages"] == count("checkpoint") + deferred, "pages leaked"
+        assert (st_["free_pages"], st_["cached_pages"], st_["kv_pages"], st_["running_state_pages"]) == \
+            (count("free"), count("cached"), count("kv"), count("state"))
 
     def step():
         waiting = [r for r in reqs.values() if r["st"] == "w"]
@@ -137,16 +173,21 @@ def run_workload(seed: int) -> None:
         snap = dict(state)
         for src, dst in out.state_copies.tolist():
             state[dst] = snap.get(src, ())
-        ckpt_slots = set()
-        for slot, ntok, last in s.checkpoints():
-            assert ntok % bs == 0 and slot not in ckpt_slots
-            ckpt_slots.add(slot)
-            assert len(state.get(slot, ())) == ntok, "checkpoint holds a state of the wrong length"
-            assert kv.get(last * bs + bs - 1) == state.get(slot), "checkpoint state is not its key's prefix"
-        assert not ckpt_slots & set(out.state_slots.tolist()), "a sequence runs on a checkpoint slot"
+        ckpt_pages = set()
+        for pages, ntok, last, _gen in s.checkpoints():
+            assert ntok % bs == 0 and len(pages) == pps and not ckpt_pages & set(pages)
+            ckpt_pages |= set(pages)
+            for pg in pages:
+                assert len(state.get(pg, ())) == ntok, "checkpoint holds a state of the wrong length"
+                assert kv.get(last * bs + bs - 1) == state.get(pg), "checkpoint state is not its key's prefix"
         rows[out.block_table_update_rows, out.block_table_update_cols] = out.block_table_update_values
-        assert len(set(out.state_slots.tolist())) == B and len(set(out.block_table_rows.tolist())) == B
+        st_rows[out.state_table_update_rows, out.state_table_update_cols] = out.state_table_update_values
+        entry_pages = [p for e in range(B) for p in st_rows[int(out.block_table_rows[e])].tolist()]
+        assert not ckpt_pages & set(entry_pages), "a sequence runs on a checkpoint's pages"
+        assert len(set(entry_pages)) == B * pps and len(set(out.block_table_rows.tolist())) == B
+        check_arena(out)
         ents = []
+        ck_pages = out.checkpoint_pages.tolist()
         for e in range(B):
             rid, sm = out.request_ids[e], int(out.sample_indices[e])
             r = reqs[rid]
@@ -174,10 +215,17 @@ def run_workload(seed: int) -> None:
             assert int(out.num_samples[e]) == want
             assert out.input_ids[q0:q0 + k].tolist() == t[start:start + k], "fed the wrong tokens"
             assert out.positions[q0:q0 + k].tolist() == list(range(start, start + k))
-            slot = int(out.state_slots[e])
-            if start:
-                assert state.get(slot) == tuple(t[:start]), "wrong DeltaNet state"
-            state[slot] = tuple(t[:start + k])
+            for pg in st_rows[int(out.block_table_rows[e])].tolist():
+                if start:
+                    assert state.get(pg) == tuple(t[:start]), "wrong DeltaNet state"
+                state[pg] = tuple(t[:start + k])
+            pos = int(out.checkpoint_positions[e])
+            if pos >= 0:
+                # Written by the forward inside the chunk: the state after `pos` tokens.
+                assert 1 <= pos <= k and (start + pos) % bs == 0
+                for pg in ck_pages[:pps]:
+                    state[pg] = tuple(t[:start + pos])
+                ck_pages = ck_pages[pps:]
             ents.append((r, sm, t, start, k, q0))
         still = [r for r in reqs.values() if r["st"] == "w"]
         for rid in was_waiting:
@@ -186,13 +234,13 @@ def run_workload(seed: int) -> None:
         # No missed room where sequences are the only scarce resource: a head that
         # outranks running requests is admitted unless the bound was reached or
         # it would not fit even without all of them.
-        plenty = not caching and num_blocks > max_seqs * s.max_blocks_per_seq
+        plenty = not caching and num_pages > max_seqs * (s.max_blocks_per_seq + pps)
         if plenty and pbound and T < budget and still and len(prio) < pbound:
             h = min(still, key=key)
             running = [r for r in reqs.values() if r["st"] == "r"]
             if h is head and any(outranks(h, r) for r in running):
                 kept = sum(units(r) for r in running if not outranks(h, r))
-                assert kept + units(h) > min(max_seqs, slots), "head left waiting though outranked requests hold its room"
+                assert kept + units(h) > max_seqs, "head left waiting though outranked requests hold its room"
         for r, sm, t, start, k, q0 in ents:
             for j in range(k):
                 sl = int(out.slot_mapping[q0 + j])
@@ -261,12 +309,15 @@ def run_workload(seed: int) -> None:
         step()
         n += 1
         assert n < 3000, "did not drain"
+    held = s.stats()
+    assert (held["kv_pages"], held["running_state_pages"]) == (0, 0), "pages held after the last request ended"
     step()
     assert all(r["st"] == "d" for r in reqs.values()), "an admitted request never finished"
     st_ = s.stats()
-    assert st_["used_blocks"] == 0 and st_["free_blocks"] == num_blocks, "blocks leaked"
-    assert st_["free_slots"] == slots and st_["used_slots"] == 0, "slots leaked"
-    assert st_["checkpoint_slots"] == len(s.checkpoints())
+    assert st_["kv_pages"] == 0 and st_["running_state_pages"] == 0, "pages leaked"
+    assert st_["free_pages"] + st_["cached_pages"] + st_["checkpoint_pages"] == num_pages, "pages leaked"
+    assert st_["checkpoints"] == len(s.checkpoints()) and st_["checkpoint_pages"] == pps * len(s.checkpoints())
+    assert st_["available_pages"] == num_pages
 
 
 @settings(max_examples=60, deadline=None)
@@ -276,7 +327,7 @@ def test_scheduler_matches_model(seed):
 
 
 def test_refusals_say_what_to_change():
-    s = Scheduler(16, 4, 2, 2, 8, 32, max_waiting_requests=1)
+    s = Scheduler(16, 4, 1, 2, 8, 32, max_waiting_requests=1)
     with pytest.raises(InvalidRequest, match="max_model_len"):
         s.add_request("a", list(range(40)), max_tokens=1)
     with pytest.raises(InvalidRequest, match="empty"):

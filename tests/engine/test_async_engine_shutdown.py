@@ -16,7 +16,7 @@ from hybridserve.sampling import SamplingParams
 
 def test_add_queued_behind_abort_all_is_refused_and_nothing_runs(tiny_dirs):
     engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), dtype="float32", device="cpu",
-                                  num_gpu_blocks=32, num_state_slots=4, max_num_seqs=4))
+                                  num_pages=32 + 3 * 4, max_num_seqs=4))
     ae = AsyncEngine(engine)
     gate = threading.Event()
 
@@ -37,6 +37,6 @@ def test_add_queued_behind_abort_all_is_refused_and_nothing_runs(tiny_dirs):
         stats = ae._submit("call", lambda e: (dict(e.stats()), list(e.requests))).result(10)
         st, live = stats
         assert live == [] and "late" not in ae._streams
-        assert st["used_blocks"] == 0 and st["used_slots"] == 0
+        assert st["used_blocks"] == 0 and st["running_state_pages"] == 0
     finally:
         ae.shutdown()

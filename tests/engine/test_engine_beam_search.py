@@ -26,9 +26,9 @@ PROMPT = [5, 9, 33, 2, 71, 18, 4, 40, 12, 3, 7, 91, 15, 60, 22, 8, 31, 44, 6, 13
 OTHERS = [[17, 3, 88, 41, 9], [63, 5, 5, 120, 77, 2, 34, 19, 101]]
 
 
-def _llm(tiny_dirs, preset, width):
-    return LLM(tiny_dirs[preset], dtype="float32", device="cpu", block_size=16, num_gpu_blocks=64,
-               num_state_slots=width + 2, max_num_seqs=width + 2, max_num_batched_tokens=16)
+def _llm(tiny_dirs, preset, width, block_size=16):
+    return LLM(tiny_dirs[preset], dtype="float32", device="cpu", block_size=block_size,
+               num_pages=64 + 3 * (width + 2), max_num_seqs=width + 2, max_num_batched_tokens=16)
 
 
 def _hf_greedy(hf, prompt, n):
@@ -57,11 +57,11 @@ def _run_beside_others(llm, prompt, params, n_other):
 
 
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
-@pytest.mark.parametrize("width", [2, 4, 8])
-def test_beams_equal_hf_generate(tiny_dirs, hf_models, preset, width):
+@pytest.mark.parametrize("width,block_size", [(2, 16), (4, 16), (8, 16), (2, 32), (8, 32)])
+def test_beams_equal_hf_generate(tiny_dirs, hf_models, preset, width, block_size):
     hf = hf_models[preset]
     n = 7
-    llm = _llm(tiny_dirs, preset, width)
+    llm = _llm(tiny_dirs, preset, width, block_size)
     done, shared, mixed = _run_beside_others(llm, PROMPT, BeamSearchParams(beam_width=width, max_tokens=n,
                                                                            ignore_eos=True), 10)
     gc = copy.deepcopy(hf.generation_config)
@@ -81,7 +81,7 @@ def test_beams_equal_hf_generate(tiny_dirs, hf_models, preset, width):
     st = llm.engine.stats()
     assert shared > 0 and mixed > 0
     assert st["state_fork_copies"] >= width - 1
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0 and st["free_slots"] == st["num_slots"]
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0 and st["available_pages"] == st["num_pages"]
 
 
 def _brute_beam_search(hf, prompt, width, max_tokens, eos, lp):
@@ -133,7 +133,7 @@ def test_beams_with_eos_equal_a_brute_force_search_over_hf_logits(tiny_dirs, hf_
     assert [s.cum_logprob for s in got] == pytest.approx([w[1] for w in want], rel=1e-4, abs=1e-4)
     assert all(s.tokens == PROMPT + s.output_token_ids for s in got)
     st = llm.engine.stats()
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0
     # A search that ended (early or at max_tokens) is a finished request, not an abort.
     assert st["finished_requests"] == 1 and st["aborted_requests"] == 0
 
@@ -144,11 +144,11 @@ def test_abort_mid_search_returns_every_block_and_slot(tiny_dirs):
     eng.add_beam_request("b", PROMPT, BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
     for _ in range(5):
         eng.step()
-    assert eng.stats()["used_slots"] == 4
+    assert eng.stats()["running_state_pages"] == 4 * eng.stats()["pages_per_state"]
     eng.abort_request("b")
     eng.step()
     st = eng.stats()
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0 and st["free_slots"] == st["num_slots"]
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0 and st["available_pages"] == st["num_pages"]
     assert not eng.has_unfinished_requests()
 
 
@@ -209,8 +209,7 @@ def test_beam_request_preempted_as_a_unit_still_equals_hf(tiny_dirs, hf_models):
     # (all four beams), which is recomputed (prompt once, then each beam's own
     # tokens, then one joint decode) and must still give HF's beams.
     hf = hf_models["test-b"]
-    llm = LLM(tiny_dirs["test-b"], dtype="float32", device="cpu", block_size=16, num_gpu_blocks=64,
-              num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=16)
+    llm = LLM(tiny_dirs["test-b"], dtype="float32", device="cpu", block_size=16, num_pages=64 + 3 * 4, max_num_seqs=4, max_num_batched_tokens=16)
     eng = llm.engine
     eng.add_beam_request("beam", PROMPT, BeamSearchParams(beam_width=4, max_tokens=8, ignore_eos=True), priority=10)
     done = {}
@@ -229,7 +228,7 @@ def test_beam_request_preempted_as_a_unit_still_equals_hf(tiny_dirs, hf_models):
     with torch.no_grad():
         ref = hf.generate(torch.tensor([PROMPT]), generation_config=gc)
     assert [c.token_ids for c in done["beam"].outputs] == ref[:, len(PROMPT):].tolist()
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0
 
 
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
@@ -247,5 +246,5 @@ def test_search_that_stops_early_is_finished_not_aborted(tiny_dirs, hf_models, p
     assert [len(s.output_token_ids) for s in got] == [1] * width
     assert all(s.finish_reason == "stop" and s.output_token_ids[0] in eos for s in got)
     st = llm.engine.stats()
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0
     assert (st["finished_requests"], st["aborted_requests"]) == (1, 0), st

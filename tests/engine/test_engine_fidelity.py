@@ -98,20 +98,20 @@ def _prompts(seed: int, lengths, vocab: int = 259):
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_batch_of_four_prompts_decoded_together(preset, block_size, tiny_dirs, hf_models):
     llm = LLM(tiny_dirs[preset], dtype="float32", device="cpu", block_size=block_size,
-              num_gpu_blocks=64, num_state_slots=8, max_num_seqs=8, max_num_batched_tokens=512)
+              num_pages=64 + 3 * 8, max_num_seqs=8, max_num_batched_tokens=512)
     prompts = _prompts(1, [5, 17, 33, 40])
     outs, cap = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     _check_against_hf(hf_models[preset], outs, cap, greedy=True)
     assert cap.max_seqs_per_step == 4  # decoded together
     assert all(o.outputs[0].finish_reason == "length" for o in outs)
     stats = llm.engine.stats()
-    assert stats["used_slots"] == 0 and stats["num_running_seqs"] == 0
+    assert stats["running_state_pages"] == 0 and stats["num_running_seqs"] == 0
 
 
 @pytest.mark.parametrize("budget", [7, 13])
 def test_chunked_prefill_at_awkward_budgets_mixed_with_decodes(budget, tiny_dirs, hf_models):
     llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
-              num_gpu_blocks=64, num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=budget)
+              num_pages=64 + 3 * 4, max_num_seqs=4, max_num_batched_tokens=budget)
     prompts = _prompts(2, [3, 29, 41, 8])
     outs, cap = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
     _check_against_hf(hf_models["test-a"], outs, cap, greedy=True)
@@ -119,22 +119,26 @@ def test_chunked_prefill_at_awkward_budgets_mixed_with_decodes(budget, tiny_dirs
     assert cap.mixed_steps > 0, "no step mixed a prefill chunk with decodes"
 
 
-def test_preemption_by_recompute_gives_the_same_tokens(tiny_dirs, hf_models):
-    # 6 blocks of 16 tokens cannot hold four 20-token prompts growing by 24 tokens each:
-    # the scheduler must preempt and recompute, and the results must not change.
-    llm = LLM(tiny_dirs["test-b"], dtype="float32", device="cpu", block_size=16,
-              num_gpu_blocks=7, num_state_slots=4, max_num_seqs=4, max_num_batched_tokens=64)
+@pytest.mark.parametrize("block_size,num_pages", [(16, 19), (32, 10)])
+def test_preemption_by_recompute_gives_the_same_tokens(block_size, num_pages, tiny_dirs, hf_models):
+    # Block size 16: 19 pages (3 per DeltaNet state + the KV blocks) cannot hold four
+    # 20-token prompts growing by 24 tokens each (3 blocks + a state each); block size
+    # 32: 10 pages against 4 x (2 blocks + 2 state pages). The scheduler must preempt
+    # and recompute, and the results must not change.
+    llm = LLM(tiny_dirs["test-b"], dtype="float32", device="cpu", block_size=block_size,
+              num_pages=num_pages, max_num_seqs=4, max_num_batched_tokens=64)
     prompts = _prompts(3, [20, 20, 20, 20], vocab=259)
     outs, cap = _run(llm, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     stats = llm.engine.stats()
     assert stats["preemptions"] > 0, stats
     _check_against_hf(hf_models["test-b"], outs, cap, greedy=True)
-    assert stats["free_blocks"] == 7 and stats["free_slots"] == 4
+    assert stats["available_pages"] == stats["num_pages"] == num_pages and stats["running_state_pages"] == 0
 
 
-def test_n2_samples_fork_after_prefill_and_match_hf(tiny_dirs, hf_models):
-    llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
-              num_gpu_blocks=64, num_state_slots=8, max_num_seqs=8, max_num_batched_tokens=256)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_n2_samples_fork_after_prefill_and_match_hf(block_size, tiny_dirs, hf_models):
+    llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=block_size,
+              num_pages=64 + 3 * 8, max_num_seqs=8, max_num_batched_tokens=256)
     prompts = _prompts(4, [21, 9])  # 21 tokens: a partly-filled shared tail block
     params = SamplingParams(n=2, temperature=1.0, seed=1234, max_tokens=14, ignore_eos=True)
     outs, cap = _run(llm, prompts, params)
@@ -145,12 +149,12 @@ def test_n2_samples_fork_after_prefill_and_match_hf(tiny_dirs, hf_models):
     assert any(k == 2 for _, _, k, _, _ in cap.rows)  # one row sampled twice: the fork
     stats = llm.engine.stats()
     assert stats["cow_copies"] > 0
-    assert stats["used_blocks"] == 0 and stats["used_slots"] == 0
+    assert stats["used_blocks"] == 0 and stats["running_state_pages"] == 0
 
 
 def test_seeded_sampling_does_not_depend_on_batch_composition(tiny_dirs):
     llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
-              num_gpu_blocks=64, num_state_slots=8, max_num_seqs=8, max_num_batched_tokens=256)
+              num_pages=64 + 3 * 8, max_num_seqs=8, max_num_batched_tokens=256)
     p = SamplingParams(temperature=0.9, top_p=0.95, seed=77, max_tokens=10, ignore_eos=True)
     alone = llm.generate([[5, 6, 7, 8, 9]], p)[0].outputs[0].token_ids
     others = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)

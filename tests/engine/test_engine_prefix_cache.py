@@ -85,7 +85,7 @@ def toks(rng: random.Random, n: int, vocab: int = 259) -> list[int]:
 
 
 def make(tiny_dirs, preset="test-a", **kw) -> LLM:
-    args = dict(dtype="float32", device="cpu", block_size=16, num_gpu_blocks=256, num_state_slots=16,
+    args = dict(dtype="float32", device="cpu", block_size=16, num_pages=256 + 3 * 16,
                 max_num_seqs=8, max_num_batched_tokens=2048)
     args.update(kw)
     return LLM(tiny_dirs[preset], **args)
@@ -119,12 +119,13 @@ def test_shared_system_prompt_skips_compute_and_matches_hf(tiny_dirs, hf_models)
     outs_off = off.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in outs_off]
     assert off.engine.stats()["checkpoint_writes"] == 0
-    assert on.engine.stats()["used_slots"] == 0 and on.engine.stats()["used_blocks"] == 0
+    assert on.engine.stats()["running_state_pages"] == 0 and on.engine.stats()["used_blocks"] == 0
 
 
-def test_second_turn_resumes_from_the_first_turns_checkpoint(tiny_dirs, hf_models):
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_second_turn_resumes_from_the_first_turns_checkpoint(block_size, tiny_dirs, hf_models):
     rng = random.Random(6)
-    llm = make(tiny_dirs, "test-b")
+    llm = make(tiny_dirs, "test-b", block_size=block_size)
     cap = Capture(llm)
     first = toks(rng, 150)
     o1 = llm.generate([first], SamplingParams(max_tokens=12, **GREEDY))
@@ -132,19 +133,18 @@ def test_second_turn_resumes_from_the_first_turns_checkpoint(tiny_dirs, hf_model
     before = llm.engine.stats()
     o2 = llm.generate([second], SamplingParams(max_tokens=6, **GREEDY))
     st = llm.engine.stats()
-    assert st["prefix_skipped_tokens"] - before["prefix_skipped_tokens"] == (149 // 16) * 16
+    assert st["prefix_skipped_tokens"] - before["prefix_skipped_tokens"] == (149 // block_size) * block_size
     check_hf(hf_models["test-b"], o1 + o2, cap, greedy=True)
 
 
 def test_evicted_checkpoint_is_recomputed_exactly(tiny_dirs, hf_models):
-    # Two state slots: one runs a sequence, the other holds one checkpoint. A request
-    # with another prompt evicts the first prompt's checkpoint; the first prompt's
-    # repeat then recomputes (its KV still matches: tokens "lost for want of a
-    # checkpoint") and must still be exact. A small KV pool also evicts chains, which
-    # drops their checkpoints.
+    # 17 pages: a running 96-token sequence (6 blocks + a 3-page state), one
+    # checkpoint (3 pages) and the cached blocks of one prompt. A request with
+    # another prompt evicts the first prompt's chain and with it its checkpoint; the
+    # first prompt's repeat then recomputes and must still be exact.
     rng = random.Random(7)
     a, b = toks(rng, 90), toks(rng, 90)
-    llm = make(tiny_dirs, num_state_slots=2, num_gpu_blocks=14, max_num_seqs=1)
+    llm = make(tiny_dirs, num_pages=17, max_num_seqs=1)
     cap = Capture(llm)
     p = SamplingParams(max_tokens=5, **GREEDY)
     outs = llm.generate([a + [5]], p) + llm.generate([b + [6]], p)
@@ -158,7 +158,7 @@ def test_evicted_checkpoint_is_recomputed_exactly(tiny_dirs, hf_models):
     outs2 = llm.generate([a + [8]], p)
     assert llm.engine.stats()["prefix_skipped_tokens"] > st["prefix_skipped_tokens"]
     check_hf(hf_models["test-a"], outs2, cap, greedy=True)
-    assert st["free_slots"] == 2 and st["used_slots"] == 0
+    assert st["available_pages"] == st["num_pages"] and st["running_state_pages"] == 0
 
 
 def test_n2_forks_on_a_cached_prefix(tiny_dirs, hf_models):
@@ -176,16 +176,16 @@ def test_n2_forks_on_a_cached_prefix(tiny_dirs, hf_models):
     check_hf(hf_models["test-a"], outs[:2], cap, greedy=True)
     check_hf(hf_models["test-a"], outs[2:], cap, greedy=False)
     st = llm.engine.stats()
-    assert st["used_slots"] == 0 and st["used_blocks"] == 0
+    assert st["running_state_pages"] == 0 and st["used_blocks"] == 0
 
 
 def test_preempted_request_that_hit_the_cache_recomputes_exactly(tiny_dirs, hf_models):
-    # Four requests on a 40-token shared prefix, growing by 30 tokens each, in 12
-    # blocks: they cannot all fit, so some are preempted and readmitted (hitting the
-    # checkpoint again); the results must not change.
+    # Four requests on a 40-token shared prefix, growing by 30 tokens each, in 20
+    # pages (a state is 3): they cannot all fit, so some are preempted and readmitted
+    # (hitting the checkpoint again); the results must not change.
     rng = random.Random(9)
     system = toks(rng, 40)
-    llm = make(tiny_dirs, "test-b", num_gpu_blocks=12, num_state_slots=6, max_num_seqs=4,
+    llm = make(tiny_dirs, "test-b", num_pages=20, max_num_seqs=4,
                max_num_batched_tokens=64)
     cap = Capture(llm)
     p = SamplingParams(max_tokens=30, **GREEDY)
@@ -196,7 +196,7 @@ def test_preempted_request_that_hit_the_cache_recomputes_exactly(tiny_dirs, hf_m
     assert st["preemptions"] > 0, st
     assert st["checkpoint_hits"] >= 5, st  # four first admissions and at least one readmission
     check_hf(hf_models["test-b"], outs, cap, greedy=True)
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0
 
 
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
@@ -219,22 +219,24 @@ def test_chunked_prefill_with_a_small_budget_resumes_exactly(preset, block_size,
 
 def test_engine_admits_what_the_shared_prefix_plan_predicts(tiny_dirs):
     # Sessions of 48 tokens (40-token prompt, 8 generated) sharing a 32-token prefix:
-    # the planner says k sessions fit in 2 shared blocks + k own blocks + k slots + one
-    # checkpoint slot. Give the engine exactly that and k + 1 sessions at once.
+    # the planner says k sessions fit in 2 shared blocks + k own blocks + k states + one
+    # checkpoint, in arena pages. Give the engine exactly that and k + 1 sessions at once.
     import dataclasses
 
     from hybridserve import planner
     from hybridserve.config import ModelConfig
 
     k, bs = 3, 16
-    config = dataclasses.replace(ModelConfig.from_json(tiny_dirs["test-a"]), torch_dtype="float32")
-    sp = planner.sharing_plan(config, 1 << 40, 48, 32, k, bs, "float32")
+    config = dataclasses.replace(ModelConfig.from_json(tiny_dirs["test-a"]), torch_dtype="float32",
+                                 max_position_embeddings=2048)
+    big = planner.size_arena(config, block_size=bs, kv_dtype="float32", num_pages=1 << 20)
+    sp = planner.arena_sharing_plan(big, 48, 32, k)
     assert (sp.shared_blocks, sp.private_blocks, sp.checkpoint_slots) == (2, 1, 1)
-    pool = sp.shared_blocks * planner.block_bytes(config, bs, "float32") + sp.checkpoint_bytes + k * (
-        sp.private_blocks * planner.block_bytes(config, bs, "float32") + planner.state_slot_bytes(config))
-    assert planner.sharing_plan(config, pool, 48, 32, k, bs, "float32").max_count == k
-    llm = make(tiny_dirs, num_gpu_blocks=sp.shared_blocks + k * sp.private_blocks,
-               num_state_slots=k + sp.checkpoint_slots, max_num_seqs=8, max_num_batched_tokens=512)
+    state = big.state_pages
+    pages = sp.shared_blocks + sp.checkpoint_slots * state + k * (sp.private_blocks + state)
+    exact = planner.size_arena(config, block_size=bs, kv_dtype="float32", num_pages=pages)
+    assert planner.arena_sharing_plan(exact, 48, 32, k).max_count == k
+    llm = make(tiny_dirs, num_pages=pages, max_num_seqs=8, max_num_batched_tokens=512)
     rng = random.Random(12)
     system = toks(rng, 32)
     p = SamplingParams(max_tokens=8, **GREEDY)
@@ -291,5 +293,6 @@ def test_metrics_tell_skipped_from_kv_matched_tokens(tiny_dirs):
     assert value("state_checkpoint_queries_total") == 3
     assert value("state_checkpoint_hits_total") == 1
     assert value("state_checkpoint_writes_total") == st["checkpoint_writes"] >= 4
-    assert value("state_slots_checkpoint") == st["checkpoint_slots"] == len(llm.engine.scheduler.checkpoints())
+    assert value("state_checkpoints") == st["checkpoints"] == len(llm.engine.scheduler.checkpoints())
+    assert st["checkpoint_pages"] == st["checkpoints"] * st["pages_per_state"]
     assert value("prefix_cache_skip_rate") == pytest.approx(64 / sum(len(system) + 20 + i for i in range(3)))

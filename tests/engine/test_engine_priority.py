@@ -30,7 +30,7 @@ def test_urgent_request_preempts_a_full_batch_and_nobody_loses_tokens(tiny_dirs,
     # urgent priority -100 request must get its first token within 2 steps.
     engine = LLMEngine(EngineArgs(
         model=tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
-        num_gpu_blocks=64, num_state_slots=8, max_num_seqs=4, max_num_batched_tokens=64))
+        num_pages=64 + 3 * 8, max_num_seqs=4, max_num_batched_tokens=64))
     metrics = EngineMetrics()
     greedy = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)  # noqa: E731
     lows = {f"low{i}": [3 + i, 17, 29 + i, 8, 41, 5 + 2 * i] for i in range(4)}
@@ -65,7 +65,7 @@ def test_urgent_request_preempts_a_full_batch_and_nobody_loses_tokens(tiny_dirs,
     for rid, prompt in lows.items():
         assert tokens[rid] == _hf_greedy(hf, prompt, 20), rid
     st = engine.stats()
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0, st
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0, st
     # Preemptions by cause and by the victim's class.
     metrics.refresh(engine)
     text = metrics.render().decode()
@@ -76,7 +76,7 @@ def test_equal_priorities_never_preempt_for_priority(tiny_dirs):
     # Same crowding, one priority: the newcomer waits its turn (FCFS), as before.
     engine = LLMEngine(EngineArgs(
         model=tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
-        num_gpu_blocks=64, num_state_slots=8, max_num_seqs=2, max_num_batched_tokens=64))
+        num_pages=64 + 3 * 8, max_num_seqs=2, max_num_batched_tokens=64))
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     engine.add_request("a", [1, 2, 3], p)
     engine.add_request("b", [4, 5, 6], p)
@@ -100,7 +100,7 @@ def test_preempted_n2_request_prefills_its_prompt_once_and_keeps_its_samples(tin
     def engine():
         return LLMEngine(EngineArgs(
             model=tiny_dirs["test-b"], dtype="float32", device="cpu", block_size=16,
-            num_gpu_blocks=64, num_state_slots=4, max_num_seqs=2, max_num_batched_tokens=64,
+            num_pages=64 + 3 * 4, max_num_seqs=2, max_num_batched_tokens=64,
             enable_prefix_caching=False))
 
     prompt = [9, 4, 77, 31, 2, 18, 60, 5, 11, 42, 3, 25, 8, 19, 70, 1, 6, 33, 14, 50]  # 20 tokens
@@ -135,7 +135,7 @@ def test_preempted_n2_request_prefills_its_prompt_once_and_keeps_its_samples(tin
             for o in eng.step():
                 outs[o.request_id] = o
         st = eng.stats()
-        assert st["used_blocks"] == 0 and st["used_slots"] == 0
+        assert st["used_blocks"] == 0 and st["running_state_pages"] == 0
         return [c.token_ids for c in outs["slow"].outputs], fed, st
 
     alone, _, _ = run(False)

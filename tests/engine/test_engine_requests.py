@@ -20,7 +20,7 @@ PROMPT = [30, 31, 32, 33, 34, 35, 36, 37, 38]
 @pytest.fixture(scope="module")
 def llm(tiny_dirs):
     return LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", block_size=16,
-               num_gpu_blocks=48, num_state_slots=6, max_num_seqs=6, max_num_batched_tokens=128,
+               num_pages=48 + 3 * 6, max_num_seqs=6, max_num_batched_tokens=128,
                max_model_len=128)
 
 
@@ -41,7 +41,7 @@ def hf_greedy(hf_models):
 
 def _whole(llm):
     s = llm.engine.stats()
-    assert s["used_blocks"] == 0 and s["used_slots"] == 0 and s["num_running_seqs"] == 0, s
+    assert s["used_blocks"] == 0 and s["running_state_pages"] == 0 and s["num_running_seqs"] == 0, s
 
 
 def test_stop_token_ids_end_the_completion_with_the_token_as_stop_reason(llm, hf_greedy):
@@ -126,8 +126,7 @@ def test_a_rejected_prompt_in_a_batch_queues_nothing(llm):
 
 
 def test_queue_cap_answers_queue_full(tiny_dirs):
-    llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", num_gpu_blocks=32,
-              num_state_slots=4, max_num_seqs=4, max_waiting_requests=2)
+    llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", num_pages=32 + 3 * 4, max_num_seqs=4, max_waiting_requests=2)
     engine = llm.engine
     engine.add_request("a", [5, 6], SamplingParams(max_tokens=2))
     engine.add_request("b", [5, 6], SamplingParams(max_tokens=2))

@@ -70,16 +70,19 @@ def test_decode_buckets_and_cpu_refusal(tiny_dirs):
     assert decode_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
     assert decode_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert [bucket_for(decode_buckets(30), n) for n in (1, 3, 9, 25, 30, 31)] == [1, 4, 16, 30, 30, None]
-    engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32",
-                                  num_gpu_blocks=8, num_state_slots=2))
+    engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32", num_pages=16))
+    scratch = list(range(engine.cache.state_pages))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
-        DecodeGraphs(engine.model, engine.cache, max_num_seqs=4, max_blocks_per_seq=4, scratch_slot=1)
+        DecodeGraphs(engine.model, engine.cache, max_num_seqs=4, max_blocks_per_seq=4, scratch_pages=scratch)
+    with pytest.raises(ValueError, match="scratch_pages must be"):
+        DecodeGraphs(engine.model, engine.cache, max_num_seqs=4, max_blocks_per_seq=4, scratch_pages=[0],
+                     replay_eagerly=True)
 
 
 def test_decode_graph_plumbing_gives_the_eager_engine_tokens(tiny_dirs):
     """The graph runner's data path (static buffers, full-width block tables, padding
-    rows on a scratch slot, bucket choice, output slicing) with the model run on the
-    padded buffers instead of a captured graph (its CPU test hook): the engine's
+    rows on the scratch state pages, bucket choice, output slicing) with the model run
+    on the padded buffers instead of a captured graph (its CPU test hook): the engine's
     tokens must equal the eager engine's while batches shrink across buckets."""
     import torch
 
@@ -87,17 +90,21 @@ def test_decode_graph_plumbing_gives_the_eager_engine_tokens(tiny_dirs):
 
     def run(with_graphs: bool):
         engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32",
-                                      block_size=4, max_num_seqs=6, num_gpu_blocks=128, num_state_slots=8))
+                                      block_size=4, max_num_seqs=6, num_pages=160))
         graphs = None
         if with_graphs:
-            cache = HybridCache(engine.model_config, engine.num_blocks, engine.block_size,
-                                engine.num_state_slots + 1, dtype=torch.float32)
+            # The arena with state_pages scratch pages past the scheduler's page ids, as
+            # the engine builds it on CUDA.
+            n = engine.num_pages
+            cache = HybridCache(engine.model_config, engine.cache.layout, n + engine.cache.state_pages,
+                                dtype=torch.float32)
+            scratch = list(range(n, n + cache.state_pages))
             engine.cache = engine.runner.cache = cache
             graphs = DecodeGraphs(engine.model, cache, max_num_seqs=6, max_blocks_per_seq=engine.max_blocks_per_seq,
-                                  scratch_slot=engine.num_state_slots, replay_eagerly=True)
+                                  scratch_pages=scratch, replay_eagerly=True)
             graphs.capture()
             engine.runner.graphs = graphs
-            scratch_before = [p[-1].clone() for p in cache.recurrent_states]
+            scratch_before = cache.pages[n:].clone()
         for i in range(5):
             params = SamplingParams(temperature=0.0 if i != 2 else 0.9, seed=7, max_tokens=3 + 2 * i,
                                     ignore_eos=True)
@@ -108,8 +115,8 @@ def test_decode_graph_plumbing_gives_the_eager_engine_tokens(tiny_dirs):
                 if out.finished:
                     tokens[out.request_id] = out.outputs[0].token_ids
         if graphs is not None:
-            # Padding rows used the scratch slot (its state changed) and nothing else.
-            assert any(not torch.equal(a, b[-1]) for a, b in zip(scratch_before, cache.recurrent_states))
+            # Padding rows used the scratch pages (their state changed) and nothing else.
+            assert not torch.equal(scratch_before, cache.pages[n:])
         return tokens, graphs
 
     eager, _ = run(False)

@@ -25,8 +25,7 @@ def _interrupt_after(engine, n_steps):
 
 @pytest.mark.parametrize("kind", ["generate", "beam_search"])
 def test_interrupted_call_aborts_what_it_started(tiny_dirs, kind):
-    llm = LLM(str(tiny_dirs["test-a"]), dtype="float32", device="cpu", num_gpu_blocks=48,
-              num_state_slots=8, max_num_seqs=8)
+    llm = LLM(str(tiny_dirs["test-a"]), dtype="float32", device="cpu", num_pages=48 + 3 * 8, max_num_seqs=8)
     engine = llm.engine
     real_step = _interrupt_after(engine, 3)
     with pytest.raises(KeyboardInterrupt):
@@ -38,7 +37,7 @@ def test_interrupted_call_aborts_what_it_started(tiny_dirs, kind):
     engine.step()  # the aborts are reported and freed at the next plan
     st = engine.stats()
     assert not engine.has_unfinished_requests()
-    assert st["used_blocks"] == 0 and st["used_slots"] == 0 and st["aborted_requests"] >= 1
+    assert st["used_blocks"] == 0 and st["running_state_pages"] == 0 and st["aborted_requests"] >= 1
     # The engine still serves: a fresh call completes.
     out = llm.generate([[9, 8, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3

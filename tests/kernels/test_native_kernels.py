@@ -1,7 +1,8 @@
 """The native CPU kernels (``hybridserve._core.kernels`` via ``hybridserve.kernels.native``)
 against the plain-PyTorch references, on random mixed batches: whole prompts, chunks
-continuing from a slot, decodes and empty runs in one call, fresh slots holding NaN,
-inputs that are column ranges of a wider buffer (as the model passes them)."""
+continuing from a state, decodes and empty runs in one call, state in scattered pages of
+a paged pool (fresh pages NaN-filled), checkpoints inside runs, inputs that are column
+ranges of a wider buffer (as the model passes them), KV caches a page apart."""
 
 import numpy as np
 import pytest
@@ -20,10 +21,14 @@ def _batch(gen, n_max=10):
     n = int(torch.randint(2, n_max, (1,), generator=gen))
     lens = [PICK[i] for i in torch.randint(len(PICK), (n,), generator=gen).tolist()]
     qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-    n_slots = n + 3
-    slots = torch.randperm(n_slots, generator=gen)[:n]
     init = torch.rand(n, generator=gen) < 0.6
-    return lens, qsl, slots, init, n_slots
+    ck = torch.tensor([int(torch.randint(1, m + 1, (1,), generator=gen)) if m and bool(torch.rand(1, generator=gen) < 0.5)
+                       else -1 for m in lens], dtype=torch.int32)
+    return lens, qsl, init, ck
+
+
+def _fresh(init, ck):
+    return [b for b in range(len(init)) if not init[b]], [b for b in range(len(ck)) if ck[b] >= 0]
 
 
 def _wide(t, cols, gen, extra=7):
@@ -33,75 +38,80 @@ def _wide(t, cols, gen, extra=7):
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_conv1d_matches_reference(seed):
+def test_conv1d_matches_reference(seed, paged_pool):
     gen = torch.Generator().manual_seed(seed)
-    lens, qsl, slots, init, n_slots = _batch(gen)
+    lens, qsl, init, ck = _batch(gen)
     c, w = [(24, 4), (40, 3), (300, 4), (8, 2), (17, 4), (64, 5)][seed]
     t = sum(lens)
     x = _wide(t, c, gen)
     weight = torch.randn(c, w, generator=gen)
     bias = torch.randn(c, generator=gen) if seed % 2 else None
-    pool = torch.randn(n_slots, c, w - 1, generator=gen)
-    pool[slots[~init]] = float("nan")  # fresh slots are never read
-    want_pool, got_pool = pool.clone(), pool.clone()
+    want = paged_pool(len(lens), 1, (c, w - 1), gen, per_page=2, item_base=3)
+    want.nan_fill(*_fresh(init, ck))  # fresh pages are never read
+    got = want.clone()
+    kw = dict(checkpoint_positions=ck, checkpoint_pages=want.ck_table)
     for _ in range(2):  # the second call continues from the first one's state
-        want = causal_conv1d_ref(x, weight, bias, want_pool, qsl, slots, init, "silu")
-        got = native.causal_conv1d(x, weight, bias, got_pool, native.Varlen(qsl, slots, init), "silu")
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got_pool, want_pool, rtol=0, atol=0, equal_nan=True)
+        y_want = causal_conv1d_ref(x, weight, bias, want.pool, qsl, want.table, init, "silu", item_base=3, **kw)
+        y_got = native.causal_conv1d(x, weight, bias, got.pool, native.Varlen(qsl, got.table, init, **kw), "silu",
+                                     item_base=3)
+        torch.testing.assert_close(y_got, y_want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got.buf, want.buf, rtol=0, atol=0, equal_nan=True)
         init = torch.ones_like(init)
-    plain = native.causal_conv1d(x, weight, bias, got_pool.clone(), native.Varlen(qsl, slots, init), None)
-    torch.testing.assert_close(plain, causal_conv1d_ref(x, weight, bias, want_pool.clone(), qsl, slots, init, None),
-                               rtol=1e-5, atol=1e-5)
+    plain = native.causal_conv1d(x, weight, bias, got.clone().pool, native.Varlen(qsl, got.table, init), None,
+                                 item_base=3)
+    torch.testing.assert_close(plain, causal_conv1d_ref(x, weight, bias, want.clone().pool, qsl, want.table, init,
+                                                        None, item_base=3), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_delta_rule_matches_recurrent_reference(seed):
+def test_delta_rule_matches_recurrent_reference(seed, paged_pool):
     gen = torch.Generator().manual_seed(50 + seed)
-    lens, qsl, slots, init, n_slots = _batch(gen)
+    lens, qsl, init, ck = _batch(gen)
     hk, rep, kd, vd = [(1, 1, 8, 12), (2, 2, 16, 16), (3, 1, 8, 4), (2, 3, 32, 32), (4, 2, 32, 32), (1, 4, 5, 7)][seed]
     h, t = hk * rep, sum(lens)
     q, k = _wide(t, hk * kd, gen), _wide(t, hk * kd, gen)
     v = _wide(t, h * vd, gen)
     g = -torch.rand(t, h, generator=gen)
     beta = torch.rand(t, h, generator=gen)
-    pool = torch.randn(n_slots, h, kd, vd, generator=gen)
-    pool[slots[~init]] = float("nan")
-    want_pool, got_pool = pool.clone(), pool.clone()
+    want = paged_pool(len(lens), h, (kd, vd), gen)
+    want.nan_fill(*_fresh(init, ck))
+    got = want.clone()
+    kw = dict(checkpoint_positions=ck, checkpoint_pages=want.ck_table)
     for _ in range(2):
-        want = gated_delta_rule_recurrent_ref(
+        o_want = gated_delta_rule_recurrent_ref(
             q.reshape(t, hk, kd).repeat_interleave(rep, 1), k.reshape(t, hk, kd).repeat_interleave(rep, 1),
-            v.reshape(t, h, vd), g, beta, want_pool, qsl, slots, init, kd ** -0.5)
-        got = native.gated_delta_rule(q, k, v, got_pool, native.Varlen(qsl, slots, init), key_heads=hk,
-                                      value_heads=h, scale=kd ** -0.5, g=g, beta=beta)
-        torch.testing.assert_close(got, want.reshape(t, h * vd), rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-5, equal_nan=True)
+            v.reshape(t, h, vd), g, beta, want.pool, qsl, want.table, init, kd ** -0.5, item_base=2, **kw)
+        o_got = native.gated_delta_rule(q, k, v, got.pool, native.Varlen(qsl, got.table, init, **kw), key_heads=hk,
+                                        value_heads=h, scale=kd ** -0.5, g=g, beta=beta, item_base=2)
+        torch.testing.assert_close(o_got, o_want.reshape(t, h * vd), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.buf, want.buf, rtol=1e-4, atol=1e-5, equal_nan=True)
         init = torch.ones_like(init)
 
 
-def test_delta_rule_fused_gates_and_norm_match_the_model_formulas():
+def test_delta_rule_fused_gates_and_norm_match_the_model_formulas(paged_pool):
     """Gates from a/b and the gated output norm, as Qwen3.5's Gated DeltaNet computes them."""
     gen = torch.Generator().manual_seed(7)
-    lens, qsl, slots, init, n_slots = _batch(gen)
+    lens, qsl, init, ck = _batch(gen)
     hk, h, kd, vd, t = 2, 4, 16, 8, sum(lens)
     q, k, v = _wide(t, hk * kd, gen), _wide(t, hk * kd, gen), _wide(t, h * vd, gen)
     a, b, z = _wide(t, h, gen) * 3, _wide(t, h, gen) * 3, _wide(t, h * vd, gen)
     a[0, 0] = 30.0  # softplus past its threshold
     A_log, dt_bias = torch.randn(h, generator=gen), torch.randn(h, generator=gen)
     weight, eps = 1 + 0.1 * torch.randn(vd, generator=gen), 1e-6
-    pool = torch.randn(n_slots, h, kd, vd, generator=gen)
-    want_pool, got_pool = pool.clone(), pool.clone()
+    want_pool = paged_pool(len(lens), h, (kd, vd), gen)
+    got_pool = want_pool.clone()
     g = -A_log.exp() * F.softplus(a + dt_bias)
     beta = torch.sigmoid(b)
     o = gated_delta_rule_recurrent_ref(
         q.reshape(t, hk, kd).repeat_interleave(h // hk, 1), k.reshape(t, hk, kd).repeat_interleave(h // hk, 1),
-        v.reshape(t, h, vd), g, beta, want_pool, qsl, slots, init, kd ** -0.5).reshape(-1, vd)
+        v.reshape(t, h, vd), g, beta, want_pool.pool, qsl, want_pool.table, init, kd ** -0.5,
+        item_base=2).reshape(-1, vd)
     want = (weight * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)) * F.silu(z.reshape(-1, vd)))
-    got = native.gated_delta_rule(q, k, v, got_pool, native.Varlen(qsl, slots, init), key_heads=hk, value_heads=h,
-                                  scale=kd ** -0.5, a=a, b=b, A_log=A_log, dt_bias=dt_bias, z=z,
-                                  norm_weight=weight, norm_eps=eps)
+    got = native.gated_delta_rule(q, k, v, got_pool.pool, native.Varlen(qsl, got_pool.table, init), key_heads=hk,
+                                  value_heads=h, scale=kd ** -0.5, a=a, b=b, A_log=A_log, dt_bias=dt_bias, z=z,
+                                  norm_weight=weight, norm_eps=eps, item_base=2)
     torch.testing.assert_close(got, want.reshape(t, h * vd), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got_pool, want_pool, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got_pool.buf, want_pool.buf, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -121,8 +131,13 @@ def test_attention_decodes_native_and_the_rest_grouped_match_reference(seed):
         nb = -(-s // bs)
         tables[i, :nb] = torch.tensor(perm[at:at + nb], dtype=torch.int32)
         at += nb
-    k_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen)
-    v_cache = torch.randn(num_blocks, bs, hkv, d, generator=gen)
+    # As the arena holds them: one page per block holding K and V of two layers and
+    # padding; this layer's K and V are strided views of it.
+    blk = bs * hkv * d
+    page = 4 * blk + 16
+    arena = torch.randn(num_blocks * page, generator=gen)
+    k_cache = arena.as_strided((num_blocks, bs, hkv, d), (page, hkv * d, d, 1), 2 * blk)
+    v_cache = arena.as_strided((num_blocks, bs, hkv, d), (page, hkv * d, d, 1), 3 * blk)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(int(qsl[-1]), hq, d, generator=gen)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
@@ -136,22 +151,34 @@ def test_attention_decodes_native_and_the_rest_grouped_match_reference(seed):
 
 def test_bad_input_is_a_value_error_that_names_the_argument():
     x = torch.randn(4, 8)
-    pool = torch.zeros(3, 8, 3)
+    pool = torch.zeros(3, 1, 8, 3)
+    tab = torch.tensor([[0]])
+
+    def conv(table, qsl=(0, 4), init=(True,), **kw):
+        native.causal_conv1d(x, torch.randn(8, 4), None, pool,
+                             native.Varlen(list(qsl), torch.tensor(table), list(init), **kw), item_base=0)
+
     with pytest.raises(ValueError, match="weight"):
-        native.causal_conv1d(x, torch.randn(7, 4), None, pool, native.Varlen([0, 4], [0], [True]))
-    with pytest.raises(ValueError, match="state slot 5"):
-        native.causal_conv1d(x, torch.randn(8, 4), None, pool, native.Varlen([0, 4], [5], [True]))
-    with pytest.raises(ValueError, match="used by two sequences"):
-        native.causal_conv1d(x, torch.randn(8, 4), None, pool, native.Varlen([0, 2, 4], [1, 1], [True, True]))
+        native.causal_conv1d(x, torch.randn(7, 4), None, pool, native.Varlen([0, 4], tab, [True]), item_base=0)
+    with pytest.raises(ValueError, match="state page 5"):
+        conv([[5]])
+    with pytest.raises(ValueError, match="written by two runs"):
+        conv([[1], [1]], qsl=(0, 2, 4), init=(True, True))
+    with pytest.raises(ValueError, match="written by two runs"):
+        conv([[1]], checkpoint_positions=[2], checkpoint_pages=[[1]])
+    with pytest.raises(ValueError, match="must lie in 1..=4"):
+        conv([[1]], checkpoint_positions=[5], checkpoint_pages=[[2]])
     with pytest.raises(ValueError, match="query_start_loc"):
-        native.causal_conv1d(x, torch.randn(8, 4), None, pool, native.Varlen([0, 3], [1], [True]))
+        conv([[1]], qsl=(0, 3))
+    with pytest.raises(ValueError, match="columns of the state page table"):
+        native.causal_conv1d(x, torch.randn(8, 4), None, pool, native.Varlen([0, 4], tab, [True]), item_base=1)
     state = torch.zeros(2, 2, 4, 4)
     with pytest.raises(ValueError, match="v must be"):
-        native.gated_delta_rule(x, x, torch.randn(5, 8), state, native.Varlen([0, 4], [0], [True]), key_heads=2,
-                                value_heads=2, scale=1.0, g=torch.zeros(4, 2), beta=torch.zeros(4, 2))
+        native.gated_delta_rule(x, x, torch.randn(5, 8), state, native.Varlen([0, 4], tab, [True]), key_heads=2,
+                                value_heads=2, scale=1.0, g=torch.zeros(4, 2), beta=torch.zeros(4, 2), item_base=0)
     with pytest.raises(ValueError, match="either g and beta"):
-        native.gated_delta_rule(x, x, x, state, native.Varlen([0, 4], [0], [True]), key_heads=2, value_heads=2,
-                                scale=1.0, g=torch.zeros(4, 2))
+        native.gated_delta_rule(x, x, x, state, native.Varlen([0, 4], tab, [True]), key_heads=2, value_heads=2,
+                                scale=1.0, g=torch.zeros(4, 2), item_base=0)
     kc = torch.zeros(4, 4, 2, 8)
     out = torch.zeros(2, 2, 8)
     with pytest.raises(ValueError, match="block 9"):
@@ -164,11 +191,13 @@ def test_bad_input_is_a_value_error_that_names_the_argument():
 
 def test_thread_count_is_settable_and_results_do_not_depend_on_it():
     gen = torch.Generator().manual_seed(3)
-    lens, qsl, slots, init, n_slots = _batch(gen, 12)
+    lens, qsl, init, ck = _batch(gen, 12)
     t, h, kd = sum(lens), 4, 32
     q, k, v = _wide(t, h * kd, gen), _wide(t, h * kd, gen), _wide(t, h * kd, gen)
     g, beta = -torch.rand(t, h, generator=gen), torch.rand(t, h, generator=gen)
-    pool = torch.randn(n_slots, h, kd, kd, generator=gen)
+    n = len(lens)
+    pool = torch.randn(n + 2, h, kd, kd, generator=gen)
+    table = torch.randperm(n + 2, generator=gen)[:n, None]
     before = native.threads()
     outs = []
     try:
@@ -176,8 +205,8 @@ def test_thread_count_is_settable_and_results_do_not_depend_on_it():
             native.set_threads(n)
             assert native.threads() == n
             p = pool.clone()
-            outs.append((native.gated_delta_rule(q, k, v, p, native.Varlen(qsl, slots, init), key_heads=h,
-                                                 value_heads=h, scale=0.2, g=g, beta=beta), p))
+            outs.append((native.gated_delta_rule(q, k, v, p, native.Varlen(qsl, table, init), key_heads=h,
+                                                 value_heads=h, scale=0.2, g=g, beta=beta, item_base=0), p))
     finally:
         native.set_threads(before)
     assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
@@ -220,21 +249,27 @@ def test_state_shapes_that_only_divide_are_refused():
     """A pool whose element count happens to divide, but whose shape disagrees with the
     head sizes the inputs imply, is an error, not a silently wrong layout."""
     x = torch.randn(3, 4)
-    with pytest.raises(ValueError, match=r"state must be \[S, H=1, K=4, V=4\]"):
-        native.gated_delta_rule(x, x, x, torch.zeros(4, 2, 8, 8), native.Varlen([0, 3], [0], [True]), key_heads=1,
-                                value_heads=1, scale=1.0, g=torch.zeros(3, 1), beta=torch.zeros(3, 1))
-    with pytest.raises(ValueError, match=r"state \[S, C, W-1\]"):
-        native.causal_conv1d(torch.randn(3, 8), torch.randn(8, 4), None, torch.zeros(2, 8, 4),
-                             native.Varlen([0, 3], [0], [True]))
+    tab = torch.tensor([[0]])
+    with pytest.raises(ValueError, match=r"state must be a pool \[num_pages, per_page, K=4, V=4\]"):
+        native.gated_delta_rule(x, x, x, torch.zeros(4, 2, 8, 8), native.Varlen([0, 3], tab, [True]), key_heads=1,
+                                value_heads=1, scale=1.0, g=torch.zeros(3, 1), beta=torch.zeros(3, 1), item_base=0)
+    with pytest.raises(ValueError, match=r"state a pool \[num_pages, per_page, C, W-1\]"):
+        native.causal_conv1d(torch.randn(3, 8), torch.randn(8, 4), None, torch.zeros(2, 1, 8, 4),
+                             native.Varlen([0, 3], tab, [True]), item_base=0)
+    # A pool whose items are not contiguous (not an arena view) is refused, not misread.
+    with pytest.raises(ValueError, match="C-contiguous items"):
+        native.causal_conv1d(torch.randn(3, 8), torch.randn(8, 4), None, torch.zeros(2, 1, 3, 8).transpose(2, 3),
+                             native.Varlen([0, 3], tab, [True]), item_base=0)
 
 
 def test_a_written_tensor_overlapping_an_input_is_refused():
     x = torch.randn(4, 8)
     with pytest.raises(ValueError, match="residual overlaps x"):
         native.rms_norm(x, torch.zeros(8), 1e-6, residual=x)
-    pool = torch.zeros(2, 8, 3)
+    pool = torch.zeros(2, 1, 8, 3)
     with pytest.raises(ValueError, match="conv_state overlaps x"):
-        native.causal_conv1d(pool.view(2, 24)[:, :8], torch.randn(8, 4), None, pool, native.Varlen([0, 2], [0], [True]))
+        native.causal_conv1d(pool.view(2, 24)[:, :8], torch.randn(8, 4), None, pool,
+                             native.Varlen([0, 2], torch.tensor([[0]]), [True]), item_base=0)
 
 
 def test_single_rows_and_broadcast_views_work_like_f_linear():

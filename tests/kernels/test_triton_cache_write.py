@@ -24,9 +24,18 @@ def _case(block_size, hkv, d, in_dtype, cache_dtype, seed):
     slots[[0, 5, 6, 20]] = -1
     key = torch.randn(t, hkv, d, generator=gen).to(in_dtype)
     value = torch.randn(t, hkv, d, generator=gen).to(in_dtype)
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(cache_dtype)
+    k_cache, v_cache = _arena_views(num_blocks, block_size, hkv, d, cache_dtype, gen)
     return key, value, k_cache, v_cache, slots
+
+
+def _arena_views(num_blocks, block_size, hkv, d, dtype, gen):
+    """K and V of one attention layer as the arena holds them: strided views of pages
+    that also hold another layer's block and padding (random data)."""
+    blk = block_size * hkv * d
+    page = 4 * blk + 8
+    arena = torch.randn(num_blocks * page, generator=gen).to(dtype)
+    shape, strides = (num_blocks, block_size, hkv, d), (page, hkv * d, d, 1)
+    return arena.as_strided(shape, strides, 2 * blk), arena.as_strided(shape, strides, 3 * blk)
 
 
 @pytest.mark.parametrize(

@@ -43,8 +43,13 @@ def _batch(seqs, block_size, hkv, group, d, dtype, seed):
     for b, n in enumerate(blocks_per_seq):
         tables[b, :n] = perm[used : used + n].to(torch.int32)
         used += n
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen).to(dtype)
+    # K and V of one attention layer as the arena holds them: strided views of pages
+    # that also hold another layer's block and padding (random data).
+    blk = block_size * hkv * d
+    page = 4 * blk + 8
+    arena = torch.randn(num_blocks * page, generator=gen).to(dtype)
+    shape, strides = (num_blocks, block_size, hkv, d), (page, hkv * d, d, 1)
+    k_cache, v_cache = arena.as_strided(shape, strides, 2 * blk), arena.as_strided(shape, strides, 3 * blk)
     q_lens = [q for _, q in seqs]
     qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     seq_lens = torch.tensor([s for s, _ in seqs], dtype=torch.int32)

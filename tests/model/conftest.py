@@ -1,9 +1,10 @@
 """Shared fixtures of the model tests: tiny checkpoints, the HF oracle, paged bookkeeping.
 
 The bookkeeping here is a deliberately naive pure-Python stand-in for the Rust
-scheduler: shuffled free lists (so block tables are non-contiguous and slots are
-scattered), blocks allocated on demand, a fork that shares full blocks and copies the
-partly-filled tail block (copy-on-write) and the DeltaNet slot.
+scheduler over one arena: a shuffled free list of pages (so block tables and state page
+tables are non-contiguous and interleaved), KV blocks allocated on demand, a sequence's
+DeltaNet state in ``state_pages`` pages of the same list, a fork that shares full
+blocks and copies the partly-filled tail block (copy-on-write) and the state pages.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from hybridserve.memory.layout import arena_layout
 from hybridserve.model import ForwardBatch, HybridCache, load_model
 from hybridserve.model.tiny import write_tiny_checkpoint
 
@@ -40,66 +42,73 @@ def our_models(tiny_dirs):
 @dataclass(eq=False)
 class Seq:
     tokens: list[int]
-    slot: int
+    state: list[int]  # the state page table row
     blocks: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose K/V and state are already in the cache
+    checkpoint: tuple[int, list[int]] | None = None  # (position, pages) asked for next step
 
 
 class PagedBook:
-    def __init__(self, num_blocks: int, block_size: int, num_slots: int, seed: int = 0):
+    def __init__(self, cache: HybridCache, seed: int = 0):
         rng = random.Random(seed)
-        self.block_size = block_size
-        self.free_blocks = list(range(num_blocks))
-        rng.shuffle(self.free_blocks)
-        self.free_slots = list(range(num_slots))
-        rng.shuffle(self.free_slots)
+        self.block_size = cache.block_size
+        self.state_pages = cache.state_pages
+        self.free_pages = list(range(cache.num_pages))
+        rng.shuffle(self.free_pages)
         self.refs: dict[int, int] = {}
 
     def _alloc_block(self) -> int:
-        b = self.free_blocks.pop()
+        b = self.free_pages.pop()
         self.refs[b] = 1
         return b
 
+    def alloc_state(self) -> list[int]:
+        return [self.free_pages.pop() for _ in range(self.state_pages)]
+
     def new_seq(self, tokens) -> Seq:
-        return Seq(list(tokens), self.free_slots.pop())
+        return Seq(list(tokens), self.alloc_state())
 
     def free(self, seq: Seq) -> None:
         for b in seq.blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.free_blocks.insert(0, b)  # reused last-in-first-out would be too easy
+                self.free_pages.insert(0, b)  # reused last-in-first-out would be too easy
         seq.blocks = []
-        self.free_slots.insert(0, seq.slot)
-        seq.slot = -1
+        for p in seq.state:
+            self.free_pages.insert(0, p)
+        seq.state = []
         seq.computed = 0
 
     def recompute(self, seq: Seq) -> None:
-        """Re-admit a preempted sequence: new slot, nothing computed."""
-        seq.slot = self.free_slots.pop()
+        """Re-admit a preempted sequence: new state pages, nothing computed."""
+        seq.state = self.alloc_state()
 
     def fork(self, parent: Seq):
-        """Child sharing the parent's full blocks; returns (child, block_pairs, slot_pairs)."""
-        child = Seq(list(parent.tokens), self.free_slots.pop(), computed=parent.computed)
-        block_pairs = []
+        """Child sharing the parent's full blocks; returns (child, page_pairs): the
+        tail block's copy-on-write and the state pages' copies, for ``copy_pages``."""
+        child = Seq(list(parent.tokens), self.alloc_state(), computed=parent.computed)
+        pairs = []
         for i, b in enumerate(parent.blocks):
             tail_partial = i == len(parent.blocks) - 1 and parent.computed % self.block_size
             if tail_partial:
                 nb = self._alloc_block()
-                block_pairs.append((b, nb))
+                pairs.append((b, nb))
                 child.blocks.append(nb)
             else:
                 self.refs[b] += 1
                 child.blocks.append(b)
-        return child, block_pairs, [(parent.slot, child.slot)]
+        return child, pairs + list(zip(parent.state, child.state))
 
     def step(self, sched, extra_logit_rows=(), device="cpu"):
         """Build the ForwardBatch of ``sched`` = [(seq, n_tokens)], then mark them computed.
 
         Logit rows: the last scheduled row of every sequence that reaches the end of its
         tokens (it samples), plus ``(seq)`` entries of ``extra_logit_rows`` (their last
-        row even mid-prompt). Returns (batch, [(seq, position)] per logit row).
+        row even mid-prompt). A sequence's ``checkpoint`` request goes into the batch and
+        is cleared. Returns (batch, [(seq, position)] per logit row).
         """
-        ids, pos, slots, qsl, lens, tables, sslots, init, rows, wanted = [], [], [], [0], [], [], [], [], [], []
+        ids, pos, slots, qsl, lens, tables, stables, init, rows, wanted = [], [], [], [0], [], [], [], [], [], []
+        ck_pos, ck_pages = [], []
         for seq, n in sched:
             start = seq.computed
             end = start + n
@@ -115,15 +124,21 @@ class PagedBook:
             qsl.append(qsl[-1] + n)
             lens.append(end)
             tables.append(list(seq.blocks))
-            sslots.append(seq.slot)
+            stables.append(list(seq.state))
             init.append(start > 0)
+            k, pages = seq.checkpoint or (-1, [-1] * self.state_pages)
+            ck_pos.append(k)
+            ck_pages.append(list(pages))
+            seq.checkpoint = None
             if end == len(seq.tokens) or seq in extra_logit_rows:
                 rows.append(qsl[-1] - 1)
                 wanted.append((seq, end - 1))
             seq.computed = end
+        any_ck = any(k >= 0 for k in ck_pos)
         batch = ForwardBatch.from_lists(
             input_ids=ids, positions=pos, slot_mapping=slots, query_start_loc=qsl, seq_lens=lens,
-            block_tables=tables, state_slots=sslots, has_initial_state=init, logits_indices=rows,
+            block_tables=tables, state_pages=stables, has_initial_state=init, logits_indices=rows,
+            checkpoint_positions=ck_pos if any_ck else None, checkpoint_pages=ck_pages if any_ck else None,
             device=device)
         batch.validate()
         return batch, wanted
@@ -134,14 +149,15 @@ def make_book():
     return PagedBook
 
 
-def make_cache(config, block_size, num_blocks=64, num_slots=8):
-    return HybridCache(config, num_blocks=num_blocks, block_size=block_size,
-                       num_state_slots=num_slots, dtype=torch.float32, device="cpu")
+def make_cache(config, block_size, num_pages=96):
+    layout = arena_layout(config, block_size, "float32")
+    return HybridCache(config, layout, num_pages, dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture
 def new_cache():
     return make_cache
+
 
 
 class Recorder:

@@ -44,8 +44,8 @@ def test_batch_of_four_decoded_together(preset, block_size, our_models, hf_model
     model, config = our_models[preset]
     rec = recorder(hf_models[preset])
     rng = random.Random(block_size)
-    book = make_book(64, block_size, 8, seed=block_size)
     cache = new_cache(config, block_size)
+    book = make_book(cache, seed=block_size)
     seqs = [book.new_seq(_prompt(rng, n)) for n in (3, 17, 33, 9)]
     batch, wanted = book.step([(s, len(s.tokens)) for s in seqs])
     logits = model(batch, cache)
@@ -60,13 +60,14 @@ def test_batch_of_four_decoded_together(preset, block_size, our_models, hf_model
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_chunked_prefill_at_awkward_sizes_mixed_with_decodes(preset, our_models, hf_models, make_book,
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_chunked_prefill_at_awkward_sizes_mixed_with_decodes(preset, block_size, our_models, hf_models, make_book,
                                                              new_cache, recorder):
     model, config = our_models[preset]
     rec = recorder(hf_models[preset])
     rng = random.Random(1)
-    book = make_book(64, 16, 8, seed=3)
-    cache = new_cache(config, 16)
+    cache = new_cache(config, block_size)
+    book = make_book(cache, seed=3)
     running = [book.new_seq(_prompt(rng, n)) for n in (5, 20)]
     batch, wanted = book.step([(s, len(s.tokens)) for s in running])
     logits = model(batch, cache)
@@ -91,20 +92,21 @@ def test_chunked_prefill_at_awkward_sizes_mixed_with_decodes(preset, our_models,
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_n2_fork_after_prefill_shares_prompt_blocks(preset, our_models, hf_models, make_book, new_cache,
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_n2_fork_after_prefill_shares_prompt_blocks(preset, block_size, our_models, hf_models, make_book, new_cache,
                                                     recorder):
     model, config = our_models[preset]
     rec = recorder(hf_models[preset])
-    book = make_book(64, 16, 8, seed=5)
-    cache = new_cache(config, 16)
-    parent = book.new_seq(_prompt(random.Random(2), 21))  # one full block + a partial tail
-    batch, wanted = book.step([(parent, 21)])
+    cache = new_cache(config, block_size)
+    book = make_book(cache, seed=5)
+    n = block_size + 5
+    parent = book.new_seq(_prompt(random.Random(2), n))  # one full block + a partial tail
+    batch, wanted = book.step([(parent, n)])
     logits = model(batch, cache)
     rec.add(wanted, logits)
-    child, block_pairs, slot_pairs = book.fork(parent)
+    child, page_pairs = book.fork(parent)
     assert child.blocks[0] == parent.blocks[0] and child.blocks[1] != parent.blocks[1]
-    cache.copy_blocks(torch.tensor(block_pairs))
-    cache.copy_state_slots(torch.tensor(slot_pairs))
+    cache.copy_pages(torch.tensor(page_pairs))  # tail block copy-on-write + state pages, one copy
     # The two samples take different first tokens (best and second best) so that any
     # state leaking between them would show.
     top2 = logits[0].topk(2).indices.tolist()
@@ -119,13 +121,15 @@ def test_n2_fork_after_prefill_shares_prompt_blocks(preset, our_models, hf_model
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_preempted_sequence_recomputes_to_the_same_logits(preset, our_models, hf_models, make_book,
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_preempted_sequence_recomputes_to_the_same_logits(preset, block_size, our_models, hf_models, make_book,
                                                           new_cache, recorder):
     model, config = our_models[preset]
     rec = recorder(hf_models[preset])
     rng = random.Random(4)
-    book = make_book(16, 16, 3, seed=9)
-    cache = new_cache(config, 16, num_blocks=16, num_slots=3)
+    # Tight: 3 states' pages + a few blocks, so the newcomer reuses the victim's pages.
+    cache = new_cache(config, block_size, num_pages=3 * 3 + 8)
+    book = make_book(cache, seed=9)
     victim = book.new_seq(_prompt(rng, 18))
     other = book.new_seq(_prompt(rng, 6))
     batch, wanted = book.step([(victim, 18), (other, 6)])
@@ -159,6 +163,58 @@ def test_preempted_sequence_recomputes_to_the_same_logits(preset, our_models, hf
     rec.check(min_rows=14)
 
 
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_checkpoint_inside_a_chunk_serves_a_prefix_hit(preset, block_size, our_models, hf_models, make_book,
+                                                      new_cache, recorder):
+    """A chunk that runs past the prompt's last full block writes the state at that
+    block boundary into checkpoint pages (no split chunk); a second sequence sharing the
+    prefix restores it (one page copy into its own state pages), shares the prefix
+    blocks, and continues: every logit matches HF on its whole token sequence."""
+    model, config = our_models[preset]
+    rec = recorder(hf_models[preset])
+    cache = new_cache(config, block_size)
+    book = make_book(cache, seed=13)
+    rng = random.Random(block_size + 1)
+    k = 2 * block_size
+    prefix = _prompt(rng, k)
+    a = book.new_seq(prefix + _prompt(rng, 9))
+    other = book.new_seq(_prompt(rng, 5))
+    ckpt = book.alloc_state()
+    # First chunk of 7 tokens, then one chunk to the prompt's end with the checkpoint
+    # inside it (at the second block boundary), mixed with another sequence's prefill.
+    batch, wanted = book.step([(a, 7)], extra_logit_rows=[a])
+    rec.add(wanted, model(batch, cache))
+    a.checkpoint = (k - 7, ckpt)
+    batch, wanted = book.step([(other, 5), (a, len(a.tokens) - 7)])
+    assert batch.checkpoint_positions.tolist() == [-1, k - 7]
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    _greedy_append(wanted, logits)
+    for _ in range(2):
+        batch, wanted = book.step([(a, 1), (other, 1)])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+    # The prefix hit: shared blocks, state restored from the checkpoint.
+    b = book.new_seq(prefix + _prompt(rng, 4))
+    b.blocks = list(a.blocks[:2])
+    for blk in b.blocks:
+        book.refs[blk] += 1
+    b.computed = k
+    cache.copy_pages(torch.tensor(list(zip(ckpt, b.state))))
+    batch, wanted = book.step([(a, 1), (b, 4)])
+    logits = model(batch, cache)
+    rec.add(wanted, logits)
+    _greedy_append(wanted, logits)
+    for _ in range(2):
+        batch, wanted = book.step([(b, 1), (a, 1)])
+        logits = model(batch, cache)
+        rec.add(wanted, logits)
+        _greedy_append(wanted, logits)
+    rec.check(min_rows=1 + 2 + 4 + 2 + 4)
+
+
 def test_hf_cached_generation_matches_our_greedy_decode(our_models, hf_models, tiny_dirs, make_book,
                                                         new_cache):
     """HF's own cached step-by-step generate() as a second oracle for decode."""
@@ -169,8 +225,8 @@ def test_hf_cached_generation_matches_our_greedy_decode(our_models, hf_models, t
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
                           output_logits=True, return_dict_in_generate=True, eos_token_id=None,
                           pad_token_id=0)
-    book = make_book(32, 16, 2, seed=1)
     cache = new_cache(config, 16)
+    book = make_book(cache, seed=1)
     seq = book.new_seq(prompt)
     batch, _ = book.step([(seq, 13)])
     ours = [model(batch, cache)[0]]
@@ -195,8 +251,8 @@ def test_bench_preset_prefill_and_decode(tmp_path, make_book, recorder):
     model, config = load_model(d, progress=False)
     assert 9_000_000 < sum(p.numel() for p in model.parameters()) < 11_000_000
     rec = recorder(transformers.Qwen3_5ForCausalLM.from_pretrained(d, dtype=torch.float32).eval())
-    book = make_book(32, 16, 4, seed=2)
-    cache = model.new_cache(32, 16, 4)
+    cache = model.new_cache(64, 16)
+    book = make_book(cache, seed=2)
     rng = random.Random(6)
     seqs = [book.new_seq(_prompt(rng, n)) for n in (24, 7)]
     batch, wanted = book.step([(s, len(s.tokens)) for s in seqs])

@@ -18,11 +18,13 @@ def _state(model):
 
 
 def _prefill_logits(model, config, tokens):
-    cache = HybridCache(config, 8, 16, 2, model.dtype, "cpu")
+    cache = model.new_cache(12, 16)
+    assert isinstance(cache, HybridCache) and cache.dtype == model.dtype
+    state = list(range(6, 6 + cache.state_pages))  # after the blocks it uses
     n = len(tokens)
     batch = ForwardBatch.from_lists(
         input_ids=tokens, positions=range(n), slot_mapping=[16 * (5 if i < 16 else 2) + i % 16 for i in range(n)],
-        query_start_loc=[0, n], seq_lens=[n], block_tables=[[5, 2]], state_slots=[1],
+        query_start_loc=[0, n], seq_lens=[n], block_tables=[[5, 2]], state_pages=[state],
         has_initial_state=[False], logits_indices=range(n))
     return model(batch, cache)
 

@@ -276,10 +276,12 @@ def test_expert_load_is_busiest_over_mean(our_models, cpu_path):
     model, config = our_models["test-a"]
     tokens = [random.Random(0).randrange(259) for _ in range(23)]
     n = len(tokens)
-    cache = HybridCache(config, 8, 16, 2, model.dtype, "cpu")
+    cache = model.new_cache(8, 16)
+    assert isinstance(cache, HybridCache)
+    state = list(range(5, 5 + cache.state_pages))  # after the blocks it uses
     batch = ForwardBatch.from_lists(
         input_ids=tokens, positions=range(n), slot_mapping=[16 * 3 + i for i in range(n)],
-        query_start_loc=[0, n], seq_lens=[n], block_tables=[[3, 4]], state_slots=[0],
+        query_start_loc=[0, n], seq_lens=[n], block_tables=[[3, 4]], state_pages=[state],
         has_initial_state=[False], logits_indices=[n - 1])
     seen = []
     for layer in model.layers:

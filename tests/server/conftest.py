@@ -42,7 +42,7 @@ class Response:
 class LiveServer:
     def __init__(self, model_dir, settings: ServerSettings | None = None, shutdown_timeout: float = 5.0,
                  **engine_kwargs) -> None:
-        kwargs = dict(dtype="float32", device="cpu", num_gpu_blocks=256, num_state_slots=8,
+        kwargs = dict(dtype="float32", device="cpu", num_pages=256 + 3 * 8,
                       max_num_seqs=8, max_num_batched_tokens=128, max_model_len=2048)
         kwargs.update(engine_kwargs)
         self.engine = LLMEngine(EngineArgs(model=str(model_dir), **kwargs))
@@ -137,7 +137,7 @@ class LiveServer:
             assert time.monotonic() < deadline, vals
             time.sleep(0.05)
         assert vals["hybridserve:kv_blocks_used"] == 0, vals
-        assert vals["hybridserve:state_slots_used"] == 0, vals
+        assert vals['hybridserve:arena_pages{use="running_state"}'] == 0, vals
         return vals
 
 

@@ -37,7 +37,7 @@ def hf_model(model_dir):
 
 def _serve(model_dir, coro_fn, **engine_kwargs):
     async def main():
-        kwargs = dict(dtype="float32", device="cpu", num_gpu_blocks=32, num_state_slots=4,
+        kwargs = dict(dtype="float32", device="cpu", num_pages=32 + 3 * 4,
                       max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
         kwargs.update(engine_kwargs)
         engine = LLMEngine(EngineArgs(model=model_dir, **kwargs))
@@ -65,7 +65,8 @@ async def _pools_whole(client, engine, timeout=10.0):
         assert asyncio.get_running_loop().time() < deadline, vals
         await asyncio.sleep(0.05)
     assert vals["hybridserve:kv_blocks_used"] == 0, vals
-    assert vals["hybridserve:state_slots_used"] == 0, vals
+    assert vals['hybridserve:arena_pages{use="running_state"}'] == 0, vals
+    assert vals["hybridserve:arena_pages_available"] == vals["hybridserve:arena_pages_total"], vals
     return vals
 
 
@@ -177,6 +178,6 @@ def test_metrics_are_sliced_by_request_class(model_dir):
         for klass in ("interactive", "batch"):
             assert f'hybridserve:time_to_first_token_seconds_count{{request_class="{klass}"}} 1.0' in text
             assert f'hybridserve:request_queue_time_seconds_count{{request_class="{klass}"}} 1.0' in text
-        assert "hybridserve:kv_blocks_free" in text and "hybridserve:state_slots_free" in text
+        assert "hybridserve:kv_blocks_free" in text and "hybridserve:arena_pages_available" in text
 
     _serve(model_dir, run)

@@ -144,8 +144,7 @@ def test_sigint_in_process_aborts_a_stream_past_the_timeout_and_frees_everything
     from hybridserve.server.app import build_app
     from hybridserve.server.serve import bind_socket, serve_app
 
-    engine = LLMEngine(EngineArgs(model=str(tiny_dir), dtype="float32", device="cpu", num_gpu_blocks=300,
-                                  num_state_slots=4, max_num_seqs=4, max_model_len=4096))
+    engine = LLMEngine(EngineArgs(model=str(tiny_dir), dtype="float32", device="cpu", num_pages=300 + 3 * 4, max_num_seqs=4, max_model_len=4096))
     metrics = EngineMetrics()
     app = build_app(AsyncEngine(engine, on_step=metrics.observe_step), metrics, "tiny")
     events: list[str] = []
@@ -178,7 +177,7 @@ def test_sigint_in_process_aborts_a_stream_past_the_timeout_and_frees_everything
     assert "shut down" in json.loads(events[-2])["error"]["message"]
     assert not engine.requests
     stats = engine.stats()
-    assert stats["used_blocks"] == 0 and stats["used_slots"] == 0, stats
+    assert stats["used_blocks"] == 0 and stats["running_state_pages"] == 0, stats
 
 
 def test_api_key_comes_from_the_option_else_the_environment(capsys, monkeypatch):

@@ -80,9 +80,8 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens in one step's batch (default: 2048)")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    e.add_argument("--kv-cache-memory", default=None, help="byte budget of both pools, e.g. 512MiB")
-    e.add_argument("--expected-context-len", type=int, default=None,
-                   help="length the pools are split for (default: the workload's longest prompt + output)")
+    e.add_argument("--kv-cache-memory", default=None,
+                   help="the one byte budget of the cache arena (KV blocks, DeltaNet state, checkpoints), e.g. 512MiB")
     e.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged",
                    help="paged, or reserve_max (each sequence reserves max_model_len up front: the pre-paging "
                         "baseline) (default: paged)")
@@ -216,17 +215,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
             raise ConfigError("--compare-hf needs token-id prompts (synthetic, or token lists in --dataset)")
         if args.temperature != 0:
             raise ConfigError("--compare-hf checks greedy tokens: leave --temperature at 0")
-    # Pools split for the workload's longest request (text prompts: length unknown
-    # until tokenized, so the engine's default, its maximum length).
-    longest = None
-    if not any(isinstance(r.prompt, str) for r in workload.requests):
-        longest = max(r.prompt_len + r.output_len for r in workload.requests)
-        if args.max_model_len:
-            longest = min(longest, args.max_model_len)
-    engine_kwargs.update(
-        max_model_len=args.max_model_len, admission_policy=args.admission_policy,
-        expected_context_len=args.expected_context_len or longest,
-    )
+    # One arena: nothing to split for the workload's lengths.
+    engine_kwargs.update(max_model_len=args.max_model_len, admission_policy=args.admission_policy)
     from hybridserve import LLM
     from hybridserve.bench.engine_runner import run_engine
     from hybridserve.bench.report import build_report
@@ -239,7 +229,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         llm.engine, workload, temperature=args.temperature, keep_tokens=args.compare_hf,
         progress=progress, breakdown=args.breakdown,
     )
-    server["engine"] = {"num_blocks": llm.engine.num_blocks, "num_state_slots": llm.engine.num_state_slots,
+    server["engine"] = {"num_pages": llm.engine.num_pages, "state_pages": llm.engine.state_pages,
                         "max_num_seqs": engine_kwargs["max_num_seqs"], "device": str(llm.engine.device),
                         "dtype": str(llm.engine.dtype).removeprefix("torch.")}
     cfg = _config(args, workload, threads)

@@ -82,7 +82,7 @@ def run_engine(
         engine.sampler = _Timed(engine.sampler)
     stats0 = engine.stats()
     skip_key, skip_source = prefix_skip_key(stats0)
-    peaks = {"used_blocks": 0, "used_slots": 0, "num_running_requests": 0, "num_waiting_requests": 0}
+    peaks = {"used_blocks": 0, "running_state_pages": 0, "num_running_requests": 0, "num_waiting_requests": 0}
     timeline: list[dict[str, float]] = []
     bar = None
     if progress:
@@ -97,7 +97,7 @@ def run_engine(
     saved_emit = engine.emit_unfinished
     engine.emit_unfinished = False
     timeline.append({"t": 0.0, "running": 0, "waiting": 0, "kv_blocks_used": stats0.get("used_blocks", 0),
-                     "state_slots_used": stats0.get("used_slots", 0), "output_tokens": 0})
+                     "state_pages_used": stats0.get("running_state_pages", 0), "output_tokens": 0})
     start = time.perf_counter()
     try:
         while nxt < len(reqs) or live:
@@ -161,7 +161,7 @@ def run_engine(
                 peaks[k] = max(peaks[k], int(s.get(k, 0)))
             timeline.append({
                 "t": t, "running": s.get("num_running_requests", 0), "waiting": s.get("num_waiting_requests", 0),
-                "kv_blocks_used": s.get("used_blocks", 0), "state_slots_used": s.get("used_slots", 0),
+                "kv_blocks_used": s.get("used_blocks", 0), "state_pages_used": s.get("running_state_pages", 0),
                 "output_tokens": out_total,
             })
     finally:
@@ -182,8 +182,8 @@ def run_engine(
         "preemptions": int(s1.get("preemptions", 0) - stats0.get("preemptions", 0)),
         "peak_kv_blocks_used": peaks["used_blocks"],
         "kv_blocks_total": int(s1.get("num_blocks", 0)),
-        "peak_state_slots_used": peaks["used_slots"],
-        "state_slots_total": int(s1.get("num_slots", 0)),
+        "peak_state_pages_used": peaks["running_state_pages"],
+        "arena_pages_total": int(s1.get("num_pages", 0)),
         "peak_running": peaks["num_running_requests"],
         "peak_waiting": peaks["num_waiting_requests"],
         "prefix_tokens_skipped": int(s1.get(skip_key, 0) - stats0.get(skip_key, 0)),

@@ -42,8 +42,8 @@ _GAUGES = [
     ("waiting", "hybridserve:num_requests_waiting", "vllm:num_requests_waiting"),
     ("kv_blocks_used", "hybridserve:kv_blocks_used", None),
     ("kv_blocks_total", "hybridserve:kv_blocks_total", None),
-    ("state_slots_used", "hybridserve:state_slots_used", None),
-    ("state_slots_total", "hybridserve:state_slots_total", None),
+    ("state_pages_used", "hybridserve:arena_pages_running_state", None),
+    ("arena_pages_total", "hybridserve:arena_pages_total", None),
 ]
 _COUNTERS = [
     ("preemptions", "hybridserve:num_preemptions_total", "vllm:num_preemptions_total"),
@@ -118,8 +118,8 @@ class _MetricsPoller:
             "preemptions": None,
             "peak_kv_blocks_used": self.peaks.get("kv_blocks_used"),
             "kv_blocks_total": self.peaks.get("kv_blocks_total"),
-            "peak_state_slots_used": self.peaks.get("state_slots_used"),
-            "state_slots_total": self.peaks.get("state_slots_total"),
+            "peak_state_pages_used": self.peaks.get("state_pages_used"),
+            "arena_pages_total": self.peaks.get("arena_pages_total"),
             "peak_running": self.peaks.get("running"),
             "peak_waiting": self.peaks.get("waiting"),
             "prefix_tokens_skipped": None,

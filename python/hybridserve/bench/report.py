@@ -159,11 +159,11 @@ def render_table(report: dict[str, Any]) -> str:
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
     srv = report["server"]
     lines.append(
-        "server: preemptions {} | peak KV blocks {} / {} | peak DeltaNet slots {} / {} | "
+        "server: preemptions {} | peak KV blocks {} / {} | peak DeltaNet state pages {} / {} arena pages | "
         "peak running {} waiting {} | prefix tokens skipped {} ({})".format(
             _num(srv.get("preemptions"), "{:,}"), _num(srv.get("peak_kv_blocks_used"), "{:,.0f}"),
-            _num(srv.get("kv_blocks_total"), "{:,.0f}"), _num(srv.get("peak_state_slots_used"), "{:,.0f}"),
-            _num(srv.get("state_slots_total"), "{:,.0f}"), _num(srv.get("peak_running"), "{:,.0f}"),
+            _num(srv.get("kv_blocks_total"), "{:,.0f}"), _num(srv.get("peak_state_pages_used"), "{:,.0f}"),
+            _num(srv.get("arena_pages_total"), "{:,.0f}"), _num(srv.get("peak_running"), "{:,.0f}"),
             _num(srv.get("peak_waiting"), "{:,.0f}"), _num(srv.get("prefix_tokens_skipped"), "{:,.0f}"),
             srv.get("prefix_tokens_skipped_source") or "not reported",
         )

@@ -75,13 +75,11 @@ def run_seed_scenario(
     )
     runs: dict[str, Any] = {}
     for policy in ("paged", "reserve_max"):
-        # Each policy splits the same bytes between blocks and slots for the sessions it
-        # admits: paged for L-token sessions, reserve-max for sessions of the maximum
-        # (otherwise slots sized for paging would idle under reserve-max).
+        # Both policies on the same one arena of `pool` bytes.
         kw = {**engine_kwargs, "kv_cache_memory_bytes": pool,
-              "expected_context_len": L if policy == "paged" else max_len,
               "max_model_len": max_len, "admission_policy": policy,
               "max_num_seqs": max(k, engine_kwargs.get("max_num_seqs", 1))}
+        kw.pop("num_pages", None)
         kw.pop("num_gpu_blocks", None)
         kw.pop("num_state_slots", None)
         llm = LLM(model_dir, **kw)
@@ -90,8 +88,8 @@ def run_seed_scenario(
                            config={}, server=server, timeline=[])
         runs[policy] = {
             "peak_concurrent_sessions": server["peak_running"],
-            "engine_predicts": (planner.max_concurrency(llm.engine.pool_plan, L) if policy == "paged"
-                                else planner.max_concurrency_reserved(llm.engine.pool_plan)),
+            "engine_predicts": (llm.engine.arena_plan.sessions(L).sessions if policy == "paged"
+                                else llm.engine.arena_plan.sessions_reserved_max().sessions),
             "completed": rep["overall"]["completed"],
             "failed": rep["overall"]["failed"],
             "wall_s": duration,
@@ -99,7 +97,7 @@ def run_seed_scenario(
             "e2e_s": rep["overall"]["e2e_s"],
             "ttft_s": rep["overall"]["ttft_s"],
             "kv_blocks_total": server["kv_blocks_total"],
-            "state_slots_total": server["state_slots_total"],
+            "arena_pages_total": server["arena_pages_total"],
             "peak_kv_blocks_used": server["peak_kv_blocks_used"],
             "preemptions": server["preemptions"],
         }

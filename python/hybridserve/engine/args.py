@@ -14,14 +14,20 @@ ADMISSION_POLICIES = ("paged", "reserve_max")
 class EngineArgs:
     """How to build an engine.
 
-    Pool sizing (first that applies):
+    Cache sizing: ONE arena of equal pages holds KV blocks, running sequences'
+    DeltaNet state, state checkpoints and cached prefix blocks (one free count, see
+    :mod:`hybridserve.memory.layout`); there is no split to choose. Its size (first
+    that applies):
 
-    * ``num_gpu_blocks`` and ``num_state_slots`` both given: exactly those;
+    * ``num_pages``: exactly that many pages for the scheduler (tests);
     * else a byte budget: ``kv_cache_memory_bytes`` if given, else on CUDA
       ``total memory x gpu_memory_utilization - weights - runtime_reserve_bytes``, else
-      (CPU) ``cpu_pool_bytes``; it is split between KV blocks and DeltaNet slots by
-      :func:`hybridserve.planner.size_pools` from ``expected_context_len`` (default:
-      ``max_model_len``), ``num_state_slots`` or ``max_num_seqs``.
+      (CPU) ``cpu_pool_bytes``, cut into pages by :func:`hybridserve.planner.size_arena`.
+
+    ``num_gpu_blocks`` + ``num_state_slots`` (the old split) are still read, as the
+    same bytes in pages (``num_gpu_blocks + num_state_slots * state_pages``), with a
+    warning to use ``num_pages``; ``expected_context_len`` is refused (it decided the
+    split and decides nothing now).
 
     ``admission_policy="reserve_max"`` is the pre-paging baseline: each sequence
     reserves blocks for ``max_model_len`` tokens at admission (for side-by-side
@@ -37,6 +43,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None
+    num_pages: int | None = None
+    # Deprecated (the pre-arena split): both together are converted to num_pages.
     num_gpu_blocks: int | None = None
     num_state_slots: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -47,7 +55,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # Extra DeltaNet state checkpoints every this many prompt tokens (a multiple of
-    # block_size; 0 = off). Each kept one holds a state slot (reclaimable).
+    # block_size; 0 = off). Each kept one holds a state's pages (reclaimable).
     prefix_checkpoint_interval: int = 0
     long_prefill_token_threshold: int = 0
     # Priority preemption (see the scheduler's docs): a waiting request preempts
@@ -91,8 +99,22 @@ class EngineArgs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
-        for name in ("num_gpu_blocks", "num_state_slots", "max_model_len", "expected_context_len",
-                     "cpu_threads"):
+        if self.expected_context_len is not None:
+            raise ConfigError(
+                "expected_context_len no longer exists: KV blocks and DeltaNet state share one "
+                "arena whose pages follow the load, so there is no split to size from a context-length "
+                "guess; drop it (cap concurrency with max_num_seqs if you want a cap)"
+            )
+        if (self.num_gpu_blocks is None) != (self.num_state_slots is None):
+            given = "num_gpu_blocks" if self.num_gpu_blocks is not None else "num_state_slots"
+            raise ConfigError(
+                f"{given} alone no longer sizes anything: KV blocks and DeltaNet state share one arena; "
+                "give num_pages (exact pages) or a byte budget (kv_cache_memory_bytes / "
+                "gpu_memory_utilization) instead"
+            )
+        if self.num_pages is not None and self.num_gpu_blocks is not None:
+            raise ConfigError("give num_pages or the deprecated num_gpu_blocks + num_state_slots, not both")
+        for name in ("num_pages", "num_gpu_blocks", "num_state_slots", "max_model_len", "cpu_threads"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")

@@ -31,6 +31,7 @@ from hybridserve.beam_search import BeamSearch, BeamSearchParams
 from hybridserve.config import ModelConfig
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.request_state import RequestState
+from hybridserve.memory.layout import arena_layout
 from hybridserve.errors import ConfigError, InvalidRequest, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
@@ -131,29 +132,30 @@ class LLMEngine:
         if not self.eos_token_ids and getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids = [int(self.tokenizer.eos_token_id)]
 
-        self.pool_plan = self._plan_pools()
-        self.block_size = args.block_size
-        self.num_blocks = self.pool_plan.num_blocks
-        self.num_state_slots = self.pool_plan.num_state_slots
-        for line in planner.format_pool_log(self.pool_plan):
-            logger.info(line)
-        self.max_concurrency = planner.max_concurrency(self.pool_plan, self.expected_context_len)
-        logger.info(planner.format_max_concurrency(self.pool_plan, self.expected_context_len))
-
         kv_dtype = self.dtype if args.kv_cache_dtype == "auto" else resolve_dtype(args.kv_cache_dtype)
         # Decode steps replay CUDA graphs on CUDA unless enforce_eager; their padding
-        # rows need one DeltaNet slot that no sequence owns (the scheduler never
-        # hands out slot num_state_slots).
+        # rows need one DeltaNet state that no sequence owns: the arena's scratch
+        # pages, past the scheduler's page ids (counted in the budget).
         self.use_cuda_graphs = self.device.type == "cuda" and not args.enforce_eager
+        self.arena_plan = self._plan_arena(str(kv_dtype).removeprefix("torch."))
+        self.block_size = args.block_size
+        self.num_pages = self.arena_plan.num_pages
+        self.state_pages = self.arena_plan.state_pages
+        # The KV view of the same pages (every page can be a KV block).
+        self.num_blocks = self.num_pages
+        for line in planner.format_arena_log(self.arena_plan):
+            logger.info(line)
+        # Sequences of max_model_len tokens that fit at once (shorter ones: more).
+        self.max_concurrency = self.arena_plan.sessions(self.max_model_len).sessions
+
         self.cache = HybridCache(
-            self.model_config, self.num_blocks, self.block_size,
-            self.num_state_slots + (1 if self.use_cuda_graphs else 0),
+            self.model_config, self.arena_plan.layout, self.arena_plan.total_pages,
             dtype=kv_dtype, device=self.device,
         )
         self.scheduler = _core.Scheduler(
-            num_blocks=self.num_blocks,
+            num_pages=self.num_pages,
             block_size=self.block_size,
-            num_state_slots=self.num_state_slots,
+            state_pages=self.state_pages,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=self.max_model_len,
@@ -165,11 +167,6 @@ class LLMEngine:
             max_waiting_requests=args.max_waiting_requests,
             max_waiting_tokens=args.max_waiting_tokens,
             reserve_max_context=args.admission_policy == "reserve_max",
-            # Memory side of the checkpoint eviction score: a slot's bytes in blocks.
-            checkpoint_slot_cost_blocks=(
-                HybridCache.bytes_per_state_slot(self.model_config, self.dtype)
-                / HybridCache.bytes_per_block(self.model_config, self.block_size, kv_dtype)
-            ),
         )
         # The scheduler's block-table rows are the runner's buffer width.
         self.max_blocks_per_seq = self.scheduler.max_blocks_per_seq
@@ -184,7 +181,8 @@ class LLMEngine:
 
             self.runner.graphs = DecodeGraphs(
                 self.model, self.cache, max_num_seqs=args.max_num_seqs,
-                max_blocks_per_seq=self.max_blocks_per_seq, scratch_slot=self.num_state_slots,
+                max_blocks_per_seq=self.max_blocks_per_seq,
+                scratch_pages=list(self.arena_plan.scratch_page_ids),
             )
             self.runner.graphs.capture()
         if self.device.type == "cuda":
@@ -211,10 +209,6 @@ class LLMEngine:
         self.emit_unfinished = True
 
     # ------------------------------------------------------------------ sizing
-    @property
-    def expected_context_len(self) -> int:
-        return min(self.args.expected_context_len or self.max_model_len, self.max_model_len)
-
     def _pool_bytes(self) -> int:
         a = self.args
         if a.kv_cache_memory_bytes is not None:
@@ -235,27 +229,24 @@ class LLMEngine:
             )
         return a.cpu_pool_bytes
 
-    def _plan_pools(self) -> planner.PoolPlan:
+    def _plan_arena(self, kv_dtype: str) -> planner.ArenaPlan:
+        """The one arena: exact pages (``num_pages``, or the deprecated block/slot pair
+        converted to the same bytes), else pages cut from the one byte budget."""
         a = self.args
-        kv_dtype = self.model_config.torch_dtype if a.kv_cache_dtype == "auto" else a.kv_cache_dtype
-        if a.num_gpu_blocks is not None and a.num_state_slots is not None:
-            pool = (
-                a.num_gpu_blocks * planner.block_bytes(self.model_config, a.block_size, kv_dtype)
-                + a.num_state_slots * planner.state_slot_bytes(self.model_config)
+        common = dict(block_size=a.block_size, kv_dtype=kv_dtype, cuda_graphs=self.use_cuda_graphs,
+                      max_num_seqs=a.max_num_seqs)
+        num_pages = a.num_pages
+        if a.num_gpu_blocks is not None:
+            state_pages = arena_layout(self.model_config, a.block_size, kv_dtype).state_pages
+            num_pages = a.num_gpu_blocks + a.num_state_slots * state_pages
+            logger.warning(
+                "num_gpu_blocks=%d + num_state_slots=%d are deprecated (there is one arena now): "
+                "sized as the same bytes, num_pages=%d (%d state pages per sequence); pass num_pages",
+                a.num_gpu_blocks, a.num_state_slots, num_pages, state_pages,
             )
-            plan = planner.size_pools(
-                self.model_config, pool, a.block_size, kv_dtype, num_state_slots=a.num_state_slots
-            )
-            return dataclasses.replace(plan, num_blocks=a.num_gpu_blocks)
-        pool = self._pool_bytes()
-        if a.num_state_slots is not None:
-            return planner.size_pools(
-                self.model_config, pool, a.block_size, kv_dtype, num_state_slots=a.num_state_slots
-            )
-        return planner.size_pools(
-            self.model_config, pool, a.block_size, kv_dtype,
-            expected_context_len=self.expected_context_len, max_num_seqs=a.max_num_seqs,
-        )
+        if num_pages is not None:
+            return planner.size_arena(self.model_config, num_pages=num_pages, **common)
+        return planner.size_arena(self.model_config, budget_bytes=self._pool_bytes(), **common)
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -341,15 +332,14 @@ class LLMEngine:
         request_class: str = "default",
     ) -> str:
         """Queue one beam-search request: W beams held by one scheduler request
-        (admission reserves W slots and the blocks W beams can need)."""
+        (admission reserves W states and the blocks W beams can need)."""
         if not isinstance(params, BeamSearchParams):
             raise InvalidRequest("add_beam_request takes BeamSearchParams")
         width = params.beam_width
-        cap = min(self.num_state_slots, self.args.max_num_seqs)
+        cap = self.args.max_num_seqs
         if width > cap:
             raise InvalidRequest(
-                f"beam_width = {width} exceeds what the engine can run at once ({cap}: the state "
-                f"pool has {self.num_state_slots} slots, max_num_seqs = {self.args.max_num_seqs}); "
+                f"beam_width = {width} exceeds what the engine can run at once (max_num_seqs = {cap}); "
                 "lower beam_width"
             )
         if request_id is None:
@@ -653,6 +643,12 @@ class LLMEngine:
     # ----------------------------------------------------------------- helpers
     def stats(self) -> dict[str, Any]:
         d = dict(self.scheduler.stats())
+        # Layout padding of the pages in use: every KV page wastes kv_padding_bytes,
+        # every state (running or checkpoint) state_padding_bytes.
+        lay = self.arena_plan.layout
+        states = (d["running_state_pages"] + d["checkpoint_pages"]) // max(lay.state_pages, 1)
+        d["page_bytes"] = lay.page_bytes
+        d["padding_bytes"] = d["kv_pages"] * lay.kv_padding_bytes + states * lay.state_padding_bytes
         # [(cause, victim request_class, count)]: JSON-friendly.
         d["preemptions_by"] = [(c, k, n) for (c, k), n in sorted(self.preemptions_by.items())]
         return d

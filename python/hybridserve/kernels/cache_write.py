@@ -30,13 +30,13 @@ def write_kv_ref(
         raise ValueError(
             f"slot_mapping has {slot_mapping.shape[0]} entries but there are {key.shape[0]} tokens"
         )
-    hkv, d = k_cache.shape[2], k_cache.shape[3]
-    # A view over the contiguous cache, so indexing by flat slot writes in place.
-    k_flat = k_cache.view(-1, hkv, d)
-    v_flat = v_cache.view(-1, hkv, d)
+    bs = k_cache.shape[1]
     slots = slot_mapping.to(torch.long)
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    k_flat.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_cache.dtype))
+    # (block, offset) indexing writes in place into the caches, which may be the
+    # arena's views (blocks a page apart, so no flat [slots, Hkv, D] view exists).
+    blk, off = slots // bs, slots % bs
+    k_cache[blk, off] = key.to(k_cache.dtype)
+    v_cache[blk, off] = value.to(v_cache.dtype)

@@ -1,12 +1,17 @@
-"""Depthwise causal conv1d over a flattened varlen batch with state slots, in Triton.
+"""Depthwise causal conv1d over a flattened varlen batch with paged state, in Triton.
 
 Contract (identical to :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref`):
 ``x`` ``[T, C]`` with sequences delimited by ``query_start_loc`` ``[B+1]``;
 ``weight`` ``[C, W]`` (``2 <= W <= 4``; Qwen3.5 uses 4), ``bias`` ``[C]`` or None;
-``conv_state`` pool ``[S, C, W-1]`` holding each sequence's last ``W-1`` inputs,
-oldest first. Sequence ``b`` starts from ``conv_state[state_slots[b]]`` if
-``has_initial_state[b]`` else zeros, and leaves its last ``W-1`` inputs there (in
-place; a sequence with no tokens this step leaves its slot untouched).
+``conv_state`` pool ``[num_pages, per_page, C, W-1]`` (a strided view of the arena)
+holding each sequence's last ``W-1`` inputs, oldest first, at item ``item_base`` of its
+state page table row ``state_pages[b]`` (:mod:`hybridserve.kernels.state_pages`).
+Sequence ``b`` starts from there if ``has_initial_state[b]`` else zeros, and leaves its
+last ``W-1`` inputs there (in place; a sequence with no tokens this step leaves its
+state untouched). ``checkpoint_positions[b] = k >= 1`` (optional): the ``W-1`` inputs
+ending at its ``k``-th token also go to the same item of ``checkpoint_pages[b]``,
+written by the same launch (serial path: as the walk passes token ``k``; parallel
+path: by the state-update launch, before it overwrites the old state it may read).
 ``y[t, c] = act(bias[c] + sum_j weight[c, j] * x_ext[t - (W-1) + j, c])`` in float32,
 returned in ``x``'s dtype; ``act`` is SiLU or identity.
 
@@ -32,6 +37,13 @@ __all__ = ["causal_conv1d_triton"]
 
 
 @triton.jit
+def _item_at(table_ptr, seq, stride_tab, item_base, stride_page, stride_item, PER_PAGE: tl.constexpr):
+    """Offset of a sequence's conv item in the pool: page from its table row, slot in the page."""
+    page = tl.load(table_ptr + seq * stride_tab + item_base // PER_PAGE).to(tl.int64)
+    return page * stride_page + (item_base % PER_PAGE) * stride_item
+
+
+@triton.jit
 def _causal_conv1d_kernel(
     y_ptr,
     x_ptr,
@@ -39,8 +51,12 @@ def _causal_conv1d_kernel(
     bias_ptr,
     conv_state_ptr,
     query_start_loc_ptr,
-    state_slots_ptr,
+    table_ptr,
     has_initial_state_ptr,
+    ck_pos_ptr,
+    ck_table_ptr,
+    item_base,
+    stride_tab,
     num_channels,
     stride_x_t,
     stride_x_c,
@@ -48,13 +64,16 @@ def _causal_conv1d_kernel(
     stride_y_c,
     stride_w_c,
     stride_w_j,
-    stride_cs_s,
+    stride_cs_page,
+    stride_cs_item,
     stride_cs_c,
     stride_cs_j,
     WIDTH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PER_PAGE: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     c_block = tl.program_id(1)
@@ -62,7 +81,7 @@ def _causal_conv1d_kernel(
     eos = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
     if eos == bos:
         return
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    item_at = _item_at(table_ptr, seq, stride_tab, item_base, stride_cs_page, stride_cs_item, PER_PAGE)
     offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < num_channels
 
@@ -82,7 +101,16 @@ def _causal_conv1d_kernel(
 
     # r_i = x[t - i]; before the sequence's first token here it comes from the state,
     # whose column W-1-i holds x[-i].
-    cs = conv_state_ptr + slot * stride_cs_s + offs_c * stride_cs_c
+    cs = conv_state_ptr + item_at + offs_c * stride_cs_c
+    ck_row = bos - 1  # the token after which the checkpoint is taken (none: never reached)
+    ck_cs = cs
+    if HAS_CKPT:
+        ck = tl.load(ck_pos_ptr + seq).to(tl.int64)
+        if ck >= 1:
+            ck_row = bos + ck - 1
+            ck_cs = conv_state_ptr + _item_at(ck_table_ptr, seq, stride_tab, item_base, stride_cs_page,
+                                              stride_cs_item, PER_PAGE) + offs_c * stride_cs_c
+    out_ty = conv_state_ptr.dtype.element_ty
     r1 = tl.zeros([BLOCK_C], tl.float32)
     r2 = tl.zeros([BLOCK_C], tl.float32)
     r3 = tl.zeros([BLOCK_C], tl.float32)
@@ -102,8 +130,14 @@ def _causal_conv1d_kernel(
         r3 = r2
         r2 = r1
         r1 = xt
+        if HAS_CKPT:
+            if t == ck_row:
+                tl.store(ck_cs + (WIDTH - 2) * stride_cs_j, r1.to(out_ty), mask=c_ok)
+                if WIDTH >= 3:
+                    tl.store(ck_cs + (WIDTH - 3) * stride_cs_j, r2.to(out_ty), mask=c_ok)
+                if WIDTH >= 4:
+                    tl.store(ck_cs + (WIDTH - 4) * stride_cs_j, r3.to(out_ty), mask=c_ok)
 
-    out_ty = conv_state_ptr.dtype.element_ty
     tl.store(cs + (WIDTH - 2) * stride_cs_j, r1.to(out_ty), mask=c_ok)
     if WIDTH >= 3:
         tl.store(cs + (WIDTH - 3) * stride_cs_j, r2.to(out_ty), mask=c_ok)
@@ -135,8 +169,12 @@ def _causal_conv1d_tokens_kernel(
     bias_ptr,
     conv_state_ptr,
     query_start_loc_ptr,
-    state_slots_ptr,
+    table_ptr,
     has_initial_state_ptr,
+    ck_pos_ptr,
+    ck_table_ptr,
+    item_base,
+    stride_tab,
     num_seqs,
     num_channels,
     stride_x_t,
@@ -145,7 +183,8 @@ def _causal_conv1d_tokens_kernel(
     stride_y_c,
     stride_w_c,
     stride_w_j,
-    stride_cs_s,
+    stride_cs_page,
+    stride_cs_item,
     stride_cs_c,
     stride_cs_j,
     WIDTH: tl.constexpr,
@@ -153,6 +192,8 @@ def _causal_conv1d_tokens_kernel(
     SILU: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PER_PAGE: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
 ):
     """Parallel path, phase 1: outputs of a [BLOCK_T tokens of one sequence, BLOCK_C] tile.
 
@@ -167,7 +208,7 @@ def _causal_conv1d_tokens_kernel(
     local = blk - (bos // BLOCK_T + seq)
     if local * BLOCK_T >= q_len:
         return
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    item_at = _item_at(table_ptr, seq, stride_tab, item_base, stride_cs_page, stride_cs_item, PER_PAGE)
     init = tl.load(has_initial_state_ptr + seq).to(tl.int32)
     offs_t = local * BLOCK_T + tl.arange(0, BLOCK_T)  # position within this step's tokens
     offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -194,7 +235,7 @@ def _causal_conv1d_tokens_kernel(
         # x[-i] of the past lives in state column W-1-i.
         sv = tl.load(
             conv_state_ptr
-            + slot * stride_cs_s
+            + item_at
             + offs_c[None, :] * stride_cs_c
             + (WIDTH - 1 - back + offs_t)[:, None] * stride_cs_j,
             mask=from_state[:, None] & c_ok[None, :],
@@ -216,18 +257,27 @@ def _conv_state_update_kernel(
     x_ptr,
     conv_state_ptr,
     query_start_loc_ptr,
-    state_slots_ptr,
+    table_ptr,
     has_initial_state_ptr,
+    ck_pos_ptr,
+    ck_table_ptr,
+    item_base,
+    stride_tab,
     num_channels,
     stride_x_t,
     stride_x_c,
-    stride_cs_s,
+    stride_cs_page,
+    stride_cs_item,
     stride_cs_c,
     stride_cs_j,
     WIDTH: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    PER_PAGE: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
 ):
-    """Parallel path, phase 2: each sequence's state becomes its last W-1 inputs.
+    """Parallel path, phase 2: each sequence's state becomes its last W-1 inputs (and its
+    checkpoint, if asked, the W-1 inputs ending at token k: written first, since it may
+    read the old state).
 
     New column i is x_ext[q_len - (W-1) + i]: a step input, or old column q_len + i
     (> i, so columns are read before this loop overwrites them, in order).
@@ -238,11 +288,24 @@ def _conv_state_update_kernel(
     q_len = tl.load(query_start_loc_ptr + seq + 1) - bos
     if q_len == 0:
         return
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    item_at = _item_at(table_ptr, seq, stride_tab, item_base, stride_cs_page, stride_cs_item, PER_PAGE)
     init = tl.load(has_initial_state_ptr + seq).to(tl.int32)
     offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < num_channels
-    cs = conv_state_ptr + slot * stride_cs_s + offs_c * stride_cs_c
+    cs = conv_state_ptr + item_at + offs_c * stride_cs_c
+    if HAS_CKPT:
+        ck = tl.load(ck_pos_ptr + seq)
+        if ck >= 1:
+            ck_cs = conv_state_ptr + _item_at(ck_table_ptr, seq, stride_tab, item_base, stride_cs_page,
+                                              stride_cs_item, PER_PAGE) + offs_c * stride_cs_c
+            for i in tl.static_range(WIDTH - 1):
+                p = tl.zeros([BLOCK_C], tl.int32) + (ck - (WIDTH - 1) + i)  # position in the step
+                init_c = (tl.zeros([BLOCK_C], tl.int32) + init) != 0
+                xv = tl.load(x_ptr + (bos + p).to(tl.int64) * stride_x_t + offs_c * stride_x_c,
+                             mask=c_ok & (p >= 0), other=0.0)
+                sv = tl.load(cs + (WIDTH - 1 + p) * stride_cs_j, mask=c_ok & (p < 0) & init_c, other=0.0)
+                tl.store(ck_cs + i * stride_cs_j,
+                         (xv.to(tl.float32) + sv.to(tl.float32)).to(conv_state_ptr.dtype.element_ty), mask=c_ok)
     for i in tl.static_range(WIDTH - 1):
         p = tl.zeros([BLOCK_C], tl.int32) + (q_len - (WIDTH - 1) + i)  # position in the step
         init_c = (tl.zeros([BLOCK_C], tl.int32) + init) != 0
@@ -257,12 +320,16 @@ def causal_conv1d_triton(
     bias: torch.Tensor | None,
     conv_state: torch.Tensor,
     query_start_loc: torch.Tensor,
-    state_slots: torch.Tensor,
+    state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     activation: str | None = "silu",
     token_parallel: bool | None = None,
+    *,
+    item_base: int,
+    checkpoint_positions: torch.Tensor | None = None,
+    checkpoint_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal depthwise conv over every sequence from its slot's state; see the module doc.
+    """Causal depthwise conv over every sequence from its paged state; see the module doc.
 
     ``token_parallel``: ``False`` runs one program per (sequence, channel block) walking
     the tokens (one launch, best for decode); ``True`` runs programs over (token block,
@@ -270,8 +337,8 @@ def causal_conv1d_triton(
     thousands of tokens would idle the GPU); ``None`` picks from shapes alone: serial
     for pure decode batches (``T <= B``), parallel as soon as any prefill may be in.
 
-    Slot ids are not range-checked (a device sync per layer); distinct sequences must
-    use distinct slots, since their programs run concurrently.
+    Page ids are not range-checked (a device sync per layer); distinct sequences (and
+    their checkpoints) must use distinct pages, since their programs run concurrently.
     """
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}; use 'silu' or None")
@@ -285,20 +352,28 @@ def causal_conv1d_triton(
         raise ValueError(f"conv width {width} unsupported by the Triton kernel (2..4); use the reference")
     if bias is not None and tuple(bias.shape) != (c,):
         raise ValueError(f"bias must be [C={c}] or None, got {tuple(bias.shape)}")
-    if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (c, width - 1):
-        raise ValueError(f"conv_state must be [S, C={c}, W-1={width - 1}], got {tuple(conv_state.shape)}")
-    b = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    if conv_state.dim() != 4 or tuple(conv_state.shape[2:]) != (c, width - 1):
+        raise ValueError(f"conv_state must be a pool [num_pages, per_page, C={c}, W-1={width - 1}], "
+                         f"got {tuple(conv_state.shape)}")
+    b = state_pages.shape[0] if state_pages.dim() == 2 else -1
     if b < 0 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1:
         raise ValueError(
-            f"state_slots must be [B] and query_start_loc [B+1], got {tuple(state_slots.shape)} "
+            f"state_pages must be [B, cols] and query_start_loc [B+1], got {tuple(state_pages.shape)} "
             f"and {tuple(query_start_loc.shape)}"
         )
+    if item_base // conv_state.shape[1] >= state_pages.shape[1]:
+        raise ValueError(f"item {item_base} needs more columns than state_pages has ({state_pages.shape[1]})")
     if has_initial_state.dim() != 1 or has_initial_state.shape[0] != b:
         raise ValueError(f"has_initial_state must be [B={b}], got {tuple(has_initial_state.shape)}")
-    for name, t in (("query_start_loc", query_start_loc), ("state_slots", state_slots)):
+    if (checkpoint_positions is None) != (checkpoint_pages is None):
+        raise ValueError("give both checkpoint_positions and checkpoint_pages, or neither")
+    if checkpoint_positions is not None and (tuple(checkpoint_positions.shape) != (b,)
+                                             or checkpoint_pages.shape != state_pages.shape):
+        raise ValueError("checkpoint_positions must be [B] and checkpoint_pages shaped like state_pages")
+    for name, t in (("query_start_loc", query_start_loc), ("state_pages", state_pages)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
-    tensors = [x, weight, conv_state, query_start_loc, state_slots, has_initial_state]
+    tensors = [x, weight, conv_state, query_start_loc, state_pages, has_initial_state]
     if bias is not None:
         tensors.append(bias)
     devs = {t.device for t in tensors}
@@ -310,6 +385,12 @@ def causal_conv1d_triton(
         return y
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.int8)  # same bytes, no copy
+    table = state_pages.contiguous()
+    has_ckpt = checkpoint_positions is not None
+    ck_pos = checkpoint_positions if has_ckpt else table
+    ck_table = checkpoint_pages.to(table.dtype).contiguous() if has_ckpt else table
+    paged = (table, has_initial_state, ck_pos, ck_table, int(item_base), table.stride(0))
+    meta = dict(PER_PAGE=conv_state.shape[1], HAS_CKPT=has_ckpt)
     if token_parallel is None:
         token_parallel = x.shape[0] > b
     if token_parallel:
@@ -323,8 +404,7 @@ def causal_conv1d_triton(
             bias if bias is not None else weight,  # placeholder pointer, never read
             conv_state,
             query_start_loc,
-            state_slots,
-            has_initial_state,
+            *paged,
             b,
             c,
             *x.stride(),
@@ -336,19 +416,21 @@ def causal_conv1d_triton(
             SILU=activation is not None,
             BLOCK_T=block_t,
             BLOCK_C=block_c,
+            PER_PAGE=conv_state.shape[1],
+            HAS_CKPT=False,  # phase 1 writes no state
             num_warps=4,
         )
         _conv_state_update_kernel[(b, c_blocks)](
             x,
             conv_state,
             query_start_loc,
-            state_slots,
-            has_initial_state,
+            *paged,
             c,
             *x.stride(),
             *conv_state.stride(),
             WIDTH=width,
             BLOCK_C=block_c,
+            **meta,
             num_warps=4,
         )
         return y
@@ -361,8 +443,7 @@ def causal_conv1d_triton(
         bias if bias is not None else weight,  # placeholder pointer, never read
         conv_state,
         query_start_loc,
-        state_slots,
-        has_initial_state,
+        *paged,
         c,
         *x.stride(),
         *y.stride(),
@@ -372,6 +453,7 @@ def causal_conv1d_triton(
         HAS_BIAS=bias is not None,
         SILU=activation is not None,
         BLOCK_C=block_c,
+        **meta,
         num_warps=2 if block_c <= 128 else 4,
     )
     return y

@@ -113,6 +113,27 @@ def check_write_kv(device, dtype, small, reps, failures):
     _report(f"write_kv T={t} {str(dtype)[6:]}", torch.cat([kc, vc]), torch.cat([kr, vr]), dtype, sec, failures)
 
 
+def _paged_pool(n_seqs, n_items, item_shape, dtype, gen, device, scale=1.0):
+    """A paged state pool as the arena lays it out: items in pages with padding after
+    them, each sequence's pages (and its checkpoint's) scattered. Returns (pool view,
+    state page table rows, checkpoint page rows, item base)."""
+    item = 1
+    for d in item_shape:
+        item *= d
+    per_page, base = 3, 2
+    page = per_page * item + 16
+    cols = -(-(base + n_items) // per_page)
+    num_pages = 2 * n_seqs * cols + 1
+    buf = (torch.randn(num_pages * page, generator=gen, device=device) * scale).to(dtype)
+    strides = [1]
+    for d in reversed(item_shape[1:]):
+        strides.insert(0, strides[0] * d)
+    pool = buf.as_strided((num_pages, per_page, *item_shape), (page, item, *strides))
+    perm = torch.randperm(num_pages, generator=gen, device=device).to(torch.int32)
+    n = n_seqs * cols
+    return pool, perm[:n].view(n_seqs, cols), perm[n:2 * n].view(n_seqs, cols), base
+
+
 def check_deltanet(device, dtype, small, reps, failures):
     h, hk, kd, vd, c = (4, 2, 32, 32, 96) if small else (48, 16, 128, 128, 10240)
     gen = torch.Generator(device=device).manual_seed(2)
@@ -120,38 +141,44 @@ def check_deltanet(device, dtype, small, reps, failures):
         t, b = sum(lens), len(lens)
         label = f"B={b} T={t}"
         qsl = _qsl(lens, device)
-        slots = torch.randperm(2 * b, generator=gen, device=device)[:b]
         init = torch.arange(b, device=device) % 2 == 0
+        # A checkpoint inside every other run (mid-run for prefills, the token for decodes).
+        ck = torch.tensor([(n + 1) // 2 if i % 2 else -1 for i, n in enumerate(lens)], dtype=torch.int32,
+                          device=device)
         # Conv.
         x = torch.randn(t, c, generator=gen, device=device).to(dtype)
         w = torch.randn(c, 4, generator=gen, device=device).to(dtype) * 0.5
-        cs = torch.randn(2 * b, c, 3, generator=gen, device=device).to(dtype)
+        cs, table, ck_table, base = _paged_pool(b, 1, (c, 3), dtype, gen, device)
+        kw = dict(item_base=base, checkpoint_positions=ck, checkpoint_pages=ck_table)
         cs_ref = cs.clone()
-        want = causal_conv1d_ref(x, w, None, cs_ref, qsl, slots, init)
-        got = causal_conv1d_triton(x, w, None, cs, qsl, slots, init)
+        want = causal_conv1d_ref(x, w, None, cs_ref, qsl, table, init, **kw)
+        got = causal_conv1d_triton(x, w, None, cs, qsl, table, init, **kw)
         # Timed on a scratch copy of the state made once, outside the timed call (the
         # kernel updates it in place; its values do not change the work done).
         cs_t = cs_ref.clone()
         _report(f"causal_conv1d {label} {str(dtype)[6:]}", got, want, dtype,
-                _time(lambda: causal_conv1d_triton(x, w, None, cs_t, qsl, slots, init), device, reps), failures)
+                _time(lambda: causal_conv1d_triton(x, w, None, cs_t, qsl, table, init, **kw), device, reps),
+                failures)
+        _report(f"causal_conv1d {label} states + checkpoints", cs, cs_ref, dtype, 0.0, failures)
         # Delta rule (state in float32 whatever the dtype).
         q = torch.randn(t, hk, kd, generator=gen, device=device).to(dtype)
         k = torch.randn(t, hk, kd, generator=gen, device=device).to(dtype)
         v = torch.randn(t, h, vd, generator=gen, device=device).to(dtype)
         g = -torch.rand(t, h, generator=gen, device=device) * 0.5
         beta = torch.rand(t, h, generator=gen, device=device).to(dtype)
-        st = torch.randn(2 * b, h, kd, vd, generator=gen, device=device) * 0.1
+        st, table, ck_table, base = _paged_pool(b, h, (kd, vd), torch.float32, gen, device, 0.1)
+        kw = dict(item_base=base, checkpoint_positions=ck, checkpoint_pages=ck_table)
         st_ref = st.clone()
         rep = h // hk
         want = gated_delta_rule_recurrent_ref(q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1), v, g,
-                                              beta, st_ref, qsl, slots, init, kd**-0.5)
+                                              beta, st_ref, qsl, table, init, kd**-0.5, **kw)
         st0 = st.clone()
-        got = gated_delta_rule_triton(q, k, v, g, beta, st, qsl, slots, init, kd**-0.5)
+        got = gated_delta_rule_triton(q, k, v, g, beta, st, qsl, table, init, kd**-0.5, **kw)
         _report(f"gated_delta_rule {label} {str(dtype)[6:]}", got, want, dtype,
-                _time(lambda: gated_delta_rule_triton(q, k, v, g, beta, st0, qsl, slots, init, kd**-0.5),
+                _time(lambda: gated_delta_rule_triton(q, k, v, g, beta, st0, qsl, table, init, kd**-0.5, **kw),
                       device, reps), failures)
-        _report(f"gated_delta_rule {label} final state", st, st_ref, torch.float32 if dtype == torch.float32
-                else dtype, 0.0, failures)
+        _report(f"gated_delta_rule {label} final states + checkpoints", st, st_ref,
+                torch.float32 if dtype == torch.float32 else dtype, 0.0, failures)
 
 
 def main(argv=None) -> int:

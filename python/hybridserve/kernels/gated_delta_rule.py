@@ -1,4 +1,4 @@
-"""Gated delta rule (Gated DeltaNet's token mixer) over state slots: the references.
+"""Gated delta rule (Gated DeltaNet's token mixer) over paged state: the references.
 
 Per head, with state ``S`` ``[K, V]`` (float32) and, for each token,
 ``q, k`` ``[K]`` (l2-normalised, q scaled by ``scale``), ``v`` ``[V]``, log-decay ``g``
@@ -16,11 +16,17 @@ and follow ``transformers``' ``torch_recurrent_gated_delta_rule`` /
 is the CPU path: the same formulas batched across a step's sequences without padding
 them to a common length (decodes in one recurrent step, longer runs chunked per run),
 tested against the references on random mixed batches.
+
+State is addressed through the state page table (:mod:`hybridserve.kernels.state_pages`):
+the pool is ``[num_pages, per_page, K, V]`` float32, value head ``h`` of sequence ``b``
+is item ``item_base + h`` of its row of ``state_pages``.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hybridserve.kernels.state_pages import as_list, check_pool, item_coords
 
 
 def _as_list(t: torch.Tensor | list) -> list:
@@ -95,8 +101,8 @@ def _chunked_one(q, k, v, g, beta, state, chunk_size):
     return _chunked(q, k, v, g, beta, state, chunk_size)
 
 
-def _run(one, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state,
-         scale, use_qk_l2norm, **kw):
+def _run(one, q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state,
+         scale, use_qk_l2norm, item_base, checkpoint_positions, checkpoint_pages, **kw):
     if q.shape != k.shape or q.shape[:2] != v.shape[:2]:
         raise ValueError(
             f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [T, H, K] and v {tuple(v.shape)} "
@@ -104,11 +110,16 @@ def _run(one, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial
         )
     if state.dtype != torch.float32:
         raise ValueError(f"the recurrent state pool must be float32, got {state.dtype}")
-    qsl = _as_list(query_start_loc)
-    slots = _as_list(state_slots)
-    init = _as_list(has_initial_state)
+    h = v.shape[1]
+    check_pool(state, (q.shape[2], v.shape[2]), "recurrent state")
+    qsl = as_list(query_start_loc)
+    init = as_list(has_initial_state)
+    ckpt = as_list(checkpoint_positions) or [-1] * len(init)
+    pages, within = item_coords(torch.as_tensor(state_pages), item_base, h, state.shape[1])
+    if checkpoint_pages is not None:
+        ck_pages, _ = item_coords(torch.as_tensor(checkpoint_pages), item_base, h, state.shape[1])
     o = torch.empty_like(v)
-    for b, slot in enumerate(slots):
+    for b in range(len(init)):
         start, end = qsl[b], qsl[b + 1]
         if end == start:
             continue
@@ -118,36 +129,52 @@ def _run(one, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial
         if use_qk_l2norm:
             qb, kb = _l2norm(qb), _l2norm(kb)
         qb = qb * scale
-        s0 = state[slot].clone() if init[b] else torch.zeros_like(state[slot])
+        s0 = state[pages[b], within[b]].clone() if init[b] else state.new_zeros(h, *state.shape[2:])
+        c = ckpt[b]
+        if c >= 0:
+            if not 1 <= c <= end - start:
+                raise ValueError(f"checkpoint position {c} of sequence {b} must lie in 1..{end - start}")
+            # To the checkpoint, store it, then on from it: the same arithmetic as one pass.
+            oa, s0 = one(qb[:, :c], kb[:, :c], vb[:, :c], gb[:, :c], bb[:, :c], s0, **kw)
+            state[ck_pages[b], within[b]] = s0
+            o[start:start + c] = oa.transpose(0, 1).to(v.dtype)
+            start, qb, kb, vb, gb, bb = start + c, qb[:, c:], kb[:, c:], vb[:, c:], gb[:, c:], bb[:, c:]
+            if start == end:
+                state[pages[b], within[b]] = s0
+                continue
         ob, s1 = one(qb, kb, vb, gb, bb, s0, **kw)
-        state[slot] = s1
+        state[pages[b], within[b]] = s1
         o[start:end] = ob.transpose(0, 1).to(v.dtype)
     return o
 
 
 def gated_delta_rule_recurrent_ref(
-    q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-    use_qk_l2norm=True,
+    q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, scale,
+    use_qk_l2norm=True, *, item_base, checkpoint_positions=None, checkpoint_pages=None,
 ) -> torch.Tensor:
     """Token-by-token gated delta rule over a flattened varlen batch.
 
     * ``q``, ``k`` ``[T, H, K]`` (key heads already expanded to the ``H`` value heads),
       ``v`` ``[T, H, V]``, ``g`` (log-decay, <= 0) and ``beta`` ``[T, H]``.
-    * ``state`` pool float32 ``[S, H, K, V]``; sequence ``b`` (rows
-      ``query_start_loc[b]:query_start_loc[b+1]``) starts from ``state[state_slots[b]]``
-      if ``has_initial_state[b]`` else zeros, and its final state is written back there.
+    * ``state`` pool float32 ``[num_pages, per_page, K, V]``; sequence ``b`` (rows
+      ``query_start_loc[b]:query_start_loc[b+1]``) keeps value head ``h`` at item
+      ``item_base + h`` of ``state_pages[b]`` (:mod:`hybridserve.kernels.state_pages`):
+      it starts from there if ``has_initial_state[b]`` else from zeros, and its final
+      state is written back there.
+    * ``checkpoint_positions[b] = c >= 1``: the state after the run's first ``c`` tokens
+      is also written at the same items of ``checkpoint_pages[b]``.
     * q/k are l2-normalised (eps 1e-6) when ``use_qk_l2norm``; q is then multiplied by
       ``scale`` (HF: ``K ** -0.5``).
 
     Float32 throughout; returns ``o`` ``[T, H, V]`` in ``v``'s dtype. O(T * H * K * V).
     """
-    return _run(_recurrent_one, q, k, v, g, beta, state, query_start_loc, state_slots,
-                has_initial_state, scale, use_qk_l2norm)
+    return _run(_recurrent_one, q, k, v, g, beta, state, query_start_loc, state_pages,
+                has_initial_state, scale, use_qk_l2norm, item_base, checkpoint_positions, checkpoint_pages)
 
 
 def gated_delta_rule_chunked_ref(
-    q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-    use_qk_l2norm=True, chunk_size=64,
+    q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, scale,
+    use_qk_l2norm=True, chunk_size=64, *, item_base, checkpoint_positions=None, checkpoint_pages=None,
 ) -> torch.Tensor:
     """Same contract as :func:`gated_delta_rule_recurrent_ref`, computed in chunks.
 
@@ -155,9 +182,9 @@ def gated_delta_rule_chunked_ref(
     are condensed by a triangular solve, across chunks the state is scanned.
     O(T * H * (chunk_size * (K + V) + K * V)).
     """
-    return _run(_chunked_one, q, k, v, g, beta, state, query_start_loc, state_slots,
-                has_initial_state, scale, use_qk_l2norm, chunk_size=chunk_size)
-
+    return _run(_chunked_one, q, k, v, g, beta, state, query_start_loc, state_pages,
+                has_initial_state, scale, use_qk_l2norm, item_base, checkpoint_positions, checkpoint_pages,
+                chunk_size=chunk_size)
 
 
 # ----------------------------------------------------------------------------- CPU path
@@ -167,28 +194,12 @@ def gated_delta_rule_chunked_ref(
 # costs about the same at 16, 32 or 64.
 CPU_CHUNK = 16
 
-class DeltaRulePlan:
-    """How one step's runs are laid out for :func:`gated_delta_rule_cpu`; depends only on
-    the step's lengths, slots and fresh flags, so it is built once and shared by every
-    DeltaNet layer of the step.
+class _Phase:
+    """One pass over the step's runs (see :class:`DeltaRulePlan`): run ``b`` is rows
+    ``starts[b] .. starts[b] + lens[b]``."""
 
-    * Single-token runs (decodes) advance in one batched recurrent step.
-    * Longer runs are cut into chunks of ``c = min(chunk_size, len rounded up to 16)``
-      tokens; runs sharing a ``c`` form one group. Only a run's own last chunk is padded
-      (inert tokens), never to the longest run of the step. Inside a group, runs are
-      sorted by chunk count, longest first, and chunks are stored chunk-index-major,
-      so scan step ``i`` advances the first ``counts[i]`` runs over contiguous rows.
-    """
-
-    def __init__(self, query_start_loc, state_slots, has_initial_state, chunk_size: int = CPU_CHUNK,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, starts, lens, init, chunk_size, device):
         import numpy as np
-
-        qsl = np.asarray(_as_list(query_start_loc), dtype=np.int64)
-        slots = np.asarray(_as_list(state_slots), dtype=np.int64)
-        init = np.asarray(_as_list(has_initial_state), dtype=bool)
-        lens = qsl[1:] - qsl[:-1]
-        self.num_tokens = int(qsl[-1]) if len(qsl) else 0
 
         def t(a):
             return torch.as_tensor(np.ascontiguousarray(a), dtype=torch.long, device=device)
@@ -201,7 +212,7 @@ class DeltaRulePlan:
         dec = np.nonzero(lens == 1)[0]
         self.decode = None
         if len(dec):
-            self.decode = (t(qsl[dec]), t(slots[dec]), fresh_of(dec))
+            self.decode = (t(starts[dec]), t(dec), fresh_of(dec))
         self.groups = []
         multi = np.nonzero(lens > 1)[0]
         if len(multi):
@@ -215,8 +226,8 @@ class DeltaRulePlan:
                 # chunk-index-major: all first chunks, then all second chunks, ...
                 ii, jj = np.nonzero(np.arange(int(nch[0]))[:, None] < nch[None, :])
                 counts = np.bincount(ii).tolist()
-                tok = qsl[seqs[jj]][:, None] + ii[:, None] * c + np.arange(c)[None, :]
-                valid = tok < qsl[seqs[jj] + 1][:, None]
+                tok = starts[seqs[jj]][:, None] + ii[:, None] * c + np.arange(c)[None, :]
+                valid = tok < (starts + lens)[seqs[jj]][:, None]
                 flat_valid = np.nonzero(valid.ravel())[0]
                 self.groups.append({
                     "c": c,
@@ -226,12 +237,51 @@ class DeltaRulePlan:
                     "pad": None if valid.all() else torch.as_tensor(~valid, device=device),
                     "out_pos": t(flat_valid),
                     "out_rows": t(tok.ravel()[flat_valid]),
-                    "slots": t(slots[seqs]),
+                    "seqs": t(seqs),
                     "fresh": fresh_of(seqs),
                 })
 
 
-def _decode_step(q, k, v, g, beta, state, rows, slots, fresh, o):
+class DeltaRulePlan:
+    """How one step's runs are laid out for :func:`gated_delta_rule_cpu`; depends only on
+    the step's lengths, fresh flags and checkpoint positions, so it is built once and
+    shared by every DeltaNet layer of the step.
+
+    * Single-token runs (decodes) advance in one batched recurrent step.
+    * Longer runs are cut into chunks of ``c = min(chunk_size, len rounded up to 16)``
+      tokens; runs sharing a ``c`` form one group. Only a run's own last chunk is padded
+      (inert tokens), never to the longest run of the step. Inside a group, runs are
+      sorted by chunk count, longest first, and chunks are stored chunk-index-major,
+      so scan step ``i`` advances the first ``counts[i]`` runs over contiguous rows.
+    * A step with checkpoints goes in two phases: every checkpointed run's first ``c``
+      tokens, the checkpoint copies, then the rest of every run. Runs without a
+      checkpoint are all in the second phase, so the work stays one pass per token.
+    """
+
+    def __init__(self, query_start_loc, has_initial_state, chunk_size: int = CPU_CHUNK,
+                 device: torch.device | str = "cpu", checkpoint_positions=None):
+        import numpy as np
+
+        qsl = np.asarray(_as_list(query_start_loc), dtype=np.int64)
+        init = np.asarray(_as_list(has_initial_state), dtype=bool)
+        starts, lens = qsl[:-1], qsl[1:] - qsl[:-1]
+        self.num_tokens = int(qsl[-1]) if len(qsl) else 0
+        ckpt = None if checkpoint_positions is None else np.asarray(_as_list(checkpoint_positions), dtype=np.int64)
+        self.checkpoint_seqs = None
+        if ckpt is None or not (ckpt >= 0).any():
+            self.phases = [_Phase(starts, lens, init, chunk_size, device)]
+            return
+        bad = np.nonzero((ckpt >= 0) & ((ckpt < 1) | (ckpt > lens)))[0]
+        if len(bad):
+            b = int(bad[0])
+            raise ValueError(f"checkpoint position {int(ckpt[b])} of sequence {b} must lie in 1..{int(lens[b])}")
+        first = np.where(ckpt >= 0, ckpt, 0)
+        self.phases = [_Phase(starts, first, init, chunk_size, device),
+                       _Phase(starts + first, lens - first, init | (first > 0), chunk_size, device)]
+        self.checkpoint_seqs = torch.as_tensor(np.nonzero(ckpt >= 0)[0], dtype=torch.long, device=device)
+
+
+def _decode_step(q, k, v, g, beta, state, at, rows, seqs, fresh, o):
     """One recurrent step for every decode at once; q/k ``[T, Hk, K]`` (normalised, q
     scaled), v ``[T, H, V]``; key head j serves value heads ``j*rep .. j*rep+rep-1``."""
     n = rows.shape[0]
@@ -243,17 +293,18 @@ def _decode_step(q, k, v, g, beta, state, rows, slots, fresh, o):
     vv = v.index_select(0, rows).float().view(n, hk, rep, 1, vd)
     decay = g.index_select(0, rows).float().exp().view(n, hk, rep, 1, 1)
     b = beta.index_select(0, rows).float().view(n, hk, rep, 1, 1)
-    s = state.index_select(0, slots).view(n, hk, rep, kd, vd)
+    pages, within = at[0].index_select(0, seqs), at[1].index_select(0, seqs)
+    s = state[pages, within].view(n, hk, rep, kd, vd)
     if fresh is not None:
         s.index_fill_(0, fresh, 0.0)
     s.mul_(decay)
     delta = (vv - kk @ s) * b  # the correction to write, [n, Hk, rep, 1, V]
     s.add_(kk.transpose(-1, -2) * delta)
     o.index_copy_(0, rows, (qd @ s).view(n, h, vd).to(o.dtype))
-    state.index_copy_(0, slots, s.view(n, h, kd, vd))
+    state[pages, within] = s.view(n, h, kd, vd)
 
 
-def _chunk_group(q, k, v, g, beta, state, grp, o):
+def _chunk_group(q, k, v, g, beta, state, at, grp, o):
     """Chunked form over one group of runs (see :class:`DeltaRulePlan`)."""
     c, rows = grp["c"], grp["rows"]
     nc = rows.shape[0] // c
@@ -290,7 +341,8 @@ def _chunk_group(q, k, v, g, beta, state, grp, o):
     q_dec = qc * ecum[..., None]
     k_dec_t = (kc * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [N, Hk, rep, K, c]
     chunk_decay = ecum[..., -1, None, None]
-    s = state.index_select(0, grp["slots"]).view(-1, hk, rep, kd, vd)
+    pages, within = at[0].index_select(0, grp["seqs"]), at[1].index_select(0, grp["seqs"])
+    s = state[pages, within].view(-1, hk, rep, kd, vd)
     if grp["fresh"] is not None:
         s.index_fill_(0, grp["fresh"], 0.0)
     out = torch.empty(nc, hk, rep, c, vd, dtype=torch.float32, device=q.device)
@@ -305,22 +357,24 @@ def _chunk_group(q, k, v, g, beta, state, grp, o):
         out[r] = q_dec[r] @ si + intra[r] @ v_new
         s[:m] = si * chunk_decay[r] + k_dec_t[r] @ v_new
         at += m
-    state.index_copy_(0, grp["slots"], s.view(-1, h, kd, vd))
+    state[pages, within] = s.view(-1, h, kd, vd)
     flat = out.permute(0, 3, 1, 2, 4).reshape(nc * c, h, vd)
     o.index_copy_(0, grp["out_rows"], flat.index_select(0, grp["out_pos"]).to(o.dtype))
 
 
 def gated_delta_rule_cpu(
-    q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-    use_qk_l2norm=True, chunk_size=CPU_CHUNK, plan: DeltaRulePlan | None = None,
+    q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, scale,
+    use_qk_l2norm=True, chunk_size=CPU_CHUNK, plan: DeltaRulePlan | None = None, *, item_base,
+    checkpoint_positions=None, checkpoint_pages=None,
 ) -> torch.Tensor:
     """The CPU path; same contract as :func:`gated_delta_rule_recurrent_ref`, except that
     ``q``/``k`` may also have ``Hk`` heads dividing ``H`` (key head ``j`` serves value
     heads ``j*H/Hk ..``, HF's ``repeat_interleave``), read without expanding them.
 
     Decodes take one batched recurrent step; longer runs go through the chunked form per
-    :class:`DeltaRulePlan` (pass one to share it across layers). Work is proportional to
-    the step's tokens (plus at most one partial chunk per run), whatever the mix.
+    :class:`DeltaRulePlan` (pass one to share it across layers; it must have been built
+    with the same checkpoint positions). Work is proportional to the step's tokens (plus
+    at most one partial chunk per run and checkpoint), whatever the mix.
     """
     if q.shape != k.shape or q.shape[0] != v.shape[0] or v.shape[1] % q.shape[1]:
         raise ValueError(
@@ -329,15 +383,24 @@ def gated_delta_rule_cpu(
         )
     if state.dtype != torch.float32:
         raise ValueError(f"the recurrent state pool must be float32, got {state.dtype}")
+    h = v.shape[1]
+    check_pool(state, (q.shape[2], v.shape[2]), "recurrent state")
     if plan is None:
-        plan = DeltaRulePlan(query_start_loc, state_slots, has_initial_state, chunk_size, q.device)
+        plan = DeltaRulePlan(query_start_loc, has_initial_state, chunk_size, q.device, checkpoint_positions)
+    at = item_coords(torch.as_tensor(state_pages, device=q.device), item_base, h, state.shape[1])
     o = torch.empty_like(v)
     q, k = q.float(), k.float()
     if use_qk_l2norm:
         q, k = _l2norm(q), _l2norm(k)
     q = q * scale
-    if plan.decode is not None:
-        _decode_step(q, k, v, g, beta, state, *plan.decode, o)
-    for grp in plan.groups:
-        _chunk_group(q, k, v, g, beta, state, grp, o)
+    for i, phase in enumerate(plan.phases):
+        if i == 1:  # the checkpointed runs stopped at their checkpoint: copy their state
+            cs = plan.checkpoint_seqs
+            ck, _ = item_coords(torch.as_tensor(checkpoint_pages, device=q.device), item_base, h, state.shape[1])
+            within = at[1].index_select(0, cs)
+            state[ck.index_select(0, cs), within] = state[at[0].index_select(0, cs), within]
+        if phase.decode is not None:
+            _decode_step(q, k, v, g, beta, state, at, *phase.decode, o)
+        for grp in phase.groups:
+            _chunk_group(q, k, v, g, beta, state, at, grp, o)
     return o

@@ -1,4 +1,4 @@
-"""Fused recurrent Gated DeltaNet (gated delta rule) over state slots, in Triton.
+"""Fused recurrent Gated DeltaNet (gated delta rule) over paged state, in Triton.
 
 Contract (identical to
 :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`):
@@ -7,9 +7,17 @@ Contract (identical to
   ``beta``: ``[T, H]``. ``Hk`` divides ``H``; value head ``h`` reads query/key head
   ``h // (H // Hk)`` (HF's ``repeat_interleave``), so grouped q/k need no copy. With
   ``Hk == H`` this is exactly the reference's layout.
-* ``state``: float32 pool ``[S, H, K, V]``, updated in place: sequence ``b`` reads
-  slot ``state_slots[b]`` (or zeros when ``has_initial_state[b]`` is false) and leaves
-  its final state there.
+* ``state``: float32 pool ``[num_pages, per_page, K, V]`` (a strided view of the
+  arena), updated in place: value head ``h`` of sequence ``b`` is item
+  ``i = item_base + h`` of its state page table row ``state_pages[b]``, i.e.
+  ``state[state_pages[b, i // per_page], i % per_page]``
+  (:mod:`hybridserve.kernels.state_pages`); it starts from there (or from zeros when
+  ``has_initial_state[b]`` is false) and its final state is left there.
+* ``checkpoint_positions[b] = k >= 1`` (optional): the state after the sequence's
+  first ``k`` tokens is also stored at the same items of ``checkpoint_pages[b]``. The
+  recurrent kernel stores it as it passes token ``k``; the chunked kernel shifts its
+  chunk grid (inert zero tokens before the sequence's first) so that a chunk ends at
+  token ``k`` and stores the state there: no split launch, at most one extra chunk.
 * ``query_start_loc``: int ``[B+1]``, sequence ``b`` owns tokens
   ``query_start_loc[b] : query_start_loc[b+1]`` (a decode step is one token, a prefill
   chunk many).
@@ -56,8 +64,12 @@ def _gated_delta_rule_recurrent_kernel(
     beta_ptr,
     state_ptr,
     query_start_loc_ptr,
-    state_slots_ptr,
+    table_ptr,
     has_initial_state_ptr,
+    ck_pos_ptr,
+    ck_table_ptr,
+    item_base,
+    stride_tab,
     scale,
     min_len,  # sequences with fewer tokens are left to another launch
     max_len,  # sequences with more tokens are left to another launch
@@ -76,8 +88,8 @@ def _gated_delta_rule_recurrent_kernel(
     stride_g_h,
     stride_b_t,
     stride_b_h,
-    stride_s_s,
-    stride_s_h,
+    stride_s_page,
+    stride_s_item,
     stride_s_k,
     stride_s_v,
     HEAD_RATIO: tl.constexpr,  # H // Hk
@@ -86,6 +98,8 @@ def _gated_delta_rule_recurrent_kernel(
     K_PAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
     USE_L2NORM: tl.constexpr,
+    PER_PAGE: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -98,20 +112,25 @@ def _gated_delta_rule_recurrent_kernel(
         return  # no tokens this step: the slot keeps its state (even if has_initial_state is 0)
     if (eos - bos < min_len) | (eos - bos > max_len):
         return
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    item = item_base + head
+    page = tl.load(table_ptr + seq * stride_tab + item // PER_PAGE).to(tl.int64)
+    item_at = page * stride_s_page + (item % PER_PAGE) * stride_s_item
 
     offs_k = tl.arange(0, K_PAD)
     offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < K_DIM
     v_ok = offs_v < V_DIM
     tile_ok = k_ok[:, None] & v_ok[None, :]
-    s_ptrs = (
-        state_ptr
-        + slot * stride_s_s
-        + head * stride_s_h
-        + offs_k[:, None] * stride_s_k
-        + offs_v[None, :] * stride_s_v
-    )
+    tile = offs_k[:, None] * stride_s_k + offs_v[None, :] * stride_s_v
+    s_ptrs = state_ptr + item_at + tile
+    ck_row = bos - 1  # the token after which the checkpoint is taken (none: never reached)
+    ck_ptrs = s_ptrs
+    if HAS_CKPT:
+        ck = tl.load(ck_pos_ptr + seq).to(tl.int64)
+        if ck >= 1:
+            ck_row = bos + ck - 1
+            ck_page = tl.load(ck_table_ptr + seq * stride_tab + item // PER_PAGE).to(tl.int64)
+            ck_ptrs = state_ptr + ck_page * stride_s_page + (item % PER_PAGE) * stride_s_item + tile
     # Padded rows/columns of the tile stay exactly 0 through every update below
     # (k and v are 0 there), so they never leak into the reductions.
     if tl.load(has_initial_state_ptr + seq) != 0:
@@ -136,11 +155,15 @@ def _gated_delta_rule_recurrent_kernel(
         s = s + k[:, None] * delta[None, :]
         o = tl.sum(s * q[:, None], axis=0)
         tl.store(o_ptr + t * stride_o_t + head * stride_o_h + offs_v, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        if HAS_CKPT:
+            if t == ck_row:
+                tl.store(ck_ptrs, s, mask=tile_ok)
 
     tl.store(s_ptrs, s, mask=tile_ok)
 
 
-def _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state) -> None:
+def _check(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
+           checkpoint_positions, checkpoint_pages) -> None:
     """Shape/dtype/device checks that need no device sync; raise ValueError saying what to fix."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [T, Hk, K], got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -153,22 +176,30 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_st
     for name, x in (("g", g), ("beta", beta)):
         if tuple(x.shape) != (t, h):
             raise ValueError(f"{name} must be [T={t}, H={h}], got {tuple(x.shape)}")
-    if state.dim() != 4 or tuple(state.shape[1:]) != (h, kd, vd):
-        raise ValueError(f"state must be [S, H={h}, K={kd}, V={vd}], got {tuple(state.shape)}")
+    if state.dim() != 4 or tuple(state.shape[2:]) != (kd, vd):
+        raise ValueError(f"state must be a pool [num_pages, per_page, K={kd}, V={vd}], got {tuple(state.shape)}")
     if state.dtype != torch.float32:
         raise ValueError(f"state must be float32 (the recurrence accumulates in it), got {state.dtype}")
-    b = state_slots.shape[0] if state_slots.dim() == 1 else -1
+    b = state_pages.shape[0] if state_pages.dim() == 2 else -1
     if b < 0 or query_start_loc.dim() != 1 or query_start_loc.shape[0] != b + 1:
         raise ValueError(
-            f"state_slots must be [B] and query_start_loc [B+1], got {tuple(state_slots.shape)} "
+            f"state_pages must be [B, cols] and query_start_loc [B+1], got {tuple(state_pages.shape)} "
             f"and {tuple(query_start_loc.shape)}"
         )
+    if (item_base + h - 1) // state.shape[1] >= state_pages.shape[1]:
+        raise ValueError(f"items {item_base}..{item_base + h - 1} need more columns than state_pages has "
+                         f"({state_pages.shape[1]})")
     if has_initial_state.dim() != 1 or has_initial_state.shape[0] != b:
         raise ValueError(f"has_initial_state must be [B={b}], got {tuple(has_initial_state.shape)}")
-    for name, x in (("query_start_loc", query_start_loc), ("state_slots", state_slots)):
+    if (checkpoint_positions is None) != (checkpoint_pages is None):
+        raise ValueError("give both checkpoint_positions and checkpoint_pages, or neither")
+    if checkpoint_positions is not None and (tuple(checkpoint_positions.shape) != (b,)
+                                             or checkpoint_pages.shape != state_pages.shape):
+        raise ValueError("checkpoint_positions must be [B] and checkpoint_pages shaped like state_pages")
+    for name, x in (("query_start_loc", query_start_loc), ("state_pages", state_pages)):
         if x.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
-    devs = {x.device for x in (q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)}
+    devs = {x.device for x in (q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state)}
     if len(devs) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
 
@@ -181,39 +212,70 @@ def gated_delta_rule_recurrent_triton(
     beta: torch.Tensor,
     state: torch.Tensor,
     query_start_loc: torch.Tensor,
-    state_slots: torch.Tensor,
+    state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    *,
+    item_base: int,
+    checkpoint_positions: torch.Tensor | None = None,
+    checkpoint_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run the gated delta rule for every sequence from its slot's state; see the module doc.
+    """Run the gated delta rule for every sequence from its state pages; see the module doc.
 
-    ``state`` is updated in place. Slot ids are not range-checked (a device sync per
-    layer); distinct sequences must use distinct slots, since their programs run
-    concurrently.
+    ``state`` is updated in place. Page ids are not range-checked (a device sync per
+    layer); distinct sequences (and their checkpoints) must use distinct pages, since
+    their programs run concurrently.
     """
-    o, has_initial_state = _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
-    if state_slots.shape[0]:
-        _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-                          use_qk_l2norm, 1, q.shape[0])
+    o, paged = _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
+                        checkpoint_positions, checkpoint_pages)
+    if state_pages.shape[0]:
+        _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm, 1, q.shape[0])
     return o
 
 
-def _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state):
+def _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
+             checkpoint_positions, checkpoint_pages):
     """Check inputs; allocate ``o`` (contiguous: rows are stored with unit stride); bool
-    ``has_initial_state`` viewed as int8 (same bytes, no copy; the kernels test != 0)."""
-    _check(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
+    ``has_initial_state`` viewed as int8 (same bytes, no copy; the kernels test != 0).
+    Returns ``o`` and the state addressing the launches pass on."""
+    _check(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
+           checkpoint_positions, checkpoint_pages)
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.int8)
-    return o, has_initial_state
+    table = state_pages if state_pages.stride(-1) == 1 else state_pages.contiguous()
+    if checkpoint_pages is not None:
+        checkpoint_pages = checkpoint_pages.to(table.dtype).contiguous()
+        if checkpoint_pages.stride(0) != table.stride(0):
+            table = table.contiguous()
+    return o, _Paged(table, has_initial_state, int(item_base), checkpoint_positions, checkpoint_pages)
 
 
-def _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-                      use_qk_l2norm, min_len, max_len):
+class _Paged:
+    """The kernels' state addressing arguments (see the module doc)."""
+
+    def __init__(self, table, has_initial_state, item_base, ck_pos, ck_table):
+        self.table, self.init, self.item_base = table, has_initial_state, item_base
+        self.has_ckpt = ck_pos is not None
+        self.ck_pos = ck_pos if self.has_ckpt else table
+        self.ck_table = ck_table if self.has_ckpt else table
+
+    def args(self, state):
+        """Pointer and scalar arguments, in the kernels' order."""
+        return (self.table, self.init, self.ck_pos, self.ck_table, self.item_base, self.table.stride(0))
+
+    def strides(self, state):
+        return state.stride()
+
+    def meta(self, state):
+        return dict(PER_PAGE=state.shape[1], HAS_CKPT=self.has_ckpt)
+
+
+def _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm, min_len, max_len):
     _, hk, kd = q.shape
     _, h, vd = v.shape
-    num_seqs = state_slots.shape[0]
+    num_seqs = paged.table.shape[0]
     k_pad = triton.next_power_of_2(kd)
     # Keep the register tile at <= 4096 float32 (16 KiB): K=128 -> 32 columns.
     block_v = min(triton.next_power_of_2(vd), max(8, 4096 // k_pad))
@@ -227,8 +289,7 @@ def _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, state_slots, 
         beta,
         state,
         query_start_loc,
-        state_slots,
-        has_initial_state,
+        *paged.args(state),
         float(scale),
         min_len,
         max_len,
@@ -241,13 +302,14 @@ def _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, state_slots, 
         g.stride(1),
         beta.stride(0),
         beta.stride(1),
-        *state.stride(),
+        *paged.strides(state),
         HEAD_RATIO=h // hk,
         K_DIM=kd,
         V_DIM=vd,
         K_PAD=k_pad,
         BLOCK_V=block_v,
         USE_L2NORM=bool(use_qk_l2norm),
+        **paged.meta(state),
         num_warps=4,
     )
 
@@ -262,8 +324,12 @@ def _gated_delta_rule_chunked_kernel(
     beta_ptr,
     state_ptr,
     query_start_loc_ptr,
-    state_slots_ptr,
+    table_ptr,
     has_initial_state_ptr,
+    ck_pos_ptr,
+    ck_table_ptr,
+    item_base,
+    stride_tab,
     scale,
     min_len,  # sequences with fewer tokens are left to another launch
     max_len,  # sequences with more tokens are left to another launch
@@ -282,8 +348,8 @@ def _gated_delta_rule_chunked_kernel(
     stride_g_h,
     stride_b_t,
     stride_b_h,
-    stride_s_s,
-    stride_s_h,
+    stride_s_page,
+    stride_s_item,
     stride_s_k,
     stride_s_v,
     HEAD_RATIO: tl.constexpr,
@@ -294,12 +360,15 @@ def _gated_delta_rule_chunked_kernel(
     CHUNK: tl.constexpr,
     USE_L2NORM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PER_PAGE: tl.constexpr,
+    HAS_CKPT: tl.constexpr,
 ):
     """Chunked form (prefill): per chunk of CHUNK tokens, with cum = cumsum(g),
     decay[i, j] = exp(cum_i - cum_j) (j <= i), A = strict_lower(beta_i k_i.k_j decay),
     T = (I + A)^-1 (forward substitution), v_new = T (beta (v - exp(cum) k S)), o = (exp(cum) q) S + lower(q k^T decay) v_new,
     S <- exp(cum_last) S + (exp(cum_last - cum) k)^T v_new. Same math as the reference's
-    chunked form; rows past the sequence end are zero and drop out."""
+    chunked form; rows outside the sequence (past its end, or before its start when the
+    grid is shifted for a checkpoint) are zero and drop out."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     v_block = tl.program_id(2)
@@ -308,20 +377,29 @@ def _gated_delta_rule_chunked_kernel(
     eos = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64)
     if (eos == bos) | (eos - bos < min_len) | (eos - bos > max_len):
         return
-    slot = tl.load(state_slots_ptr + seq).to(tl.int64)
+    item = item_base + head
+    page = tl.load(table_ptr + seq * stride_tab + item // PER_PAGE).to(tl.int64)
+    item_at = page * stride_s_page + (item % PER_PAGE) * stride_s_item
 
     offs_k = tl.arange(0, K_PAD)
     offs_v = v_block * BLOCK_V + tl.arange(0, BLOCK_V)
     offs_c = tl.arange(0, CHUNK)
     k_ok = offs_k < K_DIM
     v_ok = offs_v < V_DIM
-    s_ptrs = (
-        state_ptr
-        + slot * stride_s_s
-        + head * stride_s_h
-        + offs_k[:, None] * stride_s_k
-        + offs_v[None, :] * stride_s_v
-    )
+    tile = offs_k[:, None] * stride_s_k + offs_v[None, :] * stride_s_v
+    s_ptrs = state_ptr + item_at + tile
+    # A checkpoint after token k: start the chunk grid `front` inert tokens early so
+    # that a chunk ends exactly at token k; its end state is the checkpoint.
+    front = bos * 0
+    ck_end = bos - 1
+    ck_ptrs = s_ptrs
+    if HAS_CKPT:
+        ck = tl.load(ck_pos_ptr + seq).to(tl.int64)
+        if ck >= 1:
+            front = (CHUNK - ck % CHUNK) % CHUNK
+            ck_end = bos + ck
+            ck_page = tl.load(ck_table_ptr + seq * stride_tab + item // PER_PAGE).to(tl.int64)
+            ck_ptrs = state_ptr + ck_page * stride_s_page + (item % PER_PAGE) * stride_s_item + tile
     if tl.load(has_initial_state_ptr + seq) != 0:
         s = tl.load(s_ptrs, mask=k_ok[:, None] & v_ok[None, :], other=0.0)
     else:
@@ -332,9 +410,9 @@ def _gated_delta_rule_chunked_kernel(
     strict = col < row
     incl = col <= row
     eye = tl.where(row == col, 1.0, 0.0)
-    for c0 in range(bos, eos, CHUNK):
+    for c0 in range(bos - front, eos, CHUNK):
         t = c0 + offs_c
-        t_ok = t < eos
+        t_ok = (t >= bos) & (t < eos)
         qk_mask = t_ok[:, None] & k_ok[None, :]
         # Inputs are loaded late so that few tiles stay live across the substitution
         # loop (register pressure on GPUs).
@@ -386,6 +464,9 @@ def _gated_delta_rule_chunked_kernel(
         )
         k_dec = k * tl.exp(cum_last - cum)[:, None]
         s = s * tl.exp(cum_last) + tl.dot(tl.trans(k_dec), v_new, input_precision=DOT_PRECISION)
+        if HAS_CKPT:
+            if c0 + CHUNK == ck_end:
+                tl.store(ck_ptrs, s, mask=k_ok[:, None] & v_ok[None, :])
 
     tl.store(s_ptrs, s, mask=k_ok[:, None] & v_ok[None, :])
 
@@ -398,11 +479,15 @@ def gated_delta_rule_chunked_triton(
     beta: torch.Tensor,
     state: torch.Tensor,
     query_start_loc: torch.Tensor,
-    state_slots: torch.Tensor,
+    state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
     chunk_size: int = 16,
+    *,
+    item_base: int,
+    checkpoint_positions: torch.Tensor | None = None,
+    checkpoint_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`gated_delta_rule_recurrent_triton`, in chunks (prefill).
 
@@ -415,18 +500,19 @@ def gated_delta_rule_chunked_triton(
     """
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
-    o, has_initial_state = _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
-    if state_slots.shape[0]:
-        _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-                        use_qk_l2norm, 1, q.shape[0], chunk_size)
+    o, paged = _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
+                        checkpoint_positions, checkpoint_pages)
+    if state_pages.shape[0]:
+        _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm, 1, q.shape[0],
+                        chunk_size)
     return o
 
 
-def _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale,
-                    use_qk_l2norm, min_len, max_len, chunk_size):
+def _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm, min_len, max_len,
+                    chunk_size):
     _, hk, kd = q.shape
     _, h, vd = v.shape
-    num_seqs = state_slots.shape[0]
+    num_seqs = paged.table.shape[0]
     # tl.dot needs every dimension >= 16. Sized with ptxas -v for sm_90 (K = V = 128,
     # bf16): chunk 16, 64 columns, 8 warps use ~236 registers and do not spill; chunk
     # 32 spills (the substitution loop keeps [CHUNK, CHUNK] tiles live).
@@ -444,8 +530,7 @@ def _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, state_slots, ha
         beta,
         state,
         query_start_loc,
-        state_slots,
-        has_initial_state,
+        *paged.args(state),
         float(scale),
         min_len,
         max_len,
@@ -458,7 +543,7 @@ def _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, state_slots, ha
         g.stride(1),
         beta.stride(0),
         beta.stride(1),
-        *state.stride(),
+        *paged.strides(state),
         HEAD_RATIO=h // hk,
         K_DIM=kd,
         V_DIM=vd,
@@ -467,6 +552,7 @@ def _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, state_slots, ha
         CHUNK=chunk_size,
         USE_L2NORM=bool(use_qk_l2norm),
         DOT_PRECISION=precision,
+        **paged.meta(state),
         num_warps=8,
     )
 
@@ -479,10 +565,14 @@ def gated_delta_rule_triton(
     beta: torch.Tensor,
     state: torch.Tensor,
     query_start_loc: torch.Tensor,
-    state_slots: torch.Tensor,
+    state_pages: torch.Tensor,
     has_initial_state: torch.Tensor,
     scale: float,
     use_qk_l2norm: bool = True,
+    *,
+    item_base: int,
+    checkpoint_positions: torch.Tensor | None = None,
+    checkpoint_pages: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence by the kernel that suits it: fewer than ``CHUNKED_MIN_LEN`` tokens
     (decodes, short chunks) recurrent, longer ones chunked. Same contract as both.
@@ -493,15 +583,15 @@ def gated_delta_rule_triton(
     unlikely (``T <= B``: a decode batch; the recurrent kernel is correct for any
     length, only slower on long ones).
     """
-    o, has_initial_state = _prepare(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state)
-    t, b = q.shape[0], state_slots.shape[0]
+    o, paged = _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
+                        checkpoint_positions, checkpoint_pages)
+    t, b = q.shape[0], state_pages.shape[0]
     if b == 0:
         return o
-    args = (o, q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state, scale, use_qk_l2norm)
+    args = (o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm)
     if t < CHUNKED_MIN_LEN or t <= b:
         _launch_recurrent(*args, 1, t)
     else:
         _launch_recurrent(*args, 1, CHUNKED_MIN_LEN - 1)
         _launch_chunked(*args, CHUNKED_MIN_LEN, t, 16)
     return o
-

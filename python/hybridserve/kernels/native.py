@@ -128,36 +128,48 @@ def _bool(x) -> np.ndarray:
 
 
 class Varlen:
-    """A step's ``query_start_loc`` / ``state_slots`` / ``has_initial_state`` as the
-    host arrays the kernels take (built once per step, shared by every layer)."""
+    """A step's ``query_start_loc`` / ``has_initial_state``, state page table rows and
+    checkpoint requests as the host arrays the kernels take (built once per step,
+    shared by every layer)."""
 
-    def __init__(self, query_start_loc, state_slots, has_initial_state):
+    def __init__(self, query_start_loc, state_pages, has_initial_state, checkpoint_positions=None,
+                 checkpoint_pages=None):
         self.qsl = _i64(query_start_loc)
-        self.slots = _i64(state_slots)
+        self.table = _i64(state_pages)
         self.init = _bool(has_initial_state)
+        self.checkpoints = {}
+        if checkpoint_positions is not None:
+            pos = _i64(checkpoint_positions)
+            if (pos >= 0).any():
+                self.checkpoints = dict(checkpoint_positions=pos, checkpoint_pages=_i64(checkpoint_pages))
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
-                  varlen: Varlen, activation: str | None = "silu") -> torch.Tensor:
+                  varlen: Varlen, activation: str | None = "silu", *, item_base: int) -> torch.Tensor:
     """Same contract as :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref`;
-    ``x`` ``[T, C]`` may be a column range of a wider buffer."""
+    ``x`` ``[T, C]`` may be a column range of a wider buffer; ``conv_state`` is the
+    paged pool view ``[num_pages, per_page, C, W-1]``."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"unsupported activation {activation!r}; use 'silu' or None")
     _check_disjoint({"conv_state": conv_state}, {"x": x, "weight": weight, "bias": bias})
     out = torch.empty(x.shape, dtype=torch.float32)
     _k.causal_conv1d(_np(x), _np(weight.contiguous()), None if bias is None else _np(bias), _np(conv_state),
-                     varlen.qsl, varlen.slots, varlen.init, _np(out), activation is not None)
+                     varlen.qsl, varlen.table, varlen.init, _np(out), item_base=int(item_base),
+                     silu=activation is not None, **varlen.checkpoints)
     return out
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, varlen: Varlen,
-                     *, key_heads: int, value_heads: int, scale: float, use_qk_l2norm: bool = True,
+                     *, key_heads: int, value_heads: int, scale: float, item_base: int,
+                     use_qk_l2norm: bool = True,
                      g: torch.Tensor | None = None, beta: torch.Tensor | None = None,
                      a: torch.Tensor | None = None, b: torch.Tensor | None = None,
                      A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
                      z: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                      norm_eps: float = 1e-6) -> torch.Tensor:
-    """The gated delta rule in place on ``state`` ``[S, H, K, V]``; returns ``[T, H * V]``.
+    """The gated delta rule in place on the paged pool ``state`` ``[num_pages, per_page,
+    K, V]`` (value head ``h`` of sequence ``b`` at item ``item_base + h`` of its state
+    page table row); returns ``[T, H * V]``.
 
     ``q``/``k`` ``[T, Hk * K]`` and ``v`` ``[T, H * V]`` (column ranges allowed). Gates
     either given (``g``, ``beta`` ``[T, H]``) or computed as Gated DeltaNet does from
@@ -168,9 +180,10 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: t
     given = dict(g=g, beta=beta, a=a, b=b, a_log=A_log, dt_bias=dt_bias, z=z, norm_weight=norm_weight)
     _check_disjoint({"state": state}, {"q": q, "k": k, "v": v, **given})
     opt = {name: _np(x) for name, x in given.items() if x is not None}
-    _k.gated_delta_rule(_np(q), _np(k), _np(v), _np(state), varlen.qsl, varlen.slots, varlen.init, _np(out),
-                        key_heads=key_heads, value_heads=value_heads, scale=float(scale),
-                        l2norm=bool(use_qk_l2norm), norm_eps=float(norm_eps), **opt)
+    _k.gated_delta_rule(_np(q), _np(k), _np(v), _np(state), varlen.qsl, varlen.table, varlen.init, _np(out),
+                        item_base=int(item_base), key_heads=key_heads, value_heads=value_heads,
+                        scale=float(scale), l2norm=bool(use_qk_l2norm), norm_eps=float(norm_eps),
+                        **varlen.checkpoints, **opt)
     return out
 
 
@@ -179,7 +192,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            out: torch.Tensor) -> None:
     """Decode attention for the listed rows of ``q`` ``[T, Hq, D]`` into the same rows of
     ``out`` (float32, contiguous); ``block_tables`` int32 ``[n, width]``, one row per
-    listed sequence."""
+    listed sequence. The caches may be the arena's paged views (blocks a page apart)."""
     _k.paged_attention_decode(_np(q.reshape(q.shape[0], -1)), _np(k_cache), _np(v_cache), rows, seq_lens,
                               _np(block_tables.to(torch.int32).contiguous()), float(scale), _np(out))
 

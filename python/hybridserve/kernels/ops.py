@@ -63,8 +63,10 @@ def _plan(plans, key, build):
     return plan
 
 
-def _varlen(plans, query_start_loc, state_slots, has_initial_state) -> native.Varlen:
-    return _plan(plans, ("varlen",), lambda: native.Varlen(query_start_loc, state_slots, has_initial_state))
+def _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
+            checkpoint_pages) -> native.Varlen:
+    return _plan(plans, ("varlen",), lambda: native.Varlen(
+        query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages))
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
@@ -81,50 +83,58 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
     return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan)
 
 
-def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_slots, has_initial_state,
-                  activation="silu", plans: dict | None = None) -> torch.Tensor:
-    """See :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref`."""
+def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_pages, has_initial_state,
+                  activation="silu", plans: dict | None = None, *, item_base: int,
+                  checkpoint_positions=None, checkpoint_pages=None) -> torch.Tensor:
+    """See :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref` (state through the
+    state page table, :mod:`hybridserve.kernels.state_pages`)."""
+    ck = dict(item_base=item_base, checkpoint_positions=checkpoint_positions, checkpoint_pages=checkpoint_pages)
     if _use_triton(x) and 2 <= weight.shape[-1] <= 4:
         from hybridserve.kernels.causal_conv1d_triton import causal_conv1d_triton
 
-        return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_slots,
-                                    has_initial_state, activation)
+        return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_pages,
+                                    has_initial_state, activation, **ck)
     if native.usable(x, weight, conv_state) and (bias is None or native.usable(bias)):
-        return native.causal_conv1d(x, weight, bias, conv_state,
-                                    _varlen(plans, query_start_loc, state_slots, has_initial_state), activation)
+        return native.causal_conv1d(x, weight, bias, conv_state, _varlen(
+            plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages),
+            activation, item_base=item_base)
     plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
-        query_start_loc, state_slots, has_initial_state, weight.shape[-1], x.device))
-    return causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_slots,
-                             has_initial_state, activation, plan)
+        query_start_loc, has_initial_state, weight.shape[-1], x.device, checkpoint_positions))
+    return causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_pages,
+                             has_initial_state, activation, plan, **ck)
 
 
-def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_slots, has_initial_state,
-                     scale, use_qk_l2norm=True, plans: dict | None = None) -> torch.Tensor:
+def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state,
+                     scale, use_qk_l2norm=True, plans: dict | None = None, *, item_base: int,
+                     checkpoint_positions=None, checkpoint_pages=None) -> torch.Tensor:
     """See :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`;
     ``q``/``k`` may have ``Hk`` heads dividing the ``H`` of ``v`` (grouped heads, read
     without expanding them)."""
+    ck = dict(item_base=item_base, checkpoint_positions=checkpoint_positions, checkpoint_pages=checkpoint_pages)
     if _use_triton(q):
         # Per sequence: recurrent kernel under 16 tokens (decode), chunked kernel above.
         from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_triton
 
-        return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_slots,
-                                       has_initial_state, scale, use_qk_l2norm)
+        return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_pages,
+                                       has_initial_state, scale, use_qk_l2norm, **ck)
     if native.usable(q, k, v, g, beta, state):
         t, hk, kd = q.shape
         h, vd = v.shape[1], v.shape[2]
         o = native.gated_delta_rule(
             q.reshape(t, hk * kd), k.reshape(t, hk * kd), v.reshape(t, h * vd), state,
-            _varlen(plans, query_start_loc, state_slots, has_initial_state), key_heads=hk, value_heads=h,
-            scale=scale, use_qk_l2norm=use_qk_l2norm, g=g, beta=beta)
+            _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
+                    checkpoint_pages), key_heads=hk, value_heads=h,
+            scale=scale, use_qk_l2norm=use_qk_l2norm, g=g, beta=beta, item_base=item_base)
         return o.view(t, h, vd)
     plan = _plan(plans, ("delta_rule",), lambda: DeltaRulePlan(
-        query_start_loc, state_slots, has_initial_state, device=q.device))
-    return gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_slots,
-                                has_initial_state, scale, use_qk_l2norm, plan=plan)
+        query_start_loc, has_initial_state, device=q.device, checkpoint_positions=checkpoint_positions))
+    return gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_pages,
+                                has_initial_state, scale, use_qk_l2norm, plan=plan, **ck)
 
 
 def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_eps, state, query_start_loc,
-                          state_slots, has_initial_state, scale, *, key_heads: int, value_heads: int,
+                          state_pages, has_initial_state, scale, *, key_heads: int, value_heads: int,
+                          item_base: int, checkpoint_positions=None, checkpoint_pages=None,
                           plans: dict | None = None) -> torch.Tensor | None:
     """Gated DeltaNet after its conv, fused: gates from ``a``/``b``, the delta rule, and
     the gated output norm, all ``[T, X]`` (column ranges of the projections allowed);
@@ -133,9 +143,11 @@ def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_ep
     if not native.usable(q, k, v, a, b, z, state, norm_weight):
         return None
     return native.gated_delta_rule(
-        q, k, v, state, _varlen(plans, query_start_loc, state_slots, has_initial_state),
+        q, k, v, state, _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
+                                checkpoint_pages),
         key_heads=key_heads, value_heads=value_heads, scale=scale, a=a, b=b,
-        A_log=A_log.float(), dt_bias=dt_bias.float(), z=z, norm_weight=norm_weight, norm_eps=norm_eps)
+        A_log=A_log.float(), dt_bias=dt_bias.float(), z=z, norm_weight=norm_weight, norm_eps=norm_eps,
+        item_base=item_base)
 
 
 def fused_moe(x, w13, w2, topk_weights, topk_ids):

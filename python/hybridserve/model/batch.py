@@ -23,9 +23,13 @@ class ForwardBatch:
     * ``query_start_loc`` int32 ``[B+1]``, ``seq_lens`` int32 ``[B]`` (tokens with K/V
       after this step: computed before + scheduled now).
     * ``block_tables`` int32 ``[B, max_blocks]``, padded with 0 past each sequence's end.
-    * ``state_slots`` int64 ``[B]``: the DeltaNet state slot of each sequence;
-      ``has_initial_state`` bool ``[B]``: False = conv and recurrent state start from
-      zeros (a new or recomputed sequence), True = continue from the slot.
+    * ``state_pages`` int32 ``[B, state_pages]``: each sequence's state page table row
+      (where its DeltaNet state lives in the arena); ``has_initial_state`` bool ``[B]``:
+      False = conv and recurrent state start from zeros (a new or recomputed sequence),
+      True = continue from the pages.
+    * ``checkpoint_positions`` int32 ``[B]`` or None: ``k >= 1`` = also write the state
+      after the sequence's first ``k`` scheduled tokens to ``checkpoint_pages[b]``
+      (int32 ``[B, state_pages]``, read only where ``k >= 1``); ``-1`` = none.
     * ``logits_indices`` int64 ``[S]``: rows of ``T`` whose logits are wanted, in the
       order the logits come back; only these rows go through the final norm's output
       projection (the LM head).
@@ -37,9 +41,11 @@ class ForwardBatch:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
-    state_slots: torch.Tensor
+    state_pages: torch.Tensor
     has_initial_state: torch.Tensor
     logits_indices: torch.Tensor
+    checkpoint_positions: torch.Tensor | None = None
+    checkpoint_pages: torch.Tensor | None = None
     # Host copies the caller may already have; unused by the model today (the CPU
     # reference ops read the tensors), kept so a runner can avoid device syncs later.
     query_start_loc_host: list[int] | None = field(default=None, repr=False)
@@ -61,10 +67,19 @@ class ForwardBatch:
         """Raise ``ValueError`` naming the first inconsistent field. O(B) host work."""
         t, b = self.num_tokens, self.num_seqs
         for name, n in (("positions", t), ("slot_mapping", t), ("query_start_loc", b + 1),
-                        ("state_slots", b), ("has_initial_state", b)):
+                        ("state_pages", b), ("has_initial_state", b)):
             got = int(getattr(self, name).shape[0])
             if got != n:
                 raise ValueError(f"ForwardBatch.{name} has {got} entries, expected {n}")
+        if self.state_pages.dim() != 2:
+            raise ValueError(f"ForwardBatch.state_pages must be [B={b}, state_pages], got {tuple(self.state_pages.shape)}")
+        if (self.checkpoint_positions is None) != (self.checkpoint_pages is None):
+            raise ValueError("ForwardBatch needs both checkpoint_positions and checkpoint_pages, or neither")
+        if self.checkpoint_positions is not None:
+            if tuple(self.checkpoint_positions.shape) != (b,) or tuple(self.checkpoint_pages.shape) != tuple(
+                    self.state_pages.shape):
+                raise ValueError("ForwardBatch.checkpoint_positions must be [B] and checkpoint_pages shaped "
+                                 "like state_pages")
         if self.block_tables.dim() != 2 or self.block_tables.shape[0] != b:
             raise ValueError(
                 f"ForwardBatch.block_tables must be [B={b}, max_blocks], got {tuple(self.block_tables.shape)}"
@@ -93,9 +108,11 @@ class ForwardBatch:
         query_start_loc: Sequence[int],
         seq_lens: Sequence[int],
         block_tables: Sequence[Sequence[int]],
-        state_slots: Sequence[int],
+        state_pages: Sequence[Sequence[int]],
         has_initial_state: Sequence[bool],
         logits_indices: Sequence[int],
+        checkpoint_positions: Sequence[int] | None = None,
+        checkpoint_pages: Sequence[Sequence[int]] | None = None,
         device: torch.device | str = "cpu",
     ) -> "ForwardBatch":
         """Build a batch from host lists; ragged ``block_tables`` are padded with 0."""
@@ -112,9 +129,13 @@ class ForwardBatch:
             query_start_loc=t(query_start_loc, torch.int32),
             seq_lens=t(seq_lens, torch.int32),
             block_tables=torch.tensor(tables, dtype=torch.int32, device=device).reshape(len(tables), width),
-            state_slots=t(state_slots, torch.int64),
+            state_pages=torch.tensor([list(r) for r in state_pages], dtype=torch.int32,
+                                     device=device).reshape(len(state_pages), -1),
             has_initial_state=t(has_initial_state, torch.bool),
             logits_indices=t(logits_indices, torch.int64),
+            checkpoint_positions=None if checkpoint_positions is None else t(checkpoint_positions, torch.int32),
+            checkpoint_pages=None if checkpoint_pages is None else torch.tensor(
+                [list(r) for r in checkpoint_pages], dtype=torch.int32, device=device).reshape(len(checkpoint_pages), -1),
             query_start_loc_host=list(query_start_loc),
             seq_lens_host=list(seq_lens),
         )

@@ -1,11 +1,21 @@
-"""The two pools of a hybrid model: paged K/V for attention layers, state slots for DeltaNet."""
+"""One memory arena for a hybrid model: KV blocks, DeltaNet state and checkpoints in equal pages.
+
+The arena is one byte tensor of ``num_pages * layout.page_bytes`` bytes
+(:mod:`hybridserve.memory.layout` says where each byte lives). Every cache tensor the
+model and the kernels touch is a strided *view* of it, so a page holds whatever the
+scheduler put there (a KV block, part of a sequence's state, part of a checkpoint)
+without a copy or a second pool.
+"""
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from hybridserve.config import ModelConfig
 from hybridserve.errors import ConfigError
+from hybridserve.memory.layout import ArenaLayout
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -26,117 +36,114 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise ConfigError(f"unsupported dtype {dtype!r}; use 'float32', 'bfloat16' or 'float16'")
 
 
-def _pairs(pairs: torch.Tensor, limit: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
-    pairs = torch.as_tensor(pairs, dtype=torch.long).reshape(-1, 2)
-    # Pairs already on an accelerator are not range-checked here: that would read
-    # device data back every step. The runner checks the plan's host arrays before
-    # they travel.
-    if pairs.device.type == "cpu" and pairs.numel() and (int(pairs.min()) < 0 or int(pairs.max()) >= limit):
-        raise ValueError(f"{what} pair ids must lie in 0..{limit - 1}, got {pairs.tolist()}")
-    return pairs[:, 0], pairs[:, 1]
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class LayerState(NamedTuple):
+    """Where one DeltaNet layer's state lives: a pool view ``[num_pages, per_page, *item]``
+    of each kind and the layer's first item number (see :mod:`hybridserve.kernels.state_pages`)."""
+
+    conv_pool: torch.Tensor
+    conv_item_base: int
+    recurrent_pool: torch.Tensor
+    recurrent_item_base: int
 
 
 class HybridCache:
-    """Owns the KV block pool and the DeltaNet state pool of one model instance.
+    """The arena of one model instance, and its views.
 
-    Layouts (contiguous, one tensor per layer, indexed by the layer's ordinal among its
-    kind; see :meth:`kv` / :meth:`state` to go from a model layer index):
+    * ``arena``: uint8 ``[num_pages * page_bytes]`` (:attr:`pages` views it ``[num_pages,
+      page_bytes]``).
+    * attention layer ``a`` (ordinal among attention layers): ``k_caches[a]``,
+      ``v_caches[a]`` ``[num_pages, block_size, num_kv_heads, head_dim]`` in the cache
+      dtype, page stride ``page_bytes``; bytes ``[a * L, (a + 1) * L)`` of each page with
+      ``L = layout.kv_layer_block_bytes``, K then V. Token at flat slot ``s`` lives at
+      ``[s // block_size, s % block_size]`` as before.
+    * ``recurrent_pool`` float32 ``[num_pages, recurrent_per_page, key_head_dim,
+      value_head_dim]`` and ``conv_pool`` (cache dtype) ``[num_pages, conv_per_page,
+      conv_dim, conv_kernel - 1]``: the state items a page can hold. A sequence's state
+      is addressed through its state page table (``layout.state_pages`` page ids): item
+      ``i`` of a kind is ``pool[table[i // per_page], i % per_page]``; DeltaNet layer
+      ``l``'s recurrent head ``h`` is recurrent item ``l * num_value_heads + h`` and its
+      conv state conv item ``recurrent_pages * conv_per_page + l`` (the conv items come
+      after the recurrent pages; :meth:`state` gives both bases).
 
-    * attention layer: ``k_caches[i]``, ``v_caches[i]``
-      ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype; token at
-      flat slot ``s`` lives at ``[s // block_size, s % block_size]``.
-    * DeltaNet layer: ``conv_states[i]`` ``[num_state_slots, conv_dim, conv_kernel - 1]``
-      in the model dtype (the last inputs, oldest first) and ``recurrent_states[i]``
-      float32 ``[num_state_slots, num_value_heads, key_head_dim, value_head_dim]``.
-
-    Allocated zeroed; a sequence that starts with ``has_initial_state=False`` never reads
-    its slot, so slots need no clearing between owners.
+    Allocated zeroed. A sequence that starts with ``has_initial_state=False`` never reads
+    its state pages, so pages need no clearing between owners.
     """
 
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, num_state_slots: int,
+    def __init__(self, config: ModelConfig, layout: ArenaLayout, num_pages: int,
                  dtype: str | torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        if num_blocks < 1 or block_size < 1 or num_state_slots < 1:
-            raise ConfigError(
-                f"HybridCache needs at least one block, one token per block and one state slot; got "
-                f"num_blocks={num_blocks}, block_size={block_size}, num_state_slots={num_state_slots}"
-            )
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ConfigError(f"HybridCache needs at least one page; got num_pages={num_pages!r}")
         self.config = config
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_state_slots = num_state_slots
+        self.layout = layout
+        self.num_pages = num_pages
+        self.block_size = layout.block_size
         self.dtype = resolve_dtype(dtype)
+        if resolve_dtype(layout.kv_dtype) != self.dtype:
+            raise ConfigError(
+                f"the layout was computed for cache dtype {layout.kv_dtype}, the cache is {dtype_name(self.dtype)}; "
+                "build both with the same dtype")
         self.device = torch.device(device)
         c = config
-        kv_shape = (num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        conv_shape = (num_state_slots, c.linear_conv_dim, c.linear_conv_kernel_dim - 1)
-        rec_shape = (num_state_slots, c.linear_num_value_heads, c.linear_key_head_dim,
-                     c.linear_value_head_dim)
         self.attn_layer_ordinal = {layer: i for i, layer in enumerate(c.full_attention_layers)}
         self.linear_layer_ordinal = {layer: i for i, layer in enumerate(c.linear_attention_layers)}
-        z = dict(device=self.device)
-        self.k_caches = [torch.zeros(kv_shape, dtype=self.dtype, **z) for _ in self.attn_layer_ordinal]
-        self.v_caches = [torch.zeros(kv_shape, dtype=self.dtype, **z) for _ in self.attn_layer_ordinal]
-        self.conv_states = [torch.zeros(conv_shape, dtype=self.dtype, **z) for _ in self.linear_layer_ordinal]
-        self.recurrent_states = [torch.zeros(rec_shape, dtype=torch.float32, **z)
-                                 for _ in self.linear_layer_ordinal]
+        pb = layout.page_bytes
+        self.arena = torch.zeros(num_pages * pb, dtype=torch.uint8, device=self.device)
+        self.pages = self.arena.view(num_pages, pb)
+        typed = self.arena.view(self.dtype)
+        el = typed.element_size()
+        page_el = pb // el
+        bs, hkv, d = layout.block_size, c.num_key_value_heads, c.head_dim
+        kv_shape = (num_pages, bs, hkv, d)
+        kv_strides = (page_el, hkv * d, d, 1)
+        layer_el = layout.kv_layer_block_bytes // el
+        self.k_caches = [typed.as_strided(kv_shape, kv_strides, a * layer_el) for a in self.attn_layer_ordinal.values()]
+        self.v_caches = [typed.as_strided(kv_shape, kv_strides, a * layer_el + bs * hkv * d)
+                         for a in self.attn_layer_ordinal.values()]
+        kd, vd = c.linear_key_head_dim, c.linear_value_head_dim
+        f32 = self.arena.view(torch.float32)
+        self.recurrent_pool = f32.as_strided((num_pages, layout.recurrent_per_page, kd, vd),
+                                             (pb // 4, kd * vd, vd, 1))
+        cd, hw = c.linear_conv_dim, c.linear_conv_kernel_dim - 1
+        self.conv_pool = typed.as_strided((num_pages, layout.conv_per_page, cd, hw), (page_el, cd * hw, hw, 1))
+        self._conv_base = layout.recurrent_pages * layout.conv_per_page
+
+    @property
+    def state_pages(self) -> int:
+        """Pages of one sequence's state (the width of a state page table row)."""
+        return self.layout.state_pages
 
     # ---- access by model layer index ----------------------------------------
     def kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = self.attn_layer_ordinal[layer_idx]
         return self.k_caches[i], self.v_caches[i]
 
-    def state(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def state(self, layer_idx: int) -> LayerState:
         i = self.linear_layer_ordinal[layer_idx]
-        return self.conv_states[i], self.recurrent_states[i]
+        return LayerState(self.conv_pool, self._conv_base + i, self.recurrent_pool,
+                          i * self.layout.num_value_heads)
 
     # ---- copies ---------------------------------------------------------------
-    def copy_blocks(self, pairs: torch.Tensor) -> None:
-        """Copy-on-write: for each ``(src, dst)`` row of int ``[K, 2]``, block ``dst`` of every
-        attention layer gets block ``src``'s K/V. All sources are read before any write, so
-        the result does not depend on the order of the pairs. O(K * layers * block bytes)."""
-        src, dst = _pairs(pairs, self.num_blocks, "copy_blocks")
-        if not src.numel():
+    def copy_pages(self, pairs: torch.Tensor) -> None:
+        """For each ``(src, dst)`` row of int ``[K, 2]``, page ``dst`` gets page ``src``'s
+        bytes: KV copy-on-write, state forks and checkpoint restores alike. One gather
+        of every source, then one scatter: all sources are read before any write, so the
+        result does not depend on the pairs' order. O(K * page_bytes)."""
+        pairs = torch.as_tensor(pairs, dtype=torch.long).reshape(-1, 2)
+        # Pairs already on an accelerator are not range-checked here: that would read
+        # device data back every step. The runner checks the plan's host arrays before
+        # they travel.
+        if pairs.device.type == "cpu" and pairs.numel() and (
+                int(pairs.min()) < 0 or int(pairs.max()) >= self.num_pages):
+            raise ValueError(f"copy_pages pair ids must lie in 0..{self.num_pages - 1}, got {pairs.tolist()}")
+        if not pairs.numel():
             return
-        src, dst = src.to(self.device), dst.to(self.device)
-        for cache in (*self.k_caches, *self.v_caches):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
-
-    def copy_state_slots(self, pairs: torch.Tensor) -> None:
-        """Fork: for each ``(src, dst)`` row of int ``[M, 2]``, slot ``dst`` of every DeltaNet
-        layer gets slot ``src``'s conv and recurrent state (sources read before writes)."""
-        src, dst = _pairs(pairs, self.num_state_slots, "copy_state_slots")
-        if not src.numel():
-            return
-        src, dst = src.to(self.device), dst.to(self.device)
-        for pool in (*self.conv_states, *self.recurrent_states):
-            pool.index_copy_(0, dst, pool.index_select(0, src))
-
-    def zero_state_slots(self, slots) -> None:
-        """Clear slots (not needed for correctness: see the class docstring)."""
-        idx = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
-        if idx.device.type == "cpu" and idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.num_state_slots):
-            raise ValueError(f"state slots must lie in 0..{self.num_state_slots - 1}, got {idx.tolist()}")
-        idx = idx.to(self.device)
-        for pool in (*self.conv_states, *self.recurrent_states):
-            pool.index_fill_(0, idx, 0)
-
-    # ---- sizes (for the planner and the runner's pool sizing) ----------------
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: str | torch.dtype) -> int:
-        """K and V of one block across all attention layers."""
-        el = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
-        return (2 * config.num_full_attention_layers * block_size * config.num_key_value_heads
-                * config.head_dim * el)
-
-    @staticmethod
-    def bytes_per_state_slot(config: ModelConfig, dtype: str | torch.dtype) -> int:
-        """Conv state (model dtype) + float32 recurrent state of one slot, all DeltaNet layers."""
-        el = torch.empty((), dtype=resolve_dtype(dtype)).element_size()
-        c = config
-        conv = c.linear_conv_dim * (c.linear_conv_kernel_dim - 1) * el
-        rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
-        return c.num_linear_attention_layers * (conv + rec)
+        pairs = pairs.to(self.device)
+        src, dst = pairs[:, 0], pairs[:, 1]
+        self.pages.index_copy_(0, dst, self.pages.index_select(0, src))
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in
-                   (*self.k_caches, *self.v_caches, *self.conv_states, *self.recurrent_states))
+        return self.arena.numel()

@@ -3,7 +3,7 @@
 Numerically follows ``transformers``' ``Qwen3_5ForCausalLM`` (the oracle in tests),
 reorganised for a flattened varlen batch: there is no batch dimension, every
 sequence's rows are contiguous, attention reads the paged KV cache and DeltaNet
-layers read and write their sequence's state slot.
+layers read and write their sequence's state pages (all in one arena).
 
 Projections that read the same input are fused into one GEMM each: the MLP's
 gate+up (``gate_up_proj``), attention's q(+gate)/k/v (``qkv_proj``) and DeltaNet's
@@ -23,7 +23,8 @@ from hybridserve.config import FULL_ATTENTION, ModelConfig
 from hybridserve.errors import ConfigError
 from hybridserve.kernels import native, ops
 from hybridserve.model.batch import ForwardBatch
-from hybridserve.model.cache import HybridCache, resolve_dtype
+from hybridserve.memory.layout import arena_layout
+from hybridserve.model.cache import HybridCache, dtype_name, resolve_dtype
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -239,7 +240,7 @@ class Attention(_Fused, nn.Module):
 
 
 class GatedDeltaNet(_Fused, nn.Module):
-    """Gated DeltaNet token mixer over state slots (causal conv1d + gated delta rule)."""
+    """Gated DeltaNet token mixer over paged state (causal conv1d + gated delta rule)."""
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
@@ -271,19 +272,24 @@ class GatedDeltaNet(_Fused, nn.Module):
 
     def forward(self, x, batch: ForwardBatch, cache: HybridCache):
         t = x.shape[0]
-        conv_state, rec_state = cache.state(self.layer_idx)
+        # The layer's state: items of the arena's pools, found through each sequence's
+        # state page table row (batch.state_pages) from the layer's first item.
+        st = cache.state(self.layer_idx)
+        ck = dict(checkpoint_positions=batch.checkpoint_positions, checkpoint_pages=batch.checkpoint_pages)
         proj = self.in_proj(x)
         mixed, z, b, a = torch.split(
             proj, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
-        mixed = ops.causal_conv1d(mixed, self.conv1d.weight[:, 0, :], None, conv_state,
-                                  batch.query_start_loc, batch.state_slots,
-                                  batch.has_initial_state, "silu", plans=batch.op_plans)
+        mixed = ops.causal_conv1d(mixed, self.conv1d.weight[:, 0, :], None, st.conv_pool,
+                                  batch.query_start_loc, batch.state_pages,
+                                  batch.has_initial_state, "silu", plans=batch.op_plans,
+                                  item_base=st.conv_item_base, **ck)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # float32 on the CPU: gates, delta rule and output norm in one native kernel.
         o = ops.gated_delta_net_mixer(
-            q, k, v, a, b, self.A_log, self.dt_bias, z, self.norm.weight, self.norm.eps, rec_state,
-            batch.query_start_loc, batch.state_slots, batch.has_initial_state, self.head_k_dim ** -0.5,
-            key_heads=self.num_k_heads, value_heads=self.num_v_heads, plans=batch.op_plans)
+            q, k, v, a, b, self.A_log, self.dt_bias, z, self.norm.weight, self.norm.eps, st.recurrent_pool,
+            batch.query_start_loc, batch.state_pages, batch.has_initial_state, self.head_k_dim ** -0.5,
+            key_heads=self.num_k_heads, value_heads=self.num_v_heads, item_base=st.recurrent_item_base,
+            plans=batch.op_plans, **ck)
         if o is not None:
             return self.out_proj(o)
         # Key head j serves value heads j*rep .. j*rep+rep-1 (HF's repeat_interleave); the
@@ -294,9 +300,10 @@ class GatedDeltaNet(_Fused, nn.Module):
         beta = torch.sigmoid(b)
         # In float32: in fp16 exp(A_log) could overflow.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = ops.gated_delta_rule(q, k, v, g, beta, rec_state, batch.query_start_loc,
-                                 batch.state_slots, batch.has_initial_state,
-                                 self.head_k_dim ** -0.5, True, plans=batch.op_plans)
+        o = ops.gated_delta_rule(q, k, v, g, beta, st.recurrent_pool, batch.query_start_loc,
+                                 batch.state_pages, batch.has_initial_state,
+                                 self.head_k_dim ** -0.5, True, plans=batch.op_plans,
+                                 item_base=st.recurrent_item_base, **ck)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(o.reshape(t, self.value_dim))
 
@@ -399,9 +406,11 @@ class Qwen3_5ForServing(nn.Module):
                 if isinstance(m, nn.Linear) and m.weight is not tied:
                     m.weight.data = m.weight.data.t().contiguous().t()
 
-    def new_cache(self, num_blocks: int, block_size: int, num_state_slots: int) -> HybridCache:
-        """A zeroed :class:`HybridCache` in this model's dtype and on its device."""
-        return HybridCache(self.config, num_blocks, block_size, num_state_slots, self.dtype, self.device)
+    def new_cache(self, num_pages: int, block_size: int) -> HybridCache:
+        """A zeroed :class:`HybridCache` arena of ``num_pages`` pages in this model's dtype
+        and on its device."""
+        layout = arena_layout(self.config, block_size, dtype_name(self.dtype))
+        return HybridCache(self.config, layout, num_pages, self.dtype, self.device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -469,8 +478,9 @@ class Qwen3_5ForServing(nn.Module):
         """Run one step; returns float32 logits ``[S, vocab]`` for ``batch.logits_indices``.
 
         Writes the step's K/V into ``cache`` at ``batch.slot_mapping`` and leaves every
-        scheduled sequence's DeltaNet state (conv + recurrent) in its slot advanced past
-        the scheduled tokens, so the next step continues with ``has_initial_state=True``.
+        scheduled sequence's DeltaNet state (conv + recurrent) in its state pages
+        advanced past the scheduled tokens, so the next step continues with
+        ``has_initial_state=True``; requested checkpoints go to their pages.
         """
         x = self.embed_tokens(batch.input_ids)
         self._moe_rows = x.shape[0]

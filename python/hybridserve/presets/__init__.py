@@ -1,7 +1,10 @@
 """Model shapes shipped with hybridserve, by name, for ``hybridserve plan NAME``.
 
 Each preset is a ``config.json`` (shape only, no weights): ``qwen3.5-27b`` is the
-27B-parameter Qwen3.5 hybrid's text config that the planner's examples use.
+27B-parameter Qwen3.5 hybrid's text config that the planner's examples use; the
+mixture-of-experts presets (``qwen3.5-35b-a3b``, ``qwen3.5-122b-a10b``,
+``qwen3.5-397b-a17b``) are the published checkpoints' text configs, flattened to
+``qwen3_5_moe_text``, each naming where its values come from in ``_source``.
 """
 
 from __future__ import annotations

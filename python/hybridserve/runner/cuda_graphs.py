@@ -9,14 +9,15 @@ therefore captured once per batch-size bucket at start-up and replayed:
 * buckets 1, 2, 4, 8, then steps of 8 up to ``max_num_seqs`` (vLLM's);
 * a batch of B sequences runs the smallest bucket >= B; rows B.. are padding that
   writes nothing: slot mapping -1 (no K/V write), ``has_initial_state`` False and a
-  scratch DeltaNet state slot that no sequence owns (the cache is built with one slot
-  more than the scheduler hands out), ``seq_lens`` 1 over block 0 (read, never
-  written), and their logits are dropped;
+  scratch DeltaNet state that no sequence owns (``layout.state_pages`` pages of the
+  arena the scheduler never hands out: the planner reserves and counts them), ``seq_lens``
+  1 over block 0 (read, never written), and their logits are dropped. Padding rows all
+  share the scratch pages: they write garbage there that nothing reads;
 * inputs are copied into static buffers before the replay (device-to-device copies of
   the step's staged views; no host transfer); the block tables are gathered at the full
   ``max_blocks_per_seq`` width, so one graph serves every context length;
-* mixed prefill/decode steps, prompt-logprob steps and batches over the largest bucket
-  run eagerly.
+* mixed prefill/decode steps, prompt-logprob steps, steps that write a DeltaNet
+  checkpoint and batches over the largest bucket run eagerly.
 
 Capture logs its time and the device memory it took. ``enforce_eager`` (vLLM's
 ``--enforce-eager``) turns graphs off. Only CUDA devices use this module; the CPU
@@ -64,7 +65,7 @@ class DecodeGraphs:
         *,
         max_num_seqs: int,
         max_blocks_per_seq: int,
-        scratch_slot: int,
+        scratch_pages: list[int],
         replay_eagerly: bool = False,
     ) -> None:
         """``replay_eagerly`` is a test hook: capture nothing and, at each replay, run
@@ -76,10 +77,12 @@ class DecodeGraphs:
         self.replay_eagerly = replay_eagerly
         if self.device.type != "cuda" and not replay_eagerly:
             raise ValueError("CUDA graphs need a CUDA device; use enforce_eager on other devices")
-        if not 0 <= scratch_slot < cache.num_state_slots:
-            raise ValueError(f"scratch_slot {scratch_slot} is not a slot of the cache")
+        scratch_pages = [int(p) for p in scratch_pages]
+        if len(scratch_pages) != cache.state_pages or not all(0 <= p < cache.num_pages for p in scratch_pages):
+            raise ValueError(f"scratch_pages must be {cache.state_pages} page ids of the cache "
+                             f"(0..{cache.num_pages - 1}), got {scratch_pages}")
         self.buckets = decode_buckets(max_num_seqs)
-        self.scratch_slot = scratch_slot
+        self.scratch_pages = torch.tensor(scratch_pages, dtype=torch.int32, device=self.device)
         n = self.buckets[-1]
         d = dict(device=self.device)
         self.input_ids = torch.zeros(n, dtype=torch.int64, **d)
@@ -88,7 +91,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **d)
         self.seq_lens = torch.ones(n, dtype=torch.int32, **d)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, **d)
-        self.state_slots = torch.full((n,), scratch_slot, dtype=torch.int64, **d)
+        self.state_pages = self.scratch_pages.repeat(n, 1)
         self.has_initial_state = torch.zeros(n, dtype=torch.bool, **d)
         self.logits_indices = torch.arange(n, dtype=torch.int64, **d)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -105,7 +108,7 @@ class DecodeGraphs:
             query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b],
-            state_slots=self.state_slots[:b],
+            state_pages=self.state_pages[:b],
             has_initial_state=self.has_initial_state[:b],
             logits_indices=self.logits_indices[:b],
         )
@@ -115,7 +118,7 @@ class DecodeGraphs:
             self.slot_mapping[start:end].fill_(-1)
             self.seq_lens[start:end].fill_(1)
             self.block_tables[start:end].zero_()
-            self.state_slots[start:end].fill_(self.scratch_slot)
+            self.state_pages[start:end].copy_(self.scratch_pages.expand(end - start, -1))
             self.has_initial_state[start:end].fill_(False)
 
     @torch.inference_mode()
@@ -155,10 +158,10 @@ class DecodeGraphs:
         )
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A pure-decode batch (one token per sequence) within the largest bucket."""
+        """A pure-decode batch (one token per sequence, no checkpoint) within the largest bucket."""
         b = batch.num_seqs
         return bool(self.graphs) and 0 < b <= self.buckets[-1] and batch.num_tokens == b and \
-            batch.logits_indices.shape[0] == b
+            batch.logits_indices.shape[0] == b and batch.checkpoint_positions is None
 
     def run(self, batch: ForwardBatch, block_table_buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Replay the bucket for ``batch``; logits ``[B, V]`` (a view into the graph's
@@ -171,7 +174,7 @@ class DecodeGraphs:
         self.slot_mapping[:n].copy_(batch.slot_mapping)
         self.seq_lens[:n].copy_(batch.seq_lens)
         torch.index_select(block_table_buf, 0, rows, out=self.block_tables[:n])
-        self.state_slots[:n].copy_(batch.state_slots)
+        self.state_pages[:n].copy_(batch.state_pages)
         self.has_initial_state[:n].copy_(batch.has_initial_state)
         # A smaller batch after a larger one leaves stale rows in the bucket's padding.
         self._reset_padding(n, b)

@@ -3,13 +3,19 @@
 The Rust scheduler owns every piece of bookkeeping; the runner only mirrors what the
 plan tells it, in this order each step:
 
-1. apply the plan's incremental block-table updates to a persistent
-   ``int32[max_num_seqs, max_blocks_per_seq]`` buffer on the model's device (so the
-   per-step host->device traffic does not grow with context length);
-2. perform the plan's copy-on-write block copies and DeltaNet state-slot copies
-   (forks) *before* the model reads the caches;
+1. apply the plan's incremental block-table and state-page-table updates to two
+   persistent buffers on the model's device, ``int32[max_num_seqs, max_blocks_per_seq]``
+   and ``int32[max_num_seqs, state_pages]`` (entry ``b`` reads row
+   ``block_table_rows[b]`` of both), so the per-step host->device traffic does not grow
+   with context length;
+2. perform the plan's page copies *before* the model reads the arena: KV
+   copy-on-write (``block_copies``) and state forks / checkpoint restores
+   (``state_copies``) as one gather + one scatter (the scheduler never lets a pair read
+   a page another pair writes);
 3. build a :class:`~hybridserve.model.batch.ForwardBatch` over the flattened batch
-   (prefill chunks and decode tokens mixed) and run the model, which returns logits
+   (prefill chunks and decode tokens mixed), with the plan's checkpoint requests
+   (the DeltaNet state after ``checkpoint_positions[b]`` tokens, written into
+   ``checkpoint_pages`` inside the same step), and run the model, which returns logits
    only for the rows that sample this step.
 
 Everything the step sends to the device (block-table updates, copy lists, token ids,
@@ -68,14 +74,18 @@ class ModelRunner:
         self.block_table_buf = torch.zeros(
             (max_num_seqs, max_blocks_per_seq), dtype=torch.int32, device=self.device
         )
+        self.state_pages = cache.state_pages
+        self.state_table_buf = torch.zeros(
+            (max_num_seqs, self.state_pages), dtype=torch.int32, device=self.device
+        )
         self.staging = StagingBuffer(self.device)
         # A DecodeGraphs (CUDA only, set by the engine); None runs every step eagerly.
         self.graphs: Any = None
         self._staged: dict[str, torch.Tensor] = {}
 
-    _SEGMENTS = ("upd_rows", "upd_cols", "upd_vals", "block_copies", "state_copies", "input_ids",
-                 "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table_rows",
-                 "state_slots", "has_initial_state", "logits_indices")
+    _SEGMENTS = ("upd_rows", "upd_cols", "upd_vals", "st_rows", "st_cols", "st_vals", "page_copies",
+                 "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table_rows",
+                 "has_initial_state", "logits_indices", "checkpoint_positions", "checkpoint_pages")
 
     @staticmethod
     def _check_pairs(pairs: np.ndarray, limit: int, what: str) -> None:
@@ -97,31 +107,55 @@ class ModelRunner:
             logits_indices = np.concatenate(
                 [logits_indices] + [np.arange(qsl[b], qsl[b + 1], dtype=np.int64) for b in all_positions]
             )
-        block_copies = np.asarray(plan.block_copies, dtype=np.int64).reshape(-1)
-        state_copies = np.asarray(plan.state_copies, dtype=np.int64).reshape(-1)
-        self._check_pairs(block_copies, self.cache.num_blocks, "copy_blocks")
-        self._check_pairs(state_copies, self.cache.num_state_slots, "copy_state_slots")
+        # KV copy-on-write and state copies are all whole-page copies in one arena.
+        page_copies = np.concatenate([np.asarray(plan.block_copies, dtype=np.int64).reshape(-1),
+                                      np.asarray(plan.state_copies, dtype=np.int64).reshape(-1)])
+        self._check_pairs(page_copies, self.cache.num_pages, "copy_pages")
+        ck_pos, ck_pages = self._checkpoints(plan, len(qsl) - 1)
         segs = [
             plan.block_table_update_rows, plan.block_table_update_cols, plan.block_table_update_values,
-            block_copies, state_copies, plan.input_ids, plan.positions, plan.slot_mapping,
-            qsl, plan.seq_lens, plan.block_table_rows, plan.state_slots,
-            np.asarray(plan.num_computed_tokens) > 0, logits_indices,
+            plan.state_table_update_rows, plan.state_table_update_cols, plan.state_table_update_values,
+            page_copies, plan.input_ids, plan.positions, plan.slot_mapping,
+            qsl, plan.seq_lens, plan.block_table_rows,
+            np.asarray(plan.num_computed_tokens) > 0, logits_indices, ck_pos, ck_pages,
         ]
         self._staged = dict(zip(self._SEGMENTS, self.staging.stage(segs)))
         self._host = (qsl, sampling, num_samples[sampling])
+        self._has_checkpoints = len(ck_pos) > 0
         return self._staged
 
+    def _checkpoints(self, plan: Any, num_seqs: int) -> tuple[np.ndarray, np.ndarray]:
+        """The plan's checkpoint requests as the kernels take them: positions ``[B]`` and a
+        ``[B, state_pages]`` table (rows of entries without a checkpoint are -1, never
+        read); both empty when the step writes none."""
+        pos = np.asarray(plan.checkpoint_positions, dtype=np.int64).reshape(-1)
+        want = np.nonzero(pos >= 0)[0] if len(pos) else pos
+        if not len(want):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        if len(pos) != num_seqs:
+            raise ValueError(f"checkpoint_positions has {len(pos)} entries for {num_seqs} scheduled sequences")
+        flat = np.asarray(plan.checkpoint_pages, dtype=np.int64).reshape(-1)
+        if flat.size != len(want) * self.state_pages:
+            raise ValueError(f"checkpoint_pages has {flat.size} ids for {len(want)} checkpoints of "
+                             f"{self.state_pages} pages")
+        if flat.size and (int(flat.min()) < 0 or int(flat.max()) >= self.cache.num_pages):
+            raise ValueError(f"checkpoint pages must lie in 0..{self.cache.num_pages - 1}")
+        table = np.full((num_seqs, self.state_pages), -1, dtype=np.int64)
+        table[want] = flat.reshape(len(want), self.state_pages)
+        return pos, table.reshape(-1)
+
     def apply_block_table_updates(self, plan: Any) -> None:
+        """The block table's and the state page table's changed cells."""
         s = self._staged
         if s["upd_rows"].numel():
             self.block_table_buf[s["upd_rows"], s["upd_cols"]] = s["upd_vals"].to(torch.int32)
+        if s["st_rows"].numel():
+            self.state_table_buf[s["st_rows"], s["st_cols"]] = s["st_vals"].to(torch.int32)
 
     def apply_copies(self, plan: Any) -> None:
         s = self._staged
-        if s["block_copies"].numel():
-            self.cache.copy_blocks(s["block_copies"].view(-1, 2))
-        if s["state_copies"].numel():
-            self.cache.copy_state_slots(s["state_copies"].view(-1, 2))
+        if s["page_copies"].numel():
+            self.cache.copy_pages(s["page_copies"].view(-1, 2))
 
     def build_batch(
         self, plan: Any, all_positions: Any = ()
@@ -133,16 +167,22 @@ class ModelRunner:
         # choice) follows the batch's real context, not max_model_len.
         seq_lens = np.asarray(plan.seq_lens)
         width = -(-int(seq_lens.max()) // self.cache.block_size) if len(seq_lens) else 1
+        rows = s["block_table_rows"]
+        ck = {}
+        if self._has_checkpoints:
+            ck = dict(checkpoint_positions=s["checkpoint_positions"].to(torch.int32),
+                      checkpoint_pages=s["checkpoint_pages"].to(torch.int32).view(-1, self.state_pages))
         batch = ForwardBatch(
             input_ids=s["input_ids"],
             positions=s["positions"],
             slot_mapping=s["slot_mapping"],
             query_start_loc=s["query_start_loc"].to(torch.int32),
             seq_lens=s["seq_lens"].to(torch.int32),
-            block_tables=self.block_table_buf[:, :width].index_select(0, s["block_table_rows"]),
-            state_slots=s["state_slots"],
+            block_tables=self.block_table_buf[:, :width].index_select(0, rows),
+            state_pages=self.state_table_buf.index_select(0, rows),
             has_initial_state=s["has_initial_state"].to(torch.bool),
             logits_indices=s["logits_indices"],
+            **ck,
             query_start_loc_host=qsl.tolist(),
             seq_lens_host=seq_lens.tolist(),
         )

@@ -122,16 +122,22 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="waiting-queue cap in requests; beyond it requests get 503 (default: %(default)s)")
     eng.add_argument("--max-waiting-tokens", type=positive_int, default=1 << 24,
                      help="waiting-queue cap in prompt tokens; beyond it requests get 503 (default: %(default)s)")
+    eng.add_argument("--num-pages", type=positive_int, default=None,
+                     help="exact pages of the cache arena (KV blocks, DeltaNet state and checkpoints share "
+                          "them; default: sized from the memory budget)")
     eng.add_argument("--num-gpu-blocks", type=int, default=None,
-                     help="KV blocks; with --num-state-slots: exact pools (default: sized from the memory budget)")
+                     help="deprecated (the pre-arena split): with --num-state-slots, read as the same bytes "
+                          "in pages, with a warning; use --num-pages (default: unset)")
     eng.add_argument("--num-state-slots", type=int, default=None,
-                     help="DeltaNet state slots (default: sized from the memory budget)")
+                     help="deprecated (the pre-arena split), see --num-gpu-blocks (default: unset)")
     eng.add_argument("--kv-cache-memory", default=None,
-                     help="byte budget for both pools, e.g. 512MiB (default: from device memory; 512MiB on CPU)")
+                     help="the one byte budget of the cache arena (KV blocks, DeltaNet state, checkpoints), "
+                          "e.g. 512MiB (default: from device memory; 512MiB on CPU)")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of device memory to use (default: %(default)s)")
     eng.add_argument("--expected-context-len", type=int, default=None,
-                     help="sequence length the KV/state split is sized for (default: max model len)")
+                     help="removed: it sized the KV/state split, and there is one arena now; "
+                          "giving it is an error that says so (default: unset)")
     eng.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged",
                      help="paged, or reserve_max (each sequence reserves max_model_len; the pre-paging "
                           "baseline) (default: %(default)s)")
@@ -427,6 +433,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=args.max_model_len,
+            num_pages=args.num_pages,
             num_gpu_blocks=args.num_gpu_blocks,
             num_state_slots=args.num_state_slots,
             kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,

@@ -3,19 +3,15 @@
 //! change, because it usually travels unmodified to a Python exception or an HTTP
 //! error body.
 
-use crate::{BlockId, SlotId};
+use crate::BlockId;
 use std::fmt;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CoreError {
     /// The block pool cannot supply `needed` blocks; only `free` are allocatable.
     OutOfBlocks { needed: u32, free: u32 },
-    /// The state pool cannot supply `needed` slots; only `free` are available.
-    OutOfSlots { needed: u32, free: u32 },
     /// A block id out of range, or used while it holds no reference.
     InvalidBlock { block: BlockId, reason: &'static str },
-    /// A slot id out of range, or used while it is free.
-    InvalidSlot { slot: SlotId, reason: &'static str },
     /// A bad constructor or call argument; the message names it and the valid range.
     InvalidArgument(String),
 }
@@ -25,23 +21,13 @@ impl fmt::Display for CoreError {
         match self {
             CoreError::OutOfBlocks { needed, free } => write!(
                 f,
-                "out of KV blocks: needed {needed}, {free} free; raise num_blocks \
-                 (more GPU memory for the KV cache) or lower max_num_seqs / max_num_batched_tokens"
-            ),
-            CoreError::OutOfSlots { needed, free } => write!(
-                f,
-                "out of DeltaNet state slots: needed {needed}, {free} free; raise num_state_slots \
-                 or lower max_num_seqs / the number of parallel samples n"
+                "out of arena pages: needed {needed}, {free} free; raise num_pages \
+                 (more GPU memory for the cache arena) or lower max_num_seqs / max_num_batched_tokens"
             ),
             CoreError::InvalidBlock { block, reason } => write!(
                 f,
                 "invalid KV block {block}: {reason}; use only block ids this pool handed out \
                  and still referenced"
-            ),
-            CoreError::InvalidSlot { slot, reason } => write!(
-                f,
-                "invalid state slot {slot}: {reason}; use only slot ids this pool handed out \
-                 and not yet freed"
             ),
             CoreError::InvalidArgument(msg) => f.write_str(msg),
         }

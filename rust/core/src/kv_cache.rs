@@ -190,6 +190,37 @@ impl KvCacheManager {
         b
     }
 
+    /// Appends `n` pages (refcount 1, never cached) to `out` for a DeltaNet state
+    /// or checkpoint: from the free list, else by evicting the least recently
+    /// parked cached blocks, exactly as KV blocks are taken. All or nothing:
+    /// `OutOfBlocks` (nothing changed) when fewer than `n` are allocatable.
+    /// O(n).
+    pub fn take_pages(&mut self, n: usize, out: &mut Vec<BlockId>) -> Result<(), CoreError> {
+        let free = self.num_free_blocks();
+        if n > free as usize {
+            return Err(CoreError::OutOfBlocks { needed: n.min(u32::MAX as usize) as u32, free });
+        }
+        out.reserve(n);
+        for _ in 0..n {
+            let b = self.take_block();
+            out.push(b);
+        }
+        Ok(())
+    }
+
+    /// Returns a page taken by [`Self::take_pages`] to the free list (state
+    /// pages have one owner and no cache entry).
+    pub fn free_page(&mut self, b: BlockId) {
+        debug_assert!(!self.is_cached(b), "state page {b} is in the prefix cache");
+        self.alloc.decref_mut(b, true).expect("state page held");
+    }
+
+    /// Pages on the free list (not counting parked cached blocks).
+    #[inline]
+    pub fn num_free_list(&self) -> u32 {
+        self.alloc.num_free()
+    }
+
     /// Drops one reference; a cached block reaching 0 is parked (most recent end
     /// of the LRU), any other goes back to the free list.
     fn drop_ref(&mut self, b: BlockId) {
@@ -243,6 +274,22 @@ impl KvCacheManager {
         self.stats.prefix_hit_tokens += hit as u64;
         self.stats.prefix_hits += (hit > 0) as u64;
         hit
+    }
+
+    /// Shortens a table that holds only matched (cached, full) blocks to its
+    /// first `keep` blocks, dropping the references of the rest (parked again
+    /// when no one else holds them). Admission uses it when a match is longer
+    /// than the first chunk and the arena is short: those tokens are recomputed
+    /// past the restored checkpoint anyway, only their KV write was saved.
+    pub fn truncate_match(&mut self, table: &mut BlockTable, keep: usize) {
+        let bs = self.block_size as usize;
+        debug_assert_eq!(table.num_tokens, table.blocks.len() * bs, "only a matched table");
+        while table.blocks.len() > keep {
+            let b = table.blocks.pop().expect("non-empty");
+            self.drop_ref(b);
+        }
+        table.chain.truncate(keep);
+        table.num_tokens = table.blocks.len() * bs;
     }
 
     /// Reserves KV slots for the next `n` tokens of `table`: copies a shared

@@ -4,13 +4,20 @@
 //! * [`block_table`]: one sequence's logical -> physical block map.
 //! * [`prefix_cache`]: chained block hashes, verified hits, LRU of parked blocks.
 //! * [`kv_cache`]: [`KvCacheManager`], what the scheduler talks to.
-//! * [`state_pool`]: DeltaNet state slots.
+//! * [`state_pages`]: DeltaNet state page tables (states live in arena pages).
+//!
+//! # The arena
+//! One pool of equal pages (the block allocator's blocks) holds everything:
+//! KV blocks, running sequences' DeltaNet state (`pages_per_state` pages each,
+//! addressed through a per-sequence state page table), state checkpoints and
+//! parked prefix-cache blocks, with one free count. Why grouped pages (a page
+//! is one 16-token KV block of all attention layers; state items never
+//! straddle a page): see `python/hybridserve/memory/layout.py`.
 //!
 //! No Python here; the bindings live in `rust/python`.
 pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 
 pub type BlockId = u32;
-pub type SlotId = u32;
 
 mod sync;
 
@@ -34,11 +41,11 @@ pub mod block_table;
 pub mod error;
 pub mod kv_cache;
 pub mod prefix_cache;
-pub mod state_pool;
+pub mod state_pages;
 pub mod scheduler;
 
 pub use allocator::BlockAllocator;
 pub use block_table::BlockTable;
 pub use error::CoreError;
 pub use kv_cache::{KvCacheManager, KvStats};
-pub use state_pool::{SlotUse, StatePool};
+pub use state_pages::{StateId, StatePages};

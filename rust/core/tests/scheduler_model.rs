@@ -4,12 +4,14 @@
 //!   * a simulated KV memory (slot -> the token prefix whose KV was written there),
 //!     fed by the plan's slot mapping and block copies and read through the
 //!     caller-side block-table buffer built from the incremental row updates,
-//!   * a simulated DeltaNet state per slot (the tokens it has consumed), fed by
-//!     the plan and its state copies,
+//!   * a simulated DeltaNet state per arena page (the tokens the state it holds
+//!     has consumed), read and written through the caller-side state page
+//!     table built from the incremental row updates, fed by the plan, its page
+//!     copies and its mid-chunk checkpoint writes,
 //!   * the stop rule and the admission rule, re-implemented here.
-//!   * DeltaNet checkpoints: each live one's slot holds (in the simulated state
+//!   * DeltaNet checkpoints: each live one's pages hold (in the simulated state
 //!     memory) exactly the token prefix that the simulated KV of its chain's last
-//!     block was computed from, and no entry runs on a checkpoint slot;
+//!     block was computed from, and no entry runs on a checkpoint's pages;
 //!     prefix-cache hits may start a sequence at any block boundary, and the
 //!     state it starts from must then be exactly its prefix.
 //!
@@ -22,8 +24,16 @@
 //!
 //! So "attention would read the right KV", "the recurrent state is the right
 //! one", "a preempted request resumes with the same tokens", "the budget is never
-//! exceeded", "FCFS within a priority" and "everything finishes and every block
-//! and slot comes back" are all checked against things the scheduler did not compute.
+//! exceeded", "FCFS within a priority" and "everything finishes and every page
+//! comes back" are all checked against things the scheduler did not compute.
+//!
+//! The arena (one pool of pages): after every schedule() each page is exactly
+//! one of free, parked cached block, referenced KV block (refcount = the
+//! number of block tables holding it), a running state's page or a
+//! checkpoint's page (no page used twice, none leaked); the stats' per-use
+//! counts agree; and when admission stops at the waiting head for pages, the
+//! pages that could still be handed out are fewer than what the head would
+//! need without any prefix hit (it refuses only when the bytes are gone).
 
 use hybridserve_core::scheduler::{FinishReason, PreemptCause, RequestParams, SchedError, Scheduler, SchedulerConfig};
 use proptest::prelude::*;
@@ -83,6 +93,7 @@ struct Harness {
     kv_mem: HashMap<i32, Vec<u32>>,
     state_mem: HashMap<i32, Vec<u32>>,
     rows: Vec<Vec<i32>>,
+    st_rows: Vec<Vec<i32>>,
     outside: HashSet<(String, u32, FinishReason)>,
     rng: u64,
     step: u64,
@@ -114,12 +125,12 @@ impl Harness {
         let dup = self.reqs.iter().any(|r| r.id == id && r.st != St::Done);
         let invalid = dup
             || total > c.max_model_len as u64
-            || params.n > c.num_state_slots
             || params.n > c.max_num_seqs
-            || params.n as u64 * total.div_ceil(c.block_size as u64) > c.num_blocks as u64
+            || params.n as u64 * (total.div_ceil(c.block_size as u64) + c.state_pages as u64) > c.num_pages as u64
             || params.min_tokens > params.max_tokens
             || (c.reserve_max_context
-                && params.n as u64 * (c.max_model_len as u64).div_ceil(c.block_size as u64) > c.num_blocks as u64);
+                && params.n as u64 * ((c.max_model_len as u64).div_ceil(c.block_size as u64) + c.state_pages as u64)
+                    > c.num_pages as u64);
         let waiting: Vec<&OReq> = self.reqs.iter().filter(|r| r.st == St::Waiting).collect();
         let wtok: u64 = waiting.iter().map(|r| r.live().iter().map(|&i| r.tokens(i).len() as u64).sum::<u64>()).sum();
         let full = waiting.len() as u64 >= c.max_waiting_requests as u64 || wtok + prompt.len() as u64 > c.max_waiting_tokens;
@@ -211,6 +222,107 @@ impl Harness {
         (0..self.reqs.len()).filter(|&i| self.reqs[i].st == St::Waiting).min_by_key(|&i| self.key(i))
     }
 
+    /// The brute-force arena model (see the module docs), right after schedule().
+    fn check_arena(&self, out: &hybridserve_core::scheduler::SchedulerOutput, head_before: Option<usize>) {
+        let cfg = &self.cfg;
+        let n = cfg.num_pages as usize;
+        let pps = cfg.state_pages as usize;
+        let kv = self.s.kv();
+        let st = self.s.stats();
+        // What holds each page, from independent sources.
+        let mut owner: Vec<Vec<&str>> = vec![vec![]; n];
+        for p in kv.free_list() {
+            owner[p as usize].push("free");
+        }
+        for p in kv.lru_order() {
+            owner[p as usize].push("cached");
+        }
+        let mut refs = vec![0u32; n];
+        for t in self.s.running_tables() {
+            for b in t {
+                refs[b as usize] += 1;
+            }
+        }
+        for (p, &r) in refs.iter().enumerate() {
+            if r > 0 {
+                owner[p].push("kv");
+                assert_eq!(kv.refcount(p as u32), r, "page {p}: refcount differs from the block tables holding it");
+            }
+        }
+        let running_states = self.s.running_states();
+        for (_, pages) in &running_states {
+            assert_eq!(pages.len(), pps);
+            for &p in pages {
+                owner[p as usize].push("state");
+            }
+        }
+        let ckpts = self.s.checkpoints();
+        for (pages, ..) in &ckpts {
+            for &p in pages {
+                owner[p as usize].push("checkpoint");
+            }
+        }
+        for &p in &out.checkpoint_pages {
+            owner[p as usize].push("checkpoint (in flight)");
+        }
+        // A dropped checkpoint still busy in this plan keeps its pages until it ran.
+        let deferred = st.checkpoint_pages as usize - (ckpts.len() * pps + out.checkpoint_pages.len());
+        let unowned: Vec<usize> = (0..n).filter(|&p| owner[p].is_empty()).collect();
+        for (p, o) in owner.iter().enumerate() {
+            assert!(o.len() <= 1, "page {p} used twice: {o:?}");
+        }
+        assert_eq!(unowned.len(), deferred, "pages leaked: {unowned:?}");
+        assert_eq!(deferred % pps.max(1), 0);
+        // The stats' per-use counts.
+        let count = |w: &str| owner.iter().filter(|o| o.first() == Some(&w)).count() as u32;
+        assert_eq!(st.num_pages as usize, n);
+        assert_eq!(st.free_pages, count("free"));
+        assert_eq!(st.cached_pages, count("cached"));
+        assert_eq!(st.kv_pages, count("kv"));
+        assert_eq!(st.running_state_pages, count("state"));
+        assert_eq!(st.checkpoint_pages as usize, count("checkpoint") as usize + out.checkpoint_pages.len() + deferred);
+        assert_eq!(st.free_pages + st.cached_pages + st.kv_pages + st.running_state_pages + st.checkpoint_pages, st.num_pages);
+        // Admission refuses for pages only when they are truly gone: the head
+        // (one sequence, nothing preempted this step) would need its n states
+        // plus the blocks of its first chunk, no prefix hit counted; pages
+        // could still be had: free, cached, evictable checkpoints, and what
+        // this plan's checkpoint writes took after admission.
+        if st.last_admission_limit == "max_num_seqs" {
+            let planned: HashSet<u32> = out.req_indices.iter().copied().collect();
+            let h = (0..self.reqs.len())
+                .filter(|&i| self.reqs[i].st == St::Waiting && !planned.contains(&self.reqs[i].handle))
+                .min_by_key(|&i| self.key(i))
+                .expect("a head was refused");
+            assert!(
+                st.last_admission_running_seqs + self.units(h) > cfg.max_num_seqs,
+                "refused for max_num_seqs with {} running",
+                st.last_admission_running_seqs
+            );
+        }
+        if st.last_admission_limit == "pages" && out.preempted.is_empty() && !cfg.reserve_max_context {
+            // The head after this step's admissions (the harness marks them
+            // running only after this check).
+            let planned: HashSet<u32> = out.req_indices.iter().copied().collect();
+            let h = (0..self.reqs.len())
+                .filter(|&i| self.reqs[i].st == St::Waiting && !planned.contains(&self.reqs[i].handle))
+                .min_by_key(|&i| self.key(i))
+                .expect("a head was refused");
+            let _ = head_before;
+            if !self.reqs[h].forked {
+                let r = &self.reqs[h];
+                let left = cfg.max_num_batched_tokens as usize - out.num_tokens();
+                let mut chunk = r.tokens(0).len().min(left);
+                if cfg.long_prefill_token_threshold > 0 {
+                    chunk = chunk.min(cfg.long_prefill_token_threshold as usize);
+                }
+                let need = r.params.n as u64 * pps as u64 + chunk.div_ceil(cfg.block_size as usize) as u64;
+                let could = st.last_admission_available_pages;
+                assert!(could <= st.available_pages + out.checkpoint_pages.len() as u64, "pages appeared from nowhere");
+                assert!(could < need, "{} refused for pages with {could} available, needing at most {need}; chunk {chunk} stats {st:?} out {out:?}", r.id);
+            }
+        }
+    }
+
     fn do_step(&mut self) {
         self.step += 1;
         let cfg = self.cfg.clone();
@@ -255,27 +367,57 @@ impl Harness {
             }
         }
         let snapshot = self.state_mem.clone();
+        let mut written = HashSet::new();
         for c in out.state_copies.chunks(2) {
+            assert!(written.insert(c[1]), "two copies write page {}", c[1]);
             self.state_mem.insert(c[1], snapshot.get(&c[0]).cloned().unwrap_or_default());
         }
+        for c in out.block_copies.chunks(2) {
+            assert!(written.insert(c[1]), "two copies write page {}", c[1]);
+        }
+        // No copy reads a page another copy writes, except beams re-parented into
+        // each other (state copies among one request's beams: a permutation, safe
+        // because the runner gathers every source before scattering).
+        let state_dst: HashSet<i32> = out.state_copies.chunks(2).map(|c| c[1]).collect();
+        let block_dst: HashSet<i32> = out.block_copies.chunks(2).map(|c| c[1]).collect();
+        for c in out.block_copies.chunks(2) {
+            assert!(!written.contains(&c[0]), "a block copy reads page {} that a copy of the same plan writes", c[0]);
+        }
+        for c in out.state_copies.chunks(2) {
+            assert!(!block_dst.contains(&c[0]), "a state copy reads page {} that a block copy writes", c[0]);
+        }
+        if !self.reqs.iter().any(|r| r.params.beam_search && r.st == St::Running) {
+            for c in out.state_copies.chunks(2) {
+                assert!(!state_dst.contains(&c[0]), "a state copy reads page {} another state copy writes", c[0]);
+            }
+        }
         let ckpts = self.s.checkpoints();
-        let ckpt_slots: HashSet<i32> = ckpts.iter().map(|c| c.0 as i32).collect();
-        assert_eq!(ckpt_slots.len(), ckpts.len(), "two checkpoints in one slot");
-        for &(slot, tokens, last_block) in &ckpts {
+        let ckpt_pages: HashSet<i32> = ckpts.iter().flat_map(|c| c.0.iter().map(|&p| p as i32)).collect();
+        assert_eq!(ckpt_pages.len(), ckpts.len() * cfg.state_pages as usize, "two checkpoints share a page");
+        for (pages, tokens, last_block, _) in &ckpts {
+            let tokens = *tokens;
             assert!(tokens > 0 && tokens % bs == 0, "checkpoint off a block boundary");
-            let st = self.state_mem.get(&(slot as i32)).cloned().unwrap_or_default();
-            assert_eq!(st.len(), tokens, "checkpoint slot {slot} holds a state of {} tokens, keyed at {tokens}", st.len());
-            let kv = self.kv_mem.get(&(last_block as i32 * bs as i32 + bs as i32 - 1)).cloned().unwrap_or_default();
-            assert_eq!(kv, st, "checkpoint state is not the prefix its key (block chain) stands for");
+            let kv = self.kv_mem.get(&(*last_block as i32 * bs as i32 + bs as i32 - 1)).cloned().unwrap_or_default();
+            for &p in pages {
+                let st = self.state_mem.get(&(p as i32)).cloned().unwrap_or_default();
+                assert_eq!(st.len(), tokens, "checkpoint page {p} holds a state of {} tokens, keyed at {tokens}", st.len());
+                assert_eq!(kv, st, "checkpoint state is not the prefix its key (block chain) stands for");
+            }
         }
         for k in 0..out.bt_update_rows.len() {
             let row = &mut self.rows[out.bt_update_rows[k] as usize];
             row[out.bt_update_cols[k] as usize] = out.bt_update_values[k];
         }
+        for k in 0..out.st_update_rows.len() {
+            let row = &mut self.st_rows[out.st_update_rows[k] as usize];
+            row[out.st_update_cols[k] as usize] = out.st_update_values[k];
+        }
+        self.check_arena(&out, head_before);
         let mut seen_slots = HashSet::new();
         let mut seen_rows = HashSet::new();
         let mut seen_seq = HashSet::new();
         let mut in_prefill_part = false;
+        let mut ck_off = 0usize;
         for e in 0..b {
             let i = self.by_handle[&out.req_indices[e]];
             let sm = out.sample_indices[e] as usize;
@@ -303,7 +445,8 @@ impl Harness {
                 r.computed[sm] = start;
             }
             assert_eq!(start, r.computed[sm], "num_computed_tokens disagrees with what was computed");
-            assert!(!ckpt_slots.contains(&out.state_slots[e]), "a sequence runs on a checkpoint slot");
+            let st_row = self.st_rows[out.block_table_rows[e] as usize].clone();
+            assert!(st_row.iter().all(|p| !ckpt_pages.contains(p)), "a sequence runs on a checkpoint's pages");
             assert_eq!(out.seq_lens[e] as usize, start + k);
             assert!(start + k <= toks.len());
             let is_decode = k == 1 && start >= r.prompt.len() && start + 1 == toks.len();
@@ -321,22 +464,40 @@ impl Harness {
             }
             let want_samples = if start + k == toks.len() { if r.forked { 1 } else { r.params.n as i32 } } else { 0 };
             assert_eq!(out.num_samples[e], want_samples);
-            assert!(seen_slots.insert(out.state_slots[e]), "state slot shared by two entries");
+            for &p in &st_row {
+                assert!(seen_slots.insert(p), "state page {p} shared by two entries");
+            }
             assert!(seen_rows.insert(out.block_table_rows[e]), "buffer row shared by two entries");
             assert!(seen_seq.insert((i, sm)), "sequence scheduled twice");
             for j in 0..k {
                 assert_eq!(out.input_ids[q0 + j] as u32, toks[start + j], "fed the wrong token");
                 assert_eq!(out.positions[q0 + j] as usize, start + j);
             }
-            // Recurrent state: zeros at start 0, else exactly what this sample consumed.
-            let slot = out.state_slots[e];
-            if start == 0 {
-                self.state_mem.insert(slot, vec![]);
-            } else {
-                assert_eq!(self.state_mem.get(&slot).map(|v| v.as_slice()), Some(&toks[..start]), "wrong DeltaNet state");
+            // Recurrent state: zeros at start 0, else exactly what this sample
+            // consumed, in every page of its state page table.
+            for &p in &st_row {
+                if start == 0 {
+                    self.state_mem.insert(p, vec![]);
+                } else {
+                    assert_eq!(self.state_mem.get(&p).map(|v| v.as_slice()), Some(&toks[..start]), "wrong DeltaNet state");
+                }
+                self.state_mem.insert(p, toks[..start + k].to_vec());
             }
-            self.state_mem.insert(slot, toks[..start + k].to_vec());
+            // A checkpoint written inside the chunk: the state after its first `pos` tokens.
+            let pos = out.checkpoint_positions[e];
+            if pos >= 0 {
+                let pos = pos as usize;
+                assert!(pos >= 1 && pos <= k, "checkpoint position {pos} outside the chunk of {k}");
+                assert_eq!((start + pos) % bs, 0, "checkpoint off a block boundary");
+                let pps = cfg.state_pages as usize;
+                for &p in &out.checkpoint_pages[ck_off..ck_off + pps] {
+                    assert!(!st_row.contains(&p), "a checkpoint written over the running state");
+                    self.state_mem.insert(p, toks[..start + pos].to_vec());
+                }
+                ck_off += pps;
+            }
         }
+        assert_eq!(ck_off, out.checkpoint_pages.len(), "checkpoint pages without a position");
         // Admission in key order: nothing admitted while a smaller key waits.
         let admitted: Vec<usize> =
             (0..self.reqs.len()).filter(|&i| was_waiting[i] && self.reqs[i].st == St::Running).collect();
@@ -351,14 +512,14 @@ impl Harness {
         // reached or even without all of them it would not fit.
         let plenty = !cfg.enable_prefix_caching
             && !cfg.reserve_max_context
-            && cfg.num_blocks as usize > cfg.max_num_seqs as usize * cfg.max_blocks_per_seq() as usize;
+            && cfg.num_pages as usize > cfg.max_num_seqs as usize * cfg.max_pages_per_seq() as usize;
         if plenty && cfg.max_priority_preemptions_per_step > 0 && out.num_tokens() < cfg.max_num_batched_tokens as usize {
             // One head per step: the check applies to the head the step began with.
             if let Some(h) = self.waiting_head().filter(|&h| Some(h) == head_before) {
                 let running: Vec<usize> = (0..self.reqs.len()).filter(|&i| self.reqs[i].st == St::Running).collect();
                 if running.iter().any(|&r| self.outranks(h, r)) && n_prio < cfg.max_priority_preemptions_per_step {
                     let kept: u32 = running.iter().filter(|&&r| !self.outranks(h, r)).map(|&r| self.units(r)).sum();
-                    let cap = cfg.max_num_seqs.min(cfg.num_state_slots);
+                    let cap = cfg.max_num_seqs;
                     assert!(kept + self.units(h) > cap, "{} left waiting although outranked requests hold its room", self.reqs[h].id);
                 }
             }
@@ -503,9 +664,9 @@ fn ops_strategy() -> impl Strategy<Value = Vec<Op>> {
 
 #[derive(Debug, Clone)]
 struct Cfg {
-    num_blocks: u32,
+    num_pages: u32,
     block_size: u32,
-    slots: u32,
+    state_pages: u32,
     max_num_seqs: u32,
     extra_budget: u32,
     prefix: bool,
@@ -521,11 +682,11 @@ struct Cfg {
 
 fn cfg_strategy() -> impl Strategy<Value = Cfg> {
     let prio = (prop::sample::select(vec![0u32, 1, 2]), prop::sample::select(vec![0u32, 1, 4]));
-    ((prop_oneof![3 => 4u32..40, 1 => 200u32..220], prop::sample::select(vec![1u32, 2, 4]), 1u32..6, 1u32..6, 0u32..24, any::<bool>(), prop::sample::select(vec![0u32, 3, 8]), prop::sample::select(vec![0u32, 2]), 2u32..12, prop::bool::weighted(0.2), prop::sample::select(vec![0u32, 0, 1, 3])), prio)
-        .prop_map(|((num_blocks, block_size, slots, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve, interval_blocks), (prio_threshold, prio_bound))| Cfg {
-            num_blocks,
+    ((prop_oneof![3 => 6u32..60, 1 => 200u32..260], prop::sample::select(vec![1u32, 2, 4]), 1u32..4, 1u32..6, 0u32..24, any::<bool>(), prop::sample::select(vec![0u32, 3, 8]), prop::sample::select(vec![0u32, 2]), 2u32..12, prop::bool::weighted(0.2), prop::sample::select(vec![0u32, 0, 1, 3])), prio)
+        .prop_map(|((num_pages, block_size, state_pages, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve, interval_blocks), (prio_threshold, prio_bound))| Cfg {
+            num_pages,
             block_size,
-            slots,
+            state_pages,
             max_num_seqs,
             extra_budget,
             prefix,
@@ -540,7 +701,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
 }
 
 fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
-    let mut cfg = SchedulerConfig::new(c.num_blocks, c.block_size, c.slots, c.max_num_seqs, c.max_num_seqs + c.extra_budget, 40);
+    let mut cfg = SchedulerConfig::new(c.num_pages.max(c.state_pages + 1), c.block_size, c.state_pages, c.max_num_seqs, c.max_num_seqs + c.extra_budget, 40);
     cfg.enable_prefix_caching = c.prefix;
     cfg.long_prefill_token_threshold = c.thresh;
     cfg.aging_interval_steps = c.aging;
@@ -555,6 +716,7 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     let mut h = Harness {
         s,
         rows: vec![vec![-7; mbps]; cfg.max_num_seqs as usize],
+        st_rows: vec![vec![-7; cfg.state_pages as usize]; cfg.max_num_seqs as usize],
         cfg,
         reqs: vec![],
         by_handle: HashMap::new(),
@@ -615,15 +777,18 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
         steps += 1;
         assert!(steps < 5000, "workload did not drain: livelock");
     }
+    // Nothing is held once nothing is unfinished, before any further step.
+    let st = h.s.stats();
+    assert_eq!((st.kv_pages, st.running_state_pages), (0, 0), "pages held after the last request ended");
     h.do_step(); // reports any outstanding finished-outside entries
     assert!(h.reqs.iter().all(|r| r.st == St::Done), "a request never finished");
     let st = h.s.stats();
-    assert_eq!(st.used_blocks, 0, "blocks leaked");
-    assert_eq!(st.free_blocks, st.num_blocks);
-    assert_eq!(st.free_slots, st.num_slots, "slots leaked");
-    assert_eq!(h.s.state_pool().num_free() + st.checkpoint_slots, st.num_slots, "slots leaked");
-    assert_eq!(st.checkpoint_slots as usize, h.s.checkpoints().len());
-    assert_eq!(st.reserved_blocks, 0);
+    assert_eq!(st.kv_pages, 0, "KV pages leaked");
+    assert_eq!(st.running_state_pages, 0, "state pages leaked");
+    assert_eq!(st.free_pages + st.cached_pages + st.checkpoint_pages, st.num_pages, "pages leaked");
+    assert_eq!(st.checkpoint_pages as usize, h.s.checkpoints().len() * h.cfg.state_pages as usize);
+    assert_eq!(st.available_pages, st.num_pages as u64, "a page is not reclaimable after the drain");
+    assert_eq!(st.reserved_pages, 0);
     if std::env::var("SCHED_COVERAGE").is_ok() {
         eprintln!(
             "COV reorders={} steps={} preempt={} prio={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
@@ -663,7 +828,7 @@ proptest! {
 /// arrivals up to step (3 - 0) * A = 6, so it finishes within
 /// 6 + 7 arrivals * 3 steps + its own 3 steps. Without aging it never runs.
 fn urgent_stream(aging: u32, steps: u64) -> (Option<u64>, Vec<u64>) {
-    let mut cfg = SchedulerConfig::new(200, 4, 2, 1, 64, 40);
+    let mut cfg = SchedulerConfig::new(200, 4, 1, 1, 64, 40);
     cfg.enable_prefix_caching = false;
     cfg.aging_interval_steps = aging;
     cfg.priority_preemption_threshold = 1;

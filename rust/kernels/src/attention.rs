@@ -13,7 +13,9 @@ use crate::math::{dispatch, dot, exp};
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
 
-/// Layout of the paged pool.
+/// Layout of the paged pool: `num_blocks` blocks `block_stride` elements apart (the
+/// arena's page size: a page holds every attention layer's block), each
+/// `[block_size, kv_heads, head_dim]` contiguous.
 #[derive(Clone, Copy, Debug)]
 pub struct PagedKv<'a> {
     pub k_cache: &'a [f32],
@@ -21,6 +23,8 @@ pub struct PagedKv<'a> {
     pub block_size: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
+    pub num_blocks: usize,
+    pub block_stride: usize,
 }
 
 /// The decode sequences of a step.
@@ -67,12 +71,14 @@ pub fn paged_attention_decode(
         )));
     }
     let row_len = bs * hkv * d;
-    if kv.k_cache.len() != kv.v_cache.len() || kv.k_cache.len() % row_len != 0 {
+    let extent = kv.num_blocks.saturating_sub(1) * kv.block_stride + row_len;
+    if kv.block_stride < row_len || kv.k_cache.len() < extent || kv.v_cache.len() < extent {
         return Err(KernelError::new(format!(
-            "k_cache and v_cache must both be [num_blocks, {bs}, {hkv}, {d}]"
+            "k_cache and v_cache must both hold {} blocks of [{bs}, {hkv}, {d}] {} elements apart",
+            kv.num_blocks, kv.block_stride
         )));
     }
-    let num_blocks = (kv.k_cache.len() / row_len) as i64;
+    let num_blocks = kv.num_blocks as i64;
     if q.width != heads * d || out.len() != q.rows * heads * d {
         return Err(KernelError::new(format!(
             "q and out must be [T, Hq*D = {}]",
@@ -140,7 +146,8 @@ fn run_task_body(ctx: &Ctx<'_>, i: usize, j: usize) {
     let len = ctx.seqs.seq_lens[i] as usize;
     let table = &ctx.seqs.block_tables[i * ctx.seqs.width..(i + 1) * ctx.seqs.width];
     let qrow = &ctx.q.row(row)[j * rep * d..(j + 1) * rep * d];
-    let at = |pos: usize| ((table[pos / bs] as usize * bs + pos % bs) * hkv + j) * d;
+    let stride = ctx.kv.block_stride;
+    let at = |pos: usize| table[pos / bs] as usize * stride + ((pos % bs) * hkv + j) * d;
     // Scores of every query head of the group, [rep, len].
     let mut p = vec![0.0f32; rep * len];
     for pos in 0..len {
@@ -195,13 +202,15 @@ mod tests {
     #[test]
     fn matches_softmax_attention_over_scattered_blocks() {
         let (bs, hkv, d, heads, nblocks) = (4usize, 2usize, 8usize, 4usize, 9usize);
+        // Blocks a page apart: another layer's block and padding sit between them.
+        let stride = 2 * bs * hkv * d + 5;
         let mut seed = 11u64;
         let mut rnd = || {
             seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
             ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
         };
-        let kc: Vec<f32> = (0..nblocks * bs * hkv * d).map(|_| rnd()).collect();
-        let vc: Vec<f32> = (0..nblocks * bs * hkv * d).map(|_| rnd()).collect();
+        let kc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
+        let vc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
         let t = 3;
         let q: Vec<f32> = (0..t * heads * d).map(|_| rnd()).collect();
         let rows = [2i64, 0];
@@ -217,6 +226,8 @@ mod tests {
                 block_size: bs,
                 kv_heads: hkv,
                 head_dim: d,
+                num_blocks: nblocks,
+                block_stride: stride,
             },
             DecodeSeqs {
                 rows: &rows,
@@ -232,8 +243,9 @@ mod tests {
         for (i, (&row, &len)) in rows.iter().zip(&lens).enumerate() {
             for h in 0..heads {
                 let j = h / (heads / hkv);
-                let at =
-                    |p: usize| ((tables[i * width + p / bs] as usize * bs + p % bs) * hkv + j) * d;
+                let at = |p: usize| {
+                    tables[i * width + p / bs] as usize * stride + ((p % bs) * hkv + j) * d
+                };
                 let qh = &q[(row as usize * heads + h) * d..][..d];
                 let s: Vec<f64> = (0..len as usize)
                     .map(|p| {

@@ -1,4 +1,4 @@
-//! Depthwise causal conv1d over a flattened varlen batch, conv state in slots.
+//! Depthwise causal conv1d over a flattened varlen batch, conv state in paged items.
 //!
 //! `y[t, c] = act(bias[c] + sum_j w[c, j] * x_ext[t - (W-1) + j, c])`, where a
 //! sequence's `x_ext` before its first row is its slot's last `W-1` inputs (oldest
@@ -7,11 +7,14 @@
 //! and produce what one pass over the whole sequence would.
 //!
 //! Tasks are (sequence, block of channels); the history is read into a small local
-//! buffer first, so the slot can be overwritten in place at the end of the task.
+//! buffer first, so the state item (found through the state page table,
+//! [`PagedState`], item `0` of the layer) can be overwritten in place at the end of the
+//! task, and a checkpoint (the `W-1` inputs ending at the run's `k`-th token) copied
+//! out in the same task.
 
 use crate::math::{dispatch, silu};
 use crate::pool::for_each_task;
-use crate::{KernelError, Rows, SharedMut, Varlen};
+use crate::{KernelError, PagedState, Rows, SharedMut, Varlen};
 
 const CHANNEL_BLOCK: usize = 256;
 
@@ -23,13 +26,15 @@ struct Ctx<'a> {
     silu: bool,
     width: usize,
     varlen: Varlen<'a>,
+    paged: PagedState<'a>,
     state: SharedMut,
     out: SharedMut,
 }
 
 /// * `x` `[T, C]` (row-strided view allowed), `weight` `[C, W]` (HF's
 ///   `conv1d.weight[:, 0, :]`), `bias` `[C]` or none.
-/// * `state` `[S, C, W-1]`, read and written in place; sequences with no rows keep theirs.
+/// * `state`: the pool; sequence `b`'s `[C, W-1]` item is `paged.item(b, 0)`, read and
+///   written in place (sequences with no rows keep theirs); checkpoints per `paged`.
 /// * `out` `[T, C]`, `silu` applied when asked.
 ///
 /// O((T + B W) C W).
@@ -40,6 +45,7 @@ pub fn causal_conv1d(
     bias: Option<&[f32]>,
     silu: bool,
     state: &mut [f32],
+    paged: PagedState<'_>,
     varlen: Varlen<'_>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
@@ -54,17 +60,18 @@ pub fn causal_conv1d(
     if bias.is_some_and(|b| b.len() != c) {
         return Err(KernelError::new(format!("bias must have C = {c} entries")));
     }
-    let per_slot = c * (w - 1);
-    if state.len() % per_slot != 0 {
+    if paged.item_len != c * (w - 1) {
         return Err(KernelError::new(format!(
-            "state must be [S, C={c}, W-1={}]",
-            w - 1
+            "state items must be [C={c}, W-1={}], got {} elements",
+            w - 1,
+            paged.item_len
         )));
     }
     if out.len() != t * c {
         return Err(KernelError::new(format!("out must be [T={t}, C={c}]")));
     }
-    varlen.validate(t, state.len() / per_slot)?;
+    varlen.validate(t)?;
+    paged.validate(&varlen, 1, state.len())?;
     let mut wt = vec![0.0f32; w * c];
     for ch in 0..c {
         for j in 0..w {
@@ -78,6 +85,7 @@ pub fn causal_conv1d(
         silu,
         width: w,
         varlen,
+        paged,
         state: SharedMut::new(state),
         out: SharedMut::new(out),
     };
@@ -104,10 +112,9 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
     let hw = ctx.width - 1;
     let (start, end) = ctx.varlen.run(b);
     let len = end - start;
-    let slot = ctx.varlen.state_slots[b] as usize;
-    // SAFETY: channels c0..c1 of this slot are this task's alone (distinct slots
-    // among runs, validated; channel blocks split by task).
-    let st = unsafe { ctx.state.slice((slot * c + c0) * hw, n * hw) };
+    // SAFETY: channels c0..c1 of this item are this task's alone (distinct pages
+    // among runs and checkpoints, validated; channel blocks split by task).
+    let st = unsafe { ctx.state.slice(ctx.paged.item(b, 0) + c0 * hw, n * hw) };
     // hist[i] = input at position i - hw of the sequence, for i in 0..hw.
     let mut hist = vec![0.0f32; hw * n];
     if ctx.varlen.has_initial_state[b] {
@@ -149,16 +156,22 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
             dst.copy_from_slice(&acc);
         }
     }
-    // The new state: the last hw inputs, ending at the sequence's last row.
-    let mut last = vec![0.0f32; hw * n];
-    for i in 0..hw {
-        last[i * n..(i + 1) * n].copy_from_slice(input(len as isize - hw as isize + i as isize));
-    }
-    for k in 0..n {
+    // The checkpoint, then the new state: the last hw inputs ending at row k, and at
+    // the sequence's last row.
+    let store = |dst: &mut [f32], upto: usize| {
         for i in 0..hw {
-            st[k * hw + i] = last[i * n + k];
+            let src = input(upto as isize - hw as isize + i as isize);
+            for k in 0..n {
+                dst[k * hw + i] = src[k];
+            }
         }
+    };
+    if let Some((k, at)) = ctx.paged.checkpoint(b, 0) {
+        // SAFETY: as for the state item: the checkpoint's page is this run's alone.
+        store(unsafe { ctx.state.slice(at + c0 * hw, n * hw) }, k);
     }
+    // `hist` holds the old state, so writing the item last cannot clobber an input.
+    store(st, len);
 }
 
 #[cfg(test)]
@@ -187,24 +200,42 @@ mod tests {
             }
             (s / (1.0 + (-s).exp())) as f32
         };
+        // Pages of two items plus padding; the sequence's item is item 1 of page 2.
+        let item = c * (w - 1);
+        let (stride, pages) = (2 * item + 3, 3usize);
+        let paged =
+            |table: &'static [i64], ck: &'static [i64], ck_table: &'static [i64]| PagedState {
+                table,
+                cols: 1,
+                item_base: 1,
+                per_page: 2,
+                page_stride: stride,
+                item_len: item,
+                num_pages: pages,
+                checkpoint_positions: ck,
+                checkpoint_table: ck_table,
+            };
         let mut whole = vec![0.0f32; t * c];
-        let mut st1 = vec![9.0f32; 2 * c * (w - 1)];
+        let mut st1 = vec![9.0f32; pages * stride];
+        // Whole, with checkpoints after 4 and 5 tokens in two calls (page 0, item 1).
         causal_conv1d(
             Rows::dense(&x, c).unwrap(),
             &weight,
             Some(&bias),
             true,
             &mut st1,
+            paged(&[2], &[4], &[0]),
             Varlen {
                 query_start_loc: &[0, t as i64],
-                state_slots: &[1],
                 has_initial_state: &[false],
             },
             &mut whole,
         )
         .unwrap();
+        let ck4 = st1[item..2 * item].to_vec();
         let mut pieces = vec![0.0f32; t * c];
-        let mut st2 = vec![0.0f32; 2 * c * (w - 1)];
+        let mut st2 = vec![0.0f32; pages * stride];
+        let mut after = Vec::new();
         for (i, (s, e)) in [(0usize, 4usize), (4, 5), (5, 11)].into_iter().enumerate() {
             causal_conv1d(
                 Rows::dense(&x[s * c..e * c], c).unwrap(),
@@ -212,14 +243,15 @@ mod tests {
                 Some(&bias),
                 true,
                 &mut st2,
+                paged(&[2], &[], &[]),
                 Varlen {
                     query_start_loc: &[0, (e - s) as i64],
-                    state_slots: &[1],
                     has_initial_state: &[i > 0],
                 },
                 &mut pieces[s * c..e * c],
             )
             .unwrap();
+            after.push(st2[2 * stride + item..2 * stride + 2 * item].to_vec());
         }
         for tt in 0..t {
             for ch in 0..c {
@@ -230,8 +262,13 @@ mod tests {
                 );
             }
         }
-        assert_eq!(st1[c * (w - 1)..], st2[c * (w - 1)..]);
-        // slot 0 untouched
-        assert!(st1[..c * (w - 1)].iter().all(|&v| v == 9.0));
+        let item_of = |st: &[f32]| st[2 * stride + item..2 * stride + 2 * item].to_vec();
+        assert_eq!(item_of(&st1), item_of(&st2));
+        // The checkpoint at token 4 is the state the pieces had after their first call.
+        assert_eq!(ck4, after[0]);
+        // Everything else untouched: item 0 of page 2, page 1, the padding.
+        assert!(st1[2 * stride..2 * stride + item].iter().all(|&v| v == 9.0));
+        assert!(st1[stride..2 * stride].iter().all(|&v| v == 9.0));
+        assert!(st1[2 * item..stride].iter().all(|&v| v == 9.0));
     }
 }

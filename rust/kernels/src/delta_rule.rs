@@ -15,12 +15,14 @@
 //! read `S^T q`), and there is no `c x c` intra-chunk work or solve. Key head `j`
 //! serves value heads `j * H/Hk ..` (HF's `repeat_interleave`), read without expanding.
 //!
-//! Tasks are (sequence, value head) pairs: each owns its state slice and its output
-//! elements, so they run in parallel without locks.
+//! Tasks are (sequence, value head) pairs: each owns its state item (found through the
+//! sequence's state page table, [`PagedState`]) and its output elements, so they run in
+//! parallel without locks. A requested checkpoint (the state after the run's first `k`
+//! tokens) is copied out by the task as it passes token `k`: no second pass.
 
 use crate::math::{dispatch, inv_rms, sigmoid, silu, softplus, sum_sq};
 use crate::pool::for_each_task;
-use crate::{KernelError, Rows, SharedMut, Varlen};
+use crate::{KernelError, PagedState, Rows, SharedMut, Varlen};
 
 /// Head counts and sizes.
 #[derive(Clone, Copy, Debug)]
@@ -67,6 +69,7 @@ struct Ctx<'a> {
     scale: f32,
     l2norm: bool,
     varlen: Varlen<'a>,
+    paged: PagedState<'a>,
     state: SharedMut,
     out: SharedMut,
 }
@@ -74,9 +77,11 @@ struct Ctx<'a> {
 /// Runs the recurrence for every sequence of the batch.
 ///
 /// * `q`, `k` `[T, Hk * K]`, `v` `[T, H * V]` (row-strided views allowed).
-/// * `state` `[S, H, K, V]`: sequence `b` starts from slot `state_slots[b]` when
-///   `has_initial_state[b]`, else from zeros; its final state is left in the slot.
-///   Sequences with no rows keep their slot untouched.
+/// * `state`: the pool; value head `h` of sequence `b` is the `K x V` item
+///   `paged.item(b, h)` (`paged.item_len` must be `K * V`). A sequence starts from
+///   there when `has_initial_state[b]`, else from zeros, and its final state is left
+///   there; with a checkpoint position `k`, the state after its first `k` tokens is
+///   also copied to `paged.checkpoint(b, h)`. Sequences with no rows are untouched.
 /// * `out` `[T, H * V]`: the output, normalised by `norm` when given.
 /// * `l2norm`: l2-normalise q and k (eps 1e-6, HF's formula) before `q * scale`.
 ///
@@ -92,6 +97,7 @@ pub fn gated_delta_rule(
     scale: f32,
     l2norm: bool,
     state: &mut [f32],
+    paged: PagedState<'_>,
     varlen: Varlen<'_>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
@@ -148,10 +154,10 @@ pub fn gated_delta_rule(
             )));
         }
     }
-    let per_slot = h * kd * vd;
-    if state.len() % per_slot != 0 {
+    if paged.item_len != kd * vd {
         return Err(KernelError::new(format!(
-            "state must be [S, H={h}, K={kd}, V={vd}]"
+            "state items must be K x V = {kd} x {vd}, got {} elements",
+            paged.item_len
         )));
     }
     if out.len() != t * h * vd {
@@ -160,7 +166,8 @@ pub fn gated_delta_rule(
             h * vd
         )));
     }
-    varlen.validate(t, state.len() / per_slot)?;
+    varlen.validate(t)?;
+    paged.validate(&varlen, h, state.len())?;
 
     let ctx = Ctx {
         q,
@@ -172,6 +179,7 @@ pub fn gated_delta_rule(
         scale,
         l2norm,
         varlen,
+        paged,
         state: SharedMut::new(state),
         out: SharedMut::new(out),
     };
@@ -276,6 +284,29 @@ mod avx2 {
     use super::{token_inputs, write_output, Ctx, Heads};
     use std::arch::x86_64::*;
 
+    /// Token t's first sweep: decay the state, and return `S^T k`.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn first_sweep<const NV: usize>(
+        sp: *mut f32,
+        kn: &[f32],
+        decay: f32,
+        vd: usize,
+    ) -> [__m256; NV] {
+        let mut mem = [_mm256_setzero_ps(); NV];
+        let dv = _mm256_set1_ps(decay);
+        for (kk, &kc) in kn.iter().enumerate() {
+            let kc = _mm256_set1_ps(kc);
+            for (i, m) in mem.iter_mut().enumerate() {
+                let p = sp.add(kk * vd + 8 * i);
+                let x = _mm256_mul_ps(_mm256_loadu_ps(p), dv);
+                _mm256_storeu_ps(p, x);
+                *m = _mm256_fmadd_ps(x, kc, *m);
+            }
+        }
+        mem
+    }
+
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn run_task<const NV: usize>(ctx: &Ctx<'_>, b: usize, head: usize) {
         let Heads {
@@ -287,30 +318,22 @@ mod avx2 {
         debug_assert_eq!(vd, 8 * NV);
         let j = head / (h / hk);
         let (start, end) = ctx.varlen.run(b);
-        let slot = ctx.varlen.state_slots[b] as usize;
-        // SAFETY: (slot, head) is this task's alone (distinct slots, one task per head).
-        let s = ctx.state.slice((slot * h + head) * kd * vd, kd * vd);
+        // SAFETY: this (sequence, head) item is this task's alone (pages distinct among
+        // the runs and their checkpoints, validated; one task per head).
+        let s = ctx.state.slice(ctx.paged.item(b, head), kd * vd);
         if !ctx.varlen.has_initial_state[b] {
             s.fill(0.0);
         }
+        // Absolute row after which the state is the checkpoint (never `start`: k >= 1).
+        let ckpt = ctx.paged.checkpoint(b, head);
+        let ck_row = ckpt.map_or(usize::MAX, |(k, _)| start + k);
         let sp = s.as_mut_ptr();
         let (mut kn, mut qn) = (vec![0.0f32; kd], vec![0.0f32; kd]);
         let (mut kn2, mut qn2) = (vec![0.0f32; kd], vec![0.0f32; kd]);
         let mut o = vec![0.0f32; vd];
         let zero = _mm256_setzero_ps();
-        // Token `start`'s first sweep: decay, and mem = S^T k.
         let (decay, mut beta) = token_inputs(ctx, start, j, head, &mut kn, &mut qn);
-        let mut mem = [zero; NV];
-        let dv = _mm256_set1_ps(decay);
-        for (kk, &kc) in kn.iter().enumerate() {
-            let kc = _mm256_set1_ps(kc);
-            for (i, m) in mem.iter_mut().enumerate() {
-                let p = sp.add(kk * vd + 8 * i);
-                let x = _mm256_mul_ps(_mm256_loadu_ps(p), dv);
-                _mm256_storeu_ps(p, x);
-                *m = _mm256_fmadd_ps(x, kc, *m);
-            }
-        }
+        let mut mem = first_sweep::<NV>(sp, &kn, decay, vd);
         for t in start..end {
             let vr = ctx.v.row(t)[head * vd..(head + 1) * vd].as_ptr();
             let bv = _mm256_set1_ps(beta);
@@ -319,7 +342,7 @@ mod avx2 {
                 delta[i] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vr.add(8 * i)), mem[i]), bv);
             }
             let mut acc = [zero; NV];
-            if t + 1 < end {
+            if t + 1 < end && t + 1 != ck_row {
                 let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2);
                 let dv = _mm256_set1_ps(decay2);
                 let mut mem2 = [zero; NV];
@@ -341,6 +364,8 @@ mod avx2 {
                 mem = mem2;
                 beta = beta2;
             } else {
+                // The run's last token, or the checkpoint's: the state must be whole
+                // after this token, so no fused decay of the next one.
                 for kk in 0..kd {
                     let (kc, qc) = (_mm256_set1_ps(kn[kk]), _mm256_set1_ps(qn[kk]));
                     for i in 0..NV {
@@ -348,6 +373,19 @@ mod avx2 {
                         let w = _mm256_fmadd_ps(kc, delta[i], _mm256_loadu_ps(p));
                         acc[i] = _mm256_fmadd_ps(w, qc, acc[i]);
                         _mm256_storeu_ps(p, w);
+                    }
+                }
+                if t + 1 == ck_row {
+                    if let Some((_, at)) = ckpt {
+                        // SAFETY: the checkpoint item is this task's alone (validated).
+                        ctx.state
+                            .slice(at, kd * vd)
+                            .copy_from_slice(std::slice::from_raw_parts(sp, kd * vd));
+                    }
+                    if t + 1 < end {
+                        let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2);
+                        mem = first_sweep::<NV>(sp, &kn2, decay2, vd);
+                        beta = beta2;
                     }
                 }
             }
@@ -373,13 +411,13 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
     } = ctx.heads;
     let j = head / (h / hk);
     let (start, end) = ctx.varlen.run(b);
-    let slot = ctx.varlen.state_slots[b] as usize;
-    // SAFETY: (slot, head) is this task's alone: slots are distinct among running
-    // sequences (validated) and each head is one task.
-    let s = unsafe { ctx.state.slice((slot * h + head) * kd * vd, kd * vd) };
+    // SAFETY: this (sequence, head) item is this task's alone: pages are distinct among
+    // running sequences and their checkpoints (validated) and each head is one task.
+    let s = unsafe { ctx.state.slice(ctx.paged.item(b, head), kd * vd) };
     if !ctx.varlen.has_initial_state[b] {
         s.fill(0.0);
     }
+    let ckpt = ctx.paged.checkpoint(b, head);
     let mut kn = vec![0.0f32; kd];
     let mut qn = vec![0.0f32; kd];
     let mut mem = vec![0.0f32; vd];
@@ -407,6 +445,12 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
             }
         }
         write_output(ctx, t, head, &o);
+        if let Some((k, at)) = ckpt {
+            if t + 1 == start + k {
+                // SAFETY: the checkpoint item is this task's alone (validated).
+                unsafe { ctx.state.slice(at, kd * vd) }.copy_from_slice(s);
+            }
+        }
     }
 }
 
@@ -429,7 +473,9 @@ mod tests {
         }
     }
 
-    /// The formula in f64, one sequence and head at a time, expanded heads.
+    /// The formula in f64, one sequence and head at a time, expanded heads. `item(b, h)`:
+    /// where the state of sequence b's head h lives; `ckpt[b] = k >= 1`: the state after
+    /// k tokens also goes to `ck_item(b, h)`.
     #[allow(clippy::too_many_arguments)]
     fn reference(
         q: &[f32],
@@ -441,8 +487,10 @@ mod tests {
         scale: f32,
         state: &mut [f64],
         qsl: &[i64],
-        slots: &[i64],
+        item: &dyn Fn(usize, usize) -> usize,
         init: &[bool],
+        ckpt: &[i64],
+        ck_item: &dyn Fn(usize, usize) -> usize,
     ) -> Vec<f64> {
         let Heads {
             key_heads: hk,
@@ -452,15 +500,15 @@ mod tests {
         } = heads;
         let t = qsl[qsl.len() - 1] as usize;
         let mut out = vec![0.0f64; t * h * vd];
-        for b in 0..slots.len() {
+        for b in 0..init.len() {
             let (s0, e0) = (qsl[b] as usize, qsl[b + 1] as usize);
             if e0 == s0 {
                 continue;
             }
             for head in 0..h {
                 let j = head / (h / hk);
-                let base = (slots[b] as usize * h + head) * kd * vd;
-                let st = &mut state[base..base + kd * vd];
+                let base = item(b, head);
+                let mut st = state[base..base + kd * vd].to_vec();
                 if !init[b] {
                     st.iter_mut().for_each(|x| *x = 0.0);
                 }
@@ -487,14 +535,19 @@ mod tests {
                         out[(tt * h + head) * vd + vv] =
                             (0..kd).map(|i| st[i * vd + vv] * qr[i]).sum();
                     }
+                    if ckpt[b] >= 0 && tt + 1 == s0 + ckpt[b] as usize {
+                        let at = ck_item(b, head);
+                        state[at..at + kd * vd].copy_from_slice(&st);
+                    }
                 }
+                state[base..base + kd * vd].copy_from_slice(&st);
             }
         }
         out
     }
 
     #[test]
-    fn matches_the_formula_on_a_mixed_batch() {
+    fn matches_the_formula_on_a_mixed_batch_in_scattered_pages() {
         // 12: the portable task; 32 and 64: the AVX2 ones (where the CPU has AVX2).
         for vd in [12, 32, 64] {
             check_mixed_batch(vd);
@@ -508,23 +561,45 @@ mod tests {
             key_dim: 16,
             value_dim: vd,
         };
-        let lens = [1usize, 37, 0, 1, 5, 64];
+        let lens = [1usize, 37, 0, 1, 5, 64, 20];
+        // Checkpoints: mid-run, at the first token, at the last token, and none.
+        let ck: [i64; 7] = [-1, 17, -1, 1, 5, -1, 3];
         let mut qsl = vec![0i64];
         for l in lens {
             qsl.push(qsl.last().unwrap() + l as i64);
         }
         let t = *qsl.last().unwrap() as usize;
-        let slots = [3i64, 0, 5, 6, 1, 2];
-        let init = [true, false, true, true, true, false];
+        let b = lens.len();
+        let init = [true, false, true, true, true, false, true];
+        // Pages of 3 items of K x V plus 5 elements of padding; a layer of 4 heads whose
+        // items start at item 5 (page column 1, slot 2): they straddle columns 1..=3.
+        let item_len = 16 * vd;
+        let (per_page, page_stride, cols, base) = (3usize, 3 * item_len + 5, 4usize, 5usize);
+        let num_pages = 2 * b * cols + 3;
+        // Scattered, distinct pages (a permutation), checkpoint rows from the same set.
+        let perm: Vec<i64> = (0..num_pages)
+            .map(|i| ((i * 7 + 3) % num_pages) as i64)
+            .collect();
+        let table: Vec<i64> = perm[..b * cols].to_vec();
+        let ck_table: Vec<i64> = perm[b * cols..2 * b * cols].to_vec();
         let mut rng = Lcg(7);
         let q = rng.vec(t * 2 * 16);
         let k = rng.vec(t * 2 * 16);
         let v = rng.vec(t * 4 * vd);
         let g: Vec<f32> = rng.vec(t * 4).iter().map(|x| -(x.abs()) * 0.5).collect();
         let beta: Vec<f32> = rng.vec(t * 4).iter().map(|x| x.abs()).collect();
-        let per = 4 * 16 * vd;
-        let mut state: Vec<f32> = rng.vec(8 * per).iter().map(|x| x * 0.3).collect();
+        let mut state: Vec<f32> = rng
+            .vec(num_pages * page_stride)
+            .iter()
+            .map(|x| x * 0.3)
+            .collect();
         let mut want_state: Vec<f64> = state.iter().map(|&x| x as f64).collect();
+        let at = |tab: &[i64], s: usize, h: usize| {
+            let i = base + h;
+            tab[s * cols + i / per_page] as usize * page_stride + (i % per_page) * item_len
+        };
+        let item = |s: usize, h: usize| at(&table, s, h);
+        let ck_item = |s: usize, h: usize| at(&ck_table, s, h);
         let want = reference(
             &q,
             &k,
@@ -535,14 +610,26 @@ mod tests {
             0.25,
             &mut want_state,
             &qsl,
-            &slots,
+            &item,
             &init,
+            &ck,
+            &ck_item,
         );
         let mut out = vec![0.0f32; t * 4 * vd];
         let varlen = Varlen {
             query_start_loc: &qsl,
-            state_slots: &slots,
             has_initial_state: &init,
+        };
+        let paged = PagedState {
+            table: &table,
+            cols,
+            item_base: base,
+            per_page,
+            page_stride,
+            item_len,
+            num_pages,
+            checkpoint_positions: &ck,
+            checkpoint_table: &ck_table,
         };
         gated_delta_rule(
             Rows::dense(&q, 32).unwrap(),
@@ -557,6 +644,7 @@ mod tests {
             0.25,
             true,
             &mut state,
+            paged,
             varlen,
             &mut out,
         )
@@ -564,13 +652,32 @@ mod tests {
         for (i, (a, b)) in out.iter().zip(&want).enumerate() {
             assert!((*a as f64 - b).abs() < 1e-4, "out[{i}] = {a}, want {b}");
         }
+        // Every element of the pool: run items, checkpoint items, and everything else
+        // (other pages, padding) untouched.
         for (i, (a, b)) in state.iter().zip(&want_state).enumerate() {
-            assert!((*a as f64 - b).abs() < 1e-4, "state[{i}] = {a}, want {b}");
+            assert!(
+                (*a as f64 - b).abs() < 1e-4,
+                "state[{i}] = {a}, want {b} (vd {vd})"
+            );
+        }
+    }
+
+    fn one_item_pool<'a>(table: &'a [i64], ck: &'a [i64], ck_table: &'a [i64]) -> PagedState<'a> {
+        PagedState {
+            table,
+            cols: 1,
+            item_base: 0,
+            per_page: 1,
+            page_stride: 4,
+            item_len: 4,
+            num_pages: 2,
+            checkpoint_positions: ck,
+            checkpoint_table: ck_table,
         }
     }
 
     #[test]
-    fn rejects_a_slot_shared_by_two_runs() {
+    fn rejects_a_page_written_twice_and_bad_checkpoints() {
         let heads = Heads {
             key_heads: 1,
             value_heads: 1,
@@ -578,30 +685,38 @@ mod tests {
             value_dim: 2,
         };
         let x = [0.5f32; 4];
-        let mut state = vec![0.0f32; 2 * 4];
-        let mut out = vec![0.0f32; 4];
-        let varlen = Varlen {
-            query_start_loc: &[0, 1, 2],
-            state_slots: &[1, 1],
-            has_initial_state: &[true, true],
+        let run = |paged: PagedState<'_>| {
+            let mut state = vec![0.0f32; 2 * 4];
+            let mut out = vec![0.0f32; 4];
+            gated_delta_rule(
+                Rows::dense(&x, 2).unwrap(),
+                Rows::dense(&x, 2).unwrap(),
+                Rows::dense(&x, 2).unwrap(),
+                Gates::Direct {
+                    g: Rows::dense(&x[..2], 1).unwrap(),
+                    beta: Rows::dense(&x[..2], 1).unwrap(),
+                },
+                None,
+                heads,
+                1.0,
+                true,
+                &mut state,
+                paged,
+                Varlen {
+                    query_start_loc: &[0, 1, 2],
+                    has_initial_state: &[true, true],
+                },
+                &mut out,
+            )
+            .unwrap_err()
         };
-        let err = gated_delta_rule(
-            Rows::dense(&x, 2).unwrap(),
-            Rows::dense(&x, 2).unwrap(),
-            Rows::dense(&x, 2).unwrap(),
-            Gates::Direct {
-                g: Rows::dense(&x[..2], 1).unwrap(),
-                beta: Rows::dense(&x[..2], 1).unwrap(),
-            },
-            None,
-            heads,
-            1.0,
-            true,
-            &mut state,
-            varlen,
-            &mut out,
-        )
-        .unwrap_err();
-        assert!(err.0.contains("used by two sequences"), "{err}");
+        let err = run(one_item_pool(&[1, 1], &[], &[]));
+        assert!(err.0.contains("written by two runs"), "{err}");
+        let err = run(one_item_pool(&[0, 1], &[1, -1], &[1, 0]));
+        assert!(err.0.contains("written by two runs"), "{err}");
+        let err = run(one_item_pool(&[0, 1], &[2, -1], &[1, 0]));
+        assert!(err.0.contains("must lie in 1..=1"), "{err}");
+        let err = run(one_item_pool(&[0, 2], &[], &[]));
+        assert!(err.0.contains("outside 0..2"), "{err}");
     }
 }

@@ -119,25 +119,22 @@ impl std::error::Error for KernelError {}
 #[derive(Clone, Copy, Debug)]
 pub struct Varlen<'a> {
     pub query_start_loc: &'a [i64],
-    pub state_slots: &'a [i64],
     pub has_initial_state: &'a [bool],
 }
 
 impl Varlen<'_> {
     pub fn num_seqs(&self) -> usize {
-        self.state_slots.len()
+        self.has_initial_state.len()
     }
 
-    /// Checks offsets (rising from 0 to `t`), slots (in `0..num_slots`, distinct among
-    /// sequences that run: two runs writing one slot would race) and lengths.
-    pub fn validate(&self, t: usize, num_slots: usize) -> Result<(), KernelError> {
-        let b = self.state_slots.len();
-        if self.query_start_loc.len() != b + 1 || self.has_initial_state.len() != b {
+    /// Checks offsets (rising from 0 to `t`) and lengths.
+    pub fn validate(&self, t: usize) -> Result<(), KernelError> {
+        let b = self.has_initial_state.len();
+        if self.query_start_loc.len() != b + 1 {
             return Err(KernelError::new(format!(
-                "query_start_loc must have B+1 = {} entries and has_initial_state B = {b}; got {} and {}",
+                "query_start_loc must have B+1 = {} entries (B from has_initial_state); got {}",
                 b + 1,
-                self.query_start_loc.len(),
-                self.has_initial_state.len()
+                self.query_start_loc.len()
             )));
         }
         let qsl = self.query_start_loc;
@@ -145,22 +142,6 @@ impl Varlen<'_> {
             return Err(KernelError::new(format!(
                 "query_start_loc must rise from 0 to T = {t}"
             )));
-        }
-        let mut seen = vec![false; num_slots];
-        for (i, &s) in self.state_slots.iter().enumerate() {
-            if s < 0 || s as usize >= num_slots {
-                return Err(KernelError::new(format!(
-                    "state slot {s} of sequence {i} is outside 0..{num_slots}"
-                )));
-            }
-            if qsl[i + 1] > qsl[i] {
-                if seen[s as usize] {
-                    return Err(KernelError::new(format!(
-                        "state slot {s} is used by two sequences of one step"
-                    )));
-                }
-                seen[s as usize] = true;
-            }
         }
         Ok(())
     }
@@ -171,6 +152,145 @@ impl Varlen<'_> {
             self.query_start_loc[b] as usize,
             self.query_start_loc[b + 1] as usize,
         )
+    }
+}
+
+/// Where each sequence's state items live in a paged pool (the arena), and where its
+/// checkpoint goes, if any.
+///
+/// The pool is `num_pages` pages `page_stride` elements apart, each holding `per_page`
+/// items of `item_len` elements. Sequence `b`'s item `h` (a value head of the layer's
+/// recurrent state, or its conv state) is item `i = item_base + h`, at page
+/// `table[b * cols + i / per_page]`, slot `i % per_page`: the state page table row
+/// plus the layer's first item, the same arithmetic as `hybridserve.kernels.state_pages`.
+#[derive(Clone, Copy, Debug)]
+pub struct PagedState<'a> {
+    /// `[B, cols]` page ids (the step's rows of the state page table).
+    pub table: &'a [i64],
+    pub cols: usize,
+    pub item_base: usize,
+    pub per_page: usize,
+    pub page_stride: usize,
+    pub item_len: usize,
+    pub num_pages: usize,
+    /// `[B]`: `k >= 1` = also write the state after the run's first `k` tokens at the
+    /// same items of `checkpoint_table[b]`; `-1` = none. Empty = no checkpoints.
+    pub checkpoint_positions: &'a [i64],
+    /// `[B, cols]`, read only where `checkpoint_positions[b] >= 0`.
+    pub checkpoint_table: &'a [i64],
+}
+
+impl PagedState<'_> {
+    #[inline(always)]
+    fn at(&self, table: &[i64], b: usize, h: usize) -> usize {
+        let i = self.item_base + h;
+        table[b * self.cols + i / self.per_page] as usize * self.page_stride
+            + (i % self.per_page) * self.item_len
+    }
+
+    /// Element offset of sequence `b`'s item `h` in the pool.
+    #[inline(always)]
+    pub fn item(&self, b: usize, h: usize) -> usize {
+        self.at(self.table, b, h)
+    }
+
+    /// `(k, offset)`: the checkpoint of sequence `b`'s item `h`, if it has one.
+    #[inline(always)]
+    pub fn checkpoint(&self, b: usize, h: usize) -> Option<(usize, usize)> {
+        match self.checkpoint_positions.get(b) {
+            Some(&k) if k >= 0 => Some((k as usize, self.at(self.checkpoint_table, b, h))),
+            _ => None,
+        }
+    }
+
+    /// Checks shapes, page ids (in `0..num_pages`), checkpoint positions (in
+    /// `1..=len`) and that no page is written by two runs of the call (items of
+    /// `0..n_items` for every run with rows, their checkpoints too): tasks write their
+    /// items without locks. `pool_len`: elements of the pool slice.
+    pub fn validate(
+        &self,
+        varlen: &Varlen<'_>,
+        n_items: usize,
+        pool_len: usize,
+    ) -> Result<(), KernelError> {
+        let b = varlen.num_seqs();
+        if self.per_page == 0 || self.item_len == 0 || self.table.len() != b * self.cols {
+            return Err(KernelError::new(format!(
+                "the state page table must be [B={b}, {}] and pages hold at least one item; got {} entries",
+                self.cols,
+                self.table.len()
+            )));
+        }
+        if self.num_pages > 0
+            && ((self.num_pages - 1) * self.page_stride + self.per_page * self.item_len > pool_len
+                || self.page_stride < self.per_page * self.item_len)
+        {
+            return Err(KernelError::new(format!(
+                "a pool of {} pages x {} items of {} (page stride {}) does not fit in {pool_len} elements",
+                self.num_pages, self.per_page, self.item_len, self.page_stride
+            )));
+        }
+        let has_ckpt = !self.checkpoint_positions.is_empty();
+        if has_ckpt
+            && (self.checkpoint_positions.len() != b
+                || self.checkpoint_table.len() != b * self.cols)
+        {
+            return Err(KernelError::new(format!(
+                "checkpoint positions must be [B={b}] and checkpoint pages [B, {}]",
+                self.cols
+            )));
+        }
+        let first = self.item_base / self.per_page;
+        let last = (self.item_base + n_items.max(1) - 1) / self.per_page;
+        if last >= self.cols {
+            return Err(KernelError::new(format!(
+                "items {}..{} need {} columns of the state page table; it has {}",
+                self.item_base,
+                self.item_base + n_items,
+                last + 1,
+                self.cols
+            )));
+        }
+        let mut used: Vec<i64> = Vec::with_capacity(2 * b * (last - first + 1));
+        for s in 0..b {
+            let (start, end) = varlen.run(s);
+            if end == start {
+                continue;
+            }
+            let mut rows: [Option<&[i64]>; 2] = [Some(self.table), None];
+            if has_ckpt {
+                let k = self.checkpoint_positions[s];
+                if k >= 0 {
+                    if k < 1 || k as usize > end - start {
+                        return Err(KernelError::new(format!(
+                            "checkpoint position {k} of sequence {s} must lie in 1..={}",
+                            end - start
+                        )));
+                    }
+                    rows[1] = Some(self.checkpoint_table);
+                }
+            }
+            for table in rows.into_iter().flatten() {
+                for col in first..=last {
+                    let p = table[s * self.cols + col];
+                    if p < 0 || p as usize >= self.num_pages {
+                        return Err(KernelError::new(format!(
+                            "sequence {s} names state page {p}, outside 0..{}",
+                            self.num_pages
+                        )));
+                    }
+                    used.push(p);
+                }
+            }
+        }
+        used.sort_unstable();
+        if let Some(w) = used.windows(2).find(|w| w[0] == w[1]) {
+            return Err(KernelError::new(format!(
+                "state page {} is written by two runs (or a run and a checkpoint) of one step",
+                w[0]
+            )));
+        }
+        Ok(())
     }
 }
 

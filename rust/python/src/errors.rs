@@ -8,18 +8,14 @@ use pyo3::PyErr;
 use pyo3::PyResult;
 
 pyo3::import_exception!(hybridserve.errors, OutOfBlocks);
-pyo3::import_exception!(hybridserve.errors, OutOfSlots);
 pyo3::import_exception!(hybridserve.errors, InvalidBlock);
-pyo3::import_exception!(hybridserve.errors, InvalidSlot);
 pyo3::import_exception!(hybridserve.errors, ConfigError);
 
 pub fn core_err(e: CoreError) -> PyErr {
     let msg = e.to_string();
     match e {
         CoreError::OutOfBlocks { .. } => OutOfBlocks::new_err(msg),
-        CoreError::OutOfSlots { .. } => OutOfSlots::new_err(msg),
         CoreError::InvalidBlock { .. } => InvalidBlock::new_err(msg),
-        CoreError::InvalidSlot { .. } => InvalidSlot::new_err(msg),
         // Bad sizes and arguments: ConfigError is a ValueError subclass.
         CoreError::InvalidArgument(_) => ConfigError::new_err(msg),
     }
@@ -42,12 +38,6 @@ impl<T> CoreResultExt<T> for Result<T, CoreError> {
 pub fn block_id(b: i64) -> PyResult<u32> {
     u32::try_from(b).map_err(|_| {
         InvalidBlock::new_err(format!("invalid KV block {b}: id out of range; use only block ids this pool handed out"))
-    })
-}
-
-pub fn slot_id(s: i64) -> PyResult<u32> {
-    u32::try_from(s).map_err(|_| {
-        InvalidSlot::new_err(format!("invalid state slot {s}: id out of range; use only slot ids this pool handed out"))
     })
 }
 

@@ -9,7 +9,7 @@ use hybridserve_cpu_kernels::{
     attention::{paged_attention_decode as attn_decode, DecodeSeqs, PagedKv},
     conv1d::causal_conv1d as conv,
     delta_rule::{gated_delta_rule as gdr, Gates, Heads, OutputNorm},
-    KernelError, Rows, Varlen,
+    KernelError, PagedState, Rows, Varlen,
 };
 use numpy::{
     PyReadonlyArray1, PyReadonlyArray2, PyReadonlyArrayDyn, PyReadwriteArrayDyn,
@@ -63,18 +63,120 @@ fn ints<'a>(name: &str, a: &'a PyReadonlyArray1<'_, i64>) -> PyResult<&'a [i64]>
         .map_err(|_| PyValueError::new_err(format!("{name} must be a contiguous int64 array")))
 }
 
-/// The varlen layout arrays (`query_start_loc`, `state_slots` int64; `has_initial_state` bool).
+/// The varlen layout arrays (`query_start_loc` int64; `has_initial_state` bool).
 fn varlen<'a>(
     query_start_loc: &'a PyReadonlyArray1<'_, i64>,
-    state_slots: &'a PyReadonlyArray1<'_, i64>,
     has_initial_state: &'a PyReadonlyArray1<'_, bool>,
 ) -> PyResult<Varlen<'a>> {
     Ok(Varlen {
         query_start_loc: ints("query_start_loc", query_start_loc)?,
-        state_slots: ints("state_slots", state_slots)?,
         has_initial_state: has_initial_state.as_slice().map_err(|_| {
             PyValueError::new_err("has_initial_state must be a contiguous bool array")
         })?,
+    })
+}
+
+/// A paged view `[num_pages, per_page, *item]` of the arena (torch `as_strided`):
+/// pages `strides[0]` elements apart, the rest C-contiguous. Returns the memory from
+/// the first page to the end of the last one, and the layout.
+fn paged_view(
+    name: &str,
+    shape: &[usize],
+    strides: &[isize],
+) -> PyResult<(usize, usize, usize, usize, usize)> {
+    let bad = || {
+        PyValueError::new_err(format!(
+            "{name} must be a paged view [num_pages, per_page, ...] with C-contiguous items (a HybridCache view); \
+             got shape {shape:?}, strides {strides:?}"
+        ))
+    };
+    if shape.len() < 2 || shape[0] == 0 || shape[1] == 0 {
+        return Err(bad());
+    }
+    let item_len: usize = shape[2..].iter().product();
+    let mut want = 1usize;
+    for i in (2..shape.len()).rev() {
+        if shape[i] > 1 && strides[i] != want as isize {
+            return Err(bad());
+        }
+        want *= shape[i];
+    }
+    if (shape[1] > 1 && strides[1] != item_len as isize)
+        || (shape[0] > 1 && strides[0] < (shape[1] * item_len) as isize)
+    {
+        return Err(bad());
+    }
+    let page_stride = if shape[0] > 1 {
+        strides[0] as usize
+    } else {
+        shape[1] * item_len
+    };
+    let extent = (shape[0] - 1) * page_stride + shape[1] * item_len;
+    Ok((extent, shape[0], shape[1], page_stride, item_len))
+}
+
+/// The state pool as a mutable slice plus its page layout.
+fn state_pool<'a>(
+    name: &str,
+    a: &'a mut PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<(&'a mut [f32], usize, usize, usize, usize)> {
+    let mut v = a.as_array_mut();
+    let (extent, pages, per_page, stride, item) = paged_view(name, v.shape(), v.strides())?;
+    // SAFETY: the view's pages lie in the array's buffer (numpy guarantees its strided
+    // extent is allocated) and the borrow `a` outlives the slice.
+    let data = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr(), extent) };
+    Ok((data, pages, per_page, stride, item))
+}
+
+fn table<'a>(name: &str, a: &'a PyReadonlyArray2<'_, i64>) -> PyResult<(&'a [i64], usize)> {
+    let cols = a.shape()[1];
+    let data = a.as_slice().map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name} must be a C-contiguous int64 [B, cols] array"
+        ))
+    })?;
+    Ok((data, cols))
+}
+
+/// The state addressing of one call: the table rows, the layer's first item, the pool
+/// layout and the checkpoint requests.
+#[allow(clippy::too_many_arguments)]
+fn paged_state<'a>(
+    state_pages: &'a PyReadonlyArray2<'_, i64>,
+    item_base: usize,
+    layout: (usize, usize, usize, usize),
+    checkpoint_positions: &'a Option<PyReadonlyArray1<'_, i64>>,
+    checkpoint_pages: &'a Option<PyReadonlyArray2<'_, i64>>,
+) -> PyResult<PagedState<'a>> {
+    let (tab, cols) = table("state_pages", state_pages)?;
+    let (num_pages, per_page, page_stride, item_len) = layout;
+    let (ck, ck_tab) = match (checkpoint_positions, checkpoint_pages) {
+        (Some(p), Some(t)) => {
+            let (t, c) = table("checkpoint_pages", t)?;
+            if c != cols {
+                return Err(PyValueError::new_err(format!(
+                    "checkpoint_pages must have as many columns as state_pages ({cols}), got {c}"
+                )));
+            }
+            (ints("checkpoint_positions", p)?, t)
+        }
+        (None, None) => (&[][..], &[][..]),
+        _ => {
+            return Err(PyValueError::new_err(
+                "give both checkpoint_positions and checkpoint_pages, or neither",
+            ))
+        }
+    };
+    Ok(PagedState {
+        table: tab,
+        cols,
+        item_base,
+        per_page,
+        page_stride,
+        item_len,
+        num_pages,
+        checkpoint_positions: ck,
+        checkpoint_table: ck_tab,
     })
 }
 
@@ -82,9 +184,10 @@ fn varlen<'a>(
 /// `hybridserve_cpu_kernels::delta_rule`. Gates: `g` + `beta`, or `a` + `b` + `a_log`
 /// + `dt_bias`. Output norm when `z` and `norm_weight` are given.
 #[pyfunction]
-#[pyo3(signature = (q, k, v, state, query_start_loc, state_slots, has_initial_state, out, *,
-                    key_heads, value_heads, scale, l2norm=true, g=None, beta=None, a=None, b=None,
-                    a_log=None, dt_bias=None, z=None, norm_weight=None, norm_eps=1e-6))]
+#[pyo3(signature = (q, k, v, state, query_start_loc, state_pages, has_initial_state, out, *,
+                    item_base, key_heads, value_heads, scale, l2norm=true, g=None, beta=None, a=None,
+                    b=None, a_log=None, dt_bias=None, z=None, norm_weight=None, norm_eps=1e-6,
+                    checkpoint_positions=None, checkpoint_pages=None))]
 #[allow(clippy::too_many_arguments)]
 fn gated_delta_rule(
     py: Python<'_>,
@@ -93,9 +196,10 @@ fn gated_delta_rule(
     v: PyReadonlyArray2<'_, f32>,
     mut state: PyReadwriteArrayDyn<'_, f32>,
     query_start_loc: PyReadonlyArray1<'_, i64>,
-    state_slots: PyReadonlyArray1<'_, i64>,
+    state_pages: PyReadonlyArray2<'_, i64>,
     has_initial_state: PyReadonlyArray1<'_, bool>,
     mut out: PyReadwriteArrayDyn<'_, f32>,
+    item_base: usize,
     key_heads: usize,
     value_heads: usize,
     scale: f32,
@@ -109,6 +213,8 @@ fn gated_delta_rule(
     z: Option<PyReadonlyArray2<'_, f32>>,
     norm_weight: Option<PyReadonlyArrayDyn<'_, f32>>,
     norm_eps: f32,
+    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
+    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
 ) -> PyResult<()> {
     let (q, k, v) = (rows("q", &q)?, rows("k", &k)?, rows("v", &v)?);
     if key_heads == 0 || value_heads == 0 || q.width % key_heads != 0 || v.width % value_heads != 0
@@ -125,9 +231,9 @@ fn gated_delta_rule(
         value_dim: v.width / value_heads,
     };
     let shape = state.shape();
-    if shape.len() != 4 || shape[1..] != [value_heads, heads.key_dim, heads.value_dim] {
+    if shape.len() != 4 || shape[2..] != [heads.key_dim, heads.value_dim] {
         return Err(PyValueError::new_err(format!(
-            "state must be [S, H={value_heads}, K={}, V={}] (from q/k/v widths and head counts), got {shape:?}",
+            "state must be a pool [num_pages, per_page, K={}, V={}] (from q/k/v widths and head counts), got {shape:?}",
             heads.key_dim, heads.value_dim
         )));
     }
@@ -161,20 +267,28 @@ fn gated_delta_rule(
             ))
         }
     };
-    let varlen = varlen(&query_start_loc, &state_slots, &has_initial_state)?;
-    let state = contiguous_mut("state", &mut state)?;
+    let varlen = varlen(&query_start_loc, &has_initial_state)?;
+    let (state, pages, per_page, stride, item) = state_pool("state", &mut state)?;
+    let paged = paged_state(
+        &state_pages,
+        item_base,
+        (pages, per_page, stride, item),
+        &checkpoint_positions,
+        &checkpoint_pages,
+    )?;
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| {
         gdr(
-            q, k, v, gates, norm, heads, scale, l2norm, state, varlen, out,
+            q, k, v, gates, norm, heads, scale, l2norm, state, paged, varlen, out,
         )
     })
     .map_err(err)
 }
 
-/// Depthwise causal conv1d over a varlen batch with the conv state in slots (in place).
+/// Depthwise causal conv1d over a varlen batch with the conv state in paged items (in place).
 #[pyfunction]
-#[pyo3(signature = (x, weight, bias, state, query_start_loc, state_slots, has_initial_state, out, silu=true))]
+#[pyo3(signature = (x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out, *,
+                    item_base, silu=true, checkpoint_positions=None, checkpoint_pages=None))]
 #[allow(clippy::too_many_arguments)]
 fn causal_conv1d(
     py: Python<'_>,
@@ -183,20 +297,23 @@ fn causal_conv1d(
     bias: Option<PyReadonlyArrayDyn<'_, f32>>,
     mut state: PyReadwriteArrayDyn<'_, f32>,
     query_start_loc: PyReadonlyArray1<'_, i64>,
-    state_slots: PyReadonlyArray1<'_, i64>,
+    state_pages: PyReadonlyArray2<'_, i64>,
     has_initial_state: PyReadonlyArray1<'_, bool>,
     mut out: PyReadwriteArrayDyn<'_, f32>,
+    item_base: usize,
     silu: bool,
+    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
+    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
 ) -> PyResult<()> {
     let x = rows("x", &x)?;
     let (wshape, sshape) = (weight.shape().to_vec(), state.shape().to_vec());
     if wshape.len() != 2
         || wshape[0] != x.width
-        || sshape.len() != 3
-        || sshape[1..] != [x.width, wshape[1].saturating_sub(1)]
+        || sshape.len() != 4
+        || sshape[2..] != [x.width, wshape[1].saturating_sub(1)]
     {
         return Err(PyValueError::new_err(format!(
-            "weight must be [C={}, W] and state [S, C, W-1]; got {wshape:?} and {sshape:?}",
+            "weight must be [C={}, W] and state a pool [num_pages, per_page, C, W-1]; got {wshape:?} and {sshape:?}",
             x.width
         )));
     }
@@ -205,10 +322,17 @@ fn causal_conv1d(
         Some(b) => Some(contiguous("bias", b)?),
         None => None,
     };
-    let varlen = varlen(&query_start_loc, &state_slots, &has_initial_state)?;
-    let state = contiguous_mut("state", &mut state)?;
+    let varlen = varlen(&query_start_loc, &has_initial_state)?;
+    let (state, pages, per_page, stride, item) = state_pool("state", &mut state)?;
+    let paged = paged_state(
+        &state_pages,
+        item_base,
+        (pages, per_page, stride, item),
+        &checkpoint_positions,
+        &checkpoint_pages,
+    )?;
     let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| conv(x, weight, bias, silu, state, varlen, out))
+    py.detach(|| conv(x, weight, bias, silu, state, paged, varlen, out))
         .map_err(err)
 }
 
@@ -234,12 +358,23 @@ fn paged_attention_decode(
     }
     let q = rows("q", &q)?;
     let (heads, d) = (q.width / shape[3].max(1), shape[3]);
+    let (kview, vview) = (k_cache.as_array(), v_cache.as_array());
+    let (extent, num_blocks, _, block_stride, _) = paged_view("k_cache", &shape, kview.strides())?;
+    if kview.strides() != vview.strides() {
+        return Err(PyValueError::new_err(
+            "k_cache and v_cache must have the same strides",
+        ));
+    }
+    // SAFETY: each view's blocks lie in its array's buffer (numpy guarantees the
+    // strided extent is allocated); the borrows outlive the slices.
     let kv = PagedKv {
-        k_cache: contiguous("k_cache", &k_cache)?,
-        v_cache: contiguous("v_cache", &v_cache)?,
+        k_cache: unsafe { std::slice::from_raw_parts(kview.as_ptr(), extent) },
+        v_cache: unsafe { std::slice::from_raw_parts(vview.as_ptr(), extent) },
         block_size: shape[1],
         kv_heads: shape[2],
         head_dim: d,
+        num_blocks,
+        block_stride,
     };
     let width = block_tables.shape()[1];
     let seqs = DecodeSeqs {

@@ -12,7 +12,6 @@ mod errors;
 mod kernels;
 mod kv_cache;
 mod scheduler;
-mod state_pool;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -20,7 +19,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<allocator::PyBlockAllocator>()?;
     m.add_class::<kv_cache::PyBlockTable>()?;
     m.add_class::<kv_cache::PyKvCacheManager>()?;
-    m.add_class::<state_pool::PyStatePool>()?;
     scheduler::register(m)?;
     // CPU kernels live in a submodule: hybridserve._core.kernels.
     let k = PyModule::new(m.py(), "kernels")?;

@@ -95,8 +95,13 @@ pub struct PySchedulerOutput {
     positions: Py<PyArray1<i32>>,
     #[pyo3(get)]
     slot_mapping: Py<PyArray1<i32>>,
+    /// `-1`, or after how many of this step's tokens the entry's DeltaNet state
+    /// is written into its checkpoint pages.
     #[pyo3(get)]
-    state_slots: Py<PyArray1<i32>>,
+    checkpoint_positions: Py<PyArray1<i32>>,
+    /// `state_pages` page ids per entry with a checkpoint position, entry order.
+    #[pyo3(get)]
+    checkpoint_pages: Py<PyArray1<i32>>,
     #[pyo3(get)]
     num_samples: Py<PyArray1<i32>>,
     #[pyo3(get)]
@@ -107,6 +112,13 @@ pub struct PySchedulerOutput {
     block_table_update_cols: Py<PyArray1<i32>>,
     #[pyo3(get)]
     block_table_update_values: Py<PyArray1<i32>>,
+    /// Cells of the persistent `[max_num_seqs, state_pages]` state page table.
+    #[pyo3(get)]
+    state_table_update_rows: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    state_table_update_cols: Py<PyArray1<i32>>,
+    #[pyo3(get)]
+    state_table_update_values: Py<PyArray1<i32>>,
     #[pyo3(get)]
     block_copies: Py<PyArray2<i32>>,
     #[pyo3(get)]
@@ -183,17 +195,17 @@ fn id_of(ids: &[Option<Py<PyString>>], py: Python<'_>, handle: u32) -> Py<PyStri
 impl PyScheduler {
     #[new]
     #[pyo3(signature = (
-        num_blocks, block_size, num_state_slots, max_num_seqs, max_num_batched_tokens, max_model_len,
+        num_pages, block_size, state_pages, max_num_seqs, max_num_batched_tokens, max_model_len,
         *, enable_prefix_caching = true, long_prefill_token_threshold = 0,
         max_waiting_requests = None, max_waiting_tokens = None, aging_interval_steps = 256,
-        reserve_max_context = false, max_finished_retained = 4096, checkpoint_slot_cost_blocks = 1.0,
+        reserve_max_context = false, max_finished_retained = 4096,
         prefix_checkpoint_interval = 0, priority_preemption_threshold = 1, max_priority_preemptions_per_step = 4
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: u32,
+        num_pages: u32,
         block_size: u32,
-        num_state_slots: u32,
+        state_pages: u32,
         max_num_seqs: u32,
         max_num_batched_tokens: u32,
         max_model_len: u32,
@@ -204,15 +216,14 @@ impl PyScheduler {
         aging_interval_steps: u32,
         reserve_max_context: bool,
         max_finished_retained: u32,
-        checkpoint_slot_cost_blocks: f64,
         prefix_checkpoint_interval: u32,
         priority_preemption_threshold: u32,
         max_priority_preemptions_per_step: u32,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
-            num_blocks,
+            num_pages,
             block_size,
-            num_state_slots,
+            state_pages,
             max_num_seqs,
             max_num_batched_tokens,
             max_model_len,
@@ -224,7 +235,6 @@ impl PyScheduler {
         cfg.aging_interval_steps = aging_interval_steps;
         cfg.reserve_max_context = reserve_max_context;
         cfg.max_finished_retained = max_finished_retained;
-        cfg.checkpoint_slot_cost_blocks = checkpoint_slot_cost_blocks;
         cfg.prefix_checkpoint_interval = prefix_checkpoint_interval;
         cfg.priority_preemption_threshold = priority_preemption_threshold;
         cfg.max_priority_preemptions_per_step = max_priority_preemptions_per_step;
@@ -236,6 +246,18 @@ impl PyScheduler {
     #[getter]
     fn max_blocks_per_seq(&self) -> u32 {
         self.inner.max_blocks_per_seq()
+    }
+
+    /// Columns of the persistent state page table buffer: pages per DeltaNet state.
+    #[getter]
+    fn state_pages(&self) -> u32 {
+        self.inner.config().state_pages
+    }
+
+    /// Pages of the arena the scheduler hands out (ids 0..num_pages).
+    #[getter]
+    fn num_pages(&self) -> u32 {
+        self.inner.config().num_pages
     }
 
     /// Seconds on the scheduler's clock (what arrival_time and events use).
@@ -328,12 +350,16 @@ impl PyScheduler {
             input_ids: arr(py, &out.input_ids),
             positions: arr(py, &out.positions),
             slot_mapping: arr(py, &out.slot_mapping),
-            state_slots: arr(py, &out.state_slots),
+            checkpoint_positions: arr(py, &out.checkpoint_positions),
+            checkpoint_pages: arr(py, &out.checkpoint_pages),
             num_samples: arr(py, &out.num_samples),
             block_table_rows: arr(py, &out.block_table_rows),
             block_table_update_rows: arr(py, &out.bt_update_rows),
             block_table_update_cols: arr(py, &out.bt_update_cols),
             block_table_update_values: arr(py, &out.bt_update_values),
+            state_table_update_rows: arr(py, &out.st_update_rows),
+            state_table_update_cols: arr(py, &out.st_update_cols),
+            state_table_update_values: arr(py, &out.st_update_values),
             block_copies: pairs(py, &out.block_copies),
             state_copies: pairs(py, &out.state_copies),
             preempted,
@@ -380,7 +406,7 @@ impl PyScheduler {
         self.inner.finish(request_id, sample_index, r).map_err(sched_err)
     }
 
-    /// Abort a request in any state; every block and slot comes back. False if it had finished.
+    /// Abort a request in any state; every page it held comes back. False if it had finished.
     fn abort(&mut self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
         let inner = &mut self.inner;
         py.detach(|| inner.abort(request_id)).map_err(sched_err)
@@ -419,22 +445,52 @@ impl PyScheduler {
             .collect()
     }
 
-    /// Live DeltaNet checkpoints as `(slot, tokens, last block of the chain)`, sorted.
-    fn checkpoints(&self) -> Vec<(u32, usize, u32)> {
+    /// Live DeltaNet checkpoints as `(state pages, tokens, last block of the
+    /// chain, generation of its prefix-cache entry)`, sorted.
+    fn checkpoints(&self) -> Vec<(Vec<u32>, usize, u32, u64)> {
         self.inner.checkpoints()
+    }
+
+    /// `(sequence id, state pages)` of every running sequence's state (and
+    /// reserved ones, see the core): tests and debugging.
+    fn running_states(&self) -> Vec<(u64, Vec<u32>)> {
+        self.inner.running_states()
+    }
+
+    /// KV blocks of every live running sequence's block table: tests and debugging.
+    fn running_tables(&self) -> Vec<Vec<u32>> {
+        self.inner.running_tables()
+    }
+
+    /// The arena's free list and parked cached blocks: tests and debugging.
+    fn free_and_cached_pages(&self) -> (Vec<u32>, Vec<u32>) {
+        (self.inner.kv().free_list(), self.inner.kv().lru_order())
     }
 
     /// Counters and gauges of the core, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
-        d.set_item("num_blocks", s.num_blocks)?;
-        d.set_item("free_blocks", s.free_blocks)?;
-        d.set_item("used_blocks", s.used_blocks)?;
-        d.set_item("cached_blocks", s.cached_blocks)?;
-        d.set_item("num_slots", s.num_slots)?;
-        d.set_item("free_slots", s.free_slots)?;
-        d.set_item("used_slots", s.used_slots)?;
+        d.set_item("num_pages", s.num_pages)?;
+        d.set_item("free_pages", s.free_pages)?;
+        d.set_item("kv_pages", s.kv_pages)?;
+        d.set_item("running_state_pages", s.running_state_pages)?;
+        d.set_item("checkpoint_pages", s.checkpoint_pages)?;
+        d.set_item("cached_pages", s.cached_pages)?;
+        d.set_item("available_pages", s.available_pages)?;
+        d.set_item("pages_per_state", s.pages_per_state)?;
+        d.set_item("admission_limited_pages", s.admission_limited_pages)?;
+        d.set_item("admission_limited_seqs", s.admission_limited_seqs)?;
+        d.set_item("admission_limited_budget", s.admission_limited_budget)?;
+        d.set_item("last_admission_limit", s.last_admission_limit)?;
+        d.set_item("last_admission_running_seqs", s.last_admission_running_seqs)?;
+        d.set_item("last_admission_available_pages", s.last_admission_available_pages)?;
+        // The KV view of the same arena (names kept for KV-only readers):
+        // blocks = pages; free = free list + parked cached; used = KV in use.
+        d.set_item("num_blocks", s.num_pages)?;
+        d.set_item("free_blocks", s.free_pages + s.cached_pages)?;
+        d.set_item("used_blocks", s.kv_pages)?;
+        d.set_item("cached_blocks", s.cached_pages)?;
         d.set_item("alloc_failures", s.alloc_failures)?;
         d.set_item("tail_waste", s.tail_waste)?;
         d.set_item("prefix_queries", s.prefix_queries)?;
@@ -457,8 +513,8 @@ impl PyScheduler {
         d.set_item("last_step_seqs", s.last_step_seqs)?;
         d.set_item("finished_requests", s.finished_requests)?;
         d.set_item("aborted_requests", s.aborted_requests)?;
-        d.set_item("reserved_blocks", s.reserved_blocks)?;
-        d.set_item("checkpoint_slots", s.checkpoint_slots)?;
+        d.set_item("reserved_pages", s.reserved_pages)?;
+        d.set_item("checkpoints", s.checkpoints)?;
         d.set_item("checkpoint_queries", s.checkpoint_queries)?;
         d.set_item("checkpoint_hits", s.checkpoint_hits)?;
         d.set_item("prefix_skipped_tokens", s.prefix_skipped_tokens)?;

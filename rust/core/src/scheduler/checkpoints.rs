@@ -4,12 +4,12 @@
 //! # What a checkpoint is
 //! A copy of one sequence's DeltaNet state (conv + recurrent, every DeltaNet
 //! layer) after exactly the first `tokens` tokens, `tokens` a multiple of the
-//! block size, held in a slot of the state pool (`SlotUse::Checkpoint`). It is
-//! keyed by the prefix cache's entry for the block that ends at that boundary
-//! (its generation: unique, never reused, and a verified prefix-cache hit on
-//! that entry proves the whole prefix equal, see [`crate::prefix_cache`]). So a
-//! checkpoint is found only through a KV match that reaches its boundary, and
-//! holds exactly the state of the matched tokens.
+//! block size, held in `pages_per_state` arena pages of its own (a
+//! [`StateId`]). It is keyed by the prefix cache's entry for the block that
+//! ends at that boundary (its generation: unique, never reused, and a verified
+//! prefix-cache hit on that entry proves the whole prefix equal, see
+//! [`crate::prefix_cache`]). So a checkpoint is found only through a KV match
+//! that reaches its boundary, and holds exactly the state of the matched tokens.
 //!
 //! # Where they are written (scheduler side)
 //! * At the end of a prompt's last full block that leaves one token to compute
@@ -18,83 +18,75 @@
 //!   match never covers the last prompt token, because its logits are needed;
 //!   a checkpoint at the prompt's very end could never be used.)
 //! * At the branch point: when a new request's KV match is longer than its
-//!   state match (by at least 4 blocks: shorter gains, such as a chat's
-//!   previous answer cached past its prompt checkpoint, are not worth the extra
-//!   chunk boundary), at the end of the KV match, so the third and later
-//!   requests sharing that prefix skip it.
+//!   state match (by at least 4 blocks), at the end of the KV match, so the
+//!   third and later requests sharing that prefix skip it.
 //! * Optionally every `prefix_checkpoint_interval` tokens of a prompt (off by
-//!   default): long shared documents then resume at the last interval boundary
-//!   even when nobody branched there yet. Memory: the state pool is fixed, so
-//!   the cost is cache capacity, not bytes: a prompt of L tokens takes up to
-//!   L / interval slots (each `bytes_per_state_slot`, e.g. 146.8 MiB for the
-//!   Qwen3.5-27B shape) away from other checkpoints until evicted, plus one
-//!   slot copy and one chunk boundary per interval.
+//!   default). Each kept checkpoint holds `pages_per_state` pages of the arena
+//!   (e.g. 147 MiB at the Qwen3.5-27B shape) until evicted.
 //!
-//! The scheduler ends a prefill chunk exactly at such a boundary; `update()`
-//! then registers the checkpoint and the NEXT plan carries the copy
-//! `(sequence slot, checkpoint slot)` in `state_copies`, performed before that
-//! plan's forward advances the sequence. Cost: a prompt that needs a boundary
-//! takes one extra step for the tokens after it (sub-block tokens of the
-//! prompt end; the rest of the prompt after a branch point), and the copy of
-//! one state slot.
+//! **No extra step.** The plan asks the forward to write the state as it is
+//! after the entry's first `checkpoint_positions[b]` tokens into fresh pages
+//! (`checkpoint_pages`), in the middle of the chunk; pages are taken at plan
+//! assembly, after every sequence and admission got its room, and only from
+//! what is free or reclaimable (a write never preempts anything; with no
+//! room it is skipped). `update()` then registers the checkpoint under its
+//! block's prefix-cache entry (registered by the same update). A chunk holds
+//! at most one checkpoint: only when two boundaries fall in one chunk (a branch
+//! point and the prompt end, or the interval option) does the chunk end just
+//! before the second one.
 //!
 //! # Hits
 //! At admission the scheduler takes the longest KV match, then the longest
-//! prefix of it that ends at a checkpoint; the sequence gets its own slot, the
-//! plan copies the checkpoint into it, and prefill starts there
-//! (`num_computed_tokens` = hit length, so the runner continues from the
-//! slot). KV-matched tokens past the checkpoint are fed again (their KV is not
-//! rewritten: slot -1) to rebuild the state; they are counted as "lost for want
-//! of a checkpoint".
+//! prefix of it that ends at a checkpoint; the sequence gets its own state
+//! pages, the plan copies the checkpoint's pages into them (`state_copies`,
+//! page pairs), and prefill starts there (`num_computed_tokens` = hit length).
+//! KV-matched tokens past the checkpoint are fed again (their KV is not
+//! rewritten: slot -1) to rebuild the state; they are counted as "lost for
+//! want of a checkpoint". When the arena has no pages for the sequence's own
+//! state, it takes over (adopts) the checkpoint's pages instead of copying.
 //!
 //! # Copy ordering contract (runner side)
-//! The runner performs all of a plan's state copies as one gather then one
-//! scatter: every source is read before any destination is written. The
-//! scheduler relies on it and never emits a pair whose source is a destination
-//! of the same plan: a hit on a checkpoint whose write copy is in the same
-//! plan reads from the write's source (the sequence slot, which holds the same
-//! state until the forward). A slot that a copy of the current plan writes or
-//! reads is "busy" and is neither evicted nor freed until that plan ran.
+//! The runner performs all of a plan's page copies as one gather then one
+//! scatter. Checkpoint pages are written by the forward only (never a copy
+//! destination), and a checkpoint a copy of the current plan reads is "busy":
+//! neither evicted nor freed until that plan ran.
 //!
 //! # Memory and eviction
-//! Checkpoints are reclaimable: admission counts their slots as available and
-//! evicts them when a sequence needs a slot; a new checkpoint may evict an
-//! older one when no slot is free. Cached KV blocks stay in the prefix cache's
-//! LRU (tail of a chain parked first, so chains are evicted from their ends).
-//! A checkpoint pins nothing, but it is dropped the moment any KV entry of its
-//! chain is evicted (unreachable and unverifiable from then on); conversely a
-//! dropped checkpoint leaves its blocks to the LRU, where they still serve KV
-//! hits and mark branch points.
+//! Checkpoints are reclaimable: admission and growth count their pages as
+//! available and evict them when the free list and the parked cached blocks
+//! (LRU, taken first: a parked block is one page, a checkpoint many) are not
+//! enough. A checkpoint pins nothing, but it is dropped the moment any KV
+//! entry of its chain is evicted (unreachable and unverifiable from then on).
 //!
 //! Eviction order (the contract): among non-busy checkpoints, evict the one
 //! with the lowest `value / max_value + recency`, where
-//! `value = tokens / (slot_cost_blocks + tokens / block_size)` is the prefill
-//! compute a hit skips per byte it holds (tokens skipped over the slot's bytes
-//! plus its blocks', in units of one KV block's bytes; per-token cost taken as
-//! constant), `max_value` the largest among the candidates, and `recency =
+//! `value = tokens / (state_pages + tokens / block_size)` is the prefill
+//! compute a hit skips per page it holds (its state pages plus its blocks),
+//! `max_value` the largest among the candidates, and `recency =
 //! 1 - age / (max_age + 1)` with `age` the steps since the checkpoint was
 //! written or last hit. Ties: the least recently used, then the oldest entry.
 //! This is Marconi's mix of FLOP efficiency and recency (Pan et al., MLSys
-//! 2025) with equal weights. O(checkpoints) per eviction; checkpoints are at
-//! most the slot count.
+//! 2025) with equal weights. O(checkpoints) per eviction.
 
 use crate::block_table::ChainLink;
-use crate::{BlockId, KvCacheManager, SlotId, StatePool};
+use crate::{BlockId, KvCacheManager, StateId, StatePages};
 use std::collections::HashMap;
 
 #[derive(Debug)]
 struct Checkpoint {
-    slot: SlotId,
+    state: StateId,
     tokens: usize,
     /// The prefix-cache entries of its chain, `(block, generation)`.
     chain: Vec<(BlockId, u64)>,
     last_used: u64,
-    /// The last step whose plan copies into or out of `slot`.
+    /// The last step whose plan reads or writes its pages.
     busy_step: u64,
-    /// The step whose plan carries the write copy, and its source slot.
-    write_step: u64,
-    write_src: SlotId,
     seq_no: u64,
+}
+
+/// Returns a state's pages to the arena.
+pub(crate) fn free_state(kv: &mut KvCacheManager, states: &mut StatePages, id: StateId) {
+    states.remove(id, |p| kv.free_page(p));
 }
 
 /// Cumulative counters and the gauge of checkpoint slots.
@@ -109,54 +101,50 @@ pub struct CheckpointStats {
     /// KV-matched tokens recomputed because no checkpoint ended there.
     pub lost_tokens: u64,
     pub writes: u64,
-    /// Writes not done: no free slot and nothing evictable.
+    /// Writes not done: no free page and nothing evictable.
     pub writes_skipped: u64,
     /// Evicted to make room (for a sequence or a newer checkpoint).
     pub evictions: u64,
     /// Dropped because a KV entry of the chain was evicted.
     pub drops: u64,
-    /// Checkpoint slots held now (live ones and dropped ones whose copy is
-    /// still in flight).
-    pub slots: u32,
+    /// Checkpoints holding pages now (live ones and dropped ones whose copy
+    /// is still in flight); each holds `pages_per_state` pages.
+    pub states: u32,
 }
 
 pub(crate) struct Checkpoints {
     by_gen: HashMap<u64, Checkpoint>,
-    /// Write copies for the next plan.
-    pending: Vec<(SlotId, SlotId)>,
-    /// Slots of dropped checkpoints still busy: `(slot, busy_step)`.
-    deferred_free: Vec<(SlotId, u64)>,
+    /// States of dropped checkpoints still busy: `(state, busy_step)`.
+    deferred_free: Vec<(StateId, u64)>,
     scratch: Vec<u64>,
     block_size: usize,
-    slot_cost_blocks: f64,
+    state_cost_blocks: f64,
     next_seq_no: u64,
     pub(crate) stats: CheckpointStats,
 }
 
 impl Checkpoints {
-    pub(crate) fn new(block_size: u32, slot_cost_blocks: f64) -> Self {
+    pub(crate) fn new(block_size: u32, state_pages: u32) -> Self {
         Checkpoints {
             by_gen: HashMap::new(),
-            pending: Vec::new(),
             deferred_free: Vec::new(),
             scratch: Vec::new(),
             block_size: block_size as usize,
-            slot_cost_blocks: slot_cost_blocks.max(0.0),
+            state_cost_blocks: state_pages as f64,
             next_seq_no: 0,
             stats: CheckpointStats::default(),
         }
     }
 
-    /// Slots that eviction could hand out now (`guard`: the first step whose
-    /// plan has not run yet).
+    /// Checkpoints that eviction could reclaim now (`guard`: the first step
+    /// whose plan has not run yet).
     pub(crate) fn num_evictable(&self, guard: u64) -> u32 {
         self.by_gen.values().filter(|c| c.busy_step < guard).count() as u32
     }
 
     /// The longest checkpoint ending inside `chain[..max_blocks]`: `(tokens,
-    /// slot to copy from in the plan of step `step`, its key)`. Marks it used
-    /// and busy.
-    pub(crate) fn lookup(&mut self, chain: &[ChainLink], max_blocks: usize, step: u64) -> Option<(usize, SlotId, u64)> {
+    /// its state, its key)`. Marks it used and busy in the plan of `step`.
+    pub(crate) fn lookup(&mut self, chain: &[ChainLink], max_blocks: usize, step: u64) -> Option<(usize, StateId, u64)> {
         if self.by_gen.is_empty() {
             return None;
         }
@@ -164,79 +152,68 @@ impl Checkpoints {
             if let Some(c) = self.by_gen.get_mut(&chain[i].generation) {
                 c.last_used = step;
                 c.busy_step = c.busy_step.max(step);
-                let src = if c.write_step == step { c.write_src } else { c.slot };
-                return Some((c.tokens, src, chain[i].generation));
+                return Some((c.tokens, c.state, chain[i].generation));
             }
         }
         None
     }
 
-    /// Registers a checkpoint of `seq_slot` after the blocks of `chain` (all of
-    /// them), to be copied in the plan of step `plan_step`. A checkpoint already
-    /// at that entry is only refreshed. `guard` as in `num_evictable`.
-    pub(crate) fn write(
+    /// Registers `state` (written by the forward of step `step`) as the
+    /// checkpoint after the blocks of `chain` (all of them). When a checkpoint
+    /// already sits at that entry (it is only refreshed) or the chain is no
+    /// longer cached, frees `state` instead. Returns whether it was kept.
+    pub(crate) fn register(
         &mut self,
         kv: &mut KvCacheManager,
-        pool: &mut StatePool,
+        states: &mut StatePages,
         chain: &[ChainLink],
-        seq_slot: SlotId,
-        plan_step: u64,
-        guard: u64,
-    ) {
-        let Some(last) = chain.last() else { return };
-        if let Some(c) = self.by_gen.get_mut(&last.generation) {
-            c.last_used = plan_step;
-            return;
-        }
-        let Some(refs) = kv.ref_checkpoint_chain(chain) else { return };
-        if pool.num_free() == 0 && !self.evict_one(kv, pool, guard) {
-            kv.unref_checkpoint_chain(&refs);
-            self.stats.writes_skipped += 1;
-            return;
-        }
-        let slot = pool.allocate_checkpoint(last.hash).expect("a slot was freed or free");
+        state: StateId,
+        step: u64,
+    ) -> bool {
+        let refs = match chain.last() {
+            Some(last) if !self.by_gen.contains_key(&last.generation) => kv.ref_checkpoint_chain(chain),
+            Some(last) => {
+                self.by_gen.get_mut(&last.generation).expect("present").last_used = step;
+                None
+            }
+            None => None,
+        };
+        let Some(refs) = refs else {
+            free_state(kv, states, state);
+            return false;
+        };
+        let last = chain.last().expect("non-empty");
         self.by_gen.insert(
             last.generation,
             Checkpoint {
-                slot,
+                state,
                 tokens: chain.len() * self.block_size,
                 chain: refs,
-                last_used: plan_step,
-                busy_step: plan_step,
-                write_step: plan_step,
-                write_src: seq_slot,
+                last_used: step,
+                busy_step: step,
                 seq_no: self.next_seq_no,
             },
         );
         self.next_seq_no += 1;
-        self.pending.push((seq_slot, slot));
         self.stats.writes += 1;
+        true
     }
 
-    /// Removes checkpoint `key` and hands its slot to a sequence resuming
-    /// from it (when the pool has no other slot for that sequence). Safe even
-    /// when copies of this plan read or write the slot: they all run before
-    /// the forward that advances the sequence.
-    pub(crate) fn adopt(&mut self, kv: &mut KvCacheManager, pool: &mut StatePool, key: u64) -> Option<SlotId> {
+    /// Removes checkpoint `key` and hands its state to a sequence resuming
+    /// from it (when the arena has no other pages for that sequence). Safe
+    /// even when this plan reads its pages: every copy runs before the forward
+    /// that advances the sequence.
+    pub(crate) fn adopt(&mut self, kv: &mut KvCacheManager, key: u64) -> Option<StateId> {
         let c = self.by_gen.remove(&key)?;
         kv.unref_checkpoint_chain(&c.chain);
-        pool.checkpoint_to_sequence(c.slot).expect("checkpoint slot");
-        Some(c.slot)
-    }
-
-    /// Appends the pending write copies (flattened pairs) to a plan.
-    pub(crate) fn emit_writes(&mut self, state_copies: &mut Vec<i32>) {
-        for (s, d) in self.pending.drain(..) {
-            state_copies.push(s as i32);
-            state_copies.push(d as i32);
-        }
+        Some(c.state)
     }
 
     /// Evicts the lowest-scored non-busy checkpoint (see the module docs);
     /// false if none can go.
-    pub(crate) fn evict_one(&mut self, kv: &mut KvCacheManager, pool: &mut StatePool, guard: u64) -> bool {
+    pub(crate) fn evict_one(&mut self, kv: &mut KvCacheManager, states: &mut StatePages, guard: u64) -> bool {
         let bs = self.block_size as f64;
-        let value = |c: &Checkpoint| c.tokens as f64 / (self.slot_cost_blocks + c.tokens as f64 / bs);
+        let value = |c: &Checkpoint| c.tokens as f64 / (self.state_cost_blocks + c.tokens as f64 / bs);
         let mut max_value = 0f64;
         let mut oldest = u64::MAX;
         let mut newest = 0u64;
@@ -264,15 +241,15 @@ impl Checkpoints {
             .expect("a candidate exists");
         let c = self.by_gen.remove(&victim).expect("victim present");
         kv.unref_checkpoint_chain(&c.chain);
-        pool.free(c.slot).expect("checkpoint slot held");
+        free_state(kv, states, c.state);
         self.stats.evictions += 1;
         true
     }
 
     /// Drops the checkpoints whose chain lost an entry (KV evicted) and frees
-    /// the slots of dropped ones that are no longer busy. O(checkpoints x chain)
+    /// the pages of dropped ones that are no longer busy. O(checkpoints x chain)
     /// only when an entry with checkpoints was evicted, else O(deferred).
-    pub(crate) fn reconcile(&mut self, kv: &mut KvCacheManager, pool: &mut StatePool, guard: u64) {
+    pub(crate) fn reconcile(&mut self, kv: &mut KvCacheManager, states: &mut StatePages, guard: u64) {
         if kv.has_dropped_generations() {
             self.scratch.clear();
             kv.take_dropped_generations(&mut self.scratch);
@@ -288,16 +265,16 @@ impl Checkpoints {
                 kv.unref_checkpoint_chain(&c.chain);
                 self.stats.drops += 1;
                 if c.busy_step < guard {
-                    pool.free(c.slot).expect("checkpoint slot held");
+                    free_state(kv, states, c.state);
                 } else {
-                    self.deferred_free.push((c.slot, c.busy_step));
+                    self.deferred_free.push((c.state, c.busy_step));
                 }
             }
         }
         if !self.deferred_free.is_empty() {
-            self.deferred_free.retain(|&(slot, busy)| {
+            self.deferred_free.retain(|&(st, busy)| {
                 if busy < guard {
-                    pool.free(slot).expect("deferred checkpoint slot held");
+                    free_state(kv, states, st);
                     false
                 } else {
                     true
@@ -307,16 +284,16 @@ impl Checkpoints {
     }
 
     pub(crate) fn stats(&self) -> CheckpointStats {
-        CheckpointStats { slots: (self.by_gen.len() + self.deferred_free.len()) as u32, ..self.stats }
+        CheckpointStats { states: (self.by_gen.len() + self.deferred_free.len()) as u32, ..self.stats }
     }
 
-    /// `(slot, tokens, last block of the chain)` of every live checkpoint
-    /// (tests and debugging).
-    pub(crate) fn list(&self) -> Vec<(SlotId, usize, BlockId)> {
+    /// `(state, tokens, last block of the chain, generation of that block's
+    /// entry)` of every live checkpoint (tests and debugging).
+    pub(crate) fn list(&self) -> Vec<(StateId, usize, BlockId, u64)> {
         let mut v: Vec<_> = self
             .by_gen
-            .values()
-            .map(|c| (c.slot, c.tokens, c.chain.last().map_or(0, |&(b, _)| b)))
+            .iter()
+            .map(|(&g, c)| (c.state, c.tokens, c.chain.last().map_or(0, |&(b, _)| b), g))
             .collect();
         v.sort_unstable();
         v

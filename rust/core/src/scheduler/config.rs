@@ -11,9 +11,12 @@ use crate::CoreError;
 /// off (pure priority, FCFS within a priority).
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
-    pub num_blocks: u32,
+    /// Pages of the one arena (KV blocks, DeltaNet states, checkpoints).
+    pub num_pages: u32,
     pub block_size: u32,
-    pub num_state_slots: u32,
+    /// Pages one DeltaNet state (a sequence's or a checkpoint's) takes
+    /// (`ArenaLayout.state_pages`; 0 for a model without DeltaNet layers).
+    pub state_pages: u32,
     /// Sequences per step (an n>1 request counts n from admission on).
     pub max_num_seqs: u32,
     /// Tokens per step across all sequences (decodes count 1 each).
@@ -21,14 +24,9 @@ pub struct SchedulerConfig {
     pub max_model_len: u32,
     /// KV prefix cache and DeltaNet state checkpoints (see `checkpoints`).
     pub enable_prefix_caching: bool,
-    /// Bytes of one DeltaNet state slot over bytes of one KV block: the memory
-    /// side of the checkpoint eviction score (see `checkpoints`).
-    pub checkpoint_slot_cost_blocks: f64,
     /// Also checkpoint every this many tokens of a prompt (a multiple of
-    /// `block_size`; 0 = off, the default). Each costs a state slot while kept
-    /// (reclaimable, but it competes with other checkpoints), one slot copy and
-    /// a prefill chunk boundary (an extra step when the chunk would have been
-    /// longer).
+    /// `block_size`; 0 = off, the default). Each costs `state_pages` pages while
+    /// kept (reclaimable) and, when two fall in one chunk, a chunk boundary.
     pub prefix_checkpoint_interval: u32,
     /// Cap on one sequence's prefill chunk per step (0 = no cap beyond the budget).
     pub long_prefill_token_threshold: u32,
@@ -50,7 +48,7 @@ pub struct SchedulerConfig {
     /// large batch at once; more victims, if needed, follow in later steps.
     pub max_priority_preemptions_per_step: u32,
     /// Pre-paging baseline: admit only when `ceil(max_model_len / block_size)`
-    /// blocks per sequence can be reserved against the whole pool.
+    /// blocks plus a state per sequence can be reserved against the whole arena.
     pub reserve_max_context: bool,
     /// Finished requests whose outputs stay readable (`output_tokens`); older
     /// ones are forgotten first-in first-out.
@@ -59,22 +57,21 @@ pub struct SchedulerConfig {
 
 impl SchedulerConfig {
     pub fn new(
-        num_blocks: u32,
+        num_pages: u32,
         block_size: u32,
-        num_state_slots: u32,
+        state_pages: u32,
         max_num_seqs: u32,
         max_num_batched_tokens: u32,
         max_model_len: u32,
     ) -> Self {
         SchedulerConfig {
-            num_blocks,
+            num_pages,
             block_size,
-            num_state_slots,
+            state_pages,
             max_num_seqs,
             max_num_batched_tokens,
             max_model_len,
             enable_prefix_caching: true,
-            checkpoint_slot_cost_blocks: 1.0,
             prefix_checkpoint_interval: 0,
             long_prefill_token_threshold: 0,
             max_waiting_requests: u32::MAX,
@@ -87,6 +84,11 @@ impl SchedulerConfig {
         }
     }
 
+    /// Pages one sequence of `max_model_len` tokens occupies, state included.
+    pub fn max_pages_per_seq(&self) -> u32 {
+        self.max_blocks_per_seq() + self.state_pages
+    }
+
     /// Blocks one sequence of `max_model_len` tokens occupies.
     pub fn max_blocks_per_seq(&self) -> u32 {
         self.max_model_len.div_ceil(self.block_size.max(1))
@@ -95,14 +97,18 @@ impl SchedulerConfig {
     #[allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
     pub fn validate(&self) -> Result<(), CoreError> {
         let bad = |m: String| Err(CoreError::InvalidArgument(m));
-        if self.block_size == 0 || self.num_blocks == 0 {
+        if self.block_size == 0 || self.num_pages == 0 {
             return bad(format!(
-                "num_blocks ({}) and block_size ({}) must be positive",
-                self.num_blocks, self.block_size
+                "num_pages ({}) and block_size ({}) must be positive; give the cache arena more memory",
+                self.num_pages, self.block_size
             ));
         }
-        if self.num_state_slots == 0 {
-            return bad("num_state_slots must be positive".into());
+        if self.state_pages >= self.num_pages {
+            return bad(format!(
+                "the arena has {} pages but one sequence's DeltaNet state alone takes {} (state_pages); \
+                 give the cache arena more memory (kv_cache_memory / gpu_memory_utilization)",
+                self.num_pages, self.state_pages
+            ));
         }
         if self.max_num_seqs == 0 {
             return bad("max_num_seqs must be positive".into());
@@ -123,16 +129,14 @@ impl SchedulerConfig {
                 self.max_num_batched_tokens, self.max_num_seqs
             ));
         }
-        if (self.num_blocks as u64) * (self.block_size as u64) > i32::MAX as u64 {
+        if (self.num_pages as u64) * (self.block_size as u64) > i32::MAX as u64 {
             return bad(format!(
-                "num_blocks * block_size ({}) must fit an int32 slot id; lower num_blocks",
-                self.num_blocks as u64 * self.block_size as u64
+                "num_pages * block_size ({}) must fit an int32 slot id; lower num_pages",
+                self.num_pages as u64 * self.block_size as u64
             ));
         }
-        if self.max_model_len.div_ceil(self.block_size) > self.num_blocks {
-            // Not fatal for paged admission, but a request of max_model_len could
-            // never fit: add_request refuses such requests one by one instead.
-        }
+        // A request of max_model_len that cannot fit is not fatal here:
+        // add_request refuses such requests one by one.
         Ok(())
     }
 }

@@ -3,15 +3,36 @@
 /// A snapshot of the scheduler's gauges and cumulative counters.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SchedulerStats {
-    pub num_blocks: u32,
-    pub free_blocks: u32,
-    pub used_blocks: u32,
-    pub cached_blocks: u32,
-    pub num_slots: u32,
-    /// Slots a sequence could get now: free ones plus reclaimable checkpoints.
-    pub free_slots: u32,
-    /// Slots held by sequences (checkpoints excluded).
-    pub used_slots: u32,
+    /// The arena: `free_pages + kv_pages + running_state_pages +
+    /// checkpoint_pages + cached_pages == num_pages` at every call.
+    pub num_pages: u32,
+    /// On the free list.
+    pub free_pages: u32,
+    /// KV blocks referenced by block tables.
+    pub kv_pages: u32,
+    /// DeltaNet states of running sequences (and states reserved for the
+    /// children of an n > 1 request).
+    pub running_state_pages: u32,
+    /// DeltaNet state checkpoints (reclaimable).
+    pub checkpoint_pages: u32,
+    /// Unreferenced cached KV blocks (reclaimable).
+    pub cached_pages: u32,
+    /// Pages a new request could get now: free + cached + evictable checkpoints'.
+    pub available_pages: u64,
+    /// Pages one DeltaNet state takes.
+    pub pages_per_state: u32,
+    /// Admission stopped at the waiting head because (cumulative, one per
+    /// step at most): the arena's pages were short / max_num_seqs was reached /
+    /// the step's token budget was spent.
+    pub admission_limited_pages: u64,
+    pub admission_limited_seqs: u64,
+    pub admission_limited_budget: u64,
+    /// The last limit hit: "pages", "max_num_seqs", "token_budget" or "".
+    pub last_admission_limit: &'static str,
+    /// At that moment: sequences running (n > 1 requests count n) and pages
+    /// obtainable (free + cached + evictable checkpoints).
+    pub last_admission_running_seqs: u32,
+    pub last_admission_available_pages: u64,
     pub alloc_failures: u64,
     /// Unused slots in the last blocks of running sequences (O(running) to compute).
     pub tail_waste: u64,
@@ -22,11 +43,11 @@ pub struct SchedulerStats {
     pub evictions: u64,
     pub cow_copies: u64,
     pub preemptions: u64,
-    /// Of `preemptions`: a running sequence needed a block / a waiting request
+    /// Of `preemptions`: a running sequence needed a page / a waiting request
     /// of a clearly higher priority needed room.
     pub preemptions_blocks: u64,
     pub preemptions_priority: u64,
-    /// DeltaNet state slot copies of forks: n > 1 children from their parent,
+    /// DeltaNet state copies of forks: n > 1 children from their parent,
     /// beams taking over another beam's continuation (`reorder_beams`).
     pub state_fork_copies: u64,
     /// KV blocks referenced by more than one running sequence (samples and
@@ -41,10 +62,10 @@ pub struct SchedulerStats {
     pub last_step_seqs: u32,
     pub finished_requests: u64,
     pub aborted_requests: u64,
-    /// Blocks reserved by the `reserve_max_context` policy (0 when paged).
-    pub reserved_blocks: u64,
-    /// State slots holding DeltaNet checkpoints now (reclaimable).
-    pub checkpoint_slots: u32,
+    /// Pages reserved by the `reserve_max_context` policy (0 when paged).
+    pub reserved_pages: u64,
+    /// DeltaNet checkpoints held now (each `pages_per_state` pages).
+    pub checkpoints: u32,
     /// Admitted sequences that looked for a checkpoint / found one.
     pub checkpoint_queries: u64,
     pub checkpoint_hits: u64,
@@ -53,7 +74,7 @@ pub struct SchedulerStats {
     /// KV-matched tokens recomputed for want of a checkpoint at their end.
     pub prefix_lost_tokens: u64,
     pub checkpoint_writes: u64,
-    /// Checkpoint writes not done for want of a slot.
+    /// Checkpoint writes not done for want of pages.
     pub checkpoint_writes_skipped: u64,
     /// Checkpoints evicted for room / dropped with their KV chain.
     pub checkpoint_evictions: u64,

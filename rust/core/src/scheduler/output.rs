@@ -19,14 +19,25 @@ use super::request::FinishReason;
 /// (prefix-cache hit past the restored DeltaNet checkpoint): do not write it.
 /// The token is still fed, to rebuild the DeltaNet state.
 /// `num_computed_tokens == 0` means the sequence's DeltaNet state starts from
-/// zeros; `> 0` means it continues from its slot (after a checkpoint hit the
-/// plan's `state_copies` put the checkpoint there).
+/// zeros; `> 0` means it continues from its state pages (after a checkpoint hit
+/// the plan's `state_copies` put the checkpoint there).
 ///
-/// Copies (`block_copies`, `state_copies`, pairs `(src, dst)`) must be performed
-/// before anything else of the step, including zero-initialising fresh states.
-/// Within each list every source is read before any destination is written
-/// (one gather, one scatter): the scheduler relies on it (see
-/// `checkpoints`) and never makes a pair read another pair's destination.
+/// State page tables: a persistent `int32[max_num_seqs, state_pages]` buffer;
+/// entry `b` reads row `block_table_rows[b]` (the same row as its block
+/// table). Before the step the caller applies `st_update_*` like the block
+/// table updates (only changed cells: a row given to a sequence whose state it
+/// does not hold yet).
+///
+/// Copies (`block_copies`, `state_copies`, page pairs `(src, dst)` of the one
+/// arena) must be performed before anything else of the step, including
+/// zero-initialising fresh states. Across both lists every source is read
+/// before any destination is written (one gather, one scatter); no two pairs
+/// write the same page.
+///
+/// Checkpoints: `checkpoint_positions[b] = k >= 1` asks the forward to write
+/// entry `b`'s DeltaNet state as it is after its first `k` scheduled tokens
+/// into the `state_pages` pages that follow in `checkpoint_pages` (in entry
+/// order); `-1` = none. At most one per entry.
 #[derive(Debug, Default, Clone)]
 pub struct SchedulerOutput {
     /// Scheduler-internal request handle per entry (see `Scheduler::request_id`).
@@ -40,7 +51,11 @@ pub struct SchedulerOutput {
     pub input_ids: Vec<i32>,
     pub positions: Vec<i32>,
     pub slot_mapping: Vec<i32>,
-    pub state_slots: Vec<i32>,
+    /// `-1`, or the number of this step's tokens after which the entry's state
+    /// is written into its checkpoint pages.
+    pub checkpoint_positions: Vec<i32>,
+    /// `state_pages` page ids per entry with a checkpoint position, in entry order.
+    pub checkpoint_pages: Vec<i32>,
     /// Tokens to sample from the entry's last position: 0 (mid-prefill), 1, or n
     /// (last prompt chunk of an unforked n>1 request).
     pub num_samples: Vec<i32>,
@@ -48,10 +63,13 @@ pub struct SchedulerOutput {
     pub bt_update_rows: Vec<i32>,
     pub bt_update_cols: Vec<i32>,
     pub bt_update_values: Vec<i32>,
+    pub st_update_rows: Vec<i32>,
+    pub st_update_cols: Vec<i32>,
+    pub st_update_values: Vec<i32>,
     /// Flattened `(src, dst)` block pairs.
     pub block_copies: Vec<i32>,
-    /// Flattened `(src_slot, dst_slot)` pairs: fork copies, checkpoint writes
-    /// (sequence slot -> checkpoint slot), checkpoint restores.
+    /// Flattened `(src_page, dst_page)` pairs: fork copies (n > 1 children,
+    /// beams) and checkpoint restores, whole states page by page.
     pub state_copies: Vec<i32>,
     /// Requests preempted in this step (back in the waiting queue), by handle.
     pub preempted: Vec<u32>,
@@ -84,12 +102,16 @@ impl SchedulerOutput {
         self.input_ids.clear();
         self.positions.clear();
         self.slot_mapping.clear();
-        self.state_slots.clear();
+        self.checkpoint_positions.clear();
+        self.checkpoint_pages.clear();
         self.num_samples.clear();
         self.block_table_rows.clear();
         self.bt_update_rows.clear();
         self.bt_update_cols.clear();
         self.bt_update_values.clear();
+        self.st_update_rows.clear();
+        self.st_update_cols.clear();
+        self.st_update_values.clear();
         self.block_copies.clear();
         self.state_copies.clear();
         self.preempted.clear();
@@ -102,7 +124,7 @@ impl SchedulerOutput {
 /// Why a running request was preempted (recompute).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PreemptCause {
-    /// A running sequence needed a block and none was left.
+    /// A running sequence needed a page and none was left.
     BlocksNeeded,
     /// A waiting request of a clearly higher priority needed room.
     Priority,

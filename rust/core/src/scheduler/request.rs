@@ -1,6 +1,6 @@
 //! Request and sequence state owned by the scheduler.
 
-use crate::{BlockId, BlockTable, SlotId};
+use crate::{BlockId, BlockTable, StateId};
 
 /// Why a sequence stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -105,13 +105,16 @@ pub(crate) struct Seq {
     /// slot_mapping -1 (their KV is already in the cache).
     pub matched: usize,
     /// Block boundaries (token counts) where a DeltaNet checkpoint is to be
-    /// written, nearest first; 0 = none. Prefill chunks end exactly there.
+    /// written, nearest first; 0 = none. A prefill chunk holds at most one.
     pub ckpt_next: usize,
     pub ckpt_after: usize,
     /// With `prefix_checkpoint_interval`: also every interval up to here.
     pub ckpt_until: usize,
     pub table: BlockTable,
-    pub slot: Option<SlotId>,
+    /// Its DeltaNet state's pages (while running).
+    pub state: Option<StateId>,
+    /// Whether the caller's state page table row holds `state`'s pages.
+    pub st_synced: bool,
     /// Row of the persistent block-table buffer, while running and scheduled once.
     pub row: Option<u32>,
     /// Leading blocks of `table` the caller's buffer row already holds.
@@ -133,7 +136,8 @@ impl Seq {
             ckpt_after: 0,
             ckpt_until: 0,
             table: BlockTable::new(),
-            slot: None,
+            state: None,
+            st_synced: false,
             row: None,
             bt_synced: 0,
             bt_last: 0,
@@ -146,17 +150,38 @@ impl Seq {
         self.finished.is_none()
     }
 
-    /// The next boundary past `num_computed` where a checkpoint is due (0: none).
+    /// The next boundary past `x` (at or after `num_computed`) where a
+    /// checkpoint is due (0: none).
     #[inline]
-    pub fn next_checkpoint(&self, interval: usize) -> usize {
-        let mut t = self.ckpt_next;
-        if interval > 0 && self.ckpt_until > self.num_computed {
-            let m = (self.num_computed / interval + 1) * interval;
+    pub fn next_checkpoint_after(&self, x: usize, interval: usize) -> usize {
+        let mut t = 0;
+        for c in [self.ckpt_next, self.ckpt_after] {
+            if c > x {
+                t = c;
+                break;
+            }
+        }
+        if interval > 0 && self.ckpt_until > x {
+            let m = (x / interval + 1) * interval;
             if m <= self.ckpt_until && (t == 0 || m < t) {
                 t = m;
             }
         }
         t
+    }
+
+    /// Caps a prefill chunk starting at `start` of `k` tokens so that it holds
+    /// at most one checkpoint boundary: it ends just before the second one.
+    #[inline]
+    pub fn cap_to_one_checkpoint(&self, start: usize, k: usize, interval: usize) -> usize {
+        let first = self.next_checkpoint_after(start, interval);
+        if first == 0 || first >= start + k {
+            return k;
+        }
+        match self.next_checkpoint_after(first, interval) {
+            0 => k,
+            second => k.min(second - start - 1),
+        }
     }
 }
 
@@ -174,8 +199,8 @@ pub(crate) struct Request {
     /// One sequence until the prompt's last chunk samples n tokens, then n.
     pub seqs: Vec<Seq>,
     pub forked: bool,
-    /// Slots reserved at admission for the children of an unforked n>1 request.
-    pub spare_slots: Vec<SlotId>,
+    /// States reserved at admission for the children of an unforked n>1 request.
+    pub spare_states: Vec<StateId>,
     pub first_scheduled: bool,
     pub num_preemptions: u32,
     /// A forked request preempted with more than one live sequence: on

@@ -1,0 +1,327 @@
+//! One step: `schedule()` walks the running requests (decodes and prefill
+//! chunks, preempting for room), admits waiting ones, and assembles the plan;
+//! `update()` applies the sampled tokens (registering the checkpoints the
+//! forward wrote, forking n > 1 requests, finishing sequences).
+
+use super::request::ReqState;
+use super::{sync_row, AdmitLimit, Entry, PreemptCause, SchedError, Scheduler, SchedulerOutput, Snap, StepUpdate};
+use crate::CoreError;
+
+impl Scheduler {
+    /// Plans one step (see [`SchedulerOutput`] for the layout). Errors if the
+    /// previous non-empty plan was not passed to `update()` yet.
+    pub fn schedule(&mut self, now: f64) -> Result<&SchedulerOutput, SchedError> {
+        if self.plan_pending && !self.plan.is_empty() {
+            return Err(SchedError::InvalidArgument(
+                "schedule() called again before update() consumed the previous plan; call update(sampled) first".into(),
+            ));
+        }
+        self.step += 1;
+        self.out.clear();
+        self.d_entries.clear();
+        self.p_entries.clear();
+        self.d_slots.clear();
+        self.p_slots.clear();
+        self.copies.clear();
+        std::mem::swap(&mut self.out.finished, &mut self.finished_outside);
+
+        // Pages of dropped checkpoints whose plan has run.
+        self.cache.reconcile(self.step);
+        let priority_preempted = self.priority_preempt();
+
+        let mut pending_decodes = 0usize;
+        let mut running_units = 0u32;
+        for &r in &self.running {
+            let req = self.requests[r as usize].as_ref().expect("running handle");
+            running_units += req.units();
+            for s in &req.seqs {
+                if s.is_live() && s.tokens.len() - s.num_computed == 1 && s.num_computed >= req.prompt_len {
+                    pending_decodes += 1;
+                    // The walk below reads the token to feed and the tail block:
+                    // start those (scattered) cache lines loading now, all at once.
+                    crate::prefetch(s.tokens.as_ptr().wrapping_add(s.tokens.len() - 1));
+                    crate::prefetch(s.table.blocks.as_ptr().wrapping_add(s.table.blocks.len().saturating_sub(1)));
+                }
+            }
+        }
+
+        let bs = self.cfg.block_size as usize;
+        let thresh = self.cfg.long_prefill_token_threshold as usize;
+        let mut budget = self.cfg.max_num_batched_tokens as usize;
+        let mut preempted_any = false;
+        let mut i = 0;
+        while i < self.running.len() {
+            let r = self.running[i];
+            let mut req = self.requests[r as usize].take().expect("running handle");
+            let snap = Snap {
+                d_e: self.d_entries.len(),
+                p_e: self.p_entries.len(),
+                d_s: self.d_slots.len(),
+                p_s: self.p_slots.len(),
+                copies: self.copies.len(),
+                bt: self.out.bt_update_rows.len(),
+                st: self.out.st_update_rows.len(),
+                budget,
+            };
+            let mut self_preempt = false;
+            // Beams decode together: while one is still recomputing, the
+            // others (ready to decode) wait for it.
+            let beams_wait = req.params.beam_search
+                && req.forked
+                && req.seqs.iter().any(|s| s.is_live() && s.tokens.len() - s.num_computed > 1);
+            let leader = req.leader();
+            for si in 0..req.seqs.len() {
+                if req.waits_for_refork(si) {
+                    continue;
+                }
+                let refork_lead = req.refork && si == leader;
+                let seq = &mut req.seqs[si];
+                if !seq.is_live() {
+                    continue;
+                }
+                let need = seq.tokens.len() - seq.num_computed;
+                let decode = need == 1 && seq.num_computed >= req.prompt_len;
+                let k = if decode {
+                    pending_decodes -= 1;
+                    if beams_wait {
+                        continue;
+                    }
+                    1
+                } else {
+                    let mut k = need.min(budget.saturating_sub(pending_decodes));
+                    if req.params.beam_search && req.forked {
+                        k = k.min(need - 1);
+                    }
+                    if refork_lead && seq.num_computed < req.prompt_len {
+                        k = k.min(req.prompt_len - seq.num_computed);
+                    }
+                    if thresh > 0 {
+                        k = k.min(thresh);
+                    }
+                    seq.cap_to_one_checkpoint(seq.num_computed, k, self.cfg.prefix_checkpoint_interval as usize)
+                };
+                if k == 0 {
+                    continue;
+                }
+                let start = seq.num_computed;
+                let end = start + k;
+                let n_cached = end.min(seq.matched).saturating_sub(start);
+                let n_new = k - n_cached;
+                loop {
+                    let slots = if decode { &mut self.d_slots } else { &mut self.p_slots };
+                    let before = slots.len();
+                    slots.extend(std::iter::repeat_n(-1, n_cached));
+                    match self.cache.append_slots(&mut seq.table, n_new, slots, &mut self.copies, self.step) {
+                        Ok(()) => break,
+                        Err(CoreError::OutOfBlocks { .. }) => {
+                            slots.truncate(before);
+                            if self.running.len() - 1 > i {
+                                let v = self.running.pop().expect("victim");
+                                let mut vreq = self.requests[v as usize].take().expect("victim handle");
+                                for s in &vreq.seqs {
+                                    if s.is_live()
+                                        && s.tokens.len() - s.num_computed == 1
+                                        && s.num_computed >= vreq.prompt_len
+                                    {
+                                        pending_decodes -= 1;
+                                    }
+                                }
+                                running_units -= vreq.units();
+                                self.preempt(&mut vreq, v, PreemptCause::BlocksNeeded);
+                                self.requests[v as usize] = Some(vreq);
+                                preempted_any = true;
+                            } else {
+                                self_preempt = true;
+                                break;
+                            }
+                        }
+                        Err(e) => panic!("append_slots failed unexpectedly: {e}"),
+                    }
+                }
+                if self_preempt {
+                    break;
+                }
+                let num_samples = if end == seq.tokens.len() {
+                    if !req.forked { req.params.n } else { 1 }
+                } else {
+                    0
+                };
+                if seq.row.is_none() {
+                    seq.row = Some(self.free_rows.pop().expect("a row per running sequence (max_num_seqs)"));
+                    seq.bt_synced = 0;
+                    seq.st_synced = false;
+                }
+                sync_row(seq, &self.cache, &mut self.out);
+                budget -= k;
+                let e = Entry {
+                    req: r,
+                    seq: si as u32,
+                    seq_id: seq.seq_id,
+                    start: start as u32,
+                    k: k as u32,
+                    num_samples,
+                    ckpt: None,
+                };
+                if decode {
+                    self.d_entries.push(e);
+                } else {
+                    self.p_entries.push(e);
+                }
+            }
+            if self_preempt {
+                self.d_entries.truncate(snap.d_e);
+                self.p_entries.truncate(snap.p_e);
+                self.d_slots.truncate(snap.d_s);
+                self.p_slots.truncate(snap.p_s);
+                self.copies.truncate(snap.copies);
+                self.out.bt_update_rows.truncate(snap.bt);
+                self.out.bt_update_cols.truncate(snap.bt);
+                self.out.bt_update_values.truncate(snap.bt);
+                self.out.st_update_rows.truncate(snap.st);
+                self.out.st_update_cols.truncate(snap.st);
+                self.out.st_update_values.truncate(snap.st);
+                budget = snap.budget;
+                let popped = self.running.pop();
+                debug_assert_eq!(popped, Some(r));
+                running_units -= req.units();
+                self.preempt(&mut req, r, PreemptCause::BlocksNeeded);
+                self.requests[r as usize] = Some(req);
+                preempted_any = true;
+                break;
+            }
+            self.requests[r as usize] = Some(req);
+            i += 1;
+        }
+
+        // A block preemption means the running set is short of room: admitting
+        // would only evict again. Room made for a higher priority is for it.
+        self.last_admission_limit = None;
+        self.last_limit_room = (0, 0);
+        if !preempted_any || priority_preempted > 0 {
+            while let Some(r) = self.waiting.first() {
+                if budget == 0 {
+                    self.note_admission_limit(AdmitLimit::TokenBudget, running_units);
+                    break;
+                }
+                let mut req = self.requests[r as usize].take().expect("waiting handle");
+                let mut res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, false);
+                if res == Err(AdmitLimit::Pages) && self.cache.kv.prefix_caching_enabled() {
+                    // A prefix match longer than the first chunk holds pages the
+                    // chunk does not need yet: try again without them.
+                    res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, true);
+                }
+                self.requests[r as usize] = Some(req);
+                if let Err(limit) = res {
+                    self.note_admission_limit(limit, running_units);
+                    break;
+                }
+            }
+        }
+
+        self.assemble_plan();
+        self.plan_pending = true;
+        Ok(&self.out)
+    }
+
+    /// Applies the tokens sampled for the last plan: `num_samples[b]` tokens per
+    /// entry, concatenated in batch order. Entries whose request was aborted or
+    /// finished since are skipped. O(entries + new full blocks hashed).
+    pub fn update(&mut self, sampled: &[i32]) -> Result<&StepUpdate, SchedError> {
+        if !self.plan_pending {
+            return Err(SchedError::InvalidArgument("update() called without a schedule() before it".into()));
+        }
+        if sampled.len() != self.plan_samples {
+            return Err(SchedError::InvalidArgument(format!(
+                "update() got {} sampled tokens but the last plan asks for {} (the sum of num_samples); \
+                 pass exactly num_samples[b] tokens per entry in batch order",
+                sampled.len(),
+                self.plan_samples
+            )));
+        }
+        if let Some(&bad) = sampled.iter().find(|&&t| t < 0) {
+            return Err(SchedError::InvalidArgument(format!(
+                "update() got a negative token id ({bad}); pass the sampled token ids"
+            )));
+        }
+        self.plan_pending = false;
+        for st in self.states_in_plan.drain(..) {
+            self.cache.free_state(st);
+        }
+        self.forget_old_finished();
+        self.upd.clear();
+        let bs = self.cfg.block_size as usize;
+        let mut off = 0usize;
+        let mut any_done = false;
+        for pi in 0..self.plan.len() {
+            let e = self.plan[pi];
+            let ns = e.num_samples as usize;
+            let toks = &sampled[off..off + ns];
+            off += ns;
+            let Some(mut req) = self.requests[e.req as usize].take() else { continue };
+            let si = e.seq as usize;
+            let valid = req.state == ReqState::Running
+                && req.seqs.get(si).is_some_and(|s| s.seq_id == e.seq_id && s.is_live() && s.num_computed == e.start as usize);
+            if !valid {
+                if let Some((_, st)) = e.ckpt {
+                    self.cache.free_state(st);
+                }
+                self.requests[e.req as usize] = Some(req);
+                continue;
+            }
+            let extra_key = req.params.extra_key;
+            {
+                let seq = &mut req.seqs[si];
+                seq.num_computed += e.k as usize;
+                if self.cfg.enable_prefix_caching && seq.num_computed / bs > seq.table.num_hashed_blocks() {
+                    self.cache.kv.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
+                }
+                if let Some((due, st)) = e.ckpt {
+                    // The forward wrote the state after `due` tokens into `st`.
+                    let due = due as usize;
+                    let c = &mut self.cache;
+                    if seq.table.chain.len() >= due / bs {
+                        c.ckpts.register(&mut c.kv, &mut c.states, &seq.table.chain[..due / bs], st, self.step);
+                    } else {
+                        c.free_state(st);
+                        c.ckpts.stats.writes_skipped += 1;
+                    }
+                }
+                while seq.ckpt_next != 0 && seq.num_computed >= seq.ckpt_next {
+                    seq.ckpt_next = seq.ckpt_after;
+                    seq.ckpt_after = 0;
+                }
+            }
+            if req.refork && si == req.leader() && req.seqs[si].num_computed >= req.prompt_len {
+                self.refork(&mut req, e.req, si);
+            }
+            if ns == 1 {
+                let t = toks[0] as u32;
+                let seq = &mut req.seqs[si];
+                seq.tokens.push(t);
+                self.upd.req_indices.push(e.req);
+                self.upd.sample_indices.push(seq.sample_index as i32);
+                self.upd.tokens.push(t as i32);
+                if let Some(reason) = req.params.check_stop(seq.tokens.len() - req.prompt_len, t) {
+                    self.finish_seq(&mut req, si, reason);
+                    self.upd.finished.push((e.req, req.seqs[si].sample_index, reason));
+                }
+            } else if ns > 1 {
+                self.fork(&mut req, e.req, si, toks);
+            }
+            if req.all_finished() {
+                any_done = true;
+                self.close_request(&mut req, e.req, false);
+            }
+            self.requests[e.req as usize] = Some(req);
+        }
+        self.plan_ckpt_states = 0;
+        self.settle_deferred_states();
+        self.cache.reconcile(self.step + 1);
+        if any_done {
+            let reqs = &self.requests;
+            self.running
+                .retain(|&r| reqs[r as usize].as_ref().is_some_and(|q| q.state == ReqState::Running));
+        }
+        Ok(&self.upd)
+    }
+}
