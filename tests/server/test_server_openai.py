@@ -101,7 +101,19 @@ def test_chat_logprobs_have_the_chat_shape_and_hf_values_streamed_or_not(live, c
     assert all(isinstance(c.created, int) and c.created > 0 for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
-    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    # The same tokens and entries; the values within TOL, not bit for bit: the second
+    # request resumes from the first one's prefix-cache checkpoint, so its last rows run
+    # in a smaller batch, and the CPU GEMMs round by batch shape (the native few-row
+    # path vs MKL; for MoE, per-expert groups of other sizes).
+    def shape(e):
+        d = e.model_dump()
+        return {**d, "logprob": None, "top_logprobs": [{**t, "logprob": None} for t in d["top_logprobs"]]}
+
+    assert [shape(e) for e in streamed] == [shape(e) for e in content]
+    for got, want in zip(streamed, content):
+        assert math.isclose(got.logprob, want.logprob, abs_tol=TOL)
+        assert [t.logprob for t in got.top_logprobs] == pytest.approx([t.logprob for t in want.top_logprobs],
+                                                                      abs=TOL)
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == choice.message.content
     live.wait_idle_and_whole()
 
