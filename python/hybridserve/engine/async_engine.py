@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -111,10 +112,15 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
-                if self.on_step is not None:
-                    self.on_step(self.engine, outputs)
+                t0 = time.perf_counter()
                 for out in outputs:
                     self._deliver(out.request_id, out)
+                # The hand-off to the clients is part of processing the step's outputs.
+                handoff = time.perf_counter() - t0
+                self.engine.add_phase_time("process_outputs", handoff)
+                self.engine.last_step_stats["phase_seconds"]["process_outputs"] += handoff
+                if self.on_step is not None:
+                    self.on_step(self.engine, outputs)
         except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
             logger.exception("engine thread died")
             self._dead = e

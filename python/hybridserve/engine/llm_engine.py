@@ -85,6 +85,11 @@ def _resolve_model_dtype(dtype: str, config: ModelConfig, device: torch.device) 
     return resolve_dtype(dtype)
 
 
+# The phases of one step, in order: the scheduler's plan; the runner's staging copy,
+# table updates and batch; the model; sampling (rows, sampler, beams, logprobs); and
+# the scheduler's update, detokenization, stop strings and the outputs handed back.
+STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "process_outputs")
+
 # Rows of prompt logits turned into log-probabilities at a time (bounds the float32 copy).
 PROMPT_LOGPROB_SLICE = 256
 
@@ -205,6 +210,8 @@ class LLMEngine:
         self._counter = 0
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
+        # Cumulative wall seconds of each phase of step() (see STEP_PHASES).
+        self._phase_seconds: dict[str, float] = dict.fromkeys(STEP_PHASES, 0.0)
         # Streaming consumers want every changed request each step; an offline loop
         # only wants finished ones, and skipping the rest keeps a step from copying
         # every running request's tokens (O(generated) per request per step).
@@ -476,8 +483,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled sequence by one step; return the outputs that changed
-        (only the finished ones when ``emit_unfinished`` is False)."""
-        t0 = time.monotonic()
+        (only the finished ones when ``emit_unfinished`` is False).
+
+        Each phase's wall time is added to ``stats()["step_phase_seconds"]`` and given
+        for this step in ``last_step_stats["phase_seconds"]``: consecutive clock reads,
+        so the five add up to the step's time."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         now = time.monotonic()
         changed: dict[str, RequestState] = {}
@@ -496,9 +507,17 @@ class LLMEngine:
                 st.metrics.queue_delay = queue_delay
 
         want = self._prompt_logprob_rows(plan) if self._prompt_logprobs else ()
+        t_sched = time.perf_counter()
+        self.runner.inputs_ready_at = None
         # The one-argument call in the common case keeps runner wrappers (tests,
         # benches) that take only the plan working.
         step = self.runner.execute(plan, want) if want else self.runner.execute(plan)
+        t_fwd = time.perf_counter()
+        # The runner stamps the end of its input preparation; a wrapper that did not
+        # run the real runner leaves no stamp and the whole call counts as forward.
+        t_prep = getattr(self.runner, "inputs_ready_at", None)
+        if t_prep is None or not t_sched <= t_prep <= t_fwd:
+            t_prep = t_sched
         if step is not None and step.prompt_spans:
             self._record_prompt_logprobs(plan, step)
         if step is not None and len(step.batch_index):
@@ -511,6 +530,7 @@ class LLMEngine:
             out = None
             sampled = np.zeros(0, dtype=np.int32)
             beams_ended = ()
+        t_sample = time.perf_counter()
         update = self.scheduler.update(sampled)
         now = time.monotonic()
 
@@ -577,12 +597,23 @@ class LLMEngine:
                     del self._prompt_logprobs[rid]
             outputs.append(out_)
         self.step_count += 1
+        t_end = time.perf_counter()
+        phases = (t_sched - t0, t_prep - t_sched, t_fwd - t_prep, t_sample - t_fwd, t_end - t_sample)
+        acc = self._phase_seconds
+        for name, dt in zip(STEP_PHASES, phases):
+            acc[name] += dt
         self.last_step_stats = {
             "num_scheduled_seqs": len(plan.request_ids),
             "num_batched_tokens": len(plan.input_ids),
-            "step_seconds": now - t0,
+            "step_seconds": t_end - t0,
+            "phase_seconds": dict(zip(STEP_PHASES, phases)),
         }
         return outputs
+
+    def add_phase_time(self, phase: str, seconds: float) -> None:
+        """Adds host work done for the engine outside ``step()`` (the async engine's
+        hand-off of outputs to the clients' queues) to a phase's total."""
+        self._phase_seconds[phase] += seconds
 
     def _prompt_logprob_rows(self, plan: Any) -> list[int]:
         """Batch indices of sequences still prefilling positions whose prompt logprobs
@@ -655,5 +686,6 @@ class LLMEngine:
         d = dict(self.scheduler.stats())
         # [(cause, victim request_class, count)]: JSON-friendly.
         d["preemptions_by"] = [(c, k, n) for (c, k), n in sorted(self.preemptions_by.items())]
+        d["step_phase_seconds"] = dict(self._phase_seconds)
         return d
 

@@ -22,6 +22,7 @@ steps run from captured CUDA graphs when ``graphs`` is set (see
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +73,8 @@ class ModelRunner:
         # A DecodeGraphs (CUDA only, set by the engine); None runs every step eagerly.
         self.graphs: Any = None
         self._staged: dict[str, torch.Tensor] = {}
+        # perf_counter() when the last execute() finished preparing its inputs.
+        self.inputs_ready_at: float | None = None
 
     _SEGMENTS = ("upd_rows", "upd_cols", "upd_vals", "block_copies", "state_copies", "input_ids",
                  "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table_rows",
@@ -158,8 +161,11 @@ class ModelRunner:
         self.apply_block_table_updates(plan)
         self.apply_copies(plan)
         if len(plan.input_ids) == 0:
+            self.inputs_ready_at = time.perf_counter()
             return None
         batch, sampling, num_samples = self.build_batch(plan, all_positions)
+        # The engine's step timer splits "prepare inputs" from "forward" here.
+        self.inputs_ready_at = time.perf_counter()
         if self.graphs is not None and not len(all_positions) and self.graphs.can_run(batch):
             logits = self.graphs.run(batch, self.block_table_buf, self._staged["block_table_rows"])
         else:
