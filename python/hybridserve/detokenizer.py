@@ -59,7 +59,16 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0          # start of the left-context window in _ids
         self._read_offset = len(context)  # first token whose text is not emitted yet
-        self.output_text = ""
+        # Emitted text as pieces: `str +=` on an attribute copies the whole string,
+        # O(generated) per token; joined only when read.
+        self._emitted: list[str] = []
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far (the deltas joined)."""
+        if len(self._emitted) > 1:
+            self._emitted[:] = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
@@ -82,7 +91,7 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        self.output_text += delta
+        self._emitted.append(delta)
         return delta
 
     def flush(self) -> str:
@@ -94,7 +103,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         delta = new_text[len(prefix_text) :]
-        self.output_text += delta
+        self._emitted.append(delta)
         return delta
 
 
@@ -166,6 +175,12 @@ class CompletionText:
     ends the completion (then ``text`` is already truncated per
     include_stop_str_in_output). ``take_delta(finished)`` returns the text not yet
     streamed that is safe to stream; when ``finished`` it returns everything left.
+
+    Cost per token is O(new text + longest stop string), not O(text so far): the text
+    is kept as pieces (joined only when ``text`` is read), stop strings are looked for
+    in a window of the last (longest stop - 1) characters plus the new ones (a match
+    must end in the new text, so it starts inside that window), and the holdback is
+    decided on the same kind of window around the unstreamed text.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -173,9 +188,27 @@ class CompletionText:
         self.stops = StopChecker(params.stop, params.include_stop_str_in_output)
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
-        self.text = ""
-        self._streamed = 0
+        self._context = max(self.stops.max_len - 1, 0)
+        self._parts: list[str] = []
+        self._len = 0
+        self._tail = ""        # the last `_context` characters of the text
+        self._streamed = 0     # characters handed out by take_delta
+        self._unstreamed = ""  # text[_streamed:] (bounded by the holdback + one step's text)
+        self._before = ""      # up to `_context` characters just before _unstreamed
         self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def _add(self, delta: str) -> None:
+        self._parts.append(delta)
+        self._len += len(delta)
+        self._unstreamed += delta
+        if self._context:
+            self._tail = (self._tail + delta)[-self._context:]
 
     def append(self, token_id: int) -> str | None:
         if self.stop_string is not None:
@@ -184,24 +217,41 @@ class CompletionText:
         delta = self.detokenizer.append(token_id)
         if not delta:
             return None
-        self.text += delta
+        window = self._tail + delta
+        self._add(delta)
         # As vLLM: stop strings are not looked for before min_tokens.
         if self.num_tokens < self.min_tokens:
             return None
-        hit, self.text = self.stops.check(self.text, len(delta))
+        hit, kept = self.stops.check(window, len(delta))
+        if hit is not None:
+            # Truncate the text where the window was cut (never inside streamed text:
+            # a match ends in the new text and at most `_context` characters stay unstreamed).
+            cut = len(window) - len(kept)
+            full = self.text[: self._len - cut]
+            self._parts[:] = [full] if full else []
+            self._len = len(full)
+            self._unstreamed = self._unstreamed[: max(len(self._unstreamed) - cut, 0)]
+            self._tail = full[-self._context:] if self._context else ""
         self.stop_string = hit
         return hit
 
     def finish(self) -> None:
         """Emit held-back bytes of an incomplete final character (no stop check)."""
         if self.stop_string is None:
-            self.text += self.detokenizer.flush()
+            rest = self.detokenizer.flush()
+            if rest:
+                self._add(rest)
 
     def take_delta(self, finished: bool) -> str:
-        end = self.stops.stream_safe_length(self.text, finished)
-        end = max(end, self._streamed)
-        delta = self.text[self._streamed : end]
-        self._streamed = end
+        window = self._before + self._unstreamed
+        end = self.stops.stream_safe_length(window, finished) - len(self._before)
+        if end <= 0:
+            return ""
+        delta = self._unstreamed[:end]
+        self._unstreamed = self._unstreamed[end:]
+        self._streamed += end
+        if self._context:
+            self._before = (self._before + delta)[-self._context:]
         return delta
 
 

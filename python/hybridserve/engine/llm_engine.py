@@ -491,7 +491,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         now = time.monotonic()
-        changed: dict[str, RequestState] = {}
+        # Requests that changed this step -> the indices of their samples that did.
+        changed: dict[str, set[int]] = {}
         for rid, cause in zip(plan.preempted, plan.preempted_causes):
             st = self.requests.get(rid)
             if st is not None:
@@ -543,7 +544,7 @@ class LLMEngine:
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
-            changed[rid] = state
+            changed.setdefault(rid, set()).add(int(si))
             if sample.completion is not None and sample.finish_reason is None:
                 hit = sample.completion.append(int(tok))
                 if hit is not None:
@@ -564,7 +565,7 @@ class LLMEngine:
                     sample.stop_reason = last
                 if sample.completion is not None:
                     sample.completion.finish()
-            changed[rid] = state
+            changed.setdefault(rid, set()).add(int(si))
 
         for rid in beams_ended:
             # The search is over before max_tokens: no running beam can beat the
@@ -576,10 +577,15 @@ class LLMEngine:
                     self.scheduler.finish(rid, i, "stop")
                 for sample in state.samples:
                     sample.finish_reason = sample.finish_reason or "stop"
-                changed[rid] = state
+                changed.setdefault(rid, set())
 
+        # Running requests report only what is new (delta outputs); a finished one
+        # reports its whole result once.
         outputs = []
-        for rid, state in changed.items():
+        for rid, changed_samples in changed.items():
+            state = self.requests.get(rid)
+            if state is None:
+                continue
             if state.finished:
                 state.metrics.finished_time = now
                 del self.requests[rid]
@@ -590,7 +596,7 @@ class LLMEngine:
                 outputs.append(self._beam_output(rid, state))
                 del self._beams[rid]
                 continue
-            out_ = state.to_output()
+            out_ = state.to_output() if state.finished else state.delta_output(changed_samples)
             if rid in self._prompt_logprobs:
                 out_.prompt_logprobs = self._prompt_logprobs[rid][1]
                 if state.finished:

@@ -27,6 +27,7 @@ from aiohttp import web
 from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
+from hybridserve.outputs import DeltaCursor
 from hybridserve.server import protocol
 from hybridserve.server.protocol import ApiError
 from hybridserve.tokenizer import apply_chat_template
@@ -122,28 +123,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body
-
-
-class _Deltas:
-    """Per-choice text and tokens already streamed; holds back a possible stop-string prefix."""
-
-    def __init__(self, n: int, holdback: int) -> None:
-        self.sent = [0] * n
-        self.sent_tokens = [0] * n
-        self.holdback = holdback
-
-    def take(self, index: int, text: str, finished: bool) -> str:
-        end = len(text) if finished else max(len(text) - self.holdback, 0)
-        start = self.sent[index]
-        if end <= start:
-            return ""
-        self.sent[index] = end
-        return text[start:end]
-
-    def take_tokens(self, index: int, n: int) -> tuple[int, int]:
-        start = self.sent_tokens[index]
-        self.sent_tokens[index] = n
-        return start, n
 
 
 def _check_prompt_chars(request: web.Request, n_chars: int) -> None:
@@ -283,8 +262,10 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     n = params.n
-    holdback = max((len(s) for s in params.stop), default=1) - 1 if not params.include_stop_str_in_output else 0
-    deltas = _Deltas(n * len(streams), holdback)
+    # The engine streams deltas (stop-string prefixes already held back) and the whole
+    # result once at the end; a cursor per stream turns both into what is new.
+    cursors = [DeltaCursor() for _ in streams]
+    finished_sent: set[int] = set()
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
     k = params.logprobs or 0
@@ -304,14 +285,16 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
             choices = []
             for c in out.outputs:
                 index = si * n + c.index
+                if index in finished_sent:
+                    continue  # its finish went out with an earlier delta
                 done = c.finish_reason is not None
-                text = deltas.take(index, c.text, done)
-                start, end = deltas.take_tokens(index, len(c.token_ids)) if c.logprobs is not None else (0, 0)
-                if not text and not done and start == end:
+                text, new_ids, new_lps = cursors[si].new_part(c, out.delta)
+                if not text and not done and not (new_lps and new_ids):
                     continue
+                if done:
+                    finished_sent.add(index)
                 if chat:
-                    lp = protocol.chat_logprobs(tt, c.token_ids[start:end], c.logprobs[start:end], k) \
-                        if c.logprobs is not None else None
+                    lp = protocol.chat_logprobs(tt, new_ids, new_lps, k) if new_lps is not None else None
                     choices.append({"index": index, "delta": {"content": text} if text or not done else {},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
                 else:
@@ -320,8 +303,8 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                     if first_echo:
                         echoed.add(index)
                         text = echo_texts[si] + text
-                    if c.logprobs is not None:
-                        ids, ents = c.token_ids[start:end], c.logprobs[start:end]
+                    if new_lps is not None:
+                        ids, ents = new_ids, new_lps
                         if first_echo:
                             ids = list(out.prompt_token_ids) + ids
                             ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
