@@ -27,7 +27,7 @@ import torch
 
 from hybridserve import _core
 from hybridserve import planner
-from hybridserve.beam_search import BeamSearch, BeamSearchParams
+from hybridserve.beam_search import BeamSearch, BeamSearchParams, candidates_to_host
 from hybridserve.config import ModelConfig
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.request_state import RequestState
@@ -83,6 +83,14 @@ def _resolve_model_dtype(dtype: str, config: ModelConfig, device: torch.device) 
         # bf16 matmuls on CPU are slow and inexact; the CPU path serves float32.
         return resolve_dtype(config.torch_dtype) if device.type == "cuda" else torch.float32
     return resolve_dtype(dtype)
+
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``: a view when the rows are consecutive (no index tensor to copy to
+    the device), else a gather."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0]:rows[0] + len(rows)]
+    return t.index_select(0, torch.tensor(rows, device=t.device))
 
 
 # The phases of one step, in order: the scheduler's plan; the runner's staging copy,
@@ -385,7 +393,11 @@ class LLMEngine:
 
     def _beam_select(self, plan: Any, step: Any, sampled: np.ndarray) -> list[str]:
         """Replaces the sampled tokens of beam requests by the search's choice and
-        re-parents their beams in the scheduler; returns the requests whose search ended."""
+        re-parents their beams in the scheduler; returns the requests whose search ended.
+
+        Every beam request's candidates come to the host in one transfer; the engine
+        keeps no per-beam token lists (the search holds the beams), so a step moves
+        only what changed."""
         req_ids = plan.request_ids
         rows: dict[str, dict[int, tuple[int, int]]] = {}
         off = 0
@@ -394,26 +406,24 @@ class LLMEngine:
             if rid in self._beams:
                 rows.setdefault(rid, {})[int(plan.sample_indices[b]) if k == 1 else -1] = (row, off)
             off += k
-        ended = []
-        # One log-softmax for every beam row of the step.
-        all_rows = [r for got in rows.values() for r, _ in got.values()]
-        lps_all = torch.log_softmax(step.logits[all_rows].float(), dim=-1)
-        at = {r: i for i, r in enumerate(all_rows)}
+        work, parts = [], []
         for rid, got in rows.items():
             bs = self._beams[rid]
-            state = self.requests[rid]
-            if -1 in got:  # the prompt's last row: the fork
-                row, off = got[-1]
-                toks = bs.first_step(lps_all[at[row]])
-                sampled[off:off + bs.width] = toks
+            # The prompt's last row (the fork), or the W beams' rows in sample order.
+            fork = -1 in got
+            order = [got[-1]] if fork else [got[i] for i in range(bs.width)]
+            lps = torch.log_softmax(_rows(step.logits, [r for r, _ in order]).float(), dim=-1)
+            parts.append(bs.candidates(lps))
+            work.append((rid, bs, order, fork))
+        ended = []
+        for (rid, bs, order, fork), (vals, idx) in zip(work, candidates_to_host(parts)):
+            parents, toks = bs.advance(vals, idx)
+            if fork:
+                o = order[0][1]
+                sampled[o:o + bs.width] = toks
             else:
-                order = [got[i] for i in range(bs.width)]
-                parents, toks = bs.step(lps_all[[at[r] for r, _ in order]])
                 if parents != list(range(bs.width)):
                     self.scheduler.reorder_beams(rid, parents)
-                    old = [list(s.token_ids) for s in state.samples]
-                    for i, p in enumerate(parents):
-                        state.samples[i].token_ids = list(old[p])
                 for i, (_, o) in enumerate(order):
                     sampled[o] = toks[i]
             if bs.done:

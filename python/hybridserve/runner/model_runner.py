@@ -146,8 +146,6 @@ class ModelRunner:
             state_slots=s["state_slots"],
             has_initial_state=s["has_initial_state"].to(torch.bool),
             logits_indices=s["logits_indices"],
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
         )
         return batch, sampling, num_samples
 
