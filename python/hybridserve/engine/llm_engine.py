@@ -463,32 +463,40 @@ class LLMEngine:
 
     # -------------------------------------------------------------------- step
     def _sampling_rows(self, plan: Any, step: Any) -> list[SamplingRow]:
+        """The sampler's rows of a step. A sample's row is made once and kept on its
+        SampleState (its fields are the same objects every step: the params, the
+        growing token list, the stream), so a decode step costs a lookup per row."""
         rows = []
         req_ids = plan.request_ids
         sample_indices = plan.sample_indices
+        requests = self.requests
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
         for b, k in zip(step.batch_index.tolist(), step.num_samples.tolist()):
-            state = self.requests[req_ids[b]]
-            si = int(sample_indices[b])
-            sample = state.samples[si]
+            rid = req_ids[b]
+            state = requests[rid]
             if k > 1:
                 rows.append(SamplingRow(
                     params=state.params,
                     prompt_token_ids=state.prompt_token_ids,
-                    output_token_ids=sample.token_ids,
+                    output_token_ids=state.samples[0].token_ids,
                     num_samples=k,
                     generators=[state.samples[i].generator for i in range(k)],
-                    keys=[(req_ids[b], i) for i in range(k)],
-                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                    keys=[(rid, i) for i in range(k)],
+                    eos_token_id=eos,
                 ))
-            else:
-                rows.append(SamplingRow(
+                continue
+            sample = state.samples[int(sample_indices[b])]
+            row = sample.sampling_row
+            if row is None:
+                row = sample.sampling_row = SamplingRow(
                     params=state.params,
                     prompt_token_ids=state.prompt_token_ids,
                     output_token_ids=sample.token_ids,
                     generator=sample.generator,
-                    key=(req_ids[b], si),
-                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-                ))
+                    key=(rid, sample.index),
+                    eos_token_id=eos,
+                )
+            rows.append(row)
         return rows
 
     def step(self) -> list[RequestOutput]:
@@ -545,21 +553,28 @@ class LLMEngine:
         update = self.scheduler.update(sampled)
         now = time.monotonic()
 
-        for rid, si, tok in zip(update.request_ids, update.sample_indices, update.token_ids):
-            state = self.requests.get(rid)
+        requests = self.requests
+        for rid, si, tok in zip(update.request_ids, np.asarray(update.sample_indices).tolist(),
+                                np.asarray(update.token_ids).tolist()):
+            state = requests.get(rid)
             if state is None:
                 continue
-            sample = state.samples[int(si)]
-            sample.token_ids.append(int(tok))
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-            changed.setdefault(rid, set()).add(int(si))
+            sample = state.samples[si]
+            sample.token_ids.append(tok)
+            m = state.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            got = changed.get(rid)
+            if got is None:
+                changed[rid] = {si}
+            else:
+                got.add(si)
             if sample.completion is not None and sample.finish_reason is None:
-                hit = sample.completion.append(int(tok))
+                hit = sample.completion.append(tok)
                 if hit is not None:
                     sample.finish_reason, sample.stop_reason = "stop", hit
-                    self.scheduler.finish(rid, int(si), "stop")
+                    self.scheduler.finish(rid, si, "stop")
         for rid, si, reason in zip(
             update.finished_request_ids, update.finished_sample_indices, update.finished_reasons
         ):
@@ -592,24 +607,26 @@ class LLMEngine:
         # Running requests report only what is new (delta outputs); a finished one
         # reports its whole result once.
         outputs = []
+        requests, beams, emit = self.requests, self._beams, self.emit_unfinished
         for rid, changed_samples in changed.items():
-            state = self.requests.get(rid)
+            state = requests.get(rid)
             if state is None:
                 continue
-            if state.finished:
+            finished = state.finished
+            if finished:
                 state.metrics.finished_time = now
-                del self.requests[rid]
+                del requests[rid]
                 self._release_sampler_rows(rid, state)
-            elif not self.emit_unfinished or rid in self._beams:
+            elif not emit or rid in beams:
                 continue  # beams are reported once, finished (their order changes every step)
-            if rid in self._beams:
+            if beams and rid in beams:
                 outputs.append(self._beam_output(rid, state))
-                del self._beams[rid]
+                del beams[rid]
                 continue
-            out_ = state.to_output() if state.finished else state.delta_output(changed_samples)
-            if rid in self._prompt_logprobs:
+            out_ = state.to_output() if finished else state.delta_output(changed_samples)
+            if self._prompt_logprobs and rid in self._prompt_logprobs:
                 out_.prompt_logprobs = self._prompt_logprobs[rid][1]
-                if state.finished:
+                if finished:
                     del self._prompt_logprobs[rid]
             outputs.append(out_)
         self.step_count += 1

@@ -32,6 +32,8 @@ class SampleState:
     stop_reason: int | str | None = None
     # Tokens already handed out in incremental outputs.
     streamed_tokens: int = 0
+    # The sampler's row for this sample, made at its first decode and reused.
+    sampling_row: Any = None
 
     @property
     def text(self) -> str:
@@ -136,7 +138,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # the common case, asked several times per step
+            return samples[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in samples)
 
     def delta_output(self, sample_indices: Iterable[int]) -> RequestOutput:
         """An incremental output (``delta=True``) holding only the samples in
@@ -146,7 +151,8 @@ class RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[self.samples[i].delta_output() for i in sorted(sample_indices)],
+            outputs=[self.samples[i].delta_output()
+                     for i in (sample_indices if len(sample_indices) == 1 else sorted(sample_indices))],
             finished=False,
             metrics=self.metrics,
             delta=True,
