@@ -67,7 +67,7 @@ def logprob_parts(source: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> 
     m = source.amax(dim=-1, keepdim=True).to(torch.float32)
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     for sl in column_slices(rows, source.shape[1], 4):
-        lse += (source[:, sl].to(torch.float32) - shift).exp().sum(dim=-1, keepdim=True)
+        lse += (source[:, sl].to(torch.float32) - shift).exp_().sum(dim=-1, keepdim=True)
     lse = shift + lse.log()
     chosen_logit = source.gather(1, tokens.unsqueeze(1)).to(torch.float32)
     chosen = (chosen_logit - lse).squeeze(1)

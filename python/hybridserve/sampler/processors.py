@@ -49,7 +49,7 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     shift = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     total = torch.zeros_like(m)
     for sl in column_slices(x.shape[0], x.shape[1], 4):
-        total += (x[:, sl] - shift).exp().sum(dim=-1, keepdim=True)
+        total += (x[:, sl] - shift).exp_().sum(dim=-1, keepdim=True)
     return shift + total.log()
 
 
@@ -101,10 +101,12 @@ def apply_min_p(x: torch.Tensor, fp: torch.Tensor) -> None:
     threshold = top * fp[:, F_MINP : F_MINP + 1]
     for sl in column_slices(x.shape[0], x.shape[1], 4):
         cols = x[:, sl]
-        cols.masked_fill_((cols - lse).exp() < threshold, float("-inf"))
+        cols.masked_fill_((cols - lse).exp_() < threshold, float("-inf"))
 
 
-def apply_top_k(x: torch.Tensor, prep: Prepared, t: RowTables) -> None:
+def apply_top_k(x: torch.Tensor, prep: Prepared, t: RowTables) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drops tokens below each row's k-th largest logit; returns (the top-kmax values
+    before the cut, each row's k-th value) for top-p to reuse."""
     vocab = x.shape[1]
     kmax = max(prep.top_ks)
     k = t.ip.index_select(0, prep.v["slots"])[:, I_TOPK]
@@ -116,9 +118,11 @@ def apply_top_k(x: torch.Tensor, prep: Prepared, t: RowTables) -> None:
     for sl in column_slices(x.shape[0], vocab, 1):
         cols = x[:, sl]
         cols.masked_fill_(cols < kth, float("-inf"))
+    return values, kth
 
 
-def apply_top_p(x: torch.Tensor, prep: Prepared, fp: torch.Tensor) -> None:
+def apply_top_p(x: torch.Tensor, prep: Prepared, fp: torch.Tensor,
+                top_k: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Nucleus filter of rows already cut by min_p/top_k (dropped = -inf), in place.
 
     Only the survivors need ordering: when every top-p row also has a small top_k, a
@@ -134,7 +138,13 @@ def apply_top_p(x: torch.Tensor, prep: Prepared, fp: torch.Tensor) -> None:
     every = len(prep.topp) == x.shape[0]
     idx = prep.v["topp"]
     if kp is not None:
-        values = torch.topk(x, kp, dim=-1).values
+        if top_k is not None and top_k[0].shape[1] >= kp:
+            # The top-k stage's list, cut as it cut the row: the same values as a
+            # new top-k of the cut row, without sorting again.
+            values, kth = top_k
+            values = values[:, :kp].masked_fill(values[:, :kp] < kth, float("-inf"))
+        else:
+            values = torch.topk(x, kp, dim=-1).values
         if not every:
             values = values.index_select(0, idx)
     else:
@@ -144,7 +154,7 @@ def apply_top_p(x: torch.Tensor, prep: Prepared, fp: torch.Tensor) -> None:
     ps = fp[:, F_TOPP]
     if not every:
         lse, ps = lse.index_select(0, idx), ps.index_select(0, idx)
-    probs = (values - lse).exp()
+    probs = (values - lse).exp_()
     # Mass strictly before each token in descending order (an exclusive cumsum);
     # a token is kept iff that mass is < p, so the top token (mass 0 < p) stays.
     cumulative = probs.cumsum(dim=-1)
@@ -177,10 +187,9 @@ def process(x: torch.Tensor, prep: Prepared, t: RowTables) -> None:
         apply_temperature(x, fp)
     if prep.any_min_p:
         apply_min_p(x, fp)
-    if any(prep.top_ks):
-        apply_top_k(x, prep, t)
+    top_k = apply_top_k(x, prep, t) if any(prep.top_ks) else None
     if prep.topp:
-        apply_top_p(x, prep, fp)
+        apply_top_p(x, prep, fp, top_k)
 
 
 __all__ = ["process", "column_slices", "row_logsumexp", "SLICE_BYTES"]

@@ -32,9 +32,16 @@ def signed64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+_MASKS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
 def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic). The mask is a 0-d
+    tensor made once per device (a Python int operand is wrapped anew every call)."""
+    mask = _MASKS.get((x.device, s))
+    if mask is None:
+        mask = _MASKS[(x.device, s)] = torch.tensor((1 << (64 - s)) - 1, dtype=torch.int64, device=x.device)
+    return (x >> s).bitwise_and_(mask)
 
 
 def _mix64_t(x: torch.Tensor) -> torch.Tensor:
