@@ -20,11 +20,17 @@ measured steps, reported in microseconds per sequence per step. Prompts share a
 prefix (cached, with a DeltaNet checkpoint at its end) so that long contexts do not
 cost a long prefill per sequence; each prompt ends in its own tokens.
 
+``--isolated`` (this tree only: it reads the engine's own phase timers) measures the
+same steps on the synchronous engine with the model call replaced by a replay of its
+first output, so that nothing but host work runs and the model's threads and cache
+traffic do not disturb it: the host cost as such, per phase.
+
 ``--before REV`` also runs the script against the package as of git revision REV
 (extracted to a temporary folder, with the current build of the Rust extension) in a
 subprocess, and prints both side by side.
 
     python benches/host_overhead.py --threads 2 --before 6c663d6
+    python benches/host_overhead.py --threads 1 --isolated
 """
 
 from __future__ import annotations
@@ -92,7 +98,7 @@ class _TimedModel(torch.nn.Module):
             self.seconds += time.perf_counter() - t0
 
 
-def _engine(model_dir: str, context: int, seqs: int):
+def _engine(model_dir: str, context: int, seqs: int, threads: int = 2):
     from hybridserve.engine.args import EngineArgs
     from hybridserve.engine.llm_engine import LLMEngine
 
@@ -101,15 +107,74 @@ def _engine(model_dir: str, context: int, seqs: int):
     args = EngineArgs(model=model_dir, dtype="float32", device="cpu", block_size=BLOCK, num_gpu_blocks=blocks,
                       num_state_slots=seqs + 8, max_num_seqs=seqs, max_num_batched_tokens=4096,
                       max_model_len=context + 256, prefix_checkpoint_interval=prefix,
-                      enable_prefix_caching=True)
+                      enable_prefix_caching=True, cpu_threads=threads)
     return LLMEngine(args), prefix
 
 
-def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int) -> dict:
+class _Replay(torch.nn.Module):
+    """The model's first output, returned again at every later call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.out = None
+
+    def forward(self, *a, **k):
+        if self.out is None:
+            self.out = self.inner(*a, **k)
+        return self.out
+
+
+def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int) -> dict:
+    import gc
+
+    from hybridserve.sampling import SamplingParams
+
+    engine, prefix = _engine(model_dir, context, seqs, threads)
+    shared = [(7 * i) % 250 + 1 for i in range(prefix)]
+    engine.add_request("warm", shared + [3] * (context - prefix), SamplingParams(temperature=0.0, max_tokens=1,
+                                                                               ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, seed=1, **MODES[mode])
+    for i in range(seqs):
+        engine.add_request(f"s{i}", shared + [(11 * i + j) % 250 + 1 for j in range(context - prefix)], params)
+    while engine.last_step_stats.get("num_batched_tokens") != seqs:
+        engine.step()
+    engine.runner.model = _Replay(engine.runner.model)
+    engine.step()  # the model runs once more here; later steps replay its logits
+    gc_seconds, t = [0.0], [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - t[0]
+
+    gc.callbacks.append(on_gc)
+    rows = []
+    try:
+        for _ in range(steps):
+            engine.step()
+            assert engine.last_step_stats["num_batched_tokens"] == seqs
+            rows.append(engine.last_step_stats["phase_seconds"])
+    finally:
+        gc.callbacks.remove(on_gc)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med["host"] = statistics.median(sum(v for k, v in r.items() if k != "forward") for r in rows)
+    med["gc"] = gc_seconds[0] / steps
+    return {"context": context, "mode": mode, "steps": len(rows),
+            "us_per_seq": {k: round(1e6 * v / seqs, 2) for k, v in med.items()}}
+
+
+def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int = 2) -> dict:
     from hybridserve.engine.async_engine import AsyncEngine
     from hybridserve.sampling import SamplingParams
 
-    engine, prefix = _engine(model_dir, context, seqs)
+    try:
+        engine, prefix = _engine(model_dir, context, seqs, threads)
+    except TypeError:  # a tree whose EngineArgs has no cpu_threads
+        engine, prefix = _engine(model_dir, context, seqs)
     vocab = engine.model_config.vocab_size
     shared = [(7 * i) % 250 + 1 for i in range(prefix)]
     # Prefill the shared prefix once, so the sequences below start from its checkpoint.
@@ -194,7 +259,8 @@ def measure(args) -> list[dict]:
         results = []
         for context in args.contexts:
             for mode in args.modes:
-                results.append(_run_case(model_dir, context, args.seqs, mode, args.steps))
+                run = _run_isolated if args.isolated else _run_case
+                results.append(run(model_dir, context, args.seqs, mode, args.steps, args.threads))
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         return results
     finally:
@@ -229,6 +295,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[100, 4000, 16000])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--before", metavar="REV", help="also measure the package as of this git revision")
+    ap.add_argument("--isolated", action="store_true",
+                    help="synchronous engine, model output replayed: host work alone, by the engine's phase timers")
     ap.add_argument("--json", action="store_true", help="print one JSON list (used by --before)")
     ap.add_argument("--expect-root", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -236,10 +304,27 @@ def main() -> None:
         import hybridserve
 
         assert os.path.abspath(hybridserve.__file__).startswith(args.expect_root), hybridserve.__file__
+    if args.isolated and args.before:
+        ap.error("--isolated reads this tree's phase timers; it has no --before")
     before = _before(args.before, args) if args.before else None
     after = measure(args)
     if args.json:
         print(json.dumps(after))
+        return
+    if args.isolated:
+        print(f"torch intra-op threads: {torch.get_num_threads()}; {args.seqs} sequences decoding; synchronous "
+              "engine, model output replayed; medians, us per sequence per step (gc: mean)")
+        keys = list(after[0]["us_per_seq"])
+        print("| context | sampling | " + " | ".join(keys) + " |")
+        print("|---|---|" + "---|" * len(keys))
+        for row in after:
+            print(f"| {row['context']} | {row['mode']} | " + " | ".join(str(row["us_per_seq"][k]) for k in keys)
+                  + " |")
+        for mode in args.modes:
+            rs = [r for r in after if r["mode"] == mode]
+            lo, hi = min(rs, key=lambda r: r["context"]), max(rs, key=lambda r: r["context"])
+            print(f"{mode}: host at context {hi['context']} / {lo['context']}: "
+                  f"{hi['us_per_seq']['host'] / lo['us_per_seq']['host']:.2f}x")
         return
     print(f"torch intra-op threads: {torch.get_num_threads()}; {args.seqs} sequences decoding; "
           "medians, us per sequence per step")

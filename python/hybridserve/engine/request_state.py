@@ -88,7 +88,10 @@ class RequestMetrics:
 class RequestState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    # A tuple: CPython stops tracking a tuple of ints in the garbage collector, so a
+    # long prompt costs full collections nothing (a list's every element is visited
+    # by each one: O(context) host time per collection).
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     samples: list[SampleState]
     metrics: RequestMetrics
@@ -126,7 +129,7 @@ class RequestState:
         return cls(
             request_id=request_id,
             prompt=prompt,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=tuple(prompt_token_ids),
             params=params,
             samples=samples,
             metrics=RequestMetrics(
@@ -146,7 +149,7 @@ class RequestState:
     def delta_output(self, sample_indices: Iterable[int]) -> RequestOutput:
         """An incremental output (``delta=True``) holding only the samples in
         ``sample_indices`` (those that changed this step), each with only what is new.
-        The prompt is shared, not copied: consumers must not modify it."""
+        The prompt is the request's own tuple, shared, not copied."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
