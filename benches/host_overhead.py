@@ -9,7 +9,8 @@ version of the package:
 * ``schedule``  - ``Scheduler.schedule`` (Rust) wall time;
 * ``prepare``   - ``ModelRunner.execute`` minus the model call (staging, tables, batch);
 * ``forward``   - the model call;
-* ``sample``    - the sampler call;
+* ``sample``    - the sampler call (this tree: its ``plan`` before forward and its
+  ``sample_planned`` after);
 * ``rest``      - everything else in ``LLMEngine.step`` (sampling rows, scheduler
   update, detokenization, stop strings, outputs);
 * ``handoff``   - from the end of one step to the start of the next on the engine
@@ -185,7 +186,21 @@ def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, th
     sched = engine.scheduler = _TimedScheduler(engine.scheduler)
     runner_exec = engine.runner.execute = _Clock(engine.runner.execute)
     model = engine.runner.model = _TimedModel(engine.runner.model)
-    sampler = engine.sampler = _Clock(engine.sampler)
+    if hasattr(engine.sampler, "sample_planned"):
+        # This tree's engine plans the sampler's rows before forward (they ride in the
+        # runner's staging copy): time both halves on the instance, keeping its type.
+        s = engine.sampler
+        plan_clock, draw_clock = _Clock(s.plan), _Clock(s.sample_planned)
+        s.plan, s.sample_planned = plan_clock, draw_clock
+
+        class _Both:
+            @property
+            def seconds(self):
+                return plan_clock.seconds + draw_clock.seconds
+
+        sampler = _Both()
+    else:
+        sampler = engine.sampler = _Clock(engine.sampler)
     inner_step = engine.step
     samples: list[dict] = []
     last_end = [None]

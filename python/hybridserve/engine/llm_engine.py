@@ -462,7 +462,7 @@ class LLMEngine:
         return bool(self.requests)
 
     # -------------------------------------------------------------------- step
-    def _sampling_rows(self, plan: Any, step: Any) -> list[SamplingRow]:
+    def _sampling_rows(self, plan: Any, batch_index: np.ndarray, num_samples: np.ndarray) -> list[SamplingRow]:
         """The sampler's rows of a step. A sample's row is made once and kept on its
         SampleState (its fields are the same objects every step: the params, the
         growing token list, the stream), so a decode step costs a lookup per row."""
@@ -471,7 +471,7 @@ class LLMEngine:
         sample_indices = plan.sample_indices
         requests = self.requests
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
-        for b, k in zip(step.batch_index.tolist(), step.num_samples.tolist()):
+        for b, k in zip(batch_index.tolist(), num_samples.tolist()):
             rid = req_ids[b]
             state = requests[rid]
             if k > 1:
@@ -527,10 +527,30 @@ class LLMEngine:
 
         want = self._prompt_logprob_rows(plan) if self._prompt_logprobs else ()
         t_sched = time.perf_counter()
-        self.runner.inputs_ready_at = None
-        # The one-argument call in the common case keeps runner wrappers (tests,
-        # benches) that take only the plan working.
-        step = self.runner.execute(plan, want) if want else self.runner.execute(plan)
+        runner = self.runner
+        runner.inputs_ready_at = None
+        # The sampler's rows are known from the plan: its index lists travel in the
+        # runner's staging copy (one host->device copy per step). A sampler that is
+        # not ours (a test's, a bench's wrapper) is simply called with the logits.
+        prep = None
+        if isinstance(self.sampler, Sampler):
+            num_samples = np.asarray(plan.num_samples)
+            batch_index = np.nonzero(num_samples > 0)[0]
+            if len(batch_index):
+                prep = self.sampler.plan(self._sampling_rows(plan, batch_index, num_samples[batch_index]),
+                                         self.model_config.vocab_size, self.device)
+                runner.extra_segments = prep.segments
+        runner.extra_views = None
+        try:
+            # The one-argument call in the common case keeps runner wrappers (tests,
+            # benches) that take only the plan working.
+            step = runner.execute(plan, want) if want else runner.execute(plan)
+        except BaseException:
+            if prep is not None:
+                self.sampler.discard(prep)
+            raise
+        finally:
+            runner.extra_segments = None
         t_fwd = time.perf_counter()
         # The runner stamps the end of its input preparation; a wrapper that did not
         # run the real runner leaves no stamp and the whole call counts as forward.
@@ -540,8 +560,12 @@ class LLMEngine:
         if step is not None and step.prompt_spans:
             self._record_prompt_logprobs(plan, step)
         if step is not None and len(step.batch_index):
-            rows = self._sampling_rows(plan, step)
-            out = self.sampler(step.logits, rows)
+            if prep is not None:
+                views, runner.extra_views = runner.extra_views, None
+                out = self.sampler.sample_planned(step.logits, prep, views)
+                prep = None
+            else:
+                out = self.sampler(step.logits, self._sampling_rows(plan, step.batch_index, step.num_samples))
             sampled = np.asarray(out.token_ids, dtype=np.int32)
             beams_ended = self._beam_select(plan, step, sampled) if self._beams else ()
             self._record_logprobs(plan, step, out)
@@ -549,6 +573,8 @@ class LLMEngine:
             out = None
             sampled = np.zeros(0, dtype=np.int32)
             beams_ended = ()
+        if prep is not None:  # planned rows the step did not sample
+            self.sampler.discard(prep)
         t_sample = time.perf_counter()
         update = self.scheduler.update(sampled)
         now = time.monotonic()

@@ -13,8 +13,9 @@ plan tells it, in this order each step:
    only for the rows that sample this step.
 
 Everything the step sends to the device (block-table updates, copy lists, token ids,
-positions, slot mapping, ...) is written into one host staging buffer (pinned on CUDA)
-and copied once (:class:`hybridserve.staging.StagingBuffer`); index ranges are checked
+positions, slot mapping, ..., and the sampler's row indices the engine hands over in
+``extra_segments``) is written into one host staging buffer (pinned on CUDA) and copied
+once (:class:`hybridserve.staging.StagingBuffer`); index ranges are checked
 on the host arrays before they travel, so no step reads device data back. Pure-decode
 steps run from captured CUDA graphs when ``graphs`` is set (see
 :mod:`hybridserve.runner.cuda_graphs`); every other step runs eagerly.
@@ -75,6 +76,10 @@ class ModelRunner:
         self._staged: dict[str, torch.Tensor] = {}
         # perf_counter() when the last execute() finished preparing its inputs.
         self.inputs_ready_at: float | None = None
+        # Set before execute(): more int64 segments for the step's one staging copy;
+        # their device views are in extra_views afterwards (None if none were staged).
+        self.extra_segments: list | None = None
+        self.extra_views: list[torch.Tensor] | None = None
 
     _SEGMENTS = ("upd_rows", "upd_cols", "upd_vals", "block_copies", "state_copies", "input_ids",
                  "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table_rows",
@@ -110,7 +115,12 @@ class ModelRunner:
             qsl, plan.seq_lens, plan.block_table_rows, plan.state_slots,
             np.asarray(plan.num_computed_tokens) > 0, logits_indices,
         ]
-        self._staged = dict(zip(self._SEGMENTS, self.staging.stage(segs)))
+        # Segments another stage of the step asked to travel in this same copy (the
+        # sampler's row indices): one host->device copy per step.
+        extra, self.extra_segments = self.extra_segments, None
+        views = self.staging.stage(segs + list(extra) if extra is not None else segs)
+        self._staged = dict(zip(self._SEGMENTS, views))
+        self.extra_views = views[len(self._SEGMENTS):] if extra is not None else None
         self._host = (qsl, sampling, num_samples[sampling])
         return self._staged
 

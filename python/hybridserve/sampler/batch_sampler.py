@@ -9,8 +9,10 @@ into what each sample is drawn from (in one float32 work buffer),
 Memory per call: the logits, one float32 ``[samples, vocab]`` work buffer, and
 column-sliced temporaries (see :data:`~hybridserve.sampler.processors.SLICE_BYTES`);
 a batch whose rows are all greedy, with no bias, ban or penalty, is an argmax of the
-logits themselves (no copy at all). Host->device: one staging copy; device->host: one
-copy of the tokens (and the logprobs when asked).
+logits themselves (no copy at all). Host->device: one staging copy (in the engine, the
+runner's copy of the step carries it: :meth:`Sampler.plan` then
+:meth:`Sampler.sample_planned`); device->host: one copy of the tokens (and the
+logprobs when asked).
 
 Logprobs: by default (``logprobs_mode="raw"``, vLLM v1's default) the reported numbers
 are ``log_softmax`` of the model's logits before any processing; ``"processed"``
@@ -27,7 +29,7 @@ import torch
 
 from hybridserve.sampler.draw import logprob_parts, race
 from hybridserve.sampler.processors import process
-from hybridserve.sampler.rows import Prepared, RowTables, SamplingRow
+from hybridserve.sampler.rows import Prepared, RowTables, SamplingRow, check_logits
 
 
 @dataclass
@@ -96,6 +98,28 @@ class Sampler:
             self._tables.finish(prep)
 
     # ------------------------------------------------------------------ sampling
+    def plan(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device | str) -> Prepared:
+        """The host side of a call, before the logits exist: ``prep.segments`` are the
+        index lists to send to the device. The engine stages them with the runner's
+        inputs (one host->device copy per step) and passes the views to
+        :meth:`sample_planned`."""
+        return self._tables.plan(rows, vocab, device)
+
+    def sample_planned(self, logits: torch.Tensor, prep: Prepared,
+                       views: Sequence[torch.Tensor] | None = None) -> SamplerOutput:
+        """Draws for a :meth:`plan`: ``views`` are the device views of its segments
+        (None: this call stages them itself)."""
+        try:
+            check_logits(logits, prep.num_rows, prep.vocab)
+            self._tables.bind(prep, views if views is not None else self._tables.stage.stage(prep.segments))
+            return self._sample(logits, prep)
+        finally:
+            self._tables.finish(prep)
+
+    def discard(self, prep: Prepared) -> None:
+        """Releases a :meth:`plan` that will not be sampled (its one-call slots)."""
+        self._tables.finish(prep)
+
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Draw ``rows[i].num_samples`` tokens from ``logits[i]`` for every row.
 

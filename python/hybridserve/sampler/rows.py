@@ -11,7 +11,9 @@ incremented with the sampled tokens; they are rebuilt from the row's
 what was counted (so a caller that rewrites a row's history is still right).
 
 All per-call host->device data (row slots, changed parameters, positions of the rows
-each stage applies to, min_tokens bans) goes in one staging copy; the decisions that
+each stage applies to, min_tokens bans) goes in one staging copy: :meth:`RowTables.plan`
+builds it on the host before the logits exist, so the engine sends it in the runner's
+copy of the step, and :meth:`RowTables.bind` takes the device views; the decisions that
 pick code paths (is any row seeded? the largest top_k?) are made from the host's own
 copy of the parameters, so no device data is read before the tokens come back.
 
@@ -93,6 +95,12 @@ class SamplingRow:
         return [self.key] * self.num_samples
 
 
+def check_logits(logits: torch.Tensor, num_rows: int, vocab: int | None = None) -> None:
+    if logits.dim() != 2 or logits.shape[0] != num_rows or (vocab is not None and logits.shape[1] != vocab):
+        want = f"[num_rows={num_rows}, {'vocab' if vocab is None else f'vocab={vocab}'}]"
+        raise ValueError(f"logits must be {want}, got shape {tuple(logits.shape)}")
+
+
 def check_ids(ids: Sequence[int], vocab: int, what: str) -> None:
     if len(ids) and (min(ids) < 0 or max(ids) >= vocab):
         raise ValueError(
@@ -153,6 +161,10 @@ class Prepared:
     any_min_p: bool
     top_ks: list[int]
     top_p_limits: list[int]
+    # Index lists to stage (until bound), and the call's shape.
+    segments: list | None = None
+    num_rows: int = 0
+    vocab: int = 0
 
     @property
     def all_greedy(self) -> bool:
@@ -250,13 +262,23 @@ class RowTables:
 
     # ------------------------------------------------------------------ preparing
     def prepare(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Prepared:
-        if logits.dim() != 2 or logits.shape[0] != len(rows):
-            raise ValueError(
-                f"logits must be [num_rows={len(rows)}, vocab], got shape {tuple(logits.shape)}"
-            )
-        vocab = logits.shape[1]
-        if self.device != logits.device or self.vocab != vocab:
-            self.reset(logits.device, vocab)
+        """:meth:`plan` and :meth:`bind` with this call's own staging copy."""
+        check_logits(logits, len(rows))
+        prep = self.plan(rows, logits.shape[1], logits.device)
+        try:
+            self.bind(prep, self.stage.stage(prep.segments))
+        except BaseException:
+            self.finish(prep)
+            raise
+        return prep
+
+    def plan(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device) -> Prepared:
+        """The host side of a call: slots, code-path decisions and the index lists to
+        stage (``prep.segments``); no device work. Call :meth:`bind` with the device
+        views of the segments (from any staging copy) before sampling."""
+        device = torch.device(device)
+        if self.device != device or self.vocab != vocab:
+            self.reset(device, vocab)
 
         samples: list[Sample] = []
         for i, row in enumerate(rows):
@@ -383,7 +405,6 @@ class RowTables:
                 rc_pslots, rc_rows, rc_toks, pm_pslots, pm_rows, pm_toks, ban_rows, ban_toks,
                 pen, [samples[s].slot.pslot for s in pen], bias, topp, rand, seeded, unseeded,
             ]
-            v = dict(zip(_STAGED, self.stage.stage(segs)))
         except BaseException:
             for slot in ephemeral:
                 self.drop(slot)
@@ -393,35 +414,43 @@ class RowTables:
                     smp.slot.params = None
             raise
 
-        # Writes of the rows that changed; nothing else touches the tables.
-        if chg_slots:
+        prep = Prepared(samples, ephemeral, {}, pen, bias, topp, rand, seeded, unseeded, expand,
+                        bool(ban_rows), want_logprobs, any_temp, any_min_p, top_ks, top_p_limits)
+        prep.segments = segs
+        prep.num_rows, prep.vocab = len(rows), vocab
+        return prep
+
+    def bind(self, prep: Prepared, views: Sequence[torch.Tensor]) -> None:
+        """Takes the device views of ``prep.segments`` and writes the rows that changed
+        into the tables (nothing else touches them)."""
+        v = prep.v = dict(zip(_STAGED, views))
+        prep.segments = None
+        if v["chg_slots"].numel():
             self.fp.index_copy_(0, v["chg_slots"], bits_float(v["chg_f"]).view(-1, NF))
             self.ip.index_copy_(0, v["chg_slots"], v["chg_i"].view(-1, NI))
             if self.bias_width:
                 # A changed row without a bias must not keep an old owner's entries.
                 self.bias_val.index_fill_(0, v["chg_slots"], 0.0)
-        if bias_slots:
+        if v["bias_slots"].numel():
             w = self.bias_width
             self.bias_tok.index_copy_(0, v["bias_slots"], v["bias_tok"].view(-1, w))
             self.bias_val.index_copy_(0, v["bias_slots"], bits_float(v["bias_val"]).view(-1, w))
-        if rc_pslots:
+        if v["rc_pslots"].numel():
             self.counts.index_fill_(0, v["rc_pslots"], 0.0)
-            if rc_toks:
+            if v["rc_toks"].numel():
                 self.counts.index_put_(
                     (v["rc_rows"], v["rc_toks"]),
-                    torch.ones(len(rc_toks), dtype=torch.float32, device=self.device),
+                    torch.ones(v["rc_toks"].numel(), dtype=torch.float32, device=self.device),
                     accumulate=True,
                 )
-        if pm_pslots:
+        if v["pm_pslots"].numel():
             self.prompt_seen.index_fill_(0, v["pm_pslots"], False)
-            if pm_toks:
+            if v["pm_toks"].numel():
                 self.prompt_seen.index_put_((v["pm_rows"], v["pm_toks"]), self._true)
-        return Prepared(samples, ephemeral, v, pen, bias, topp, rand, seeded, unseeded, expand,
-                        bool(ban_rows), want_logprobs, any_temp, any_min_p, top_ks, top_p_limits)
 
     def finish(self, prep: Prepared) -> None:
         for slot in prep.ephemeral:
             self.drop(slot)
 
 
-__all__ = ["SamplingRow", "RowTables", "Prepared", "Sample", "Slot", "check_ids"]
+__all__ = ["SamplingRow", "RowTables", "Prepared", "Sample", "Slot", "check_ids", "check_logits"]
