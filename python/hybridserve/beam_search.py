@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -86,6 +87,14 @@ class BeamSearch:
     (sample i starts with token i); ``step`` takes the W beams' rows (row i is
     sample i) and returns ``(parents, tokens)``: new beam i continues old beam
     ``parents[i]`` with ``tokens[i]``. ``done`` turns true when the search is over.
+
+    The engine splits a step in two so that every beam request of a batch costs one
+    device->host transfer together: :meth:`candidates` (on the device: each beam's
+    ``keep`` best tokens) and :meth:`advance` (on the host, from those candidates).
+    The global best ``keep`` of (beam's cumulative logprob + token logprob) are among
+    each beam's own best ``keep``, so the choice is the same as over the whole rows.
+    Beams are kept as linked (token, parent) nodes: a step costs O(W), not
+    O(W x generated); a sequence's tokens are materialised once, in :meth:`results`.
     """
 
     def __init__(self, width: int, max_tokens: int, eos_token_ids: list[int], length_penalty: float,
@@ -96,31 +105,44 @@ class BeamSearch:
         self.length_penalty = length_penalty
         self.keep = max(2, 1 + len(self.eos)) * width
         self.generated = 0
-        self.tokens: list[list[int]] = [[] for _ in range(width)]
+        # Beam i's last node: (token, parent node) or None before the first token.
+        self._nodes: list[tuple[int, Any] | None] = [None] * width
         self.cum = torch.zeros(width, dtype=torch.float32)
-        # (score, cum_logprob, generated tokens, finish_reason), best first.
-        self.finished: list[tuple[float, float, list[int], str]] = []
+        # (score, cum_logprob, last node, finish_reason), best first.
+        self.finished: list[tuple[float, float, tuple[int, Any], str]] = []
         self.improvable = True
         self.done = False
 
+    @property
+    def tokens(self) -> list[list[int]]:
+        """The running beams' generated tokens (materialised: O(W x generated))."""
+        return [_materialise(n) for n in self._nodes]
+
+    def candidates(self, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's ``keep`` best (logprob, token id), on the logits' device."""
+        k = min(self.keep, logprobs.shape[-1])
+        return torch.topk(logprobs.float(), k, dim=-1)
+
     def first_step(self, logprobs: torch.Tensor) -> list[int]:
-        start = torch.full((self.width,), -1.0e9, dtype=torch.float32)
-        start[0] = 0.0
-        parents, tokens = self._select(logprobs[None, :].float().expand(self.width, -1), start)
+        (vals, idx), = candidates_to_host([self.candidates(logprobs[None, :])])
+        parents, tokens = self.advance(vals, idx)
         assert all(p == 0 for p in parents)
         return tokens
 
     def step(self, logprobs: torch.Tensor) -> tuple[list[int], list[int]]:
-        return self._select(logprobs.float(), self.cum)
+        (vals, idx), = candidates_to_host([self.candidates(logprobs)])
+        return self.advance(vals, idx)
 
-    def _select(self, logprobs: torch.Tensor, cum: torch.Tensor) -> tuple[list[int], list[int]]:
-        vocab = logprobs.shape[-1]
-        # Scored and cut to 2W candidates where the logits are; only those cross to the host.
-        scores = (logprobs + cum.to(logprobs.device)[:, None]).reshape(-1)
-        top_s, top_i = torch.topk(scores, min(self.keep, scores.numel()))
-        top_s, top_i = top_s.cpu(), top_i.cpu()
-        beam = (top_i // vocab).tolist()
-        tok = (top_i % vocab).tolist()
+    def advance(self, vals: list[list[float]], idx: list[list[int]]) -> tuple[list[int], list[int]]:
+        """One selection from the candidates of :meth:`candidates` (one row: the
+        prompt's, the fork; W rows: the beams'). Returns ``(parents, tokens)``."""
+        rows, k = len(vals), len(vals[0])
+        # float32 on the host, as the device would add them: the same scores.
+        scores = (torch.tensor(vals, dtype=torch.float32) + self.cum[:rows, None]).reshape(-1)
+        top_s, top_j = torch.topk(scores, min(self.keep, scores.numel()))
+        js = top_j.tolist()
+        beam = [j // k for j in js]
+        tok = [idx[j // k][j % k] for j in js]
         gen = self.generated + 1
         eos = set(self.eos)
         hit = [t in eos or gen >= self.max_tokens for t in tok]
@@ -130,14 +152,14 @@ class BeamSearch:
             if hit[j]:
                 s = float(top_s[j])
                 reason = "stop" if tok[j] in eos else "length"
-                self.finished.append((s / lp_len, s, self.tokens[beam[j]] + [tok[j]], reason))
+                self.finished.append((s / lp_len, s, (tok[j], self._nodes[beam[j]]), reason))
         self.finished.sort(key=lambda f: -f[0])
         del self.finished[self.width:]
         masked = top_s + torch.tensor(hit, dtype=torch.float32) * -1.0e9
         sel = torch.topk(masked, self.width).indices.tolist()
         parents = [beam[j] for j in sel]
         tokens = [tok[j] for j in sel]
-        self.tokens = [self.tokens[p] + [t] for p, t in zip(parents, tokens)]
+        self._nodes = [(t, self._nodes[p]) for p, t in zip(parents, tokens)]
         self.cum = masked[sel].clone()
         self.generated = gen
         if len(self.finished) == self.width:
@@ -149,4 +171,30 @@ class BeamSearch:
 
     def results(self) -> list[tuple[float, float, list[int], str]]:
         """The W best finished sequences, best first: (score, cum_logprob, tokens, reason)."""
-        return list(self.finished)
+        return [(score, cum, _materialise(node), reason) for score, cum, node, reason in self.finished]
+
+
+def _materialise(node: tuple[int, Any] | None) -> list[int]:
+    out = []
+    while node is not None:
+        out.append(node[0])
+        node = node[1]
+    out.reverse()
+    return out
+
+
+def candidates_to_host(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[list[list[float]],
+                                                                                       list[list[int]]]]:
+    """The candidates of several beam requests in one device->host transfer."""
+    if not parts:
+        return []
+    flat = torch.cat([t.double().flatten() for v, i in parts for t in (v, i)]).tolist()
+    out, at = [], 0
+    for v, i in parts:
+        rows, k = v.shape
+        n = rows * k
+        vals = [flat[at + r * k: at + (r + 1) * k] for r in range(rows)]
+        idx = [[int(x) for x in flat[at + n + r * k: at + n + (r + 1) * k]] for r in range(rows)]
+        out.append((vals, idx))
+        at += 2 * n
+    return out

@@ -60,7 +60,16 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context
         self._prefix_offset = 0          # start of the left-context window in _ids
         self._read_offset = len(context)  # first token whose text is not emitted yet
-        self.output_text = ""
+        # Emitted text as pieces: `str +=` on an attribute copies the whole string,
+        # O(generated) per token; joined only when read.
+        self._emitted: list[str] = []
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far (the deltas joined)."""
+        if len(self._emitted) > 1:
+            self._emitted[:] = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
     def _decode(self, ids: list[int]) -> str:
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
@@ -83,7 +92,7 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        self.output_text += delta
+        self._emitted.append(delta)
         return delta
 
     def flush(self) -> str:
@@ -95,7 +104,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         delta = new_text[len(prefix_text) :]
-        self.output_text += delta
+        self._emitted.append(delta)
         return delta
 
 
@@ -124,9 +133,25 @@ class StopChecker:
     def _feed(self, text: str):
         if len(text) <= self._read:
             return None
-        self._state, match = self.automaton.feed(self._state, text[self._read:], self._read)
-        self._read = len(text)
+        return self.feed(text[self._read:])
+
+    def feed(self, new_text: str):
+        """Read ``new_text`` (the characters after those read so far) and return the
+        :class:`~hybridserve.stop_strings.StopMatch` of the earliest-starting stop string
+        ending in it, or None. Its ``start`` is an absolute character offset. O(new text)."""
+        if not self.stop or not new_text:
+            self._read += len(new_text)
+            return None
+        self._state, match = self.automaton.feed(self._state, new_text, self._read)
+        self._read += len(new_text)
         return match
+
+    def held_back(self) -> int:
+        """Trailing characters of the text read so far that could still grow into a stop
+        string and so must not be streamed yet (0 when include_stop_str_in_output)."""
+        if self.include or not self.stop:
+            return 0
+        return self.automaton.pending(self._state)
 
     def skip(self, text: str) -> None:
         """Read the characters of ``text`` not read yet without looking for a stop."""
@@ -184,6 +209,12 @@ class CompletionText:
     ends the completion (then ``text`` is already truncated per
     include_stop_str_in_output). ``take_delta(finished)`` returns the text not yet
     streamed that is safe to stream; when ``finished`` it returns everything left.
+
+    Cost per token is O(new text), not O(text so far) nor O(number of stop strings):
+    the text is kept as pieces (joined only when ``text`` is read), the request's stop
+    automaton reads each new character once (its state carries matches that straddle
+    tokens), and the holdback is the automaton's pending prefix: only a tail that could
+    still become a stop string waits.
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
@@ -191,9 +222,22 @@ class CompletionText:
         self.stops = StopChecker(params.stop, params.include_stop_str_in_output, params.stop_automaton)
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
-        self.text = ""
-        self._streamed = 0
+        self._parts: list[str] = []
+        self._len = 0
+        self._streamed = 0     # characters handed out by take_delta
+        self._unstreamed = ""  # text[_streamed:] (bounded by the holdback + one step's text)
         self.stop_string: str | None = None
+
+    @property
+    def text(self) -> str:
+        if len(self._parts) > 1:
+            self._parts[:] = ["".join(self._parts)]
+        return self._parts[0] if self._parts else ""
+
+    def _add(self, delta: str) -> None:
+        self._parts.append(delta)
+        self._len += len(delta)
+        self._unstreamed += delta
 
     def append(self, token_id: int) -> str | None:
         if self.stop_string is not None:
@@ -202,26 +246,38 @@ class CompletionText:
         delta = self.detokenizer.append(token_id)
         if not delta:
             return None
-        self.text += delta
+        self._add(delta)
         # As vLLM: stop strings are not looked for before min_tokens (their text is
         # still read: a stop string may start before min_tokens and end after).
-        if self.num_tokens < self.min_tokens:
-            self.stops.skip(self.text)
+        match = self.stops.feed(delta)
+        if match is None or self.num_tokens < self.min_tokens:
             return None
-        hit, self.text = self.stops.check(self.text)
-        self.stop_string = hit
-        return hit
+        # Truncate where the stop string starts (or ends, when it is kept). A match ends
+        # in the new text and only a possible stop prefix stays unstreamed, so the cut
+        # never reaches streamed text.
+        end = match.start + (len(match.text) if self.stops.include else 0)
+        full = self.text[:end]
+        self._parts[:] = [full] if full else []
+        self._len = len(full)
+        self._unstreamed = full[self._streamed:]
+        self.stop_string = match.text
+        return match.text
 
     def finish(self) -> None:
         """Emit held-back bytes of an incomplete final character (no stop check)."""
         if self.stop_string is None:
-            self.text += self.detokenizer.flush()
+            rest = self.detokenizer.flush()
+            if rest:
+                self._add(rest)
 
     def take_delta(self, finished: bool) -> str:
-        end = self.stops.stream_safe_length(self.text, finished)
-        end = max(end, self._streamed)
-        delta = self.text[self._streamed : end]
-        self._streamed = end
+        held = 0 if finished or self.stop_string is not None else self.stops.held_back()
+        end = len(self._unstreamed) - held
+        if end <= 0:
+            return ""
+        delta = self._unstreamed[:end]
+        self._unstreamed = self._unstreamed[end:]
+        self._streamed += end
         return delta
 
 

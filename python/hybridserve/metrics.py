@@ -129,6 +129,8 @@ _ADMISSION_LIMITS = [
     ("admission_limited_budget", "token_budget"),
 ]
 
+# Step phases run from microseconds (a schedule) to seconds (a long prefill's forward).
+_PHASE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1, 3, 10)
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
@@ -215,6 +217,11 @@ class EngineMetrics:
         self.e2e = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Arrival to finish", labels,
             registry=self.registry, buckets=_LATENCY_BUCKETS)
+        # Per engine step, the wall time of each phase (schedule, prepare_inputs,
+        # forward, sample, process_outputs): where a step's time goes.
+        self.step_phase = Histogram(
+            PREFIX + "step_phase_seconds", "Wall time of one engine step's phase", ["phase"],
+            registry=self.registry, buckets=_PHASE_BUCKETS)
         self._last_token: dict[str, float] = {}
         self._seen_first: set[str] = set()
         self._init_expert_load()
@@ -225,6 +232,8 @@ class EngineMetrics:
             self._core.snapshot = snap
 
     def observe_step(self, engine: Any, outputs: list[Any]) -> None:
+        for phase, seconds in engine.last_step_stats.get("phase_seconds", {}).items():
+            self.step_phase.labels(phase).observe(seconds)
         for out in outputs:
             m = out.metrics
             if m is None:

@@ -1,8 +1,16 @@
 """Result types of a generation, with vLLM's names so that vLLM users' code reads them.
 
 ``LLM.generate`` returns one ``RequestOutput`` per prompt, in prompt order; each holds
-``n`` ``CompletionOutput``s ordered by sample index. The streaming engine yields
-``RequestOutput``s whose completions grow; ``finished`` turns true exactly once.
+``n`` ``CompletionOutput``s ordered by sample index.
+
+The streaming engine yields *incremental* outputs (``delta=True``) while a request
+runs: each holds only the samples that changed in that step, and each of those only
+its new tokens, their logprobs and the new text that is safe to stream (text that could
+still become part of a stop string is held back). The last output of a request
+(``finished=True``, ``delta=False``) carries the whole result once: every sample's full
+text, tokens and logprobs. :class:`DeltaCursor` turns that sequence into "what is new"
+for a consumer that streams, so a step's host work grows with what is new, never with
+what has been generated.
 """
 
 from __future__ import annotations
@@ -67,6 +75,28 @@ class RequestOutput:
     finished: bool
     metrics: Any = None
     prompt_logprobs: Any = None
+    # True: the completions hold only what is new since this request's previous output
+    # (and only the samples that changed); False: the whole result.
+    delta: bool = False
 
 
-__all__ = ["Logprob", "SampleLogprobs", "CompletionOutput", "RequestOutput"]
+class DeltaCursor:
+    """What a consumer has received of one request's completions, so that each output
+    (incremental or the final whole one) yields only its new part."""
+
+    def __init__(self) -> None:
+        self._chars: dict[int, int] = {}
+        self._tokens: dict[int, int] = {}
+
+    def new_part(self, c: CompletionOutput, delta: bool) -> tuple[str, list[int], SampleLogprobs | None]:
+        """(new text, new token ids, their logprobs or None) of completion ``c``."""
+        chars, toks = self._chars.get(c.index, 0), self._tokens.get(c.index, 0)
+        if delta:
+            self._chars[c.index] = chars + len(c.text)
+            self._tokens[c.index] = toks + len(c.token_ids)
+            return c.text, c.token_ids, c.logprobs
+        self._chars[c.index], self._tokens[c.index] = len(c.text), len(c.token_ids)
+        return c.text[chars:], c.token_ids[toks:], c.logprobs[toks:] if c.logprobs is not None else None
+
+
+__all__ = ["Logprob", "SampleLogprobs", "CompletionOutput", "RequestOutput", "DeltaCursor"]

@@ -10,8 +10,9 @@ Float values travel bit-cast (float32 bits in the low half of an int64), so one
 buffer carries everything.
 
 Reuse: the host buffer is rewritten at the next :meth:`StagingBuffer.stage`; before
-that it waits for an event recorded after the previous copy (a host wait on a copy
-that normally finished long ago, never a read of device data).
+that it waits for the event recorded after the previous copy (a host wait on a copy
+that normally finished long ago, never a read of device data); the event is made
+once and re-recorded.
 """
 
 from __future__ import annotations
@@ -67,7 +68,10 @@ class StagingBuffer:
             np.concatenate(arrays, out=self._host_np[:total])
             h2d_copy(self.dev[:total], self.host[:total])
             if self._pin:
-                self._event = torch.cuda.Event()
+                # One event, re-recorded each time (an event per step is an allocation
+                # and a driver call for nothing).
+                if self._event is None:
+                    self._event = torch.cuda.Event()
                 self._event.record()
         views, at = [], 0
         for n in lens:

@@ -221,8 +221,13 @@ def test_bench_throughput_compare_hf_reports_token_identity(model_dir, tmp_path,
         assert c["ratio_vs_" + key] == pytest.approx(
             c["hybridserve"]["output_throughput_tok_s"] / c[key]["output_throughput_tok_s"])
     assert rep["config"]["torch_threads"] == 2
+    # The engine's step phases, per step and per scheduled sequence (issue 20).
+    phases = rep["server"]["step_phases"]
+    assert list(phases) == ["schedule", "prepare_inputs", "forward", "sample", "process_outputs"]
+    assert all(v["us_per_step"] > 0 and 0 < v["us_per_seq"] <= v["us_per_step"] for v in phases.values())
     text = capsys.readouterr().out
     assert "HF generate, static batches of 2" in text and "4/4" in text
+    assert "step phases, us per step / per sequence: schedule" in text
 
 
 def test_seed_scenario_concurrency_matches_the_plan(model_dir, tmp_path):

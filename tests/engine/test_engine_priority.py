@@ -42,7 +42,9 @@ def test_urgent_request_preempts_a_full_batch_and_nobody_loses_tokens(tiny_dirs,
         outs = engine.step()
         metrics.observe_step(engine, outs)
         for o in outs:
-            tokens[o.request_id] = list(o.outputs[0].token_ids)
+            # Running requests report their new tokens; the finished one, all of them.
+            new = list(o.outputs[0].token_ids)
+            tokens[o.request_id] = tokens[o.request_id] + new if o.delta else new
 
     for _ in range(3):
         step()

@@ -2,9 +2,9 @@
 
 A recording shim on :func:`hybridserve.staging.h2d_copy` counts the host->device
 copies of every engine step: the runner sends the whole plan (block-table updates,
-copy-on-write and fork copy lists, tokens, positions, slot mapping, ...) in exactly
-one copy, and the sampler its row data in one more; nothing else in the step goes
-through a staging copy. On a GPU, benches/gpu_check.py asserts the stronger property
+copy-on-write and fork copy lists, tokens, positions, slot mapping, ...) and the
+sampler's row data in exactly one copy; nothing else in the step goes through a
+staging copy. On a GPU, benches/gpu_check.py asserts the stronger property
 (no synchronising call in a decode step) with torch.cuda.set_sync_debug_mode.
 """
 
@@ -19,7 +19,7 @@ from hybridserve.runner.cuda_graphs import DecodeGraphs, bucket_for, decode_buck
 from hybridserve.sampling import SamplingParams
 
 
-def test_one_runner_copy_and_one_sampler_copy_per_step(tiny_dirs, monkeypatch):
+def test_one_staging_copy_per_step_for_the_plan_and_the_sampler(tiny_dirs, monkeypatch):
     engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32",
                                   block_size=4, max_num_seqs=8, num_gpu_blocks=64, num_state_slots=16))
     assert engine.runner.graphs is None and not engine.use_cuda_graphs  # never on the CPU
@@ -50,16 +50,18 @@ def test_one_runner_copy_and_one_sampler_copy_per_step(tiny_dirs, monkeypatch):
         return orig(plan, *a)
 
     monkeypatch.setattr(engine.runner, "stage", stage)
-    steps = 0
+    steps = sampled_steps = 0
     while engine.has_unfinished_requests():
         calls.clear()
         engine.step()
         saw_copies |= plan_copies[-1] > 0
-        assert calls.count("runner") == 1, calls
-        assert calls.count("other") <= 1, calls  # the sampler's, on steps that sample
+        # The sampler's row data rode in the runner's copy: no copy of its own.
+        assert calls == ["runner"], calls
+        sampled_steps += engine.last_step_stats["num_scheduled_seqs"] > 0
         steps += 1
         assert steps < 50
     assert saw_copies, "the scenario should exercise copy-on-write / fork copies"
+    assert sampled_steps >= 5
     assert engine.sampler.num_tracked_rows == 0, "finished requests must release their sampler rows"
 
 

@@ -172,7 +172,7 @@ def test_serve_refuses_max_model_len_above_the_models(tiny_dir, capsys):
 
 def test_start_up_memory_line_counts_weights_pools_and_runtime(live, tiny_dir):
     """Oracles: the checkpoint's parameter count (float32 on CPU: 4 bytes each) and the
-    planner's pool arithmetic, which the allocated cache must match byte for byte."""
+    planner's arena arithmetic, which the allocated cache must match byte for byte."""
     import glob
     import math
 
@@ -185,9 +185,9 @@ def test_start_up_memory_line_counts_weights_pools_and_runtime(live, tiny_dir):
         with safe_open(f, "pt") as g:
             params += sum(math.prod(g.get_slice(k).get_shape()) for k in g.keys())
     m = memory_held(live.engine)
-    plan = live.engine.pool_plan
+    plan = live.engine.arena_plan
     assert m["weights"] == 4 * params
-    assert m["pools"] == plan.kv_pool_bytes + plan.state_pool_bytes
+    assert m["pools"] == plan.arena_bytes == plan.total_pages * plan.layout.page_bytes
     assert m["total"] == m["weights"] + m["pools"] + m["runtime"] and m["runtime"] > 0
     assert m["total"] >= m["host_resident"] * 0.9  # on CPU the resident set is what is held
     line = memory_held_line(live.engine)

@@ -31,6 +31,17 @@ def prefix_skip_key(stats: dict[str, Any]) -> tuple[str, str]:
     return "prefix_hit_tokens", "engine stat 'prefix_hit_tokens' (KV-matched tokens; no skipped-token counter in this build)"
 
 
+def phase_report(before: dict[str, float], after: dict[str, float], steps: int,
+                 seq_steps: int) -> dict[str, dict[str, float]]:
+    """Per phase of the engine's step (``stats()["step_phase_seconds"]`` taken before
+    and after a run): microseconds per step and per scheduled sequence per step."""
+    out = {}
+    for phase, total in after.items():
+        sec = total - before.get(phase, 0.0)
+        out[phase] = {"us_per_step": 1e6 * sec / max(steps, 1), "us_per_seq": 1e6 * sec / max(seq_steps, 1)}
+    return out
+
+
 class _Timed:
     """Wraps a callable and accumulates its wall time (for the step breakdown)."""
 
@@ -94,6 +105,7 @@ def run_engine(
     nxt = 0
     out_total = 0
     steps = 0
+    seq_steps = 0  # sequences scheduled, summed over steps (for per-sequence phase costs)
     saved_emit = engine.emit_unfinished
     engine.emit_unfinished = False
     timeline.append({"t": 0.0, "running": 0, "waiting": 0, "kv_blocks_used": stats0.get("used_blocks", 0),
@@ -131,6 +143,7 @@ def run_engine(
                 })
             engine.step()
             steps += 1
+            seq_steps += engine.last_step_stats["num_scheduled_seqs"]
             t = time.perf_counter() - start
             done = []
             for i, state in live.items():
@@ -189,6 +202,8 @@ def run_engine(
         "prefix_tokens_skipped": int(s1.get(skip_key, 0) - stats0.get(skip_key, 0)),
         "prefix_tokens_skipped_source": skip_source,
     }
+    server["step_phases"] = phase_report(stats0.get("step_phase_seconds", {}),
+                                         s1.get("step_phase_seconds", {}), steps, seq_steps)
     if breakdown:
         sched = engine.scheduler.schedule.seconds + engine.scheduler.update.seconds
         wall = max(duration, 1e-9)

@@ -168,6 +168,10 @@ def render_table(report: dict[str, Any]) -> str:
             srv.get("prefix_tokens_skipped_source") or "not reported",
         )
     )
+    phases = srv.get("step_phases")
+    if phases:
+        lines.append("step phases, us per step / per sequence: " + " | ".join(
+            f"{name} {v['us_per_step']:.0f} / {v['us_per_seq']:.1f}" for name, v in phases.items()))
     b = srv.get("step_breakdown")
     if b:
         lines.append(

@@ -21,6 +21,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,11 @@ from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
 
 logger = logging.getLogger("hybridserve.engine")
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 class EngineDeadError(RuntimeError):
@@ -111,10 +117,14 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
+                t0 = time.perf_counter()
+                self._deliver_all(outputs)
+                # The hand-off to the clients is part of processing the step's outputs.
+                handoff = time.perf_counter() - t0
+                self.engine.add_phase_time("process_outputs", handoff)
+                self.engine.last_step_stats["phase_seconds"]["process_outputs"] += handoff
                 if self.on_step is not None:
                     self.on_step(self.engine, outputs)
-                for out in outputs:
-                    self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
             logger.exception("engine thread died")
             self._dead = e
@@ -170,6 +180,22 @@ class AsyncEngine:
             loop.call_soon_threadsafe(q.put_nowait, item)
         except RuntimeError:  # the client's loop is closed
             self._streams.pop(request_id, None)
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs, one wake-up per client event loop (not one per output:
+        each ``call_soon_threadsafe`` writes to the loop's self-pipe)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        streams = self._streams
+        for out in outputs:
+            entry = streams.get(out.request_id)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the client's loop is closed
+                for q, out in items:
+                    self._streams.pop(out.request_id, None)
 
     def _submit(self, cmd: str, arg: Any) -> concurrent.futures.Future:
         if self._dead is not None:

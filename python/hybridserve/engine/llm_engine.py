@@ -27,7 +27,7 @@ import torch
 
 from hybridserve import _core
 from hybridserve import planner
-from hybridserve.beam_search import BeamSearch, BeamSearchParams
+from hybridserve.beam_search import BeamSearch, BeamSearchParams, candidates_to_host
 from hybridserve.config import ModelConfig
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.request_state import RequestState
@@ -85,6 +85,19 @@ def _resolve_model_dtype(dtype: str, config: ModelConfig, device: torch.device) 
         return resolve_dtype(config.torch_dtype) if device.type == "cuda" else torch.float32
     return resolve_dtype(dtype)
 
+
+def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``t[rows]``: a view when the rows are consecutive (no index tensor to copy to
+    the device), else a gather."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0]:rows[0] + len(rows)]
+    return t.index_select(0, torch.tensor(rows, device=t.device))
+
+
+# The phases of one step, in order: the scheduler's plan; the runner's staging copy,
+# table updates and batch; the model; sampling (rows, sampler, beams, logprobs); and
+# the scheduler's update, detokenization, stop strings and the outputs handed back.
+STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "process_outputs")
 
 # Rows of prompt logits turned into log-probabilities at a time (bounds the float32 copy).
 PROMPT_LOGPROB_SLICE = 256
@@ -203,6 +216,8 @@ class LLMEngine:
         self._counter = 0
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
+        # Cumulative wall seconds of each phase of step() (see STEP_PHASES).
+        self._phase_seconds: dict[str, float] = dict.fromkeys(STEP_PHASES, 0.0)
         # Streaming consumers want every changed request each step; an offline loop
         # only wants finished ones, and skipping the rest keeps a step from copying
         # every running request's tokens (O(generated) per request per step).
@@ -368,7 +383,11 @@ class LLMEngine:
 
     def _beam_select(self, plan: Any, step: Any, sampled: np.ndarray) -> list[str]:
         """Replaces the sampled tokens of beam requests by the search's choice and
-        re-parents their beams in the scheduler; returns the requests whose search ended."""
+        re-parents their beams in the scheduler; returns the requests whose search ended.
+
+        Every beam request's candidates come to the host in one transfer; the engine
+        keeps no per-beam token lists (the search holds the beams), so a step moves
+        only what changed."""
         req_ids = plan.request_ids
         rows: dict[str, dict[int, tuple[int, int]]] = {}
         off = 0
@@ -377,26 +396,24 @@ class LLMEngine:
             if rid in self._beams:
                 rows.setdefault(rid, {})[int(plan.sample_indices[b]) if k == 1 else -1] = (row, off)
             off += k
-        ended = []
-        # One log-softmax for every beam row of the step.
-        all_rows = [r for got in rows.values() for r, _ in got.values()]
-        lps_all = torch.log_softmax(step.logits[all_rows].float(), dim=-1)
-        at = {r: i for i, r in enumerate(all_rows)}
+        work, parts = [], []
         for rid, got in rows.items():
             bs = self._beams[rid]
-            state = self.requests[rid]
-            if -1 in got:  # the prompt's last row: the fork
-                row, off = got[-1]
-                toks = bs.first_step(lps_all[at[row]])
-                sampled[off:off + bs.width] = toks
+            # The prompt's last row (the fork), or the W beams' rows in sample order.
+            fork = -1 in got
+            order = [got[-1]] if fork else [got[i] for i in range(bs.width)]
+            lps = torch.log_softmax(_rows(step.logits, [r for r, _ in order]).float(), dim=-1)
+            parts.append(bs.candidates(lps))
+            work.append((rid, bs, order, fork))
+        ended = []
+        for (rid, bs, order, fork), (vals, idx) in zip(work, candidates_to_host(parts)):
+            parents, toks = bs.advance(vals, idx)
+            if fork:
+                o = order[0][1]
+                sampled[o:o + bs.width] = toks
             else:
-                order = [got[i] for i in range(bs.width)]
-                parents, toks = bs.step(lps_all[[at[r] for r, _ in order]])
                 if parents != list(range(bs.width)):
                     self.scheduler.reorder_beams(rid, parents)
-                    old = [list(s.token_ids) for s in state.samples]
-                    for i, p in enumerate(parents):
-                        state.samples[i].token_ids = list(old[p])
                 for i, (_, o) in enumerate(order):
                     sampled[o] = toks[i]
             if bs.done:
@@ -435,42 +452,55 @@ class LLMEngine:
         return bool(self.requests)
 
     # -------------------------------------------------------------------- step
-    def _sampling_rows(self, plan: Any, step: Any) -> list[SamplingRow]:
+    def _sampling_rows(self, plan: Any, batch_index: np.ndarray, num_samples: np.ndarray) -> list[SamplingRow]:
+        """The sampler's rows of a step. A sample's row is made once and kept on its
+        SampleState (its fields are the same objects every step: the params, the
+        growing token list, the stream), so a decode step costs a lookup per row."""
         rows = []
         req_ids = plan.request_ids
         sample_indices = plan.sample_indices
-        for b, k in zip(step.batch_index.tolist(), step.num_samples.tolist()):
-            state = self.requests[req_ids[b]]
-            si = int(sample_indices[b])
-            sample = state.samples[si]
+        requests = self.requests
+        eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        for b, k in zip(batch_index.tolist(), num_samples.tolist()):
+            rid = req_ids[b]
+            state = requests[rid]
             if k > 1:
                 rows.append(SamplingRow(
                     params=state.params,
                     prompt_token_ids=state.prompt_token_ids,
-                    output_token_ids=sample.token_ids,
+                    output_token_ids=state.samples[0].token_ids,
                     num_samples=k,
                     generators=[state.samples[i].generator for i in range(k)],
-                    keys=[(req_ids[b], i) for i in range(k)],
-                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+                    keys=[(rid, i) for i in range(k)],
+                    eos_token_id=eos,
                 ))
-            else:
-                rows.append(SamplingRow(
+                continue
+            sample = state.samples[int(sample_indices[b])]
+            row = sample.sampling_row
+            if row is None:
+                row = sample.sampling_row = SamplingRow(
                     params=state.params,
                     prompt_token_ids=state.prompt_token_ids,
                     output_token_ids=sample.token_ids,
                     generator=sample.generator,
-                    key=(req_ids[b], si),
-                    eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
-                ))
+                    key=(rid, sample.index),
+                    eos_token_id=eos,
+                )
+            rows.append(row)
         return rows
 
     def step(self) -> list[RequestOutput]:
         """Advance every scheduled sequence by one step; return the outputs that changed
-        (only the finished ones when ``emit_unfinished`` is False)."""
-        t0 = time.monotonic()
+        (only the finished ones when ``emit_unfinished`` is False).
+
+        Each phase's wall time is added to ``stats()["step_phase_seconds"]`` and given
+        for this step in ``last_step_stats["phase_seconds"]``: consecutive clock reads,
+        so the five add up to the step's time."""
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         now = time.monotonic()
-        changed: dict[str, RequestState] = {}
+        # Requests that changed this step -> the indices of their samples that did.
+        changed: dict[str, set[int]] = {}
         for rid, cause in zip(plan.preempted, plan.preempted_causes):
             st = self.requests.get(rid)
             if st is not None:
@@ -486,14 +516,46 @@ class LLMEngine:
                 st.metrics.queue_delay = queue_delay
 
         want = self._prompt_logprob_rows(plan) if self._prompt_logprobs else ()
-        # The one-argument call in the common case keeps runner wrappers (tests,
-        # benches) that take only the plan working.
-        step = self.runner.execute(plan, want) if want else self.runner.execute(plan)
+        t_sched = time.perf_counter()
+        runner = self.runner
+        runner.inputs_ready_at = None
+        # The sampler's rows are known from the plan: its index lists travel in the
+        # runner's staging copy (one host->device copy per step). A sampler that is
+        # not ours (a test's, a bench's wrapper) is simply called with the logits.
+        prep = None
+        if isinstance(self.sampler, Sampler):
+            num_samples = np.asarray(plan.num_samples)
+            batch_index = np.nonzero(num_samples > 0)[0]
+            if len(batch_index):
+                prep = self.sampler.plan(self._sampling_rows(plan, batch_index, num_samples[batch_index]),
+                                         self.model_config.vocab_size, self.device)
+                runner.extra_segments = prep.segments
+        runner.extra_views = None
+        try:
+            # The one-argument call in the common case keeps runner wrappers (tests,
+            # benches) that take only the plan working.
+            step = runner.execute(plan, want) if want else runner.execute(plan)
+        except BaseException:
+            if prep is not None:
+                self.sampler.discard(prep)
+            raise
+        finally:
+            runner.extra_segments = None
+        t_fwd = time.perf_counter()
+        # The runner stamps the end of its input preparation; a wrapper that did not
+        # run the real runner leaves no stamp and the whole call counts as forward.
+        t_prep = getattr(self.runner, "inputs_ready_at", None)
+        if t_prep is None or not t_sched <= t_prep <= t_fwd:
+            t_prep = t_sched
         if step is not None and step.prompt_spans:
             self._record_prompt_logprobs(plan, step)
         if step is not None and len(step.batch_index):
-            rows = self._sampling_rows(plan, step)
-            out = self.sampler(step.logits, rows)
+            if prep is not None:
+                views, runner.extra_views = runner.extra_views, None
+                out = self.sampler.sample_planned(step.logits, prep, views)
+                prep = None
+            else:
+                out = self.sampler(step.logits, self._sampling_rows(plan, step.batch_index, step.num_samples))
             sampled = np.asarray(out.token_ids, dtype=np.int32)
             beams_ended = self._beam_select(plan, step, sampled) if self._beams else ()
             self._record_logprobs(plan, step, out)
@@ -501,24 +563,34 @@ class LLMEngine:
             out = None
             sampled = np.zeros(0, dtype=np.int32)
             beams_ended = ()
+        if prep is not None:  # planned rows the step did not sample
+            self.sampler.discard(prep)
+        t_sample = time.perf_counter()
         update = self.scheduler.update(sampled)
         now = time.monotonic()
 
-        for rid, si, tok in zip(update.request_ids, update.sample_indices, update.token_ids):
-            state = self.requests.get(rid)
+        requests = self.requests
+        for rid, si, tok in zip(update.request_ids, np.asarray(update.sample_indices).tolist(),
+                                np.asarray(update.token_ids).tolist()):
+            state = requests.get(rid)
             if state is None:
                 continue
-            sample = state.samples[int(si)]
-            sample.token_ids.append(int(tok))
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-            changed[rid] = state
+            sample = state.samples[si]
+            sample.token_ids.append(tok)
+            m = state.metrics
+            if m.first_token_time is None:
+                m.first_token_time = now
+            m.last_token_time = now
+            got = changed.get(rid)
+            if got is None:
+                changed[rid] = {si}
+            else:
+                got.add(si)
             if sample.completion is not None and sample.finish_reason is None:
-                hit = sample.completion.append(int(tok))
+                hit = sample.completion.append(tok)
                 if hit is not None:
                     sample.finish_reason, sample.stop_reason = "stop", hit
-                    self.scheduler.finish(rid, int(si), "stop")
+                    self.scheduler.finish(rid, si, "stop")
         for rid, si, reason in zip(
             update.finished_request_ids, update.finished_sample_indices, update.finished_reasons
         ):
@@ -534,7 +606,7 @@ class LLMEngine:
                     sample.stop_reason = last
                 if sample.completion is not None:
                     sample.completion.finish()
-            changed[rid] = state
+            changed.setdefault(rid, set()).add(int(si))
 
         for rid in beams_ended:
             # The search is over before max_tokens: no running beam can beat the
@@ -546,33 +618,51 @@ class LLMEngine:
                     self.scheduler.finish(rid, i, "stop")
                 for sample in state.samples:
                     sample.finish_reason = sample.finish_reason or "stop"
-                changed[rid] = state
+                changed.setdefault(rid, set())
 
+        # Running requests report only what is new (delta outputs); a finished one
+        # reports its whole result once.
         outputs = []
-        for rid, state in changed.items():
-            if state.finished:
-                state.metrics.finished_time = now
-                del self.requests[rid]
-                self._release_sampler_rows(rid, state)
-            elif not self.emit_unfinished or rid in self._beams:
-                continue  # beams are reported once, finished (their order changes every step)
-            if rid in self._beams:
-                outputs.append(self._beam_output(rid, state))
-                del self._beams[rid]
+        requests, beams, emit = self.requests, self._beams, self.emit_unfinished
+        for rid, changed_samples in changed.items():
+            state = requests.get(rid)
+            if state is None:
                 continue
-            out_ = state.to_output()
-            if rid in self._prompt_logprobs:
+            finished = state.finished
+            if finished:
+                state.metrics.finished_time = now
+                del requests[rid]
+                self._release_sampler_rows(rid, state)
+            elif not emit or rid in beams:
+                continue  # beams are reported once, finished (their order changes every step)
+            if beams and rid in beams:
+                outputs.append(self._beam_output(rid, state))
+                del beams[rid]
+                continue
+            out_ = state.to_output() if finished else state.delta_output(changed_samples)
+            if self._prompt_logprobs and rid in self._prompt_logprobs:
                 out_.prompt_logprobs = self._prompt_logprobs[rid][1]
-                if state.finished:
+                if finished:
                     del self._prompt_logprobs[rid]
             outputs.append(out_)
         self.step_count += 1
+        t_end = time.perf_counter()
+        phases = (t_sched - t0, t_prep - t_sched, t_fwd - t_prep, t_sample - t_fwd, t_end - t_sample)
+        acc = self._phase_seconds
+        for name, dt in zip(STEP_PHASES, phases):
+            acc[name] += dt
         self.last_step_stats = {
             "num_scheduled_seqs": len(plan.request_ids),
             "num_batched_tokens": len(plan.input_ids),
-            "step_seconds": now - t0,
+            "step_seconds": t_end - t0,
+            "phase_seconds": dict(zip(STEP_PHASES, phases)),
         }
         return outputs
+
+    def add_phase_time(self, phase: str, seconds: float) -> None:
+        """Adds host work done for the engine outside ``step()`` (the async engine's
+        hand-off of outputs to the clients' queues) to a phase's total."""
+        self._phase_seconds[phase] += seconds
 
     def _prompt_logprob_rows(self, plan: Any) -> list[int]:
         """Batch indices of sequences still prefilling positions whose prompt logprobs
@@ -651,5 +741,6 @@ class LLMEngine:
         d["padding_bytes"] = d["kv_pages"] * lay.kv_padding_bytes + states * lay.state_padding_bytes
         # [(cause, victim request_class, count)]: JSON-friendly.
         d["preemptions_by"] = [(c, k, n) for (c, k), n in sorted(self.preemptions_by.items())]
+        d["step_phase_seconds"] = dict(self._phase_seconds)
         return d
 

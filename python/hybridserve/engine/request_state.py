@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -29,8 +30,10 @@ class SampleState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # Tokens already handed to a streaming client.
+    # Tokens already handed out in incremental outputs.
     streamed_tokens: int = 0
+    # The sampler's row for this sample, made at its first decode and reused.
+    sampling_row: Any = None
 
     @property
     def text(self) -> str:
@@ -39,6 +42,22 @@ class SampleState:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def delta_output(self) -> CompletionOutput:
+        """What is new since the last output: the tokens (and their logprobs) past
+        ``streamed_tokens`` and the text that is safe to stream (a possible stop-string
+        prefix held back until it is decided). O(new), not O(generated)."""
+        n0 = self.streamed_tokens
+        self.streamed_tokens = len(self.token_ids)
+        return CompletionOutput(
+            index=self.index,
+            text=self.completion.take_delta(self.finished) if self.completion is not None else "",
+            token_ids=self.token_ids[n0:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs[n0:] if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
 
     def to_output(self) -> CompletionOutput:
         return CompletionOutput(
@@ -69,7 +88,10 @@ class RequestMetrics:
 class RequestState:
     request_id: str
     prompt: str | None
-    prompt_token_ids: list[int]
+    # A tuple: CPython stops tracking a tuple of ints in the garbage collector, so a
+    # long prompt costs full collections nothing (a list's every element is visited
+    # by each one: O(context) host time per collection).
+    prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     samples: list[SampleState]
     metrics: RequestMetrics
@@ -107,7 +129,7 @@ class RequestState:
         return cls(
             request_id=request_id,
             prompt=prompt,
-            prompt_token_ids=list(prompt_token_ids),
+            prompt_token_ids=tuple(prompt_token_ids),
             params=params,
             samples=samples,
             metrics=RequestMetrics(
@@ -119,9 +141,28 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.samples)
+        samples = self.samples
+        if len(samples) == 1:  # the common case, asked several times per step
+            return samples[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in samples)
+
+    def delta_output(self, sample_indices: Iterable[int]) -> RequestOutput:
+        """An incremental output (``delta=True``) holding only the samples in
+        ``sample_indices`` (those that changed this step), each with only what is new.
+        The prompt is the request's own tuple, shared, not copied."""
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[self.samples[i].delta_output()
+                     for i in (sample_indices if len(sample_indices) == 1 else sorted(sample_indices))],
+            finished=False,
+            metrics=self.metrics,
+            delta=True,
+        )
 
     def to_output(self) -> RequestOutput:
+        """The whole result (``delta=False``): every sample's text, tokens and logprobs."""
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,

@@ -19,8 +19,9 @@ plan tells it, in this order each step:
    only for the rows that sample this step.
 
 Everything the step sends to the device (block-table updates, copy lists, token ids,
-positions, slot mapping, ...) is written into one host staging buffer (pinned on CUDA)
-and copied once (:class:`hybridserve.staging.StagingBuffer`); index ranges are checked
+positions, slot mapping, ..., and the sampler's row indices the engine hands over in
+``extra_segments``) is written into one host staging buffer (pinned on CUDA) and copied
+once (:class:`hybridserve.staging.StagingBuffer`); index ranges are checked
 on the host arrays before they travel, so no step reads device data back. Pure-decode
 steps run from captured CUDA graphs when ``graphs`` is set (see
 :mod:`hybridserve.runner.cuda_graphs`); every other step runs eagerly.
@@ -28,6 +29,7 @@ steps run from captured CUDA graphs when ``graphs`` is set (see
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,6 +84,12 @@ class ModelRunner:
         # A DecodeGraphs (CUDA only, set by the engine); None runs every step eagerly.
         self.graphs: Any = None
         self._staged: dict[str, torch.Tensor] = {}
+        # perf_counter() when the last execute() finished preparing its inputs.
+        self.inputs_ready_at: float | None = None
+        # Set before execute(): more int64 segments for the step's one staging copy;
+        # their device views are in extra_views afterwards (None if none were staged).
+        self.extra_segments: list | None = None
+        self.extra_views: list[torch.Tensor] | None = None
 
     _SEGMENTS = ("upd_rows", "upd_cols", "upd_vals", "st_rows", "st_cols", "st_vals", "page_copies",
                  "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table_rows",
@@ -119,7 +127,12 @@ class ModelRunner:
             qsl, plan.seq_lens, plan.block_table_rows,
             np.asarray(plan.num_computed_tokens) > 0, logits_indices, ck_pos, ck_pages,
         ]
-        self._staged = dict(zip(self._SEGMENTS, self.staging.stage(segs)))
+        # Segments another stage of the step asked to travel in this same copy (the
+        # sampler's row indices): one host->device copy per step.
+        extra, self.extra_segments = self.extra_segments, None
+        views = self.staging.stage(segs + list(extra) if extra is not None else segs)
+        self._staged = dict(zip(self._SEGMENTS, views))
+        self.extra_views = views[len(self._SEGMENTS):] if extra is not None else None
         self._host = (qsl, sampling, num_samples[sampling])
         self._has_checkpoints = len(ck_pos) > 0
         return self._staged
@@ -183,8 +196,6 @@ class ModelRunner:
             has_initial_state=s["has_initial_state"].to(torch.bool),
             logits_indices=s["logits_indices"],
             **ck,
-            query_start_loc_host=qsl.tolist(),
-            seq_lens_host=seq_lens.tolist(),
         )
         return batch, sampling, num_samples
 
@@ -198,8 +209,11 @@ class ModelRunner:
         self.apply_block_table_updates(plan)
         self.apply_copies(plan)
         if len(plan.input_ids) == 0:
+            self.inputs_ready_at = time.perf_counter()
             return None
         batch, sampling, num_samples = self.build_batch(plan, all_positions)
+        # The engine's step timer splits "prepare inputs" from "forward" here.
+        self.inputs_ready_at = time.perf_counter()
         if self.graphs is not None and not len(all_positions) and self.graphs.can_run(batch):
             logits = self.graphs.run(batch, self.block_table_buf, self._staged["block_table_rows"])
         else:

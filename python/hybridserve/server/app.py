@@ -27,10 +27,10 @@ from aiohttp import ClientPayloadError, web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from hybridserve.detokenizer import StopChecker
 from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
+from hybridserve.outputs import DeltaCursor
 from hybridserve.server import protocol
 from hybridserve.server.access_log import REQUEST_ID_KEY, USAGE_KEY
 from hybridserve.server.http_protocol import describe_rejection, peer_eof
@@ -159,37 +159,6 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise InvalidRequest("the request body must be a JSON object")
     return body
-
-
-class _Deltas:
-    """Per-choice text and tokens already streamed. Text is held back only while its
-    tail could still grow into a stop string (one automaton per request, read once per
-    character), so text that cannot match streams at once."""
-
-    def __init__(self, n: int, params: Any) -> None:
-        self.sent = [0] * n
-        self.sent_tokens = [0] * n
-        hold = bool(params.stop) and not params.include_stop_str_in_output
-        self.checkers = [StopChecker(params.stop, False, params.stop_automaton) if hold else None
-                         for _ in range(n)]
-
-    def take(self, index: int, text: str, finished: bool) -> str:
-        checker = self.checkers[index]
-        if finished or checker is None:
-            end = len(text)
-        else:
-            checker.skip(text)
-            end = checker.stream_safe_length(text, False)
-        start = self.sent[index]
-        if end <= start:
-            return ""
-        self.sent[index] = end
-        return text[start:end]
-
-    def take_tokens(self, index: int, n: int) -> tuple[int, int]:
-        start = self.sent_tokens[index]
-        self.sent_tokens[index] = n
-        return start, n
 
 
 def _check_prompt_chars(request: web.Request, n_chars: int) -> None:
@@ -394,7 +363,10 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     n = params.n
-    deltas = _Deltas(n * len(streams), params)
+    # The engine streams deltas (stop-string prefixes already held back) and the whole
+    # result once at the end; a cursor per stream turns both into what is new.
+    cursors = [DeltaCursor() for _ in streams]
+    finished_sent: set[int] = set()
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
     k = params.logprobs or 0
@@ -418,14 +390,16 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
             choices = []
             for c in out.outputs:
                 index = si * n + c.index
+                if index in finished_sent:
+                    continue  # its finish went out with an earlier delta
                 done = c.finish_reason is not None
-                text = deltas.take(index, c.text, done)
-                start, end = deltas.take_tokens(index, len(c.token_ids)) if c.logprobs is not None else (0, 0)
-                if not text and not done and start == end:
+                text, new_ids, new_lps = cursors[si].new_part(c, out.delta)
+                if not text and not done and not (new_lps and new_ids):
                     continue
+                if done:
+                    finished_sent.add(index)
                 if chat:
-                    lp = protocol.chat_logprobs(tt, c.token_ids[start:end], c.logprobs[start:end], k) \
-                        if c.logprobs is not None else None
+                    lp = protocol.chat_logprobs(tt, new_ids, new_lps, k) if new_lps is not None else None
                     choices.append({"index": index, "delta": {"content": text} if text or not done else {},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
                 else:
@@ -434,8 +408,8 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                     if first_echo:
                         echoed.add(index)
                         text = echo_texts[si] + text
-                    if c.logprobs is not None:
-                        ids, ents = c.token_ids[start:end], c.logprobs[start:end]
+                    if new_lps is not None:
+                        ids, ents = new_ids, new_lps
                         if first_echo:
                             ids = list(out.prompt_token_ids) + ids
                             ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents

@@ -274,7 +274,7 @@ def memory_held_line(engine: Any) -> str:
 
     m = memory_held(engine)
     line = (f"memory held ({m['where']}): {format_mib(m['total'])} = weights {format_mib(m['weights'])} + "
-            f"KV/state pools {format_mib(m['pools'])} + runtime {format_mib(m['runtime'])}")
+            f"cache arena {format_mib(m['pools'])} + runtime {format_mib(m['runtime'])}")
     if m["where"] != "host":
         line += f"; host resident set {format_mib(m['host_resident'])}"
     return line

@@ -71,7 +71,8 @@ impl Scheduler {
     /// next append), its old blocks are released (freed when no one else holds
     /// them), and the parent's DeltaNet state is copied into its pages by the
     /// next plan's `state_copies` (a permutation is safe: copies are one gather,
-    /// then one scatter). `update()` then appends beam i's token. O(W x blocks).
+    /// then one scatter). `update()` then appends beam i's token. O(moved beams x
+    /// (blocks + generated tokens)): beams that keep their parent are not touched.
     pub fn reorder_beams(&mut self, id: &str, parents: &[u32]) -> Result<(), SchedError> {
         let h = self.handle(id)?;
         let req = self.requests[h as usize].as_ref().expect("known handle");
@@ -91,21 +92,34 @@ impl Scheduler {
             return Ok(());
         }
         let mut req = self.requests[h as usize].take().expect("known handle");
-        let new_tables: Vec<_> = parents.iter().map(|&p| self.cache.kv.fork(&req.seqs[p as usize].table)).collect();
-        let new_tokens: Vec<Vec<u32>> = parents.iter().map(|&p| req.seqs[p as usize].tokens.clone()).collect();
+        // Only beams that change parent move, and only what differs: every beam
+        // holds the prompt, so a moved beam takes its parent's generated tokens; its
+        // block-table row is resent from the first block that differs.
+        let prompt_len = req.prompt_len;
+        let moved: Vec<usize> = (0..w).filter(|&i| parents[i] as usize != i).collect();
+        let new_tables: Vec<_> =
+            moved.iter().map(|&i| self.cache.kv.fork(&req.seqs[parents[i] as usize].table)).collect();
+        let tails: Vec<Vec<u32>> =
+            moved.iter().map(|&i| req.seqs[parents[i] as usize].tokens[prompt_len..].to_vec()).collect();
         let states: Vec<StateId> = req.seqs.iter().map(|s| s.state.expect("running beam has a state")).collect();
-        for (i, (mut t, toks)) in new_tables.into_iter().zip(new_tokens).enumerate() {
+        for ((&i, mut t), tail) in moved.iter().zip(new_tables).zip(tails) {
             let p = parents[i] as usize;
             let s = &mut req.seqs[i];
             std::mem::swap(&mut s.table, &mut t);
-            self.cache.kv.free(&mut t);
-            s.tokens = toks;
-            // Every cell of the row may differ now: resend it.
-            s.bt_synced = 0;
-            if p != i {
-                self.pending_state_copies.push(PendingStateCopy { req: h, seq_id: s.seq_id, src: states[p], dst: states[i] });
-                self.state_fork_copies += 1;
+            let (old, new) = (t.blocks(), s.table.blocks());
+            let same = old.iter().zip(new).take_while(|(a, b)| a == b).count();
+            if same < s.bt_synced {
+                // Columns before bt_synced - 1 hold the old table's blocks.
+                s.bt_synced = same;
+                if same > 0 {
+                    s.bt_last = old[same - 1];
+                }
             }
+            self.cache.kv.free(&mut t);
+            s.tokens.truncate(prompt_len);
+            s.tokens.extend_from_slice(&tail);
+            self.pending_state_copies.push(PendingStateCopy { req: h, seq_id: s.seq_id, src: states[p], dst: states[i] });
+            self.state_fork_copies += 1;
         }
         self.requests[h as usize] = Some(req);
         Ok(())

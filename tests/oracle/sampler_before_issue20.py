@@ -1,3 +1,6 @@
+# A frozen copy of python/hybridserve/sampler.py as of commit 6c663d6 (before issue 20
+# reworked the sampler into the hybridserve.sampler package). tests/test_sampler_oracle.py
+# holds the new sampler to this one's outputs for the same seeds. Do not edit.
 """The batched sampler: one token per sample from a step's logits.
 
 Processing order is vLLM v1's, per sample row:

@@ -1,0 +1,368 @@
+"""Host work per decode step, per sequence, at short and long contexts (issue 20).
+
+256 sequences of the ~10M-parameter ``bench`` model decode together through the
+:class:`AsyncEngine` (the server's path: the engine on its thread, one asyncio
+consumer per request reading its outputs). For each context length and sampling
+mode the pure-decode steps are timed from outside the engine, the same way for any
+version of the package:
+
+* ``schedule``  - ``Scheduler.schedule`` (Rust) wall time;
+* ``prepare``   - ``ModelRunner.execute`` minus the model call (staging, tables, batch);
+* ``forward``   - the model call;
+* ``sample``    - the sampler call (this tree: its ``plan`` before forward and its
+  ``sample_planned`` after);
+* ``rest``      - everything else in ``LLMEngine.step`` (sampling rows, scheduler
+  update, detokenization, stop strings, outputs);
+* ``handoff``   - from the end of one step to the start of the next on the engine
+  thread (delivery to the clients' queues, metrics, commands);
+
+``host = step + handoff - forward`` is everything but forward. Medians over the
+measured steps, reported in microseconds per sequence per step. Prompts share a
+prefix (cached, with a DeltaNet checkpoint at its end) so that long contexts do not
+cost a long prefill per sequence; each prompt ends in its own tokens.
+
+``--isolated`` (this tree only: it reads the engine's own phase timers) measures the
+same steps on the synchronous engine with the model call replaced by a replay of its
+first output, so that nothing but host work runs and the model's threads and cache
+traffic do not disturb it: the host cost as such, per phase.
+
+``--before REV`` also runs the script against the package as of git revision REV
+(extracted to a temporary folder, with the current build of the Rust extension) in a
+subprocess, and prints both side by side.
+
+    python benches/host_overhead.py --threads 2 --before 6c663d6
+    python benches/host_overhead.py --threads 1 --isolated
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+BLOCK = 16
+MODES = {
+    "greedy": dict(temperature=0.0),
+    "seeded top-p/top-k + penalties": dict(temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.3,
+                                            frequency_penalty=0.2, repetition_penalty=1.1),
+}
+
+
+class _Clock:
+    """Accumulates the wall time of calls to ``fn``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+    def __call__(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self.fn(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+class _TimedScheduler:
+    def __init__(self, inner):
+        self._inner = inner
+        self.schedule = _Clock(inner.schedule)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _TimedModel(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.seconds = 0.0
+
+    def forward(self, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return self.inner(*a, **k)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _engine(model_dir: str, context: int, seqs: int, threads: int = 2):
+    from hybridserve.engine.args import EngineArgs
+    from hybridserve.engine.llm_engine import LLMEngine
+
+    prefix = (context // BLOCK) * BLOCK - BLOCK
+    blocks = prefix // BLOCK + seqs * (BLOCK * 2 + context - prefix + 64) // BLOCK + 64
+    args = EngineArgs(model=model_dir, dtype="float32", device="cpu", block_size=BLOCK, num_gpu_blocks=blocks,
+                      num_state_slots=seqs + 8, max_num_seqs=seqs, max_num_batched_tokens=4096,
+                      max_model_len=context + 256, prefix_checkpoint_interval=prefix,
+                      enable_prefix_caching=True, cpu_threads=threads)
+    return LLMEngine(args), prefix
+
+
+class _Replay(torch.nn.Module):
+    """The model's first output, returned again at every later call."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.out = None
+
+    def forward(self, *a, **k):
+        if self.out is None:
+            self.out = self.inner(*a, **k)
+        return self.out
+
+
+def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int) -> dict:
+    import gc
+
+    from hybridserve.sampling import SamplingParams
+
+    engine, prefix = _engine(model_dir, context, seqs, threads)
+    shared = [(7 * i) % 250 + 1 for i in range(prefix)]
+    engine.add_request("warm", shared + [3] * (context - prefix), SamplingParams(temperature=0.0, max_tokens=1,
+                                                                               ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    params = SamplingParams(max_tokens=steps + 8, ignore_eos=True, seed=1, **MODES[mode])
+    for i in range(seqs):
+        engine.add_request(f"s{i}", shared + [(11 * i + j) % 250 + 1 for j in range(context - prefix)], params)
+    while engine.last_step_stats.get("num_batched_tokens") != seqs:
+        engine.step()
+    engine.runner.model = _Replay(engine.runner.model)
+    engine.step()  # the model runs once more here; later steps replay its logits
+    gc_seconds, t = [0.0], [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            t[0] = time.perf_counter()
+        else:
+            gc_seconds[0] += time.perf_counter() - t[0]
+
+    gc.callbacks.append(on_gc)
+    rows = []
+    try:
+        for _ in range(steps):
+            engine.step()
+            assert engine.last_step_stats["num_batched_tokens"] == seqs
+            rows.append(engine.last_step_stats["phase_seconds"])
+    finally:
+        gc.callbacks.remove(on_gc)
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med["host"] = statistics.median(sum(v for k, v in r.items() if k != "forward") for r in rows)
+    med["gc"] = gc_seconds[0] / steps
+    return {"context": context, "mode": mode, "steps": len(rows),
+            "us_per_seq": {k: round(1e6 * v / seqs, 2) for k, v in med.items()}}
+
+
+def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int = 2) -> dict:
+    from hybridserve.engine.async_engine import AsyncEngine
+    from hybridserve.sampling import SamplingParams
+
+    try:
+        engine, prefix = _engine(model_dir, context, seqs, threads)
+    except TypeError:  # a tree whose EngineArgs has no cpu_threads
+        engine, prefix = _engine(model_dir, context, seqs)
+    vocab = engine.model_config.vocab_size
+    shared = [(7 * i) % 250 + 1 for i in range(prefix)]
+    # Prefill the shared prefix once, so the sequences below start from its checkpoint.
+    warm = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("warm", shared + [3] * (context - prefix), warm)
+    while engine.has_unfinished_requests():
+        engine.step()
+    sched = engine.scheduler = _TimedScheduler(engine.scheduler)
+    runner_exec = engine.runner.execute = _Clock(engine.runner.execute)
+    model = engine.runner.model = _TimedModel(engine.runner.model)
+    if hasattr(engine.sampler, "sample_planned"):
+        # This tree's engine plans the sampler's rows before forward (they ride in the
+        # runner's staging copy): time both halves on the instance, keeping its type.
+        s = engine.sampler
+        plan_clock, draw_clock = _Clock(s.plan), _Clock(s.sample_planned)
+        s.plan, s.sample_planned = plan_clock, draw_clock
+
+        class _Both:
+            @property
+            def seconds(self):
+                return plan_clock.seconds + draw_clock.seconds
+
+        sampler = _Both()
+    else:
+        sampler = engine.sampler = _Clock(engine.sampler)
+    inner_step = engine.step
+    samples: list[dict] = []
+    last_end = [None]
+
+    def step():
+        t0 = time.perf_counter()
+        handoff = t0 - last_end[0] if last_end[0] is not None else None
+        c0 = (sched.schedule.seconds, runner_exec.seconds, model.seconds, sampler.seconds)
+        out = inner_step()
+        t1 = time.perf_counter()
+        last_end[0] = t1
+        st = engine.last_step_stats
+        if st["num_batched_tokens"] == seqs and st["num_scheduled_seqs"] == seqs:  # pure decode
+            s, e, m, sa = (sched.schedule.seconds - c0[0], runner_exec.seconds - c0[1],
+                           model.seconds - c0[2], sampler.seconds - c0[3])
+            samples.append({"schedule": s, "prepare": e - m, "forward": m, "sample": sa,
+                            "rest": (t1 - t0) - s - e - sa, "handoff": handoff,
+                            "phases": dict(st.get("phase_seconds", {}))})
+        return out
+
+    engine.step = step
+    aengine = AsyncEngine(engine)
+    params = SamplingParams(max_tokens=steps + 3, ignore_eos=True, seed=1, **MODES[mode])
+
+    async def consume(i: int) -> int:
+        prompt = shared + [(11 * i + j) % (vocab - 20) + 1 for j in range(context - prefix)]
+        stream = await aengine.generate(f"s{i}", prompt, params)
+        n = 0
+        try:
+            async for out in stream:
+                n += sum(len(c.token_ids) for c in out.outputs)
+        finally:
+            stream.close()
+        return n
+
+    async def main():
+        return await asyncio.gather(*(consume(i) for i in range(seqs)))
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    # The first decode step follows a prefill step (its hand-off is not a decode's).
+    rows = [r for r in samples if r["handoff"] is not None][1:]
+    if not rows:
+        raise RuntimeError("no pure-decode step was measured; raise --steps")
+    med = {k: statistics.median(r[k] for r in rows) for k in ("schedule", "prepare", "forward", "sample",
+                                                                "rest", "handoff")}
+    med["host"] = statistics.median(r["schedule"] + r["prepare"] + r["sample"] + r["rest"] + r["handoff"]
+                                    for r in rows)
+    phases = {}
+    if rows[0]["phases"]:
+        phases = {k: statistics.median(r["phases"][k] for r in rows) for k in rows[0]["phases"]}
+    us = lambda d: {k: round(1e6 * v / seqs, 2) for k, v in d.items()}  # noqa: E731
+    return {"context": context, "mode": mode, "steps": len(rows), "us_per_seq": us(med),
+            "engine_phases_us_per_seq": us(phases)}
+
+
+def measure(args) -> list[dict]:
+    from hybridserve.model.tiny import write_tiny_checkpoint
+
+    torch.set_num_threads(args.threads)
+    from hybridserve.kernels import native
+
+    if native.available():
+        native.set_threads(args.threads)
+    tmp = tempfile.mkdtemp(prefix="host-overhead-")
+    try:
+        model_dir = write_tiny_checkpoint(os.path.join(tmp, "bench"), preset="bench", seed=0,
+                                          max_position_embeddings=max(args.contexts) + 1024)
+        results = []
+        for context in args.contexts:
+            for mode in args.modes:
+                run = _run_isolated if args.isolated else _run_case
+                results.append(run(model_dir, context, args.seqs, mode, args.steps, args.threads))
+                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
+        return results
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _before(rev: str, args) -> list[dict]:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tmp = tempfile.mkdtemp(prefix="hybridserve-before-")
+    try:
+        archive = subprocess.run(["git", "-C", root, "archive", rev, "python/hybridserve"],
+                                 check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
+        pkg = os.path.join(tmp, "python", "hybridserve")
+        for so in glob.glob(os.path.join(root, "python", "hybridserve", "_core*.so")):
+            shutil.copy(so, pkg)
+        env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "python"))
+        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--threads", str(args.threads),
+               "--seqs", str(args.seqs), "--steps", str(args.steps), "--expect-root", os.path.join(tmp, "python"),
+               "--contexts", *map(str, args.contexts), "--modes", *args.modes]
+        out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per case (the first is not counted)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[100, 4000, 16000])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--before", metavar="REV", help="also measure the package as of this git revision")
+    ap.add_argument("--isolated", action="store_true",
+                    help="synchronous engine, model output replayed: host work alone, by the engine's phase timers")
+    ap.add_argument("--json", action="store_true", help="print one JSON list (used by --before)")
+    ap.add_argument("--expect-root", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.expect_root:
+        import hybridserve
+
+        assert os.path.abspath(hybridserve.__file__).startswith(args.expect_root), hybridserve.__file__
+    if args.isolated and args.before:
+        ap.error("--isolated reads this tree's phase timers; it has no --before")
+    before = _before(args.before, args) if args.before else None
+    after = measure(args)
+    if args.json:
+        print(json.dumps(after))
+        return
+    if args.isolated:
+        print(f"torch intra-op threads: {torch.get_num_threads()}; {args.seqs} sequences decoding; synchronous "
+              "engine, model output replayed; medians, us per sequence per step (gc: mean)")
+        keys = list(after[0]["us_per_seq"])
+        print("| context | sampling | " + " | ".join(keys) + " |")
+        print("|---|---|" + "---|" * len(keys))
+        for row in after:
+            print(f"| {row['context']} | {row['mode']} | " + " | ".join(str(row["us_per_seq"][k]) for k in keys)
+                  + " |")
+        for mode in args.modes:
+            rs = [r for r in after if r["mode"] == mode]
+            lo, hi = min(rs, key=lambda r: r["context"]), max(rs, key=lambda r: r["context"])
+            print(f"{mode}: host at context {hi['context']} / {lo['context']}: "
+                  f"{hi['us_per_seq']['host'] / lo['us_per_seq']['host']:.2f}x")
+        return
+    print(f"torch intra-op threads: {torch.get_num_threads()}; {args.seqs} sequences decoding; "
+          "medians, us per sequence per step")
+    keys = ("schedule", "prepare", "sample", "rest", "handoff", "host", "forward")
+    print("| context | sampling | " + " | ".join(f"{k} before / after" if before else k for k in keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for i, row in enumerate(after):
+        cells = [str(row["context"]), row["mode"]]
+        for k in keys:
+            a = row["us_per_seq"][k]
+            cells.append(f"{before[i]['us_per_seq'][k]} / {a}" if before else f"{a}")
+        print("| " + " | ".join(cells) + " |")
+    if after and after[0]["engine_phases_us_per_seq"]:
+        print("\nengine's own phase timers (after), us per sequence per step:")
+        for row in after:
+            print(f"  context {row['context']}, {row['mode']}: {row['engine_phases_us_per_seq']}")
+    for mode in args.modes:
+        rs = [r for r in after if r["mode"] == mode]
+        lo, hi = min(rs, key=lambda r: r["context"]), max(rs, key=lambda r: r["context"])
+        if lo is not hi:
+            print(f"{mode}: host at context {hi['context']} / {lo['context']}: "
+                  f"{hi['us_per_seq']['host'] / lo['us_per_seq']['host']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,197 @@
+"""The batched sampler: one token per sample from a step's logits.
+
+It ties the parts together: :mod:`~hybridserve.sampler.rows` stages each call's rows
+and keeps their device state, :mod:`~hybridserve.sampler.processors` turns the logits
+into what each sample is drawn from (in one float32 work buffer),
+:mod:`~hybridserve.sampler.draw` draws and computes logprobs, and
+:mod:`~hybridserve.sampler.streams` provides the seeded noise.
+
+Memory per call: the logits, one float32 ``[samples, vocab]`` work buffer, and
+column-sliced temporaries (see :data:`~hybridserve.sampler.processors.SLICE_BYTES`);
+a batch whose rows are all greedy, with no bias, ban or penalty, is an argmax of the
+logits themselves (no copy at all). Host->device: one staging copy (in the engine, the
+runner's copy of the step carries it: :meth:`Sampler.plan` then
+:meth:`Sampler.sample_planned`); device->host: one copy of the tokens (and the
+logprobs when asked).
+
+Logprobs: by default (``logprobs_mode="raw"``, vLLM v1's default) the reported numbers
+are ``log_softmax`` of the model's logits before any processing; ``"processed"``
+reports ``log_softmax`` of the logits after processing (for greedy rows, after
+bias, bans and penalties).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from hybridserve.sampler.draw import logprob_parts, race
+from hybridserve.sampler.processors import process
+from hybridserve.sampler.rows import Prepared, RowTables, SamplingRow, check_logits
+
+
+@dataclass
+class SamplerOutput:
+    """The tokens drawn for a batch of rows.
+
+    ``token_ids`` holds ``num_samples`` tokens per row, rows in order, a row's samples
+    in sample order. ``logprobs`` (the chosen tokens' logprobs), ``ranks`` (1 = the most
+    likely token) and ``top_logprobs`` (per chosen token, the ``params.logprobs`` most
+    likely (token_id, logprob) pairs in descending order; empty for rows that did not
+    ask) are None when no row asked for logprobs.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    ranks: list[int] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+class Sampler:
+    """Draws one token per sample from a step's logits, keeping per-row state on the
+    device across steps (see :mod:`hybridserve.sampler.rows`)."""
+
+    def __init__(self, logprobs_mode: str = "raw") -> None:
+        if logprobs_mode not in ("raw", "processed"):
+            raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
+        self._tables = RowTables()
+
+    @property
+    def num_recounts(self) -> int:
+        """Penalty rows rebuilt from their history (new rows, or a history that no
+        longer matches the running counts): a test hook and a health signal."""
+        return self._tables.num_recounts
+
+    def release(self, key: Hashable) -> None:
+        """Forget the row ``key`` (its request finished or was aborted); unknown keys are
+        ignored, so releasing twice is harmless."""
+        self._tables.release(key)
+
+    @property
+    def num_tracked_rows(self) -> int:
+        """Rows with a slot kept across steps (for tests and leak checks)."""
+        return len(self._tables.slots)
+
+    # ------------------------------------------------------------------ processing
+    def _work_buffer(self, logits: torch.Tensor, prep: Prepared) -> torch.Tensor:
+        if prep.expand:
+            return logits.index_select(0, prep.v["row_of"]).to(torch.float32)
+        return logits.to(torch.float32, copy=True)
+
+    def process(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The logits each sample is drawn from, float32 ``[num_samples_total, V]``.
+
+        Greedy samples get bias, bans and penalties (their argmax is the token); the
+        others every step of :mod:`~hybridserve.sampler.processors` (dropped tokens are
+        -inf). ``logits`` is ``[len(rows), V]`` and is not modified; no stream or count
+        advances.
+        """
+        prep = self._tables.prepare(logits, rows)
+        try:
+            x = self._work_buffer(logits, prep)
+            process(x, prep, self._tables)
+            return x
+        finally:
+            self._tables.finish(prep)
+
+    # ------------------------------------------------------------------ sampling
+    def plan(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device | str) -> Prepared:
+        """The host side of a call, before the logits exist: ``prep.segments`` are the
+        index lists to send to the device. The engine stages them with the runner's
+        inputs (one host->device copy per step) and passes the views to
+        :meth:`sample_planned`."""
+        return self._tables.plan(rows, vocab, device)
+
+    def sample_planned(self, logits: torch.Tensor, prep: Prepared,
+                       views: Sequence[torch.Tensor] | None = None) -> SamplerOutput:
+        """Draws for a :meth:`plan`: ``views`` are the device views of its segments
+        (None: this call stages them itself)."""
+        try:
+            check_logits(logits, prep.num_rows, prep.vocab)
+            self._tables.bind(prep, views if views is not None else self._tables.stage.stage(prep.segments))
+            return self._sample(logits, prep)
+        finally:
+            self._tables.finish(prep)
+
+    def discard(self, prep: Prepared) -> None:
+        """Releases a :meth:`plan` that will not be sampled (its one-call slots)."""
+        self._tables.finish(prep)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Draw ``rows[i].num_samples`` tokens from ``logits[i]`` for every row.
+
+        ``logits`` is ``[len(rows), V]`` of any float dtype. It is not modified. Seeded
+        rows' streams advance by one draw; keyed rows' device state is kept.
+        """
+        if not rows:
+            return SamplerOutput(token_ids=[])
+        prep = self._tables.prepare(logits, rows)
+        try:
+            return self._sample(logits, prep)
+        finally:
+            self._tables.finish(prep)
+
+    def _sample(self, logits: torch.Tensor, prep: Prepared) -> SamplerOutput:
+        t = self._tables
+        v = prep.v
+        x = None
+        if prep.all_greedy and prep.untouched:
+            # The argmax of the logits themselves: no copy, no float conversion (the
+            # conversion is exact and monotonic, so the token is the same).
+            tokens = logits.argmax(dim=-1)
+            if prep.expand:
+                tokens = tokens.index_select(0, v["row_of"])
+        else:
+            x = self._work_buffer(logits, prep)
+            process(x, prep, t)
+            tokens = x.argmax(dim=-1)
+            if prep.rand:
+                tokens.index_copy_(0, v["rand"], race(x, prep, t))
+        if prep.pen:
+            t.counts.index_put_(
+                (v["pen_pslots"], tokens.index_select(0, v["pen"])),
+                torch.ones(len(prep.pen), dtype=torch.float32, device=tokens.device),
+                accumulate=True,
+            )
+
+        samples = prep.samples
+        if not prep.want_logprobs:
+            token_ids = tokens.tolist()
+        else:
+            if self.logprobs_mode == "raw" or x is None:
+                source = logits.index_select(0, v["row_of"]) if prep.expand else logits
+            else:
+                source = x
+            ks = [smp.params.logprobs or 0 for smp in samples]
+            kmax = max(ks)
+            # One device->host transfer for everything the step returns.
+            flat = torch.cat(logprob_parts(source, tokens, ks)).tolist()
+            num = len(samples)
+            token_ids = [int(tok) for tok in flat[:num]]
+            chosen_l = flat[num : 2 * num]
+            ranks_l = [int(r) for r in flat[2 * num : 3 * num]]
+            top: list[list[tuple[int, float]]] = [[] for _ in ks]
+            if kmax > 0:
+                ti = flat[3 * num : 3 * num + num * kmax]
+                tv = flat[3 * num + num * kmax :]
+                for s, k in enumerate(ks):
+                    top[s] = [(int(ti[s * kmax + j]), tv[s * kmax + j]) for j in range(k)]
+
+        # Host mirrors of what the device just did.
+        for j in prep.seeded:
+            smp = samples[prep.rand[j]]
+            smp.stream.offset += 1
+            smp.slot.offset += 1
+        for s in prep.pen:
+            slot = samples[s].slot
+            slot.counted += 1
+            slot.last_tok = token_ids[s]
+        if not prep.want_logprobs:
+            return SamplerOutput(token_ids=token_ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen_l, ranks=ranks_l, top_logprobs=top)
+
+
+__all__ = ["Sampler", "SamplerOutput"]
