@@ -143,6 +143,11 @@ impl Scheduler {
 
     /// Frees everything a running request holds and puts it back in the queue.
     pub(super) fn preempt(&mut self, req: &mut Request, r: u32, cause: PreemptCause) {
+        // Its fork copies are moot: it recomputes. Left pending they would pass the
+        // live-destination check if it were readmitted in this step and given back
+        // the same state ids (freed states are reused), and then write over the
+        // state a checkpoint restore puts there.
+        self.pending_state_copies.retain(|pc| pc.req != r);
         for s in req.seqs.iter_mut().filter(|s| s.is_live()) {
             release_seq(&mut self.cache, &mut self.free_rows, s);
             s.num_computed = 0;
