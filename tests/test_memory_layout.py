@@ -8,17 +8,15 @@ the same, that no two items overlap, and that nothing spills past a page.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 
 import pytest
 
 from hybridserve.config import ModelConfig, dtype_bytes
 from hybridserve.errors import ConfigError
 from hybridserve.memory import arena_layout
+from hybridserve.presets import preset_path
 
-FIXTURE = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "qwen3_5_27b_shape.config.json"
 
 
 def _config(**kw) -> ModelConfig:
@@ -81,7 +79,8 @@ def _check(cfg: ModelConfig, block_size: int, kv_dtype: str | None) -> None:
 
 
 def test_27b_shape_matches_hand_arithmetic():
-    cfg = ModelConfig.from_json(FIXTURE)
+    # The 27B shape ships in the package (the seed's model; no file outside it needed).
+    cfg = ModelConfig.from_json(preset_path("qwen3.5-27b"))
     lay = arena_layout(cfg, 16)
     # 16 attention layers x K,V x 16 tokens x 4 heads x 256 x 2 B = 1 MiB; one head's
     # state 128 x 128 x 4 B = 64 KiB (16 per page); conv 10,240 x 3 x 2 B = 61,440 B
