@@ -5,7 +5,7 @@ The loop is the engine's own: add the requests whose arrival time has come, one
 kept by reference) to time its new tokens. Finished-only outputs are asked of the
 engine (``emit_unfinished=False``), so the bench costs O(live requests) per step, as
 ``LLM.generate`` does. After each step the core's ``stats()`` gives the pool and queue
-gauges (peak KV blocks, DeltaNet slots, running, waiting) and counters.
+gauges (peak KV blocks, DeltaNet state pages, running, waiting) and counters.
 """
 
 from __future__ import annotations

@@ -7,12 +7,12 @@ paged (2,192 MiB each) and 1 when each session reserves the native maximum of
 * session length L = ``max_position_embeddings / 8`` (32,768 / 262,144), unless given;
 * the engine's maximum length (what reserve-max reserves) is 8 L;
 * the pool is 23,859 / 2,192 sessions' worth of one paged L-token session of *this*
-  model (its KV blocks and its DeltaNet slot).
+  model (its KV blocks and its DeltaNet state pages).
 
 ``2 x`` the paged capacity of sessions (prompt L - output, then output tokens, all
-arriving at once) run under each admission policy on that same pool (each policy
-splits it between KV blocks and DeltaNet slots for the sessions it admits: L tokens
-paged, the maximum reserved, as ``hybridserve plan`` counts them); the report
+arriving at once) run under each admission policy on that same arena (one page pool
+for KV blocks and DeltaNet state: L tokens paged, or the maximum reserved, as
+``hybridserve plan`` counts them); the report
 gives peak concurrent sessions and throughput under each, and the ratio next to
 what ``hybridserve plan`` predicts for that pool.
 """
