@@ -129,8 +129,10 @@ def race_top_k(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) 
     q.clamp_(min=torch.finfo(torch.float32).tiny)
     score = (rows[r, c] - m.view(-1).index_select(0, r)).exp_().div_(q)
     best = torch.full((n,), -1.0).scatter_reduce_(0, r, score, "amax")
-    won = score == best.index_select(0, r)
-    tokens = torch.full((n,), vocab, dtype=torch.int64).scatter_reduce_(0, r[won], c[won], "amin")
+    # Among a row's best scores, the lowest column (no boolean indexing: that is a
+    # nonzero, i.e. another pass and a host read).
+    cols = c.masked_fill(score != best.index_select(0, r), vocab)
+    tokens = torch.full((n,), vocab, dtype=torch.int64).scatter_reduce_(0, r, cols, "amin")
     if prep.seeded:
         t.ip[:, I_OFF].index_add_(0, seeded_slots, torch.ones_like(seeded_slots))
     return tokens
