@@ -21,17 +21,21 @@ measured steps, reported in microseconds per sequence per step. Prompts share a
 prefix (cached, with a DeltaNet checkpoint at its end) so that long contexts do not
 cost a long prefill per sequence; each prompt ends in its own tokens.
 
-``--isolated`` (this tree only: it reads the engine's own phase timers) measures the
-same steps on the synchronous engine with the model call replaced by a replay of its
-first output, so that nothing but host work runs and the model's threads and cache
-traffic do not disturb it: the host cost as such, per phase.
+``--isolated`` (it reads the engine's own phase timers) measures the same steps on
+the synchronous engine with the model call replaced by a replay of its first output,
+so that nothing but host work runs and the model's threads and cache traffic do not
+disturb it: the host cost as such, per phase (wall time), plus ``host_cpu`` (the
+step's CPU time on the engine thread, the replayed forward included, which is next to
+nothing) and ``sample_cpu`` (the sampler's CPU time, its plan and its draw): on a
+machine shared with other work, CPU time leaves out the waits for a core.
 
 ``--before REV`` also runs the script against the package as of git revision REV
 (extracted to a temporary folder, with the current build of the Rust extension) in a
-subprocess, and prints both side by side.
+subprocess, and prints both side by side. With ``--isolated``, REV must have the
+engine's phase timers (issue 20's first round, 301109f or later).
 
     python benches/host_overhead.py --threads 2 --before 6c663d6
-    python benches/host_overhead.py --threads 1 --isolated
+    python benches/host_overhead.py --threads 1 --isolated --before 96b5551
 """
 
 from __future__ import annotations
@@ -152,17 +156,35 @@ def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int
         else:
             gc_seconds[0] += time.perf_counter() - t[0]
 
+    # CPU time of this thread (torch runs its ops on it with one intra-op thread): on
+    # a machine shared with other work, wall time also counts the waits for a core.
+    sampler = engine.sampler
+    sample_cpu = [0.0]
+
+    def cpu_timed(fn):
+        def run(*a, **k):
+            c0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                sample_cpu[0] += time.thread_time() - c0
+        return run
+
+    sampler.plan, sampler.sample_planned = cpu_timed(sampler.plan), cpu_timed(sampler.sample_planned)
     gc.callbacks.append(on_gc)
     rows = []
     try:
         for _ in range(steps):
+            c0, s0 = time.thread_time(), sample_cpu[0]
             engine.step()
             assert engine.last_step_stats["num_batched_tokens"] == seqs
-            rows.append(engine.last_step_stats["phase_seconds"])
+            rows.append(dict(engine.last_step_stats["phase_seconds"], host_cpu=time.thread_time() - c0,
+                             sample_cpu=sample_cpu[0] - s0))
     finally:
         gc.callbacks.remove(on_gc)
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-    med["host"] = statistics.median(sum(v for k, v in r.items() if k != "forward") for r in rows)
+    med["host"] = statistics.median(sum(v for k, v in r.items() if k not in ("forward", "host_cpu", "sample_cpu"))
+                                    for r in rows)
     med["gc"] = gc_seconds[0] / steps
     return {"context": context, "mode": mode, "steps": len(rows),
             "us_per_seq": {k: round(1e6 * v / seqs, 2) for k, v in med.items()}}
@@ -295,7 +317,7 @@ def _before(rev: str, args) -> list[dict]:
         env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "python"))
         cmd = [sys.executable, os.path.abspath(__file__), "--json", "--threads", str(args.threads),
                "--seqs", str(args.seqs), "--steps", str(args.steps), "--expect-root", os.path.join(tmp, "python"),
-               "--contexts", *map(str, args.contexts), "--modes", *args.modes]
+               "--contexts", *map(str, args.contexts), "--modes", *args.modes, *(["--isolated"] if args.isolated else [])]
         out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
         return json.loads(out.strip().splitlines()[-1])
     finally:
@@ -319,8 +341,6 @@ def main() -> None:
         import hybridserve
 
         assert os.path.abspath(hybridserve.__file__).startswith(args.expect_root), hybridserve.__file__
-    if args.isolated and args.before:
-        ap.error("--isolated reads this tree's phase timers; it has no --before")
     before = _before(args.before, args) if args.before else None
     after = measure(args)
     if args.json:
@@ -330,11 +350,12 @@ def main() -> None:
         print(f"torch intra-op threads: {torch.get_num_threads()}; {args.seqs} sequences decoding; synchronous "
               "engine, model output replayed; medians, us per sequence per step (gc: mean)")
         keys = list(after[0]["us_per_seq"])
-        print("| context | sampling | " + " | ".join(keys) + " |")
+        print("| context | sampling | " + " | ".join(f"{k} before / after" if before else k for k in keys) + " |")
         print("|---|---|" + "---|" * len(keys))
-        for row in after:
-            print(f"| {row['context']} | {row['mode']} | " + " | ".join(str(row["us_per_seq"][k]) for k in keys)
-                  + " |")
+        for i, row in enumerate(after):
+            cells = [f"{before[i]['us_per_seq'][k]} / {row['us_per_seq'][k]}" if before else str(row["us_per_seq"][k])
+                     for k in keys]
+            print(f"| {row['context']} | {row['mode']} | " + " | ".join(cells) + " |")
         for mode in args.modes:
             rs = [r for r in after if r["mode"] == mode]
             lo, hi = min(rs, key=lambda r: r["context"]), max(rs, key=lambda r: r["context"])

@@ -123,3 +123,138 @@ def test_all_greedy_takes_the_argmax_of_the_logits_without_a_copy(monkeypatch, d
     oldrows = [old.SamplingRow(params=r.params, prompt_token_ids=[1], output_token_ids=[], key=r.key) for r in rows]
     monkeypatch.undo()
     assert out.token_ids == old.Sampler()(logits, oldrows).token_ids
+
+
+TOP_K_CASES = ["top_k", "top_p small k", "everything"]
+
+
+@pytest.mark.parametrize("with_greedy", [False, True])
+def test_top_k_batches_race_only_their_candidates_and_draw_the_same_tokens(monkeypatch, with_greedy):
+    """Every sampled row has a small top_k: the draw works on the candidates only
+    (draw.race_top_k), and still gives the old sampler's seeded tokens."""
+    import hybridserve.sampler.batch_sampler as bs
+
+    decided = []
+    real = bs.race_top_k
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        decided.append(out is not None)
+        return out
+
+    monkeypatch.setattr(bs, "race_top_k", spy)
+    specs = []
+    for c, name in enumerate(TOP_K_CASES):
+        specs.append((SamplingParams(seed=300 + c, max_tokens=64, **CASES[name]), 1))
+        specs.append((SamplingParams(seed=400 + c, max_tokens=64, n=3, **CASES[name]), 3))
+    specs.append((SamplingParams(seed=500, max_tokens=64, temperature=0.7, top_k=60, top_p=0.5, logprobs=2), 1))
+    if with_greedy:
+        specs.append((SamplingParams(max_tokens=64, temperature=0.0, repetition_penalty=1.2), 1))
+    new_out = _run(new, Sampler(), specs, 300, 8, 11)
+    old_out = _run(old, old.Sampler(), specs, 300, 8, 11)
+    assert decided and all(decided)
+    for a, b in zip(new_out, old_out):
+        assert a.token_ids == b.token_ids
+        assert a.ranks == b.ranks
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_tie_with_the_kth_logit_past_the_list_falls_back_to_the_whole_row():
+    """Logits with long runs of equal values: the k-th value's ties reach past the
+    top_k + 1 list, so the candidates cannot decide and the whole-row stages run;
+    the tokens are still the old sampler's."""
+    vocab, rows = 200, 6
+    g = torch.Generator().manual_seed(3)
+    params = [SamplingParams(seed=900 + i, top_k=5 + i, top_p=0.95, temperature=1.0) for i in range(rows)]
+    for step in range(6):
+        # Values on a coarse grid: many exact ties everywhere.
+        logits = torch.randint(0, 6, (rows, vocab), generator=g).float()
+        got, want = [], []
+        for mod, sampler, out in ((new, Sampler(), got), (old, old.Sampler(), want)):
+            rs = [mod.SamplingRow(params=p, prompt_token_ids=[1], output_token_ids=[],
+                                  generator=mod.make_generator(p.seed, 0), key=i) for i, p in enumerate(params)]
+            for _ in range(step):
+                for r in rs:
+                    r.generator.offset += 1
+            out.extend(sampler(logits, rs).token_ids)
+        assert got == want
+
+
+@pytest.mark.parametrize("scale", [0.05, 0.5, 4.0])
+def test_top_p_without_a_small_top_k_needs_no_full_sort(monkeypatch, scale):
+    """Top-p rows without a small top_k over a 5,000-token vocabulary: the nucleus
+    comes from a partial top-K (grown while some row's K tokens hold less than its
+    p; the flat rows at scale 0.05 need most of the vocabulary), never a sort,
+    and the processed logits (the kept sets) and the seeded tokens are exactly those
+    of the old sampler, which sorts every row."""
+    vocab, n = 5000, 8
+    g = torch.Generator().manual_seed(int(scale * 100))
+    logits = torch.randn(n, vocab, generator=g) * scale
+    logits[0] *= 40  # one peaked row among flat ones
+    params = [SamplingParams(seed=700 + i, top_p=0.5 + 0.06 * i, temperature=0.9) for i in range(n)]
+
+    def rows(mod):
+        return [mod.SamplingRow(params=p, prompt_token_ids=[1], output_token_ids=[],
+                                generator=mod.make_generator(p.seed, 0), key=i) for i, p in enumerate(params)]
+
+    want = old.Sampler().process(logits, rows(old))
+    want_tokens = old.Sampler()(logits, rows(old)).token_ids
+    ks = []
+    real_topk, real_sort = torch.topk, torch.Tensor.sort
+
+    def topk(x, k, *a, **kw):
+        ks.append(k)
+        return real_topk(x, k, *a, **kw)
+
+    def no_sort(self, *a, **kw):
+        raise AssertionError("a full sort of the rows")
+
+    monkeypatch.setattr(torch, "topk", topk)
+    monkeypatch.setattr(torch.Tensor, "sort", no_sort)
+    got = Sampler().process(logits, rows(new))
+    ks_process = list(ks)
+    got_tokens = Sampler()(logits, rows(new)).token_ids
+    monkeypatch.undo()
+    ks = ks_process
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    assert torch.equal(got[~torch.isinf(got)], want[~torch.isinf(want)])
+    assert got_tokens == want_tokens
+    # The list grows (8x) only as far as the longest nucleus needs: never to the
+    # whole row unless some nucleus is longer than the last K below it.
+    longest = int(torch.isfinite(want).sum(dim=-1).max())
+    assert ks[0] == 256 and ks == sorted(ks)
+    assert max(ks) == min(vocab, 256 * 8 ** (len(ks) - 1))
+    assert len(ks) == 1 or ks[-2] < longest
+    if longest < 2048:
+        assert max(ks) < vocab, (ks, longest)
+
+
+def test_fork_row_raw_logprobs_make_no_samples_by_vocab_copy(monkeypatch):
+    """A greedy fork row (n = 3 samples of one logits row) asking for raw logprobs:
+    the logprobs read the logits row itself (no [samples, vocab] gather of the
+    logits), and equal the old sampler's."""
+    logits = torch.randn(2, 400, generator=torch.Generator().manual_seed(5)) * 3
+    p = SamplingParams(temperature=0.0, n=3, logprobs=4)
+
+    def rows(mod):
+        return [mod.SamplingRow(params=p, prompt_token_ids=[1], output_token_ids=[], num_samples=3,
+                                keys=[(0, j) for j in range(3)]),
+                mod.SamplingRow(params=SamplingParams(temperature=0.0, logprobs=2), prompt_token_ids=[1],
+                                output_token_ids=[], key=1)]
+
+    gathers = []
+    real = torch.Tensor.index_select
+
+    def spy(self, dim, index, *a, **k):
+        if self is logits:
+            gathers.append(tuple(index.shape))
+        return real(self, dim, index, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", spy)
+    got = Sampler()(logits, rows(new))
+    monkeypatch.undo()
+    want = old.Sampler()(logits, rows(old))
+    assert gathers == []
+    assert got.token_ids == want.token_ids and got.ranks == want.ranks
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    assert [[t for t, _ in x] for x in got.top_logprobs] == [[t for t, _ in x] for x in want.top_logprobs]

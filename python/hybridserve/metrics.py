@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -222,6 +222,10 @@ class EngineMetrics:
         self.step_phase = Histogram(
             PREFIX + "step_phase_seconds", "Wall time of one engine step's phase", ["phase"],
             registry=self.registry, buckets=_PHASE_BUCKETS)
+        # Divides the phases' sums into per-sequence costs (``bench serve`` reads both).
+        self.step_seqs = Counter(
+            PREFIX + "step_scheduled_seqs", "Sequences scheduled, summed over engine steps",
+            registry=self.registry)
         self._last_token: dict[str, float] = {}
         self._seen_first: set[str] = set()
         self._init_expert_load()
@@ -234,6 +238,7 @@ class EngineMetrics:
     def observe_step(self, engine: Any, outputs: list[Any]) -> None:
         for phase, seconds in engine.last_step_stats.get("phase_seconds", {}).items():
             self.step_phase.labels(phase).observe(seconds)
+        self.step_seqs.inc(engine.last_step_stats.get("num_scheduled_seqs", 0))
         for out in outputs:
             m = out.metrics
             if m is None:

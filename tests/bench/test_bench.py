@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from hybridserve.bench.hf_baseline import compare_tokens
-from hybridserve.bench.report import RequestRecord, build_report, summarize
+from hybridserve.bench.report import RequestRecord, build_report, render_table, summarize
 from hybridserve.bench.workload import RequestClass, generate_workload, parse_class
 from hybridserve.cli import main
 from hybridserve.errors import ConfigError
@@ -176,6 +176,7 @@ def _all_fields(rep):
 
 def test_bench_serve_against_a_live_server_reports_every_field_and_plots(live_server, tmp_path):
     out, png = tmp_path / "r.json", tmp_path / "p.png"
+    phases0 = dict(live_server["engine"].stats()["step_phase_seconds"])
     rc = main(["bench", "serve", "--base-url", f"http://127.0.0.1:{live_server['port']}", "--num-prompts", "8",
                "--seed", "1", "--class", "chat:prompt=8-24,output=4-8,priority=0,prefix=16",
                "--class", "batch:prompt=24-48,output=6-10,priority=1", "--output", str(out), "--plot", str(png),
@@ -198,6 +199,20 @@ def test_bench_serve_against_a_live_server_reports_every_field_and_plots(live_se
     assert srv["peak_running"] <= 4 and srv["preemptions"] == 0
     assert srv["prefix_tokens_skipped"] is not None and srv["prefix_tokens_skipped_source"]
     assert len(rep["timeline"]) >= 2
+    # The step phases from /metrics, before and after: per step, the engine's own
+    # cumulative phase seconds over the run divided by its steps; per sequence,
+    # by the sequences those steps scheduled (1 to max_num_seqs = 4 per step).
+    phases1 = live_server["engine"].stats()["step_phase_seconds"]
+    phases = srv["step_phases"]
+    assert list(phases) == ["schedule", "prepare_inputs", "forward", "sample", "process_outputs"]
+    assert srv["steps"] > 0
+    for name, v in phases.items():
+        assert v["us_per_step"] * srv["steps"] == pytest.approx(1e6 * (phases1[name] - phases0[name]), rel=1e-6)
+        assert 1 <= v["us_per_step"] / v["us_per_seq"] <= 4
+    ratios = {round(v["us_per_step"] / v["us_per_seq"], 9) for v in phases.values()}
+    assert len(ratios) == 1
+    text = render_table(rep)
+    assert "step phases, us per step / per sequence: schedule" in text
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 

@@ -6,7 +6,9 @@ carries text is one token delivery for the latency numbers, and the final usage
 chunk gives the exact output token count. Meanwhile ``GET /metrics`` is polled for
 the server's pool and queue gauges and counters (``hybridserve:`` names, or vLLM's
 ``vllm:`` names for the subset vLLM exposes); a server without ``/metrics`` leaves
-those fields null.
+those fields null. A hybridserve server's step phases (the ``step_phase_seconds``
+histogram by ``phase``, and ``step_scheduled_seqs_total``) read before and after the
+run give the same per-step and per-sequence phase costs as ``bench throughput``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import time
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
+from hybridserve.bench.engine_runner import phase_report
 from hybridserve.bench.report import RequestRecord
 from hybridserve.bench.workload import Workload
 
@@ -34,6 +38,29 @@ def parse_metrics(text: str) -> dict[str, float]:
         except ValueError:
             continue
     return out
+
+
+_PHASES = "hybridserve:step_phase_seconds"
+_SEQ_STEPS = "hybridserve:step_scheduled_seqs_total"
+
+
+def parse_phase_seconds(text: str) -> dict[str, tuple[float, float]]:
+    """``{phase: (seconds, steps)}``: the sums and counts of the ``step_phase_seconds``
+    histogram by its ``phase`` label (empty when the server has none)."""
+    out: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name != _PHASES:
+            continue
+        for smp in fam.samples:
+            phase = smp.labels.get("phase")
+            if phase is None:
+                continue
+            cell = out.setdefault(phase, [0.0, 0.0])
+            if smp.name == _PHASES + "_sum":
+                cell[0] = smp.value
+            elif smp.name == _PHASES + "_count":
+                cell[1] = smp.value
+    return {k: (v[0], v[1]) for k, v in out.items()}
 
 
 # (our key, hybridserve metric, vLLM metric)
@@ -79,6 +106,8 @@ class _MetricsPoller:
         self.timeline: list[dict[str, float]] = []
         self.delivered = 0  # token deliveries seen by the client so far
         self.available = True
+        self.first_phases: dict[str, tuple[float, float]] = {}
+        self.last_phases: dict[str, tuple[float, float]] = {}
 
     async def poll_once(self) -> None:
         try:
@@ -86,13 +115,15 @@ class _MetricsPoller:
                 if resp.status != 200:
                     self.available = False
                     return
-                m = parse_metrics(await resp.text())
+                text = await resp.text()
         except aiohttp.ClientError:
             self.available = False
             return
+        m = parse_metrics(text)
+        phases = parse_phase_seconds(text)
         if self.first is None:
-            self.first = m
-        self.last = m
+            self.first, self.first_phases = m, phases
+        self.last, self.last_phases = m, phases
         point: dict[str, float] = {"t": time.perf_counter() - self.start, "output_tokens": self.delivered}
         for key, ours, vllm in _GAUGES:
             v = _get(m, ours, vllm)
@@ -110,6 +141,16 @@ class _MetricsPoller:
                 await asyncio.wait_for(stop.wait(), self.interval)
             except asyncio.TimeoutError:
                 pass
+
+    def _phases(self, a: dict[str, float], b: dict[str, float]) -> dict[str, dict[str, float]] | None:
+        """Per phase, microseconds per step and per scheduled sequence per step over
+        the run (None: the server does not export its step phases)."""
+        if not self.last_phases or _SEQ_STEPS not in b:
+            return None
+        before = {k: v[0] for k, v in self.first_phases.items()}
+        after = {k: v[0] for k, v in self.last_phases.items()}
+        steps = max(int(v[1] - self.first_phases.get(k, (0.0, 0.0))[1]) for k, v in self.last_phases.items())
+        return phase_report(before, after, steps, int(b[_SEQ_STEPS] - a.get(_SEQ_STEPS, 0.0)))
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -135,6 +176,7 @@ class _MetricsPoller:
         steps0, steps1 = _get(a, "hybridserve:engine_steps_total"), _get(b, "hybridserve:engine_steps_total")
         if steps0 is not None and steps1 is not None:
             out["steps"] = int(steps1 - steps0)
+        out["step_phases"] = self._phases(a, b)
         name, source = _skip_metric(b)
         if name is not None:
             out["prefix_tokens_skipped"] = int(b[name] - a.get(name, 0.0))

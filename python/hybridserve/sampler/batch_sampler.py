@@ -27,8 +27,8 @@ from typing import Hashable, Sequence
 
 import torch
 
-from hybridserve.sampler.draw import logprob_parts, race
-from hybridserve.sampler.processors import process
+from hybridserve.sampler.draw import logprob_parts, race, race_top_k
+from hybridserve.sampler.processors import cut_top_k_top_p, process
 from hybridserve.sampler.rows import Prepared, RowTables, SamplingRow, check_logits
 
 
@@ -134,6 +134,16 @@ class Sampler:
         finally:
             self._tables.finish(prep)
 
+    def _candidates_only(self, x: torch.Tensor, prep: Prepared) -> bool:
+        """Whether the draw works on each sampled row's top-k list (see
+        :func:`~hybridserve.sampler.draw.race_top_k`): every sampled row has a small
+        top_k, nothing reads the cut buffer (processed logprobs), and the buffer is on
+        the CPU, where the list's one host read (a tie check) costs nothing; on a GPU
+        that read would be a sync inside the step, and the whole-row stages are
+        device work there, not host work."""
+        return (prep.all_top_k and x.device.type == "cpu" and max(prep.top_ks) <= x.shape[1] // 4
+                and not (prep.want_logprobs and self.logprobs_mode == "processed"))
+
     def _sample(self, logits: torch.Tensor, prep: Prepared) -> SamplerOutput:
         t = self._tables
         v = prep.v
@@ -146,10 +156,21 @@ class Sampler:
                 tokens = tokens.index_select(0, v["row_of"])
         else:
             x = self._work_buffer(logits, prep)
-            process(x, prep, t)
-            tokens = x.argmax(dim=-1)
-            if prep.rand:
-                tokens.index_copy_(0, v["rand"], race(x, prep, t))
+            drawn = None
+            if self._candidates_only(x, prep):
+                process(x, prep, t, cut=False)
+                fp = t.fp.index_select(0, v["slots"])
+                drawn = race_top_k(x, prep, t, fp)
+                if drawn is None:
+                    cut_top_k_top_p(x, prep, t, fp)
+            else:
+                process(x, prep, t)
+            if len(prep.rand) == x.shape[0] and drawn is not None:
+                tokens = drawn
+            else:
+                tokens = x.argmax(dim=-1)
+                if prep.rand:
+                    tokens.index_copy_(0, v["rand"], drawn if drawn is not None else race(x, prep, t))
         if prep.pen:
             t.counts.index_put_(
                 (v["pen_pslots"], tokens.index_select(0, v["pen"])),
@@ -161,14 +182,14 @@ class Sampler:
         if not prep.want_logprobs:
             token_ids = tokens.tolist()
         else:
-            if self.logprobs_mode == "raw" or x is None:
-                source = logits.index_select(0, v["row_of"]) if prep.expand else logits
-            else:
-                source = x
+            # Raw logprobs read the logits rows themselves (a fork row's samples
+            # share one: no [samples, vocab] copy); processed ones the work buffer.
+            raw = self.logprobs_mode == "raw" or x is None
+            source, row_of = (logits, v["row_of"] if prep.expand else None) if raw else (x, None)
             ks = [smp.params.logprobs or 0 for smp in samples]
             kmax = max(ks)
             # One device->host transfer for everything the step returns.
-            flat = torch.cat(logprob_parts(source, tokens, ks)).tolist()
+            flat = torch.cat(logprob_parts(source, tokens, ks, row_of)).tolist()
             num = len(samples)
             token_ids = [int(tok) for tok in flat[:num]]
             chosen_l = flat[num : 2 * num]

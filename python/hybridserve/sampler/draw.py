@@ -5,15 +5,23 @@ token; since the row's normaliser is a positive constant, ``argmax(exp(x - max) 
 picks the same token. It is computed one column slice at a time (the noise, seeded
 or not, included), keeping each row's best value and index so far, so a draw makes no
 ``[rows, vocab]`` tensor.
+
+When every sampled row has a small top_k (the usual serving setting), only the tokens
+that can survive it can win the race: :func:`race_top_k` takes each row's top-k list
+once and runs top-k, top-p and the race on those ``[rows, kmax]`` candidates (the
+noise of a token is a pure function of its column, so a candidate gets exactly the
+number the whole-row race would give it), instead of about twenty passes over the
+whole vocabulary.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from hybridserve.sampler.processors import column_slices
-from hybridserve.sampler.rows import I_KEY, I_OFF, Prepared, RowTables
-from hybridserve.sampler.streams import row_states, uniform_columns
+from hybridserve.sampler.processors import column_slices, nucleus_cut
+from hybridserve.sampler.rows import F_TOPP, I_KEY, I_OFF, I_TOPK, Prepared, RowTables
+from hybridserve.sampler.streams import row_states, uniform_at, uniform_columns
 
 
 def race(x: torch.Tensor, prep: Prepared, t: RowTables) -> torch.Tensor:
@@ -57,11 +65,88 @@ def race(x: torch.Tensor, prep: Prepared, t: RowTables) -> torch.Tensor:
     return best_idx
 
 
-def logprob_parts(source: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> list[torch.Tensor]:
+def race_top_k(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) -> torch.Tensor | None:
+    """The tokens of :func:`race` for a CPU work buffer processed up to min-p (not
+    cut), when every sampled row has ``0 < top_k <= kmax``. Each row's ``kmax + 1``
+    largest logits (numpy's SIMD partition, then a sort of those few: torch's CPU
+    topk and sort are several times slower at these shapes) give its k-th logit and
+    its nucleus; the race then runs over the tokens at or above both cuts only.
+    Returns None (nothing advanced) when a row's list cannot decide (a logit tied
+    with its k-th lies past the list): the caller then cuts the whole buffer and
+    runs :func:`race`. Reads one bool on the host for that.
+
+    Same kept sets as the whole-row stages (ties at the k-th and at the nucleus's
+    end included); top-p's probabilities are normalised over the tokens top-k keeps,
+    as the whole-row top-p does after the cut (the sums differ only in rounding).
+    A kept token's noise is the number the whole-row race gives its column, and
+    ties of the race's score go to the lowest token id, as the column-order scan of
+    :func:`race` does, so a seeded draw is the same token.
+    """
+    v = prep.v
+    rand = v["rand"]
+    every = len(prep.rand) == x.shape[0]
+    vocab = x.shape[1]
+    kmax = max(prep.top_ks)
+    n = len(prep.rand)
+    rows = x if every else x.index_select(0, rand)
+    rslots = v["slots"] if every else v["slots"].index_select(0, rand)
+    width = min(vocab, kmax + 1)
+    top = np.partition(rows.numpy(), vocab - width, axis=-1)[:, vocab - width:]
+    values = torch.from_numpy(np.ascontiguousarray(np.sort(top, axis=-1)[:, ::-1]))
+    k = t.ip.index_select(0, rslots)[:, I_TOPK]
+    kth = values.gather(1, (k - 1).unsqueeze(1))
+    # A k-th logit of -inf (min-p or bans left fewer than k tokens) is no tie: all
+    # the row's finite logits are in the list.
+    if width > kmax and bool(((values[:, kmax:] >= kth) & (kth > float("-inf"))).any()):
+        return None  # a token tied with the k-th may lie past the list
+    m = values[:, :1]
+    cut = kth
+    if prep.topp:
+        values = values[:, :kmax].masked_fill(values[:, :kmax] < kth, float("-inf"))
+        ps = fp[:, F_TOPP] if every else fp[:, F_TOPP].index_select(0, rand)
+        lse = m + (values - m).exp_().sum(dim=-1, keepdim=True).log_()
+        last = nucleus_cut(values, lse, ps)
+        # Rows without top_p keep all top-k keeps.
+        last.masked_fill_((ps >= 1.0).unsqueeze(1), float("-inf"))
+        cut = torch.maximum(kth, last)
+    # The kept tokens, as (row, column) pairs: about top_k per row (never the -inf
+    # ones: they cannot win).
+    cut = cut.clamp(min=torch.finfo(torch.float32).min)
+    r, c = (rows >= cut).nonzero(as_tuple=True)
+    if prep.seeded:
+        seeded_slots = v["slots"].index_select(0, rand.index_select(0, v["seeded"]))
+        ip = t.ip.index_select(0, seeded_slots)
+        states = torch.zeros(n, dtype=torch.int64)
+        states.index_copy_(0, v["seeded"], row_states(ip[:, I_KEY], ip[:, I_OFF]))
+        q = uniform_at(states.index_select(0, r), c).log_().neg_()
+        if prep.unseeded:
+            is_unseeded = torch.zeros(n, dtype=torch.bool)
+            is_unseeded[v["unseeded"]] = True
+            sel = is_unseeded.index_select(0, r)
+            q[sel] = torch.empty(int(sel.sum()), dtype=torch.float32).exponential_()
+    else:
+        q = torch.empty(len(r), dtype=torch.float32).exponential_()
+    q.clamp_(min=torch.finfo(torch.float32).tiny)
+    score = (rows[r, c] - m.view(-1).index_select(0, r)).exp_().div_(q)
+    best = torch.full((n,), -1.0).scatter_reduce_(0, r, score, "amax")
+    # Among a row's best scores, the lowest column (no boolean indexing: that is a
+    # nonzero, i.e. another pass and a host read).
+    cols = c.masked_fill(score != best.index_select(0, r), vocab)
+    tokens = torch.full((n,), vocab, dtype=torch.int64).scatter_reduce_(0, r, cols, "amin")
+    if prep.seeded:
+        t.ip[:, I_OFF].index_add_(0, seeded_slots, torch.ones_like(seeded_slots))
+    return tokens
+
+
+def logprob_parts(source: torch.Tensor, tokens: torch.Tensor, ks: list[int],
+                  row_of: torch.Tensor | None = None) -> list[torch.Tensor]:
     """Chosen-token logprobs, ranks and the top-k alternatives of ``log_softmax(source)``,
     as float64 pieces to cat into the one device->host transfer. ``source`` is the
     raw logits (any float dtype) or the work buffer; the log-softmax is never built
-    whole: logprob = logit - logsumexp, and ranks and top-k are taken on the logits."""
+    whole: logprob = logit - logsumexp, and ranks and top-k are taken on the logits.
+    ``row_of`` (a fork row's samples share its logits row): each sample's row of
+    ``source``; the per-row numbers are computed once per row and gathered, and the
+    ranks read column slices of the rows, so no ``[samples, vocab]`` copy is made."""
     rows = source.shape[0]
     lse = torch.zeros(rows, 1, dtype=torch.float32, device=source.device)
     m = source.amax(dim=-1, keepdim=True).to(torch.float32)
@@ -69,17 +154,27 @@ def logprob_parts(source: torch.Tensor, tokens: torch.Tensor, ks: list[int]) -> 
     for sl in column_slices(rows, source.shape[1], 4):
         lse += (source[:, sl].to(torch.float32) - shift).exp_().sum(dim=-1, keepdim=True)
     lse = shift + lse.log()
-    chosen_logit = source.gather(1, tokens.unsqueeze(1)).to(torch.float32)
+    if row_of is not None:
+        lse = lse.index_select(0, row_of)
+    per_row = source if row_of is None else None
+    n = tokens.shape[0]
+    if row_of is None:
+        chosen_logit = source.gather(1, tokens.unsqueeze(1)).to(torch.float32)
+    else:
+        chosen_logit = source[row_of, tokens].unsqueeze(1).to(torch.float32)
     chosen = (chosen_logit - lse).squeeze(1)
-    ranks = torch.zeros(rows, dtype=torch.int64, device=source.device)
-    for sl in column_slices(rows, source.shape[1], 1):
-        ranks += (source[:, sl].to(torch.float32) > chosen_logit).sum(dim=-1)
+    ranks = torch.zeros(n, dtype=torch.int64, device=source.device)
+    for sl in column_slices(n, source.shape[1], 1):
+        cols = source[:, sl] if per_row is not None else source[:, sl].index_select(0, row_of)
+        ranks += (cols.to(torch.float32) > chosen_logit).sum(dim=-1)
     parts = [tokens.double(), chosen.double(), (ranks + 1).double()]
     kmax = max(ks)
     if kmax > 0:
         top_v, top_i = torch.topk(source, kmax, dim=-1)
+        if row_of is not None:
+            top_v, top_i = top_v.index_select(0, row_of), top_i.index_select(0, row_of)
         parts += [top_i.double().flatten(), (top_v.to(torch.float32) - lse).double().flatten()]
     return parts
 
 
-__all__ = ["race", "logprob_parts"]
+__all__ = ["race", "race_top_k", "logprob_parts"]

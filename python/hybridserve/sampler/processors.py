@@ -4,8 +4,9 @@
 logits). Every processor writes into it in place; what a processor needs beyond
 per-row numbers (masks, gathered rows of the count tables, exponentials) is made one
 column slice at a time (:func:`column_slices`), so no other ``[rows, vocab]`` tensor
-exists. The one exception is top-p over rows without a small top-k: it sorts those
-rows (torch's sort returns values and indices of the rows' full width).
+exists. Top-p over rows without a small top-k does not sort the rows: it takes a
+partial top-K of them, growing K only for rows whose nucleus is longer (see
+:func:`apply_top_p`).
 
 0. logit_bias: the request's biases added to their tokens' logits.
 1. min_tokens: while a completion has fewer than ``min_tokens`` tokens, its EOS (unless
@@ -74,17 +75,23 @@ def apply_penalties(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Ten
     rep = f[:, F_REP : F_REP + 1]
     freq = f[:, F_FREQ : F_FREQ + 1]
     pres = f[:, F_PRES : F_PRES + 1]
+    every = len(prep.pen) == x.shape[0]
     for sl in column_slices(len(prep.pen), x.shape[1], 16):
         counts = t.counts[:, sl].index_select(0, pslots)
         in_output = counts > 0
-        seen = t.prompt_seen[:, sl].index_select(0, pslots) | in_output
+        seen = t.prompt_seen[:, sl].index_select(0, pslots).logical_or_(in_output)
         cols = x[:, sl]
-        sub = cols.index_select(0, idx)
-        penalised = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalised, sub)
-        sub = sub - freq * counts
-        sub = sub - pres * in_output.to(torch.float32)
-        cols.index_copy_(0, idx, sub)
+        # Every row penalised (the usual batch): work on the buffer's columns directly.
+        sub = cols if every else cols.index_select(0, idx)
+        # Repetition without torch.where (several times slower than arithmetic on
+        # the CPU): each seen token's factor is rep (exactly: seen * rep + unseen * 1),
+        # a positive logit is divided by it and a negative one multiplied, both
+        # exactly as before (a term with the other sign is an exact zero).
+        factor = seen * rep + seen.logical_not()
+        sub = sub.clamp(min=0).div_(factor).add_(sub.clamp(max=0).mul_(factor))
+        sub.sub_(freq * counts)
+        sub.sub_(pres * in_output)
+        cols.copy_(sub) if every else cols.index_copy_(0, idx, sub)
 
 
 def apply_temperature(x: torch.Tensor, fp: torch.Tensor) -> None:
@@ -126,11 +133,16 @@ def apply_top_p(x: torch.Tensor, prep: Prepared, fp: torch.Tensor,
     """Nucleus filter of rows already cut by min_p/top_k (dropped = -inf), in place.
 
     Only the survivors need ordering: when every top-p row also has a small top_k, a
-    top-k of that size holds them all (ties aside, handled below); otherwise the
-    top-p rows are sorted. Probabilities are normalised over the whole row, so the
-    kept set does not depend on which route ran, and tokens tied with the last kept
-    logit are kept too (as top_k keeps ties): the kept set then depends on the logit
-    values only, not on how a sort orders equal values. No host reads.
+    top-k of that size holds them all (ties aside, handled below). Otherwise the
+    rows are not sorted: a partial top-K (K = :data:`TOP_P_FIRST_K`, then 8x more
+    while some row's K most likely tokens hold less than its p) gives the same
+    leading values a sort would, which is all the nucleus reads, so the kept set is
+    exactly the sort's. That route reads one bool per round on the host (a device
+    sync on a GPU; a full-vocabulary sort per row costs more there). Probabilities
+    are normalised over the whole row, so the kept set does not depend on which
+    route ran, and tokens tied with the last kept logit are kept too (as top_k keeps
+    ties): the kept set then depends on the logit values only, not on how a sort
+    orders equal values.
     """
     vocab = x.shape[1]
     kp = max(prep.top_p_limits)
@@ -147,22 +159,26 @@ def apply_top_p(x: torch.Tensor, prep: Prepared, fp: torch.Tensor,
             values = torch.topk(x, kp, dim=-1).values
         if not every:
             values = values.index_select(0, idx)
-    else:
-        rows = x if every else x.index_select(0, idx)
-        values = rows.sort(dim=-1, descending=True).values
     lse = row_logsumexp(x)
     ps = fp[:, F_TOPP]
     if not every:
         lse, ps = lse.index_select(0, idx), ps.index_select(0, idx)
-    probs = (values - lse).exp_()
-    # Mass strictly before each token in descending order (an exclusive cumsum);
-    # a token is kept iff that mass is < p, so the top token (mass 0 < p) stays.
-    cumulative = probs.cumsum(dim=-1)
-    before = torch.zeros_like(cumulative)
-    before[:, 1:] = cumulative[:, :-1]
-    # `before` is non-decreasing, so the kept tokens are a prefix of `values`; a
-    # token beyond a top-k list is tied with or below its last value.
-    last_kept = values.masked_fill(before >= ps.unsqueeze(1), float("inf")).amin(dim=-1, keepdim=True)
+    if kp is not None:
+        last_kept = nucleus_cut(values, lse, ps)
+    else:
+        rows = x if every else x.index_select(0, idx)
+        k = min(vocab, TOP_P_FIRST_K)
+        while True:
+            values = torch.topk(rows, k, dim=-1).values
+            if k == vocab:
+                break
+            cumulative = (values - lse).exp_().cumsum(dim=-1)
+            # The list decides a row once its mass reaches p: the token after it
+            # (mass before it >= p) and all below are dropped, ties aside.
+            if not bool((cumulative[:, -1] < ps).any()):
+                break
+            k = min(vocab, 8 * k)
+        last_kept = nucleus_cut(values, lse, ps)
     if not every:
         full = torch.full((x.shape[0], 1), float("-inf"), device=x.device)
         last_kept = full.index_copy_(0, idx, last_kept)
@@ -171,8 +187,28 @@ def apply_top_p(x: torch.Tensor, prep: Prepared, fp: torch.Tensor,
         cols.masked_fill_(cols < last_kept, float("-inf"))
 
 
-def process(x: torch.Tensor, prep: Prepared, t: RowTables) -> None:
-    """Steps 0-7 on the work buffer ``x`` (greedy rows: 0-2), in place."""
+def nucleus_cut(values: torch.Tensor, lse: torch.Tensor, ps: torch.Tensor) -> torch.Tensor:
+    """``[R, 1]`` the smallest logit top-p keeps, from each row's leading logits in
+    descending order (``values``, at least up to the first token top-p drops), the
+    row's log-sum-exp and its p: a token is kept iff the probability mass strictly
+    before it is < p (an exclusive cumsum), so the top token (mass 0 < p) stays."""
+    probs = (values - lse).exp_()
+    cumulative = probs.cumsum(dim=-1)
+    before = torch.zeros_like(cumulative)
+    before[:, 1:] = cumulative[:, :-1]
+    # `before` is non-decreasing, so the kept tokens are a prefix of `values`; a
+    # token beyond the list is tied with or below its last value.
+    return values.masked_fill(before >= ps.unsqueeze(1), float("inf")).amin(dim=-1, keepdim=True)
+
+
+# First partial top-K of top-p rows without a small top_k (grown 8x while short).
+TOP_P_FIRST_K = 256
+
+
+def process(x: torch.Tensor, prep: Prepared, t: RowTables, cut: bool = True) -> None:
+    """Steps 0-7 on the work buffer ``x`` (greedy rows: 0-2), in place; with
+    ``cut=False`` steps 0-5 (the draw then cuts top-k/top-p on its candidate lists,
+    see :func:`~hybridserve.sampler.draw.race_top_k`)."""
     if prep.bias:
         apply_bias(x, prep, t)
     if prep.bans:
@@ -187,9 +223,16 @@ def process(x: torch.Tensor, prep: Prepared, t: RowTables) -> None:
         apply_temperature(x, fp)
     if prep.any_min_p:
         apply_min_p(x, fp)
+    if cut:
+        cut_top_k_top_p(x, prep, t, fp)
+
+
+def cut_top_k_top_p(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) -> None:
+    """Steps 6-7 (top-k, top-p) on the whole work buffer, in place."""
     top_k = apply_top_k(x, prep, t) if any(prep.top_ks) else None
     if prep.topp:
         apply_top_p(x, prep, fp, top_k)
 
 
-__all__ = ["process", "column_slices", "row_logsumexp", "SLICE_BYTES"]
+__all__ = ["process", "cut_top_k_top_p", "nucleus_cut", "column_slices", "row_logsumexp", "SLICE_BYTES",
+           "TOP_P_FIRST_K"]

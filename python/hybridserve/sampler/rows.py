@@ -165,6 +165,9 @@ class Prepared:
     segments: list | None = None
     num_rows: int = 0
     vocab: int = 0
+    # Every sampled row has a top_k below the vocabulary (the draw may then work on
+    # the top-k candidates only).
+    all_top_k: bool = False
 
     @property
     def all_greedy(self) -> bool:
@@ -312,7 +315,7 @@ class RowTables:
         slot_ids: list[int] = []
         top_ks: list[int] = []
         top_p_limits: list[int] = []
-        want_logprobs = any_temp = any_min_p = False
+        want_logprobs = any_temp = any_min_p = rand_without_k = False
         slots = self.slots
         try:
             for s, smp in enumerate(samples):
@@ -390,6 +393,8 @@ class RowTables:
                 (seeded if stream is not None else unseeded).append(len(rand) - 1)
                 k = p.top_k if 0 < p.top_k < vocab else 0
                 top_ks.append(k)
+                if not k:
+                    rand_without_k = True
                 if p.temperature != 1.0:
                     any_temp = True
                 if p.min_p > 0:
@@ -418,6 +423,7 @@ class RowTables:
                         bool(ban_rows), want_logprobs, any_temp, any_min_p, top_ks, top_p_limits)
         prep.segments = segs
         prep.num_rows, prep.vocab = len(rows), vocab
+        prep.all_top_k = bool(rand) and not rand_without_k
         return prep
 
     def bind(self, prep: Prepared, views: Sequence[torch.Tensor]) -> None:

@@ -69,6 +69,15 @@ def uniform_columns(states: torch.Tensor, start: int, stop: int) -> torch.Tensor
     return (_srl(h, 40) + 1).to(torch.float32) * (2.0**-24)
 
 
+def uniform_at(states: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """float32 uniforms of single elements: element ``i`` is column ``cols[i]`` of the
+    draw whose row state is ``states[i]`` (int64, same shape as ``cols``), i.e. the
+    number :func:`uniform_columns` gives that row at that column."""
+    gamma = signed64(_GOLDEN)
+    h = _mix64_t(states + (cols + 1) * gamma)
+    return (_srl(h, 40) + 1).to(torch.float32) * (2.0**-24)
+
+
 def counter_uniform(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 ``[R, vocab]`` uniforms in (0, 1] from int64 stream ``keys`` ``[R]`` and
     draw ``offsets`` ``[R]``: element ``(r, j)`` is a pure function of
@@ -117,4 +126,4 @@ def make_generator(
 
 
 __all__ = ["SeedStream", "make_generator", "counter_uniform", "counter_uniform_reference", "row_states",
-           "uniform_columns", "signed64"]
+           "uniform_at", "uniform_columns", "signed64"]

@@ -59,6 +59,12 @@ pub struct KvCacheManager {
     /// Generations of evicted entries that DeltaNet checkpoints depended on,
     /// until the scheduler drains them (`take_dropped_generations`).
     dropped_generations: Vec<u64>,
+    /// Blocks with refcount >= 2 (held by more than one table), kept at each
+    /// refcount change so the stats read a counter instead of walking tables.
+    shared_blocks: u32,
+    /// Sum of [`Self::tail_waste`] over every table this manager has filled and
+    /// not freed, kept at each append, fork and free (same reason).
+    tail_waste: u64,
 }
 
 impl KvCacheManager {
@@ -88,6 +94,8 @@ impl KvCacheManager {
             hash_scratch: Vec::new(),
             forked: false,
             dropped_generations: Vec::new(),
+            shared_blocks: 0,
+            tail_waste: 0,
         })
     }
 
@@ -224,15 +232,18 @@ impl KvCacheManager {
     /// Drops one reference; a cached block reaching 0 is parked (most recent end
     /// of the LRU), any other goes back to the free list.
     fn drop_ref(&mut self, b: BlockId) {
-        match self.cache.as_mut() {
+        let left = match self.cache.as_mut() {
             Some(cache) if cache.is_cached(b) => {
-                if self.alloc.decref_mut(b, false).expect("table held a dead block") == 0 {
+                let left = self.alloc.decref_mut(b, false).expect("table held a dead block");
+                if left == 0 {
                     cache.park(b);
                 }
+                left
             }
-            _ => {
-                self.alloc.decref_mut(b, true).expect("table held a dead block");
-            }
+            _ => self.alloc.decref_mut(b, true).expect("table held a dead block"),
+        };
+        if left == 1 {
+            self.shared_blocks -= 1;
         }
     }
 
@@ -262,8 +273,8 @@ impl KvCacheManager {
             if cache.is_parked(b) {
                 cache.unpark(b);
                 self.alloc.revive_mut(b).expect("parked block has count 0");
-            } else {
-                self.alloc.incref_mut(b).expect("cached unparked block is referenced");
+            } else if self.alloc.incref_mut(b).expect("cached unparked block is referenced") == 2 {
+                self.shared_blocks += 1;
             }
             table.blocks.push(b);
             table.chain.push(ChainLink { hash: h, generation: g });
@@ -315,6 +326,7 @@ impl KvCacheManager {
             return Err(CoreError::OutOfBlocks { needed, free });
         }
         let bs = self.block_size as usize;
+        self.tail_waste -= self.tail_waste(table) as u64;
         if self.tail_needs_copy(table) {
             let src = *table.blocks.last().unwrap();
             let dst = self.take_block();
@@ -348,6 +360,7 @@ impl KvCacheManager {
             off = 0;
         }
         table.num_tokens = total;
+        self.tail_waste += self.tail_waste(table) as u64;
         Ok(())
     }
 
@@ -413,8 +426,11 @@ impl KvCacheManager {
     pub fn fork(&mut self, parent: &BlockTable) -> BlockTable {
         self.forked = true;
         for &b in &parent.blocks {
-            self.alloc.incref_mut(b).expect("forked table held a dead block");
+            if self.alloc.incref_mut(b).expect("forked table held a dead block") == 2 {
+                self.shared_blocks += 1;
+            }
         }
+        self.tail_waste += self.tail_waste(parent) as u64;
         parent.clone()
     }
 
@@ -422,6 +438,7 @@ impl KvCacheManager {
     /// parked in that order (so a chain is evicted from its end), others freed.
     /// Leaves `table` empty and reusable. O(blocks).
     pub fn free(&mut self, table: &mut BlockTable) {
+        self.tail_waste -= self.tail_waste(table) as u64;
         if let Some(cache) = self.cache.as_ref() {
             for &b in table.blocks.iter().rev() {
                 cache.prefetch_block_record(b);
@@ -479,6 +496,19 @@ impl KvCacheManager {
     #[inline]
     pub fn tail_waste(&self, table: &BlockTable) -> usize {
         table.blocks.len() * self.block_size as usize - table.num_tokens
+    }
+
+    /// Blocks held by more than one table (refcount >= 2). O(1): a counter.
+    #[inline]
+    pub fn num_shared_blocks(&self) -> u32 {
+        self.shared_blocks
+    }
+
+    /// Unused slots in the last blocks of every table holding blocks (the sum
+    /// of [`Self::tail_waste`] over them). O(1): a counter.
+    #[inline]
+    pub fn total_tail_waste(&self) -> u64 {
+        self.tail_waste
     }
 
     #[inline]

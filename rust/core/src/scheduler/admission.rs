@@ -205,6 +205,7 @@ impl Scheduler {
         req.state = ReqState::Running;
         let pos = self.running.partition_point(|&x| self.requests[x as usize].as_ref().expect("running").key < req.key);
         self.running.insert(pos, r);
+        self.running_seqs += req.seqs.iter().filter(|s| s.is_live()).count() as u32;
         *running_units += units;
         if reserve > 0 {
             self.reserved_pages += reserve;

@@ -120,6 +120,11 @@ pub(crate) struct Checkpoints {
     block_size: usize,
     state_cost_blocks: f64,
     next_seq_no: u64,
+    /// The latest busy step of any live checkpoint and how many live ones have
+    /// it: the guards callers pass are that step or later, so these two give
+    /// `num_evictable` in O(1) (the stats and admission read it every step).
+    busy_top: u64,
+    busy_at_top: u32,
     pub(crate) stats: CheckpointStats,
 }
 
@@ -132,6 +137,8 @@ impl Checkpoints {
             block_size: block_size as usize,
             state_cost_blocks: state_pages as f64,
             next_seq_no: 0,
+            busy_top: 0,
+            busy_at_top: 0,
             stats: CheckpointStats::default(),
         }
     }
@@ -139,7 +146,39 @@ impl Checkpoints {
     /// Checkpoints that eviction could reclaim now (`guard`: the first step
     /// whose plan has not run yet).
     pub(crate) fn num_evictable(&self, guard: u64) -> u32 {
+        match guard.cmp(&self.busy_top) {
+            std::cmp::Ordering::Greater => self.by_gen.len() as u32,
+            std::cmp::Ordering::Equal => self.by_gen.len() as u32 - self.busy_at_top,
+            // No caller looks back past a plan it already made; kept exact anyway.
+            std::cmp::Ordering::Less => self.num_evictable_scan(guard),
+        }
+    }
+
+    /// [`Self::num_evictable`] from scratch, O(checkpoints) (the oracle of the
+    /// counters, and the rare backward guard).
+    pub(crate) fn num_evictable_scan(&self, guard: u64) -> u32 {
         self.by_gen.values().filter(|c| c.busy_step < guard).count() as u32
+    }
+
+    /// Keeps `busy_top`/`busy_at_top` when a live checkpoint's busy step goes
+    /// from `old` (None: it is new) to `new`.
+    fn note_busy(&mut self, old: Option<u64>, new: u64) {
+        if old == Some(self.busy_top) {
+            self.busy_at_top -= 1;
+        }
+        if new > self.busy_top {
+            self.busy_top = new;
+            self.busy_at_top = 1;
+        } else if new == self.busy_top {
+            self.busy_at_top += 1;
+        }
+    }
+
+    /// Keeps the busy counters when a checkpoint leaves `by_gen`.
+    fn note_removed(&mut self, c: &Checkpoint) {
+        if c.busy_step == self.busy_top {
+            self.busy_at_top -= 1;
+        }
     }
 
     /// The longest checkpoint ending inside `chain[..max_blocks]`: `(tokens,
@@ -151,8 +190,11 @@ impl Checkpoints {
         for i in (0..max_blocks.min(chain.len())).rev() {
             if let Some(c) = self.by_gen.get_mut(&chain[i].generation) {
                 c.last_used = step;
-                c.busy_step = c.busy_step.max(step);
-                return Some((c.tokens, c.state, chain[i].generation));
+                let old = c.busy_step;
+                c.busy_step = old.max(step);
+                let (new, found) = (c.busy_step, (c.tokens, c.state, chain[i].generation));
+                self.note_busy(Some(old), new);
+                return Some(found);
             }
         }
         None
@@ -195,6 +237,7 @@ impl Checkpoints {
             },
         );
         self.next_seq_no += 1;
+        self.note_busy(None, step);
         self.stats.writes += 1;
         true
     }
@@ -205,6 +248,7 @@ impl Checkpoints {
     /// that advances the sequence.
     pub(crate) fn adopt(&mut self, kv: &mut KvCacheManager, key: u64) -> Option<StateId> {
         let c = self.by_gen.remove(&key)?;
+        self.note_removed(&c);
         kv.unref_checkpoint_chain(&c.chain);
         Some(c.state)
     }
@@ -240,6 +284,7 @@ impl Checkpoints {
             .map(|(&g, _)| g)
             .expect("a candidate exists");
         let c = self.by_gen.remove(&victim).expect("victim present");
+        self.note_removed(&c);
         kv.unref_checkpoint_chain(&c.chain);
         free_state(kv, states, c.state);
         self.stats.evictions += 1;
@@ -262,6 +307,7 @@ impl Checkpoints {
                 .collect();
             for g in gone {
                 let c = self.by_gen.remove(&g).expect("present");
+                self.note_removed(&c);
                 kv.unref_checkpoint_chain(&c.chain);
                 self.stats.drops += 1;
                 if c.busy_step < guard {

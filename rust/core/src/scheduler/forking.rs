@@ -49,6 +49,7 @@ impl Scheduler {
             self.pending_state_copies.push(PendingStateCopy { req: r, seq_id: child.seq_id, src: parent_state, dst });
             self.state_fork_copies += 1;
             req.seqs.push(child);
+            self.running_seqs += 1;
         }
         for (i, &t) in toks.iter().enumerate() {
             let t = t as u32;

@@ -142,6 +142,10 @@ impl Scheduler {
     /// is one sequence standing for all n samples: its spare states go too.
     pub(super) fn finish_seq(&mut self, req: &mut Request, si: usize, reason: FinishReason) {
         let s = &mut req.seqs[si];
+        debug_assert!(s.is_live(), "finishing a finished sequence");
+        if req.state == ReqState::Running && s.is_live() {
+            self.running_seqs -= 1;
+        }
         s.finished = Some(reason);
         if let Some(st) = s.state {
             if self.pending_state_copies.iter().any(|pc| pc.src == st) {

@@ -94,6 +94,8 @@ mod lifecycle;
 mod plan;
 mod preemption;
 mod stats;
+#[cfg(test)]
+mod stats_oracle;
 mod step;
 pub mod metrics;
 pub mod output;
@@ -188,6 +190,9 @@ pub struct Scheduler {
     waiting_tokens: u64,
     /// Sorted by key.
     running: Vec<u32>,
+    /// Live sequences of the running requests, kept where requests enter and
+    /// leave `running` and where sequences fork or finish (stats read it).
+    running_seqs: u32,
     finished_fifo: VecDeque<(u32, u64)>,
     step: u64,
     next_arrival: u64,
@@ -254,6 +259,7 @@ impl Scheduler {
             waiting: WaitingQueue::default(),
             waiting_tokens: 0,
             running: Vec::new(),
+            running_seqs: 0,
             finished_fifo: VecDeque::new(),
             step: 0,
             next_arrival: 0,

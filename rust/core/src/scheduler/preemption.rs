@@ -148,6 +148,8 @@ impl Scheduler {
         // the same state ids (freed states are reused), and then write over the
         // state a checkpoint restore puts there.
         self.pending_state_copies.retain(|pc| pc.req != r);
+        debug_assert_eq!(req.state, ReqState::Running, "only a running request is preempted");
+        self.running_seqs -= req.seqs.iter().filter(|s| s.is_live()).count() as u32;
         for s in req.seqs.iter_mut().filter(|s| s.is_live()) {
             release_seq(&mut self.cache, &mut self.free_rows, s);
             s.num_computed = 0;

@@ -92,20 +92,17 @@ impl Scheduler {
         v
     }
 
+    /// The counters and gauges. O(1): every gauge is a counter kept where it
+    /// changes (the engine and the bench read this every step); the oracle
+    /// test beside this file recomputes them from scratch after every call.
     pub fn stats(&self) -> SchedulerStats {
         let kv = self.cache.kv.stats();
         let ck = self.cache.checkpoint_stats();
-        let mut tail_waste = 0u64;
-        let mut running_seqs = 0u32;
-        let mut shared = std::collections::HashSet::new();
-        for &r in &self.running {
-            let req = self.requests[r as usize].as_ref().expect("running");
-            for s in req.seqs.iter().filter(|s| s.is_live()) {
-                tail_waste += self.cache.kv.tail_waste(&s.table) as u64;
-                running_seqs += 1;
-                shared.extend(s.table.blocks().iter().copied().filter(|&b| self.cache.kv.refcount(b) > 1));
-            }
-        }
+        // Every block reference is a live running sequence's table (finishing,
+        // preempting and failed admissions free theirs), so the KV manager's
+        // totals over all tables are those of the running sequences.
+        let tail_waste = self.cache.kv.total_tail_waste();
+        let shared_blocks = self.cache.kv.num_shared_blocks();
         let pps = self.cfg.state_pages;
         let num_pages = self.cache.num_pages();
         let free_pages = self.cache.kv.num_free_list();
@@ -145,9 +142,9 @@ impl Scheduler {
             preemptions_blocks: self.preemptions - self.preemptions_priority,
             preemptions_priority: self.preemptions_priority,
             state_fork_copies: self.state_fork_copies,
-            shared_blocks: shared.len() as u32,
+            shared_blocks,
             num_running_requests: self.running.len() as u32,
-            num_running_seqs: running_seqs,
+            num_running_seqs: self.running_seqs,
             num_waiting_requests: self.waiting.len() as u32,
             waiting_tokens: self.waiting_tokens,
             steps: self.step,
