@@ -45,7 +45,7 @@ from hybridserve.planner.devices import (
 from hybridserve.planner.rank import (
     MAX_TENSOR_PARALLEL,
     check_degree,
-    degree_problems,
+    degree_error,
     kv_head_replicas,
     rank_config,
     rank_param_count,
@@ -114,7 +114,7 @@ __all__ = [
     "arena_sharing_plan", "arena_parallel_sampling_plan",
     "DevicePlan", "DeviceShare", "device_share", "devices_needed",
     "shard_config", "weight_bytes_per_device",
-    "MAX_TENSOR_PARALLEL", "check_degree", "degree_problems", "kv_head_replicas", "rank_config",
+    "MAX_TENSOR_PARALLEL", "check_degree", "degree_error", "kv_head_replicas", "rank_config",
     "rank_param_count", "rank_param_split", "rank_weight_bytes", "valid_degrees",
     "PoolPlan", "size_pools", "max_concurrency", "max_concurrency_reserved",
     "format_pool_log", "format_max_concurrency",

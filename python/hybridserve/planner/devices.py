@@ -32,7 +32,7 @@ from hybridserve.planner.arena import ArenaPlan, size_arena
 from hybridserve.planner.budget import usable_after_weights
 from hybridserve.planner.rank import (
     MAX_TENSOR_PARALLEL,
-    degree_problems,
+    degree_error,
     kv_head_replicas,
     rank_config,
     rank_param_split,
@@ -52,7 +52,7 @@ from hybridserve.planner.units import GiB, positive_int
 def shard_config(config: ModelConfig, n: int) -> ModelConfig | None:
     """The shapes one of ``n`` devices holds (:func:`~hybridserve.planner.rank.rank_config`),
     or None when ``n`` is not a valid degree for this model."""
-    return None if degree_problems(config, n) else rank_config(config, n)
+    return None if degree_error(config, n) else rank_config(config, n)
 
 
 def weight_bytes_per_device(config: ModelConfig, n: int) -> int:

@@ -17,24 +17,26 @@ architecture (issue 19):
   head's width), the MoE router ``mlp.gate``, ``shared_expert_gate`` and o_proj's
   bias.
 
-:func:`rank_config` is that shard written as a :class:`ModelConfig` (every shape field
-the rank's): the planner counts a rank's weights from it (:func:`rank_param_count`) and
-sizes a rank's arena from it (the page layout of :mod:`hybridserve.memory.layout` over
-the rank's KV heads and DeltaNet heads: 1/N of every sequence's state, the rank's share
-of each KV block). It is a shape for counting, not a model to run alone: its vocabulary
-is one rank's rows.
+The shapes themselves are the tensor-parallel runtime's own
+(:meth:`hybridserve.parallel.shard.ShardPlan.local_config`, pure integer arithmetic
+like this package): the shape the loader builds each rank's model from is the shape
+the planner counts, so the two cannot drift. :func:`rank_config` is that shard as a
+:class:`ModelConfig`: the planner counts a rank's weights from it
+(:func:`rank_param_count`) and sizes a rank's arena from it (the page layout of
+:mod:`hybridserve.memory.layout` over the rank's KV heads and DeltaNet heads: 1/N of
+every sequence's state, the rank's share of each KV block). It is a shape for counting
+and laying out, not a model to run alone: its vocabulary is one rank's rows.
 
 A degree that does not divide a split dimension is refused with a
-:class:`~hybridserve.errors.ConfigError` naming the dimension; KV heads are the one
-exception (they replicate when N is a multiple of them).
+:class:`~hybridserve.errors.ConfigError` naming the dimension and listing the degrees
+that work; KV heads are the one exception (they replicate when N is a multiple of them).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from hybridserve.config import ModelConfig, dtype_bytes
 from hybridserve.errors import ConfigError
+from hybridserve.parallel.shard import ShardPlan
 from hybridserve.planner.units import positive_int
 from hybridserve.planner.weights import ParamSplit, param_split
 
@@ -42,66 +44,28 @@ from hybridserve.planner.weights import ParamSplit, param_split
 MAX_TENSOR_PARALLEL = 64
 
 
-def _split_dims(config: ModelConfig) -> list[tuple[str, int, str]]:
-    """``(config key, size, what splits by it)`` of every dimension N must divide."""
-    c = config
-    dims = [
-        ("num_attention_heads", c.num_attention_heads, "attention query heads"),
-        ("linear_num_key_heads", c.linear_num_key_heads,
-         "Gated DeltaNet key-head groups (each with its value heads)"),
-        ("vocab_size", c.vocab_size, "embedding and LM head rows"),
-    ]
-    if c.num_experts > 0:
-        dims.append(("moe_intermediate_size", c.moe_intermediate_size, "each routed expert's intermediate width"))
-        if c.shared_expert_intermediate_size:
-            dims.append(("shared_expert_intermediate_size", c.shared_expert_intermediate_size,
-                         "the shared expert's intermediate width"))
-    else:
-        dims.append(("intermediate_size", c.intermediate_size, "the MLP's intermediate width"))
-    return dims
-
-
-def _divisors(n: int, limit: int = MAX_TENSOR_PARALLEL) -> str:
-    return ", ".join(str(d) for d in range(1, min(n, limit) + 1) if n % d == 0)
-
-
-def degree_problems(config: ModelConfig, n: int) -> list[str]:
-    """Why ``n`` is not a valid tensor-parallel degree for ``config``: one sentence per
-    dimension it does not split (empty when it is valid)."""
+def degree_error(config: ModelConfig, n: int) -> str | None:
+    """Why ``n`` cannot shard ``config`` (the runtime's message, naming the dimension),
+    or None when it can."""
     positive_int("tensor-parallel size", n)
-    problems = [
-        f"{key} = {size} ({what}) is not divisible by {n}"
-        for key, size, what in _split_dims(config) if size % n
-    ]
-    kv = config.num_key_value_heads
-    if kv % n and n % kv:
-        problems.append(
-            f"num_key_value_heads = {kv} is neither divisible by {n} nor a divisor of {n} (KV "
-            "heads split across the ranks, or replicate when the ranks are a multiple of them)"
-        )
-    # The model's own constraint that makes key-head groups whole: value heads per key head.
-    if n > 1 and config.linear_num_value_heads % config.linear_num_key_heads:
-        problems.append(
-            f"linear_num_value_heads = {config.linear_num_value_heads} is not a multiple of "
-            f"linear_num_key_heads = {config.linear_num_key_heads}, so key-head groups cannot split"
-        )
-    return problems
-
-
-def check_degree(config: ModelConfig, n: int) -> None:
-    """ConfigError naming every dimension ``n`` does not split, with the degrees that work."""
-    problems = degree_problems(config, n)
-    if problems:
-        valid = valid_degrees(config)
-        raise ConfigError(
-            f"tensor-parallel size {n} cannot shard this model: " + "; ".join(problems)
-            + f". Valid sizes up to {MAX_TENSOR_PARALLEL}: {', '.join(map(str, valid))}"
-        )
+    try:
+        ShardPlan(config, 0, n)
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def valid_degrees(config: ModelConfig, up_to: int = MAX_TENSOR_PARALLEL) -> list[int]:
-    """Every degree from 1 to ``up_to`` that shards ``config`` (see :func:`degree_problems`)."""
-    return [n for n in range(1, up_to + 1) if not degree_problems(config, n)]
+    """Every degree from 1 to ``up_to`` that shards ``config``."""
+    return [n for n in range(1, up_to + 1) if degree_error(config, n) is None]
+
+
+def check_degree(config: ModelConfig, n: int) -> None:
+    """ConfigError naming the dimension ``n`` does not split, with the degrees that work."""
+    why = degree_error(config, n)
+    if why is not None:
+        valid = ", ".join(map(str, valid_degrees(config)))
+        raise ConfigError(f"{why}. This model shards over {valid} devices (up to {MAX_TENSOR_PARALLEL})")
 
 
 def kv_head_replicas(config: ModelConfig, n: int) -> int:
@@ -117,18 +81,8 @@ def rank_config(config: ModelConfig, n: int) -> ModelConfig:
     check_degree(config, n)
     if n == 1:
         return config
-    c = config
-    return dataclasses.replace(
-        c,
-        num_attention_heads=c.num_attention_heads // n,
-        num_key_value_heads=max(1, c.num_key_value_heads // n),
-        linear_num_key_heads=c.linear_num_key_heads // n,
-        linear_num_value_heads=c.linear_num_value_heads // n,
-        vocab_size=c.vocab_size // n,
-        intermediate_size=c.intermediate_size // n,
-        moe_intermediate_size=c.moe_intermediate_size // n,
-        shared_expert_intermediate_size=c.shared_expert_intermediate_size // n,
-    )
+    # Every rank's shapes are equal (rank 0 stands for all of them).
+    return ShardPlan(config, 0, n).local_config()
 
 
 def rank_param_split(config: ModelConfig, n: int) -> dict[str, ParamSplit]:
