@@ -525,6 +525,9 @@ class LLMEngine:
         for this step in ``last_step_stats["phase_seconds"]``: consecutive clock reads,
         so the five add up to the step's time."""
         t0 = time.perf_counter()
+        if self.parallel is not None:
+            # A failed rank fails every step at once, before anything is scheduled.
+            self.parallel.check_healthy()
         plan = self.scheduler.schedule()
         now = time.monotonic()
         # Requests that changed this step -> the indices of their samples that did.

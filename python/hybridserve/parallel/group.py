@@ -30,6 +30,10 @@ from hybridserve.errors import ConfigError
 
 TIMEOUT_ENV = "HYBRIDSERVE_TP_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0
+# Joining waits for every rank to import torch and start (minutes on a loaded host):
+# its own, longer limit, so a short step timeout does not fail a slow start.
+START_TIMEOUT_ENV = "HYBRIDSERVE_TP_START_TIMEOUT"
+DEFAULT_START_TIMEOUT_S = 300.0
 _ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
 
 
@@ -45,17 +49,27 @@ def env_world_size() -> int | None:
     return int(os.environ["WORLD_SIZE"]) if env_rank() is not None else None
 
 
-def timeout_seconds() -> float:
-    raw = os.environ.get(TIMEOUT_ENV)
+def _seconds(env: str, default: float) -> float:
+    raw = os.environ.get(env)
     if raw is None:
-        return DEFAULT_TIMEOUT_S
+        return default
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"${TIMEOUT_ENV} must be a number of seconds, got {raw!r}") from None
+        raise ConfigError(f"${env} must be a number of seconds, got {raw!r}") from None
     if value <= 0:
-        raise ConfigError(f"${TIMEOUT_ENV} must be positive, got {raw!r}")
+        raise ConfigError(f"${env} must be positive, got {raw!r}")
     return value
+
+
+def timeout_seconds() -> float:
+    """Limit of every collective once the ranks have joined."""
+    return _seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)
+
+
+def start_timeout_seconds() -> float:
+    """Limit of the ranks' rendezvous at start-up."""
+    return _seconds(START_TIMEOUT_ENV, DEFAULT_START_TIMEOUT_S)
 
 
 @dataclass
@@ -101,7 +115,7 @@ class TPGroup:
                 # Lets NCCL bind its communicator eagerly to this rank's device.
                 kwargs["device_id"] = device
             dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
-                                    timeout=timeout, **kwargs)
+                                    timeout=datetime.timedelta(seconds=start_timeout_seconds()), **kwargs)
         self.model_group = dist.new_group(backend=backend, timeout=timeout) if backend != "gloo" else None
         self.control_group = dist.new_group(backend="gloo", timeout=timeout)
         if backend == "gloo":

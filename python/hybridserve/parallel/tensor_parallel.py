@@ -31,7 +31,7 @@ import torch
 from hybridserve.config import ModelConfig
 from hybridserve.errors import ConfigError
 from hybridserve.parallel.errors import TensorParallelError
-from hybridserve.parallel.group import TPGroup, env_rank, env_world_size, timeout_seconds
+from hybridserve.parallel.group import TPGroup, env_rank, env_world_size, start_timeout_seconds, timeout_seconds
 from hybridserve.parallel.launcher import WorkerLauncher, describe_exit
 from hybridserve.parallel.shard import ShardPlan
 
@@ -76,7 +76,7 @@ class TensorParallel:
 
                 backend = "nccl" if device.type == "cuda" else "gloo"
                 dist.init_process_group(backend=backend, init_method=launcher.init_method, rank=0,
-                                        world_size=n, timeout=datetime.timedelta(seconds=timeout_seconds()))
+                                        world_size=n, timeout=datetime.timedelta(seconds=start_timeout_seconds()))
             group = TPGroup(rank, n, device, timeout_seconds())
         except Exception as e:
             tp = cls.__new__(cls)
@@ -179,8 +179,10 @@ class TensorParallel:
                                        ranks=tuple(sorted(dead)))
         if self.launcher is not None:
             alive = sorted(self.launcher.procs)
+            procs = self.launcher.procs
+            who = ", ".join(f"rank {r} (pid {procs[r].pid})" for r in alive)
             return TensorParallelError(
-                f"tensor-parallel rank(s) {alive} did not answer {when} within the collective timeout "
+                f"tensor-parallel {who} did not answer {when} within the collective timeout "
                 f"({timeout_seconds():g}s, ${'HYBRIDSERVE_TP_TIMEOUT'}): hung or unreachable ({error})",
                 ranks=tuple(alive))
         return TensorParallelError(f"a tensor-parallel peer of rank {self.group.rank if self.group else '?'} "

@@ -1,0 +1,70 @@
+"""A worker that dies or hangs mid-generation: the engine fails fast with an error
+naming the rank, and the process exits leaving no worker and no port behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "tp_fault_script.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone for our purposes only once reaped; /proc tells which.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _port_free(port: int) -> bool:
+    """No process listens on ``port`` (SO_REUSEADDR, as any server binds: connections
+    the kernel keeps in TIME_WAIT for a minute do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_worker_failure_names_the_rank_and_leaves_nothing_behind(how, tp_dirs):
+    env = dict(os.environ, HYBRIDSERVE_TP_TIMEOUT="4")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, SCRIPT, tp_dirs["dense-gqa"], how], env=env,
+                          capture_output=True, text=True, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    err = out["error"]
+    assert err is not None, out
+    assert err["ranks"] == [1]
+    assert "rank 1" in err["message"], err
+    if how == "kill":
+        assert "SIGKILL" in err["message"]
+    else:
+        assert "did not answer" in err["message"] and "timeout" in err["message"]
+    assert out["again"] == err["message"]
+    assert out["steps"] >= 3
+    # No silent hang: well under the collective timeout plus start-up (loose on a busy CI box).
+    assert elapsed < 120
+    # Nothing left behind: the worker is gone and the rendezvous port is free again.
+    deadline = time.monotonic() + 5
+    while _alive(out["worker_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(out["worker_pid"])
+    assert _port_free(out["port"])
