@@ -351,3 +351,18 @@ def test_pool_mib_with_tensor_parallel_is_each_devices_budget(capsys):
     assert (tp["page_bytes"], tp["pages_per_device"], tp["state_pages"], tp["sessions"]) == (
         512 * 1024, 1_853, 147, 4)
     assert tp["budget_source"] == "given explicitly, for each device"
+
+
+def test_no_size_is_enough_says_what_the_largest_runs(capsys):
+    # 397B-A17B on 80 GB devices: 16 is the largest size that shards it (32 does not
+    # divide its 16 DeltaNet key heads) and holds fewer than 64 sessions of 32K.
+    d = _preset("qwen3.5-397b-a17b")
+    assert [n for n in range(1, 65) if _oracle_valid(d, n)][-1] == 16
+    weights = _oracle_rank_params("qwen3.5-397b-a17b", 16) * 2
+    page, state = _oracle_rank_arena(d, 16)
+    fit = ((int(80e9 * 0.9) - weights - 2 * GiB) // page - state) // (state + 2_048)
+    assert fit < 64
+    argv = ["plan", "qwen3.5-397b-a17b", "--sessions", "64"]
+    assert json.loads(_run(capsys, argv + ["--json"]))["devices"]["devices_needed"] is None
+    out = _run(capsys, argv)
+    assert f"none does: the largest that shards this model, 16 devices of 80 GB, runs {fit:,}" in out

@@ -347,11 +347,14 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
         dp = r.devices
         mem = f"{dp.device_memory / 1e9:,.0f} GB"
         if dp.devices_needed is None:
-            need = f"more than {dp.shares[-1].tensor_parallel if dp.shares else 1} devices of {mem}"
+            top = dp.shares[-1]
+            need = (f"none does: the largest that shards this model, {top.tensor_parallel} "
+                    f"devices of {mem}, runs {top.sessions:,}; use larger devices, or fewer or shorter sessions")
         else:
-            need = f"{dp.devices_needed} device{'s' if dp.devices_needed > 1 else ''} of {mem}"
+            need = (f"{dp.devices_needed} device{'s' if dp.devices_needed > 1 else ''} of {mem} "
+                    "(tensor parallel)")
         what = f"a {L:,}-token session" if dp.min_sessions == 1 else f"{dp.min_sessions:,} sessions of {L:,} tokens"
-        rows.append((f"devices needed for {what}", need + " (tensor parallel)"))
+        rows.append((f"devices needed for {what}", need))
         for s in dp.shares:
             rows.append((
                 f"  {s.tensor_parallel} device{'s' if s.tensor_parallel > 1 else ''}",
