@@ -366,3 +366,27 @@ def test_no_size_is_enough_says_what_the_largest_runs(capsys):
     assert json.loads(_run(capsys, argv + ["--json"]))["devices"]["devices_needed"] is None
     out = _run(capsys, argv)
     assert f"none does: the largest that shards this model, 16 devices of 80 GB, runs {fit:,}" in out
+
+
+def test_a_tensor_parallel_engine_sizes_its_arena_as_planned(tmp_path):
+    """The engine on 2 ranks (gloo, CPU) cuts its byte budget into the pages the planner
+    predicts for one device of 2: the rank's page size, state pages and page count, and
+    the arena tensor it allocates is exactly that many pages (the planner's arena sizing
+    is itself checked against a brute-force allocator in test_planner_arena)."""
+    from hybridserve import LLM
+
+    d = _tiny(tmp_path, "test-a", num_key_value_heads=1, linear_num_key_heads=2, linear_num_value_heads=6)
+    c = ModelConfig.from_json(d)
+    budget = 3_000_000
+    want = pl.device_share(c, 2, budget_bytes=budget, context_len=64, cuda_graphs=False).arena
+    one = pl.device_share(c, 1, budget_bytes=budget, context_len=64, cuda_graphs=False).arena
+    # The one KV head is replicated (same page), the DeltaNet state halves: fewer state pages.
+    assert want.page_bytes == one.page_bytes and want.state_pages < one.state_pages
+    llm = LLM(d, tensor_parallel_size=2, dtype="float32", cpu_threads=1, kv_cache_memory_bytes=budget)
+    try:
+        got = llm.engine.arena_plan
+        assert (got.page_bytes, got.state_pages, got.num_pages, got.total_pages) == (
+            want.page_bytes, want.state_pages, want.num_pages, want.total_pages)
+        assert llm.engine.cache.arena.numel() == want.total_pages * want.page_bytes
+    finally:
+        llm.engine.parallel.close()
