@@ -1,10 +1,12 @@
 """A worker that dies or hangs mid-generation: the engine fails fast with an error
-naming the rank, and the process exits leaving no worker and no port behind."""
+naming the rank, and the process exits leaving no worker and no port behind. And the
+ordinary ends (the LLM dropped, SIGTERM, Ctrl-C) leave nothing behind either."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import time
 import pytest
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "tp_fault_script.py")
+SHUTDOWN_SCRIPT = os.path.join(os.path.dirname(__file__), "tp_shutdown_script.py")
 
 
 def _alive(pid: int) -> bool:
@@ -68,3 +71,39 @@ def test_worker_failure_names_the_rank_and_leaves_nothing_behind(how, tp_dirs):
         time.sleep(0.1)
     assert not _alive(out["worker_pid"])
     assert _port_free(out["port"])
+
+
+def _wait_gone(pid: int, seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _alive(pid)
+
+
+def test_dropping_the_llm_stops_the_worker(tp_dirs):
+    proc = subprocess.run([sys.executable, SHUTDOWN_SCRIPT, tp_dirs["dense-gqa"], "drop"], capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    info = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert info["worker_exit"] == 0  # told to shut down, and exited cleanly, while the script still ran
+    assert _wait_gone(info["worker_pid"])
+    assert _port_free(info["port"])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_driver_leaves_no_process_and_no_port(sig, tp_dirs):
+    proc = subprocess.Popen([sys.executable, SHUTDOWN_SCRIPT, tp_dirs["dense-gqa"], "wait"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        info = json.loads(proc.stdout.readline())
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)  # Ctrl-C: the whole foreground process group
+        else:
+            proc.send_signal(sig)
+        proc.wait(timeout=60)
+        assert _wait_gone(info["worker_pid"])
+        assert _port_free(info["port"])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
