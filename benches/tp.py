@@ -17,7 +17,16 @@ other rank to reach the same collective (its compute skew), not only the transpo
 on this 2-core machine shared with other work that is most of it. Both tokens must be
 identical across the two engines (checked).
 
+``--comm-only`` measures the other half of the issue's question, the per-step cost of
+the extra process *excluding the model's arithmetic*: two gloo processes (1 thread
+each) run exactly one step's communication back to back, with nothing between the
+collectives to wait for: the plan's two broadcasts, the embedding's and the
+2 x layers all-reduces of ``[tokens, hidden]`` float32, and the gather of the sampled
+rows' ``[rows, vocab / 2]`` logits, at decode (8 tokens) and prefill (512, 2048
+tokens) sizes.
+
     python benches/tp.py --rounds 5
+    python benches/tp.py --comm-only
 """
 
 from __future__ import annotations
@@ -48,6 +57,67 @@ def _round(llm, prompts, max_tokens: int) -> tuple[float, int, list[list[int]], 
     return dt, sum(len(t) for t in toks), toks, llm.engine.step_count - steps0
 
 
+def _comm_rank(rank: int, port: int, shapes, reps: int, out) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=120))
+    results = {}
+    for name, (tokens, hidden, layers, rows, vocab, plan_len) in shapes.items():
+        x = torch.randn(tokens, hidden)
+        logits = torch.randn(rows, vocab // 2)
+        header, plan = torch.zeros(20, dtype=torch.int64), torch.zeros(plan_len, dtype=torch.int64)
+        times = []
+        for i in range(reps + 3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.broadcast(header, 0)
+            dist.broadcast(plan, 0)
+            for _ in range(1 + 2 * layers):
+                dist.all_reduce(x)
+            parts = [torch.empty_like(logits) for _ in range(2)] if rank == 0 else None
+            dist.gather(logits, parts, dst=0)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        nbytes = (header.numel() + plan.numel()) * 8 + (1 + 2 * layers) * x.numel() * 4 + logits.numel() * 4
+        results[name] = (statistics.median(times), nbytes, 2 + 1 + 2 * layers + 1)
+    if rank == 0:
+        out.put(results)
+    dist.destroy_process_group()
+
+
+def comm_only(reps: int) -> None:
+    """One step's communication alone, between two gloo processes (see the docstring)."""
+    import torch.multiprocessing as mp
+
+    from hybridserve.model.tiny import PRESETS, _BASE
+    from hybridserve.parallel.launcher import free_port
+
+    c = PRESETS["bench"]
+    h, layers, vocab = c["hidden_size"], c["num_hidden_layers"], _BASE["vocab_size"]
+    # name -> tokens, hidden, layers, sampled rows, vocab, plan payload (int64s: ~12 per token + per seq)
+    shapes = {"decode, 8 seqs": (8, h, layers, 8, vocab, 8 * 14),
+              "prefill 512 tokens": (512, h, layers, 1, vocab, 512 * 4 + 20),
+              "prefill 2048 tokens": (2048, h, layers, 1, vocab, 2048 * 4 + 20)}
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_comm_rank, args=(r, port, shapes, reps, q)) for r in range(2)]
+    for pr in procs:
+        pr.start()
+    res = q.get(timeout=300)
+    for pr in procs:
+        pr.join()
+    print(f"one step's communication alone, 2 gloo ranks x 1 thread, bench shape (hidden {h}, {layers} "
+          f"layers, vocab {vocab}), median of {reps}")
+    print("| step | ms | KiB | collectives |\n| --- | --- | --- | --- |")
+    for name, (sec, nbytes, calls) in res.items():
+        print(f"| {name} | {sec * 1e3:.2f} | {nbytes / 1024:.1f} | {calls} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="bench", help="tiny preset of the checkpoint (default: bench)")
@@ -55,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--comm-only", action="store_true", help="time one step's communication alone")
     a = p.parse_args(argv)
+    if a.comm_only:
+        comm_only(reps=50)
+        return 0
 
     from hybridserve import LLM
     from hybridserve.engine.llm_engine import set_cpu_threads

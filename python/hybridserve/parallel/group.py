@@ -128,30 +128,44 @@ class TPGroup:
     # ---- model collectives (inside the forward) -----------------------------------
     def all_reduce(self, x: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (and returned)."""
-        t0 = time.perf_counter() if self.measure else 0.0
+        t0 = time.perf_counter() if self._timing() else 0.0
         dist.all_reduce(x, group=self.model_group)
-        if self.measure:
+        if t0:
             self._sync()
             self.stats.add(kind, time.perf_counter() - t0, x.numel() * x.element_size())
         return x
 
     def gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
-        """Rank 0: the ranks' ``x`` concatenated along the last dim; other ranks: ``x``.
-        (Only the driver samples, so only it needs the whole vocabulary's logits: a
-        gather moves 1/N of an all-gather's bytes.)"""
-        t0 = time.perf_counter() if self.measure else 0.0
+        """Rank 0: the ranks' ``x`` concatenated along the last dim (the LM head's
+        vocabulary shards, in vocabulary order); other ranks: their own ``x``.
+
+        Only the driver samples, so on gloo the shards are *gathered* to rank 0 (1/N of
+        an all-gather's bytes and no copy on the workers). On NCCL it is an all-gather
+        into one tensor instead: one collective kernel, which CUDA graphs capture like
+        the all-reduces (NCCL's gather is N-1 grouped point-to-point sends), and at
+        decode sizes (``[B, V/N]``) the extra bytes are small next to the step.
+        (The NCCL choice is written, not yet run on GPUs.)"""
+        t0 = time.perf_counter() if self._timing() else 0.0
         x = x.contiguous()
-        if self.rank == 0:
+        if self.device.type == "cuda":
+            flat = torch.empty((self.world_size,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+            dist.all_gather_into_tensor(flat, x, group=self.model_group)
+            out = torch.cat(flat.unbind(0), dim=-1)
+        elif self.rank == 0:
             parts = [torch.empty_like(x) for _ in range(self.world_size)]
             dist.gather(x, parts, dst=0, group=self.model_group)
             out = torch.cat(parts, dim=-1)
         else:
             dist.gather(x, None, dst=0, group=self.model_group)
             out = x
-        if self.measure:
+        if t0:
             self._sync()
             self.stats.add("gather_logits", time.perf_counter() - t0, x.numel() * x.element_size())
         return out
+
+    def _timing(self) -> bool:
+        # Timing syncs the device: never inside a CUDA graph capture.
+        return self.measure and not (self.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -164,6 +178,14 @@ class TPGroup:
         if self.measure:
             self.stats.add(kind, time.perf_counter() - t0, x.numel() * x.element_size())
         return x
+
+    def ready_barrier(self) -> None:
+        """Every rank has built its engine: from here on steps run under the (short)
+        collective timeout; until here the start-up limit applies (a worker still
+        allocating its arena on a loaded host is slow, not hung). gloo's monitored
+        barrier names the ranks that did not arrive."""
+        dist.monitored_barrier(group=self.control_group,
+                               timeout=datetime.timedelta(seconds=start_timeout_seconds()))
 
     def min_host(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

@@ -140,10 +140,17 @@ class TensorParallel:
         """Driver: close the ranks when the engine is dropped. Worker: serve the
         driver's steps, then end this process (it never returns)."""
         if self.is_driver:
+            try:
+                self.group.ready_barrier()
+            except Exception as e:
+                self.failure = self._name_failed(e, "while starting")
+                self.close()
+                raise self.failure from e
             weakref.finalize(engine, self.close)
             return
         code = 0
         try:
+            self.group.ready_barrier()
             self.serve_steps(engine.runner)
         except BaseException:  # noqa: BLE001 - report, then exit non-zero
             logger.exception("tensor-parallel rank %d failed", self.group.rank)
