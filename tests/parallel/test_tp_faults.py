@@ -73,6 +73,15 @@ def test_worker_failure_names_the_rank_and_leaves_nothing_behind(how, tp_dirs):
     assert _port_free(out["port"])
 
 
+def test_an_idle_engine_outlives_the_collective_timeout(tp_dirs):
+    env = dict(os.environ, HYBRIDSERVE_TP_TIMEOUT="3")
+    proc = subprocess.run([sys.executable, SCRIPT, tp_dirs["dense-gqa"], "idle"], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"same": True, "failure": "None"}
+
+
 def _wait_gone(pid: int, seconds: float = 15.0) -> bool:
     deadline = time.monotonic() + seconds
     while _alive(pid) and time.monotonic() < deadline:

@@ -11,6 +11,16 @@ from hybridserve.parallel import TensorParallelError
 
 path, how = sys.argv[1], sys.argv[2]
 llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
+if how == "idle":
+    # Idle for 3x the collective timeout between two generations: the heartbeat keeps
+    # the waiting worker from timing out, and the second generation runs normally.
+    import time
+
+    first = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    time.sleep(3 * float(os.environ["HYBRIDSERVE_TP_TIMEOUT"]))
+    second = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    print(json.dumps({"same": first == second, "failure": str(llm.engine.parallel.failure)}), flush=True)
+    sys.exit(0)
 eng = llm.engine
 worker = eng.parallel.launcher.procs[1]
 port = eng.parallel.launcher.port

@@ -33,7 +33,7 @@ PLAN_FIELDS = (
     "checkpoint_positions", "checkpoint_pages",
 )
 FIELDS = PLAN_FIELDS + ("all_positions",)
-OP_STEP, OP_SHUTDOWN = 1, 2
+OP_STEP, OP_SHUTDOWN, OP_IDLE = 1, 2, 3
 HEADER_LEN = 1 + len(FIELDS)
 
 
@@ -57,15 +57,28 @@ def send_step(group: TPGroup, plan, all_positions) -> None:
         group.broadcast_host(payload, kind="plan")
 
 
-def send_shutdown(group: TPGroup) -> None:
+def _send_op(group: TPGroup, op: int) -> None:
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[0] = OP_SHUTDOWN
+    header[0] = op
     group.broadcast_host(header, kind="plan")
+
+
+def send_shutdown(group: TPGroup) -> None:
+    _send_op(group, OP_SHUTDOWN)
+
+
+def send_idle(group: TPGroup) -> None:
+    """A heartbeat while no step runs: collectives time out, so a worker waiting for the
+    next step must hear from the driver within the timeout (and the driver learns of a
+    worker that died or hung while the engine was idle)."""
+    _send_op(group, OP_IDLE)
 
 
 def receive(group: TPGroup) -> tuple[ReceivedPlan, list[int]] | None:
     """The next step's plan and prompt-logit rows; None when the driver shuts down."""
     header = group.broadcast_host(torch.empty(HEADER_LEN, dtype=torch.int64))
+    while int(header[0]) == OP_IDLE:
+        header = group.broadcast_host(header)
     if int(header[0]) == OP_SHUTDOWN:
         return None
     if int(header[0]) != OP_STEP:

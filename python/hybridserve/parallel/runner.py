@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from hybridserve.runner.model_runner import ModelRunner, StepLogits
@@ -20,12 +21,15 @@ class TensorParallelRunner(ModelRunner):
         from hybridserve.parallel import plan_message
 
         tp = self.tp
-        tp.check_healthy()
-        tp.in_step = True
-        try:
-            plan_message.send_step(tp.group, plan, all_positions)
-            out = super().execute(plan, all_positions)
-        except Exception as e:
-            raise tp.fault(e) from e
-        tp.in_step = False
+        # The heartbeat thread's broadcasts and a step's never interleave.
+        with tp.comm_lock:
+            tp.check_healthy()
+            tp.in_step = True
+            try:
+                plan_message.send_step(tp.group, plan, all_positions)
+                out = super().execute(plan, all_positions)
+            except Exception as e:
+                raise tp.fault(e) from e
+            tp.in_step = False
+            tp.last_message = time.monotonic()
         return out

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -47,6 +48,10 @@ class TensorParallel:
         self.failure: TensorParallelError | None = None
         self.closed = False
         self._lock = threading.Lock()
+        # Held by a step and by each heartbeat: the driver's broadcasts stay in order.
+        self.comm_lock = threading.RLock()
+        self.last_message = time.monotonic()
+        self._heartbeat: threading.Thread | None = None
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -147,6 +152,9 @@ class TensorParallel:
                 self.close()
                 raise self.failure from e
             weakref.finalize(engine, self.close)
+            self.last_message = time.monotonic()
+            self._heartbeat = threading.Thread(target=self._beat, name="hybridserve-tp-heartbeat", daemon=True)
+            self._heartbeat.start()
             return
         code = 0
         try:
@@ -169,6 +177,27 @@ class TensorParallel:
                 return
             plan, all_positions = msg
             runner.execute(plan, all_positions)
+
+    def _beat(self) -> None:
+        """Driver, while the engine is idle: an idle message every quarter of the
+        collective timeout, so waiting workers do not time out, and a worker that died
+        or hung between steps is found (the next step then fails at once)."""
+        period = max(0.05, timeout_seconds() / 4)
+        while not self.closed and self.failure is None:
+            time.sleep(period / 4)
+            if time.monotonic() - self.last_message < period:
+                continue
+            with self.comm_lock:
+                if self.closed or self.failure is not None or time.monotonic() - self.last_message < period:
+                    continue
+                from hybridserve.parallel import plan_message
+
+                try:
+                    plan_message.send_idle(self.group)
+                    self.last_message = time.monotonic()
+                except Exception as e:  # noqa: BLE001 - recorded; the next step raises it
+                    self.fault(e, when="while the engine was idle")
+                    return
 
     # ------------------------------------------------------------------- faults
     def check_healthy(self) -> None:
@@ -195,14 +224,14 @@ class TensorParallel:
         return TensorParallelError(f"a tensor-parallel peer of rank {self.group.rank if self.group else '?'} "
                                    f"failed {when} (dead, hung past the collective timeout, or unreachable): {error}")
 
-    def fault(self, error: BaseException) -> TensorParallelError:
+    def fault(self, error: BaseException, when: str = "during a step") -> TensorParallelError:
         """The engine's error for a failed step (kept: every later step raises it too).
         The surviving workers are stopped: the ranks are out of step for good."""
         if isinstance(error, TensorParallelError):
             self.failure = self.failure or error
             return self.failure
         if self.failure is None:
-            self.failure = self._name_failed(error)
+            self.failure = self._name_failed(error, when)
             logger.error("%s", self.failure)
             self.close()
         return self.failure
@@ -215,13 +244,20 @@ class TensorParallel:
             if self.closed:
                 return
             self.closed = True
-        if self.group is not None and self.is_driver and self.failure is None and not self.in_step:
-            from hybridserve.parallel import plan_message
+        # Not during another thread's step or heartbeat (waits for it; a failed one
+        # holding it in this thread re-enters).
+        locked = self.comm_lock.acquire(timeout=timeout_seconds() + 5) if hasattr(self, "comm_lock") else False
+        try:
+            if self.group is not None and self.is_driver and self.failure is None and not self.in_step:
+                from hybridserve.parallel import plan_message
 
-            try:
-                plan_message.send_shutdown(self.group)
-            except Exception:  # noqa: BLE001 - a worker already gone: stop() below ends the rest
-                pass
+                try:
+                    plan_message.send_shutdown(self.group)
+                except Exception:  # noqa: BLE001 - a worker already gone: stop() below ends the rest
+                    pass
+        finally:
+            if locked:
+                self.comm_lock.release()
         if self.launcher is not None:
             self.launcher.stop(grace_s=5.0 if self.failure is None and not self.in_step else 0.0)
         if self.group is not None:

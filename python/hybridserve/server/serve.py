@@ -368,9 +368,12 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
     async def stop_on_rank_failure() -> None:
         # A tensor-parallel rank that died or hung kills the engine thread for good:
         # requests get 503 from then on, and the server drains and exits non-zero.
-        while not stop.is_set():
-            if not engine.is_alive and getattr(engine.engine, "parallel", None) is not None:
-                log.error("engine stopped (%r): shutting down", getattr(engine, "_dead", None))
+        parallel = getattr(engine.engine, "parallel", None)
+        while not stop.is_set() and parallel is not None:
+            # The engine thread died of it, or the driver's heartbeat found it while idle.
+            if not engine.is_alive or parallel.failure is not None:
+                log.error("tensor-parallel engine failed (%s): shutting down",
+                          parallel.failure or getattr(engine, "_dead", None))
                 stop.set()
                 return
             await asyncio.sleep(0.2)
