@@ -9,6 +9,7 @@ single-process loader's (:mod:`hybridserve.model.loader`), against the full shap
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -23,6 +24,8 @@ from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 from hybridserve.parallel.group import TPGroup
 from hybridserve.parallel.layers import install_all_reduces, make_vocab_parallel
 from hybridserve.parallel.shard import ShardPlan
+
+logger = logging.getLogger("hybridserve.parallel")
 
 
 def _read_cut(f, name: str, full_shape: tuple[int, ...], shard: ShardPlan) -> torch.Tensor:
@@ -112,4 +115,8 @@ def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, grou
         model.store_projections_column_major()
     install_all_reduces(model, group)
     model.eval()
+    # parameters() counts a tied embedding / LM head once.
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    logger.info("rank %d of %d holds %.1f MiB of weights (its shard plus the replicated norms, "
+                "router and any replicated KV heads)", shard.rank, shard.world_size, held / 2**20)
     return model
