@@ -44,7 +44,9 @@ class TensorParallel:
         self.group = group
         self.shard = shard
         self.launcher = launcher
-        self.in_step = False  # a step's collectives are under way (not safe to send shutdown)
+        # A step's (or start-up's) collectives are under way: close() must not send the
+        # shutdown message into the middle of them, it terminates the workers instead.
+        self.in_step = True
         self.failure: TensorParallelError | None = None
         self.closed = False
         self._lock = threading.Lock()
@@ -152,6 +154,7 @@ class TensorParallel:
                 self.close()
                 raise self.failure from e
             weakref.finalize(engine, self.close)
+            self.in_step = False  # started: the workers wait for messages from here on
             self.last_message = time.monotonic()
             self._heartbeat = threading.Thread(target=self._beat, name="hybridserve-tp-heartbeat", daemon=True)
             self._heartbeat.start()
