@@ -82,8 +82,12 @@ class TensorParallel:
                 import torch.distributed as dist
 
                 backend = "nccl" if device.type == "cuda" else "gloo"
+                # device_id: NCCL's communicator is made now, not lazily by the first
+                # collective (which must not happen inside a CUDA graph capture).
+                extra = {"device_id": device} if device.type == "cuda" else {}
                 dist.init_process_group(backend=backend, init_method=launcher.init_method, rank=0,
-                                        world_size=n, timeout=datetime.timedelta(seconds=start_timeout_seconds()))
+                                        world_size=n, timeout=datetime.timedelta(seconds=start_timeout_seconds()),
+                                        **extra)
             group = TPGroup(rank, n, device, timeout_seconds())
         except Exception as e:
             tp = cls.__new__(cls)
