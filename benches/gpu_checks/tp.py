@@ -96,7 +96,7 @@ def check_tp(ctx: Ctx) -> dict[str, Any]:
                else "CPU dry run: NCCL on two GPUs cannot be checked here")
         out["not_applicable"] = why
         if not ctx.cuda:
-            out["cpu_gloo"] = _compare(ctx, "cpu", names[:1], 3, [True])
+            out["cpu_gloo"] = _compare(ctx, "cpu", names, 3, [True])
         res = {f"{n} {m}": None for n in names for m in ("eager", "graphs")}
     crit = []
     for key, rec in res.items():
