@@ -36,6 +36,11 @@ status is 1 when any check fails. Checks:
   next to the memory-bandwidth floor; fails if the decode step at the paged batch size
   is slower than 2x that floor. Prefill is replaced by writing random K/V and
   DeltaNet state for the context (said in the output).
+* ``tp``: ``LLM(model, tensor_parallel_size=2)`` on two GPUs (NCCL) against one GPU
+  on tiny float32 checkpoints (dense with 1 KV head over 2 ranks, MoE): greedy tokens
+  identical and top-5 logprobs within ``FP32_LOGIT_TOL``, eager and with CUDA graphs.
+  "Not applicable" with fewer than two GPUs; the CPU dry run runs the comparison over
+  gloo instead (reported, not counted).
 
 Every check states its pass criteria (``criteria``: name, status, what was compared)
 and its ``status`` follows from them: ``"fail"`` if any criterion failed, ``"pass"`` if
@@ -74,6 +79,7 @@ from gpu_checks.e2e import check_e2e  # noqa: E402
 from gpu_checks.seed import check_seed  # noqa: E402
 from gpu_checks.pools import check_pools  # noqa: E402
 from gpu_checks.moe import check_moe  # noqa: E402
+from gpu_checks.tp import check_tp  # noqa: E402
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {}
 QUICK: list[str] = []
@@ -102,6 +108,7 @@ register("seed", check_seed, quick=False)
 register("e2e", check_e2e)
 register("pools", check_pools)
 register("moe", check_moe)
+register("tp", check_tp)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -286,23 +286,27 @@ def test_flagship_needs_eight_h200s(capsys):
     # norms 45 x 128 = 5,760), the routers (60 x 512 x 4,096 = 125,829,120) and the shared
     # experts' gates (60 x 4,096 = 245,760): 126,583,936. On 4 devices each holds
     # (396,346,350,336 - 126,583,936) / 4 + 126,583,936 = 99,181,525,536 params =
-    # 198.4 GB > 126.9 GB usable; on 8: 49,654,054,736 params = 99,308,109,472 B, budget
-    # 126,900,000,000 - that - 2 GiB = 25,444,406,880 B.
+    # 198.4 GB > 126.9 GB usable. On 8 the 2 KV heads replicate: each device holds one
+    # KV head's k/v_proj (15 layers x 2 x 4,096 x 256 = 31,457,280) instead of an eighth
+    # of both (15 x 2 x 4,096 x 512 / 8 = 7,864,320), so
+    # (396,346,350,336 - 126,583,936) / 8 + 126,583,936 + 31,457,280 - 7,864,320 =
+    # 49,677,647,696 params = 99,355,295,392 B, budget
+    # 126,900,000,000 - that - 2 GiB = 25,397,220,960 B.
     d = _json(capsys, ["plan", "qwen3.5-397b-a17b", "--device-memory", "h200"])
     dev = d["devices"]
     assert dev["devices_needed"] == 8
     assert [s["tensor_parallel"] for s in dev["shares"]] == [1, 2, 4, 8]
     assert [s["sessions"] for s in dev["shares"]] == [0, 0, 0, 47]
     eight = dev["shares"][-1]
-    assert eight["weight_bytes_per_device"] == 99_308_109_472
-    assert eight["budget_bytes_per_device"] == 25_444_406_880
+    assert eight["weight_bytes_per_device"] == 99_355_295_392
+    assert eight["budget_bytes_per_device"] == 25_397_220_960
     # The 8-way shard: 4 heads, 1 KV head (each of the 2 on 4 devices), 2/8 DeltaNet
-    # heads. Pages: 15 layers x 16 x 1 x 256 x 2 x 2 B = 245,760 B; 103,533 of them.
+    # heads. Pages: 15 layers x 16 x 1 x 256 x 2 x 2 B = 245,760 B; 103,341 of them.
     # State: 45 x 8 heads of 64 KiB, 3 a page (48 KiB of each page padding) = 120 pages;
     # conv 1,536 x 3 x 2 B = 9,216 B a layer, 26 a page = 2 pages; 122 pages, 122 of
-    # scratch: 103,411 left; 32,768 tokens = 2,048 + 122 = 2,170 pages -> 47 sessions.
+    # scratch: 103,219 left; 32,768 tokens = 2,048 + 122 = 2,170 pages -> 47 sessions.
     assert eight["kv_head_replicas"] == 4
-    assert (eight["page_bytes"], eight["pages_per_device"]) == (245_760, 103_411)
+    assert (eight["page_bytes"], eight["pages_per_device"]) == (245_760, 103_219)
 
 
 def test_devices_for_more_sessions(capsys):

@@ -22,7 +22,7 @@ def test_gpu_check_dry_run_on_the_cpu():
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
     by_name = {rec["check"]: rec for rec in lines}
     # Other checks may be registered too; these are the ones this test knows.
-    assert {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "moe", "summary"} <= set(by_name), \
+    assert {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "moe", "tp", "summary"} <= set(by_name), \
         r.stdout + r.stderr[-3000:]
     failed = {k: v for k, v in by_name.items() if v.get("status") == "fail"}
     assert not failed, json.dumps(failed, indent=1)[:4000]
@@ -45,6 +45,12 @@ def test_gpu_check_dry_run_on_the_cpu():
     assert [c["status"] for c in na(by_name["seed"], "bandwidth floor")] == ["not applicable"]
     assert [c["status"] for c in na(by_name["fidelity"], "CUDA graphs")] == ["not applicable"]
     assert "sync" in by_name["summary"]["not_applicable"]
+    # Tensor parallelism needs two GPUs: not applicable here, never ok; its comparison
+    # still ran over gloo on the CPU, and TP=2 matched one process.
+    tp = by_name["tp"]
+    assert tp["status"] == "not applicable" and not tp["ok"] and "tp" in by_name["summary"]["not_applicable"]
+    assert {c["status"] for c in tp["criteria"]} == {"not applicable"}
+    assert tp["cpu_gloo"] and all(r["greedy_equal"] and r["logprobs_ok"] for r in tp["cpu_gloo"].values())
     assert by_name["sync"]["eager"]["beam_request_running"]
     # The checks measured something, against their oracles.
     assert all(c["ok"] for c in by_name["kernels"]["cases"]) and by_name["kernels"]["cases"]

@@ -175,8 +175,10 @@ def test_weights_per_device():
     assert pl.weight_bytes_per_device(c, 1) == 2 * (rep + shd)
     assert pl.weight_bytes_per_device(c, 2) == 2 * (-(-shd // 2) + rep)
     # Valid degrees divide 6 attention / 2-4 DeltaNet heads and divide or are a
-    # multiple of the 2 KV heads: 1 and 2 (4 does not divide 6 attention heads).
-    assert [n for n in pl.TP_DEGREES if pl.shard_config(c, n) is not None] == [1, 2]
+    # multiple of the 2 KV heads: 1 and 2 (3 does not divide 2 DeltaNet key heads, 4
+    # not 6 attention heads).
+    assert pl.valid_degrees(c) == [1, 2]
+    assert [n for n in range(1, 65) if pl.shard_config(c, n) is not None] == [1, 2]
     s2 = pl.shard_config(c, 2)
     assert (s2.num_attention_heads, s2.num_key_value_heads, s2.linear_num_key_heads,
             s2.linear_num_value_heads) == (3, 1, 1, 2)

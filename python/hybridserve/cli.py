@@ -104,9 +104,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "(default: one sequence's state pages are, as on CUDA)",
     )
     mem.add_argument(
-        "--min-sessions", type=positive_int, default=1, metavar="K",
-        help="with a device (not --pool-mib): count the devices needed to run K sessions of "
-        "--context tokens at once (default: 1)",
+        "--min-sessions", type=positive_int, default=None, metavar="K",
+        help="the same as --sessions K without --shared-prefix (kept for scripts)",
     )
     mem.add_argument(
         "--max-num-seqs", type=positive_int, default=None, metavar="N",
@@ -131,12 +130,25 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--shared-prefix", type=non_negative_int, metavar="P",
         help="sessions share their first P tokens (with --sessions)",
     )
-    share.add_argument("--sessions", type=positive_int, metavar="K", help="number of sessions sharing the prefix")
+    share.add_argument(
+        "--sessions", type=positive_int, metavar="K",
+        help="K sessions of --context tokens at once: the smallest number of devices (tensor "
+        "parallel) that runs them, with each device's numbers; with --shared-prefix P they "
+        "share their first P tokens",
+    )
     share.add_argument("--n", type=positive_int, default=1, help="samples per request (default: 1)")
     share.add_argument(
         "--prompt-len", type=non_negative_int, metavar="P",
         help="with --n > 1: the shared prompt's length (default: context - 1, i.e. each "
         "sample has written its first token)",
+    )
+    tp = p.add_argument_group("tensor parallelism (one model over N devices)")
+    tp.add_argument(
+        "--tensor-parallel-size", "-tp", type=positive_int, default=None, metavar="N",
+        help="show what each of N devices holds (its shard of the weights, its share of every "
+        "sequence's KV and DeltaNet state) and how many sessions the N run; with --pool-mib "
+        "that is each device's arena budget. N must divide the model's heads, intermediate "
+        "widths and vocabulary (KV heads replicate when N is a multiple of them)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
@@ -158,8 +170,17 @@ def _run_plan(args: argparse.Namespace) -> int:
     ):
         checkpoint_dir = None  # a directory with only config.json: count parameters
     config = ModelConfig.from_json(config_path)
-    if (args.shared_prefix is None) != (args.sessions is None):
-        raise _BadInput("--shared-prefix P and --sessions K go together; give both")
+    if args.shared_prefix is not None and args.sessions is None:
+        raise _BadInput("--shared-prefix P needs --sessions K: how many sessions share the prefix")
+    if args.sessions is not None and args.min_sessions is not None and args.sessions != args.min_sessions:
+        raise _BadInput(
+            f"--sessions {args.sessions} and --min-sessions {args.min_sessions} disagree; "
+            "give one (--min-sessions is the old name of --sessions)")
+    min_sessions = args.sessions or args.min_sessions or 1
+    if args.pool_mib is not None and (args.sessions or args.min_sessions) and args.shared_prefix is None:
+        raise _BadInput(
+            "--sessions K without --shared-prefix asks how many devices run K sessions, which "
+            "needs a device (--device-memory), not --pool-mib")
     if args.prompt_len is not None and args.n == 1:
         raise _BadInput("--prompt-len only matters with --n greater than 1")
     report = pl.capacity_report(
@@ -175,11 +196,12 @@ def _run_plan(args: argparse.Namespace) -> int:
         include_conv=not args.omit_conv_state,
         cuda_graphs=not args.enforce_eager,
         max_num_seqs=args.max_num_seqs,
-        min_sessions=args.min_sessions,
+        min_sessions=min_sessions,
         shared_prefix_len=args.shared_prefix,
-        sessions=args.sessions,
+        sessions=args.sessions if args.shared_prefix is not None else None,
         n=args.n,
         prompt_len=args.prompt_len,
+        tensor_parallel=args.tensor_parallel_size,
     )
     d = report.to_dict()
     d["config"] = os.fspath(args.config)

@@ -75,6 +75,8 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (default: cpu)")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the engine's choice)")
     e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="split the model over N ranks (workers on this host, or torchrun's ranks) (default: 1)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts, at most 256")
     e.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="most tokens in one step's batch (default: 2048)")
@@ -196,6 +198,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs or min(args.num_prompts, 256),
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     if "cpu_threads" in EngineArgs.field_names() and args.threads is not None:
         engine_kwargs["cpu_threads"] = args.threads  # the engine's own setting, where it has one

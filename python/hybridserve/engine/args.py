@@ -73,9 +73,12 @@ class EngineArgs:
     # Intra-op threads of torch (the CPU path's GEMMs and ops); None: the physical
     # cores this process may run on.
     cpu_threads: int | None = None
+    # Ranks one model is split over (hybridserve.parallel): the engine starts N-1
+    # workers on this host, or joins the ranks torchrun started (RANK/WORLD_SIZE...).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")

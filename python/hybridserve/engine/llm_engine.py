@@ -115,6 +115,17 @@ class LLMEngine:
                 "holds config.json, the *.safetensors files and the tokenizer"
             )
         config = ModelConfig.from_json(args.model)
+        # Tensor parallelism (hybridserve.parallel): this rank's shard of the model; the
+        # arena's pages are laid out for the shard's shape (layout_config).
+        self.parallel = None
+        self.layout_config = None
+        cpu_threads = args.cpu_threads
+        if args.tensor_parallel_size > 1:
+            from hybridserve.parallel.tensor_parallel import TensorParallel
+
+            self.parallel = TensorParallel.start(args, config, self.device)
+            self.device = self.parallel.device
+            cpu_threads = self.parallel.cpu_threads(cpu_threads)
         self.dtype = _resolve_model_dtype(args.dtype, config, self.device)
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.max_model_len = min(
@@ -125,12 +136,16 @@ class LLMEngine:
         self.model_config = dataclasses.replace(
             config, torch_dtype=dtype_name, max_position_embeddings=self.max_model_len
         )
+        self.layout_config = (dataclasses.replace(self.parallel.local_config, torch_dtype=dtype_name,
+                                                  max_position_embeddings=self.max_model_len)
+                              if self.parallel is not None else self.model_config)
 
         # torch's thread count is process-wide: set it only where it is the engine's
         # business (the CPU path, or asked for), not under a CUDA engine's host.
-        if self.device.type == "cpu" or args.cpu_threads:
-            self.cpu_threads = set_cpu_threads(args.cpu_threads)
-            why = "--cpu-threads" if args.cpu_threads else "physical cores available"
+        if self.device.type == "cpu" or cpu_threads:
+            self.cpu_threads = set_cpu_threads(cpu_threads)
+            why = "--cpu-threads" if args.cpu_threads else (
+                "physical cores shared by the ranks" if cpu_threads else "physical cores available")
         else:
             self.cpu_threads, why = torch.get_num_threads(), "left as found"
         from hybridserve.kernels import native
@@ -138,7 +153,10 @@ class LLMEngine:
         logger.info("torch intra-op threads: %d (%s); native CPU kernels: %s", self.cpu_threads, why,
                     f"{native.threads()} threads on the {native.pool()} pool" if native.available() else "off")
         torch.manual_seed(args.seed)
-        self.model, _ = load_model(args.model, dtype=self.dtype, device=self.device)
+        if self.parallel is not None:
+            self.model = self.parallel.load_model(args.model, self.dtype, self.device)
+        else:
+            self.model, _ = load_model(args.model, dtype=self.dtype, device=self.device)
         self.model.eval()
         self.tokenizer = load_tokenizer(args.tokenizer or args.model)
         self.eos_token_ids = list(config.eos_token_ids)
@@ -162,7 +180,7 @@ class LLMEngine:
         self.max_concurrency = self.arena_plan.sessions(self.max_model_len).sessions
 
         self.cache = HybridCache(
-            self.model_config, self.arena_plan.layout, self.arena_plan.total_pages,
+            self.layout_config, self.arena_plan.layout, self.arena_plan.total_pages,
             dtype=kv_dtype, device=self.device,
         )
         self.scheduler = _core.Scheduler(
@@ -183,7 +201,8 @@ class LLMEngine:
         )
         # The scheduler's block-table rows are the runner's buffer width.
         self.max_blocks_per_seq = self.scheduler.max_blocks_per_seq
-        self.runner = ModelRunner(
+        make_runner = self.parallel.make_runner if self.parallel is not None else ModelRunner
+        self.runner = make_runner(
             self.model, self.cache,
             max_num_seqs=args.max_num_seqs,
             max_blocks_per_seq=self.max_blocks_per_seq,
@@ -222,6 +241,9 @@ class LLMEngine:
         # only wants finished ones, and skipping the rest keeps a step from copying
         # every running request's tokens (O(generated) per request per step).
         self.emit_unfinished = True
+        if self.parallel is not None:
+            # A worker rank serves the driver's steps here and never returns.
+            self.parallel.attach(self)
 
     # ------------------------------------------------------------------ sizing
     def _pool_bytes(self) -> int:
@@ -252,7 +274,7 @@ class LLMEngine:
                       max_num_seqs=a.max_num_seqs)
         num_pages = a.num_pages
         if a.num_gpu_blocks is not None:
-            state_pages = arena_layout(self.model_config, a.block_size, kv_dtype).state_pages
+            state_pages = arena_layout(self.layout_config, a.block_size, kv_dtype).state_pages
             num_pages = a.num_gpu_blocks + a.num_state_slots * state_pages
             logger.warning(
                 "num_gpu_blocks=%d + num_state_slots=%d are deprecated (there is one arena now): "
@@ -260,8 +282,14 @@ class LLMEngine:
                 a.num_gpu_blocks, a.num_state_slots, num_pages, state_pages,
             )
         if num_pages is not None:
-            return planner.size_arena(self.model_config, num_pages=num_pages, **common)
-        return planner.size_arena(self.model_config, budget_bytes=self._pool_bytes(), **common)
+            return planner.size_arena(self.layout_config, num_pages=num_pages, **common)
+        plan = planner.size_arena(self.layout_config, budget_bytes=self._pool_bytes(), **common)
+        if self.parallel is not None:
+            # Each rank sized its own pool; the one scheduler's page ids must exist on all.
+            agreed = self.parallel.agree_num_pages(plan.num_pages)
+            if agreed != plan.num_pages:
+                plan = planner.size_arena(self.layout_config, num_pages=agreed, **common)
+        return plan
 
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -497,6 +525,9 @@ class LLMEngine:
         for this step in ``last_step_stats["phase_seconds"]``: consecutive clock reads,
         so the five add up to the step's time."""
         t0 = time.perf_counter()
+        if self.parallel is not None:
+            # A failed rank fails every step at once, before anything is scheduled.
+            self.parallel.check_healthy()
         plan = self.scheduler.schedule()
         now = time.monotonic()
         # Requests that changed this step -> the indices of their samples that did.

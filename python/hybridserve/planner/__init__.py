@@ -13,7 +13,9 @@ One module per concern, arithmetic apart from reports:
   at start-up: :func:`size_arena`, :func:`format_arena_log`);
 * :mod:`.sessions` -- the seed's raw-byte session counts (paged vs reserve-max);
 * :mod:`.sharing` -- shared prefixes and parallel samples;
-* :mod:`.devices` -- devices needed under tensor parallelism;
+* :mod:`.rank` -- the shapes one tensor-parallel rank holds (the split rule, valid
+  degrees, a clear error naming the dimension a degree does not divide);
+* :mod:`.devices` -- per-device weights and arenas, devices needed under tensor parallelism;
 * :mod:`.split` -- the pre-arena KV/state split, kept as the benchmarks' baseline;
 * :mod:`.report` -- :func:`capacity_report` and the ``hybridserve plan`` table.
 """
@@ -33,13 +35,23 @@ from hybridserve.planner.budget import (
     usable_after_weights,
 )
 from hybridserve.planner.devices import (
-    TP_DEGREES,
     DevicePlan,
     DeviceShare,
     device_share,
     devices_needed,
     shard_config,
     weight_bytes_per_device,
+)
+from hybridserve.planner.rank import (
+    MAX_TENSOR_PARALLEL,
+    check_degree,
+    degree_error,
+    kv_head_replicas,
+    rank_config,
+    rank_param_count,
+    rank_param_split,
+    rank_weight_bytes,
+    valid_degrees,
 )
 from hybridserve.planner.report import CapacityReport, capacity_report, render_plan
 from hybridserve.planner.sessions import (
@@ -100,8 +112,10 @@ __all__ = [
     "sessions_paged", "sessions_reserved_max",
     "SharingPlan", "sharing_plan", "ParallelSamplingPlan", "parallel_sampling_plan",
     "arena_sharing_plan", "arena_parallel_sampling_plan",
-    "TP_DEGREES", "DevicePlan", "DeviceShare", "device_share", "devices_needed",
+    "DevicePlan", "DeviceShare", "device_share", "devices_needed",
     "shard_config", "weight_bytes_per_device",
+    "MAX_TENSOR_PARALLEL", "check_degree", "degree_error", "kv_head_replicas", "rank_config",
+    "rank_param_count", "rank_param_split", "rank_weight_bytes", "valid_degrees",
     "PoolPlan", "size_pools", "max_concurrency", "max_concurrency_reserved",
     "format_pool_log", "format_max_concurrency",
     "CapacityReport", "capacity_report", "render_plan",

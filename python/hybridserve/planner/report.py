@@ -17,7 +17,7 @@ from hybridserve.config import ModelConfig, dtype_bytes
 from hybridserve.errors import ConfigError
 from hybridserve.planner.arena import ArenaPlan, SessionFit, context_lens_for, format_arena_log, size_arena
 from hybridserve.planner.budget import describe_budget, usable_after_weights
-from hybridserve.planner.devices import DevicePlan, devices_needed
+from hybridserve.planner.devices import DevicePlan, DeviceShare, device_share, devices_needed
 from hybridserve.planner.sessions import (
     paged_sequence_bytes,
     reserved_sequence_bytes,
@@ -92,6 +92,9 @@ class CapacityReport:
     session_table: tuple[SessionFit, ...]
     arena_log: tuple[str, ...]
     devices: DevicePlan | None = None
+    #: Each device's share at the asked ``--tensor-parallel-size`` (None: not asked).
+    tensor_parallel: DeviceShare | None = None
+    tensor_parallel_budget_source: str = ""
     shared_prefix: SharingPlan | None = None
     parallel_sampling: ParallelSamplingPlan | None = None
 
@@ -100,7 +103,8 @@ class CapacityReport:
         return self.seed_sessions_paged_without_conv
 
     def to_dict(self) -> dict[str, Any]:
-        skip = {"shared_prefix", "parallel_sampling", "arena", "session_table", "devices", "arena_log"}
+        skip = {"shared_prefix", "parallel_sampling", "arena", "session_table", "devices", "arena_log",
+                "tensor_parallel", "tensor_parallel_budget_source"}
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
         d["sessions_paged_without_conv"] = self.sessions_paged_without_conv
         d["pool_mib"] = self.pool_bytes / MiB
@@ -108,6 +112,8 @@ class CapacityReport:
         d["session_table"] = [s.to_dict() for s in self.session_table]
         d["arena_log"] = list(self.arena_log)
         d["devices"] = None if self.devices is None else self.devices.to_dict()
+        d["tensor_parallel"] = None if self.tensor_parallel is None else {
+            **self.tensor_parallel.to_dict(), "budget_source": self.tensor_parallel_budget_source}
         d["shared_prefix"] = self.shared_prefix.to_dict() if self.shared_prefix else None
         d["parallel_sampling"] = (
             self.parallel_sampling.to_dict() if self.parallel_sampling else None
@@ -134,6 +140,7 @@ def capacity_report(
     sessions: int | None = None,
     n: int = 1,
     prompt_len: int | None = None,
+    tensor_parallel: int | None = None,
 ) -> CapacityReport:
     """The full capacity picture at ``context_len``.
 
@@ -146,7 +153,11 @@ def capacity_report(
     ``include_conv`` only affects the seed's byte counts (the arena always holds the
     conv state). The shared-prefix scenario needs ``shared_prefix_len`` and
     ``sessions``; the sampling scenario runs when ``n > 1``; both count in the arena's
-    pages (in raw bytes only when there is no arena on one device).
+    pages (in raw bytes only when there is no arena on one device). ``tensor_parallel`` N
+    adds what each of N devices holds and runs
+    (:func:`~hybridserve.planner.devices.device_share`; with ``pool_bytes`` that is each
+    device's arena budget); ConfigError naming the dimension when N does not shard the
+    model.
     """
     kv_dtype = cache_dtype(config, kv_dtype)
     check_context(config, context_len)
@@ -171,6 +182,15 @@ def capacity_report(
             reserve=reserve, block_size=block_size, kv_dtype=kv_dtype, cuda_graphs=cuda_graphs,
             min_sessions=min_sessions,
         )
+    tp_share, tp_source = None, ""
+    if tensor_parallel is not None:
+        tp_share = device_share(
+            config, tensor_parallel, device_memory=device_memory, budget_bytes=pool_bytes,
+            context_len=context_len, utilization=utilization, reserve=reserve, block_size=block_size,
+            kv_dtype=kv_dtype, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,
+        )
+        tp_source = ("given explicitly, for each device" if pool_bytes is not None else
+                     describe_budget(device_memory, utilization, tp_share.weight_bytes_per_device, reserve))
     arena = None
     if pool > 0:
         try:
@@ -243,6 +263,8 @@ def capacity_report(
         session_table=tuple(arena.sessions(L) for L in context_lens_for(arena, [context_len])) if arena else (),
         arena_log=tuple(format_arena_log(arena, context_len)) if arena else (),
         devices=devices,
+        tensor_parallel=tp_share,
+        tensor_parallel_budget_source=tp_source,
         shared_prefix=shared,
         parallel_sampling=sampling,
     )
@@ -250,6 +272,39 @@ def capacity_report(
 
 def _billions(n: int) -> str:
     return f"{n / 1e9:,.2f} B"
+
+
+def _tensor_parallel_rows(r: CapacityReport) -> list[tuple[str, str]]:
+    """What each device holds at the asked ``--tensor-parallel-size``."""
+    fb = format_bytes
+    s = r.tensor_parallel
+    assert s is not None
+    n, L = s.tensor_parallel, r.context_len
+    one_state = r.state_bytes_per_sequence + r.conv_state_bytes_per_sequence
+    rows = [
+        (f"tensor parallel over {n} device{'s' if n > 1 else ''}", "each device holds:"),
+        ("  weights",
+         f"{fb(s.weight_bytes_per_device)} = {s.weight_bytes_per_device / 1e9:,.2f} GB "
+         f"({s.params_per_device:,} parameters, {s.replicated_params_per_device:,} of them whole on "
+         "every device: norms" + (", router, shared_expert_gate" if r.num_experts else "") + ")"),
+        (f"  KV per token ({r.kv_dtype})",
+         f"{s.kv_bytes_per_token_per_device:,} B of the model's {r.kv_bytes_per_token:,} B"
+         + (f" (each KV head on {s.kv_head_replicas} devices)" if s.kv_head_replicas > 1 else "")),
+        ("  DeltaNet state per sequence (matrix + conv)",
+         f"{fb(s.state_bytes_per_sequence_per_device)} of the model's {fb(one_state)}"),
+        ("  budget for its arena",
+         f"{format_mib(s.budget_bytes_per_device)} ({r.tensor_parallel_budget_source})"
+         if s.budget_bytes_per_device > 0 else
+         f"none: {fb(s.budget_bytes_per_device)} ({r.tensor_parallel_budget_source})"),
+    ]
+    if s.arena is not None:
+        a = s.arena
+        rows.append((f"  sessions that fit at {L:,} tokens",
+                     f"{s.sessions:,} ({a.pages_for_sequence(L):,} pages of {fb(a.page_bytes)} each, "
+                     f"{a.num_pages:,} pages on each device; every session lives on all {n})"))
+    else:
+        rows.append((f"  sessions that fit at {L:,} tokens", "0 (the budget holds no sequence)"))
+    return rows
 
 
 def render_plan(report: CapacityReport, config_name: str = "") -> str:
@@ -292,19 +347,26 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
         dp = r.devices
         mem = f"{dp.device_memory / 1e9:,.0f} GB"
         if dp.devices_needed is None:
-            need = f"more than {dp.shares[-1].tensor_parallel if dp.shares else 1} devices of {mem}"
+            top = dp.shares[-1]
+            need = (f"none does: the largest that shards this model, {top.tensor_parallel} "
+                    f"devices of {mem}, runs {top.sessions:,}; use larger devices, or fewer or shorter sessions")
         else:
-            need = f"{dp.devices_needed} device{'s' if dp.devices_needed > 1 else ''} of {mem}"
+            need = (f"{dp.devices_needed} device{'s' if dp.devices_needed > 1 else ''} of {mem} "
+                    "(tensor parallel)")
         what = f"a {L:,}-token session" if dp.min_sessions == 1 else f"{dp.min_sessions:,} sessions of {L:,} tokens"
-        rows.append((f"devices needed for {what}", need + " (tensor parallel)"))
+        rows.append((f"devices needed for {what}", need))
         for s in dp.shares:
             rows.append((
                 f"  {s.tensor_parallel} device{'s' if s.tensor_parallel > 1 else ''}",
-                f"weights {s.weight_bytes_per_device / 1e9:,.2f} GB each, budget "
-                + (f"{format_mib(s.budget_bytes_per_device)} each" if s.budget_bytes_per_device > 0 else "none")
+                f"each: weights {s.weight_bytes_per_device / 1e9:,.2f} GB, KV "
+                f"{fb(s.kv_bytes_per_token_per_device)} a token, state "
+                f"{fb(s.state_bytes_per_sequence_per_device)} a sequence, budget "
+                + (format_mib(s.budget_bytes_per_device) if s.budget_bytes_per_device > 0 else "none")
                 + f"; {s.sessions:,} sessions of {L:,} tokens"
                 + (f" (each KV head on {s.kv_head_replicas} devices)" if s.kv_head_replicas > 1 else ""),
             ))
+    if r.tensor_parallel is not None:
+        rows += _tensor_parallel_rows(r)
     if r.shared_prefix is not None:
         s = r.shared_prefix
         rows += [
@@ -335,10 +397,16 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
     if r.arena_log:
         lines += ["", "the arena on one device (the engine logs these lines at start-up):"]
         lines += [f"  {line}" for line in r.arena_log]
-    elif r.devices is not None and r.devices.devices_needed is not None:
-        share = r.devices.shares[-1]
-        if share.arena is not None:
-            lines += ["", f"the arena on each of {share.tensor_parallel} devices (a 1/{share.tensor_parallel} "
-                          "shard of every sequence's heads):"]
-            lines += [f"  {line}" for line in format_arena_log(share.arena, L)]
+    tp = r.tensor_parallel
+    if tp is not None and tp.tensor_parallel > 1:
+        shown = tp  # the asked size
+    elif r.devices is not None and (r.devices.devices_needed or 0) > 1:
+        shown = r.devices.shares[-1]  # the size the model needs
+    else:
+        shown = None
+    if shown is not None and shown.arena is not None:
+        n = shown.tensor_parallel
+        lines += ["", f"the arena on each of {n} devices (a 1/{n} shard of every sequence's heads; "
+                      "each rank logs these lines at start-up):"]
+        lines += [f"  {line}" for line in format_arena_log(shown.arena, L)]
     return "\n".join(lines)

@@ -19,6 +19,11 @@ therefore captured once per batch-size bucket at start-up and replayed:
 * mixed prefill/decode steps, prompt-logprob steps, steps that write a DeltaNet
   checkpoint and batches over the largest bucket run eagerly.
 
+Under tensor parallelism (:mod:`hybridserve.parallel`, NCCL) the forward's all-reduces
+and the LM head's all-gather are inside the captured graphs; every rank captures the
+same buckets in the same order and replays the same bucket each step (the same plan),
+so the collectives match (written; not yet run on GPUs).
+
 Capture logs its time and the device memory it took. ``enforce_eager`` (vLLM's
 ``--enforce-eager``) turns graphs off. Only CUDA devices use this module; the CPU
 path never constructs it.

@@ -143,6 +143,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "baseline) (default: %(default)s)")
     eng.add_argument("--enforce-eager", action="store_true",
                      help="run every step eagerly: no CUDA graphs for decode steps (default: graphs on CUDA)")
+    eng.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1, metavar="N",
+                     help="split the model over N ranks: N-1 workers started on this host, or the ranks "
+                          "torchrun started (MASTER_ADDR/RANK/WORLD_SIZE...) (default: %(default)s)")
     eng.add_argument("--cpu-threads", type=positive_int, default=None, metavar="N",
                      help="torch intra-op threads (default: the physical cores this process may use)")
     eng.add_argument("--no-enable-prefix-caching", "--no-prefix-caching", dest="no_prefix_caching",
@@ -361,6 +364,21 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
         loop.add_signal_handler(sig, on_signal)
     if ready is not None:
         ready(port)
+
+    async def stop_on_rank_failure() -> None:
+        # A tensor-parallel rank that died or hung kills the engine thread for good:
+        # requests get 503 from then on, and the server drains and exits non-zero.
+        parallel = getattr(engine.engine, "parallel", None)
+        while not stop.is_set() and parallel is not None:
+            # The engine thread died of it, or the driver's heartbeat found it while idle.
+            if not engine.is_alive or parallel.failure is not None:
+                log.error("tensor-parallel engine failed (%s): shutting down",
+                          parallel.failure or getattr(engine, "_dead", None))
+                stop.set()
+                return
+            await asyncio.sleep(0.2)
+
+    watcher = asyncio.ensure_future(stop_on_rank_failure())
     try:
         await stop.wait()
         app[STATE_KEY]["draining"] = True
@@ -378,6 +396,7 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
             while engine.num_in_flight and loop.time() < grace:
                 await asyncio.sleep(0.02)
     finally:
+        watcher.cancel()
         for sig in sigs:
             loop.remove_signal_handler(sig)
         await runner.cleanup()  # closes connections; the app's cleanup stops the engine
@@ -421,7 +440,12 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = server_settings(args)
     classes = [c.strip() for c in args.request_classes.split(",") if c.strip()] \
         if args.request_classes else None
-    sock = bind_socket(args.host, parse_port(args.port))
+    from hybridserve.parallel.group import env_rank
+
+    # Under torchrun every rank runs this command; only rank 0 serves HTTP (the other
+    # ranks' engines serve the driver's steps and exit inside LLMEngine).
+    tp_worker = getattr(args, "tensor_parallel_size", 1) > 1 and (env_rank() or 0) > 0
+    sock = None if tp_worker else bind_socket(args.host, parse_port(args.port))
     try:
         model = args.model or default_model_dir()
         check_max_model_len(args.max_model_len, model)
@@ -449,6 +473,7 @@ def run_serve(args: argparse.Namespace) -> int:
             max_waiting_tokens=args.max_waiting_tokens,
             enforce_eager=args.enforce_eager,
             cpu_threads=args.cpu_threads,
+            tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
         )
         engine = LLMEngine(engine_args)
         logging.getLogger("hybridserve.server").info(memory_held_line(engine))
@@ -458,7 +483,13 @@ def run_serve(args: argparse.Namespace) -> int:
         app = build_app(async_engine, metrics, name, settings)
         asyncio.run(serve_app(app, sock, name=name, shutdown_timeout=args.shutdown_timeout))
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
+    if engine.parallel is not None and engine.parallel.failure is not None:
+        # A failed rank: the server stopped itself (new requests got 503 meanwhile);
+        # non-zero so a supervisor restarts it.
+        logging.getLogger("hybridserve.server").error("exiting: %s", engine.parallel.failure)
+        return 1
     return 0
 
 

@@ -1,0 +1,79 @@
+"""The tensor-parallel pieces of a sharded :class:`Qwen3_5ForServing`.
+
+The model class itself is unchanged: a rank builds it with its shard's shape
+(:meth:`ShardPlan.local_config`), so every projection already has its local rows or
+columns, and this module adds what sharding needs on top:
+
+* :class:`VocabParallelEmbedding`: looks up the ids in this rank's vocabulary range
+  (zeros elsewhere) and all-reduces;
+* :class:`VocabParallelLMHead`: this rank's vocabulary slice of the logits, gathered on
+  the driver (rank 0) in vocabulary order;
+* :func:`install_all_reduces`: one all-reduce on the output of each mixer
+  (``self_attn`` / ``linear_attn``) and each MLP/MoE block, as forward hooks, so the
+  decoder's code (and parameter names, which the loader and checkpoints use) stay as
+  they are and a CUDA graph captured over the forward captures the all-reduces too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.model.qwen3_5 import Projection, Qwen3_5ForServing
+from hybridserve.parallel.group import TPGroup
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows ``[start, start + num_embeddings)`` of the full embedding table."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, start: int, group: TPGroup, **kw) -> None:
+        super().__init__(num_embeddings, embedding_dim, **kw)
+        self.start = start
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.group.all_reduce(out, kind="embedding")
+
+
+class VocabParallelLMHead(Projection):
+    """This rank's vocabulary rows of the LM head; rank 0 returns the full logits."""
+
+    group: TPGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.gather_last_dim(super().forward(x))
+
+
+def make_vocab_parallel(model: Qwen3_5ForServing, group: TPGroup, vocab_start: int) -> None:
+    """Swap the model's embedding and LM head for their vocabulary-parallel versions
+    (same parameter names and shapes; on the meta device, before weights exist)."""
+    emb = model.embed_tokens
+    device, dtype = emb.weight.device, emb.weight.dtype
+    model.embed_tokens = VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, vocab_start, group,
+                                                device=device, dtype=dtype)
+    model.embed_tokens.requires_grad_(False)
+    head = model.lm_head
+    head.__class__ = VocabParallelLMHead  # same module, same parameter: only forward changes
+    head.group = group
+    model.tie_weights()
+
+
+def install_all_reduces(model: Qwen3_5ForServing, group: TPGroup) -> list:
+    """Sum every mixer's and every MLP/MoE block's partial output over the ranks."""
+
+    def reduce(kind: str):
+        def hook(module, args, out):
+            return group.all_reduce(out, kind=kind)
+        return hook
+
+    handles = []
+    for layer in model.layers:
+        mixer = layer.self_attn if layer.is_attention else layer.linear_attn
+        handles.append(mixer.register_forward_hook(reduce("mixer")))
+        handles.append(layer.mlp.register_forward_hook(reduce("mlp")))
+    return handles

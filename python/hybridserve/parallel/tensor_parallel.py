@@ -1,0 +1,271 @@
+"""What the engine asks of tensor parallelism, in one object.
+
+:class:`TensorParallel` is created at the top of :class:`LLMEngine` when
+``tensor_parallel_size > 1``; the engine calls it at four points and is otherwise
+unchanged on every rank:
+
+1. :meth:`start`: join the ranks (torchrun's environment, or start N-1 workers on
+   this host and be rank 0), with the shard of the model this rank holds;
+2. :meth:`load_model`: this rank's shard (:mod:`hybridserve.parallel.loader`);
+3. :meth:`agree_num_pages`: each rank sizes its arena from its own memory and the
+   per-rank page layout (:meth:`ShardPlan.local_config`); the ranks take the smallest
+   page count, since the one scheduler's page ids must exist on every rank;
+4. :meth:`make_runner` / :meth:`attach`: the driver's runner broadcasts each plan;
+   a worker, once its engine is built, runs :meth:`serve_steps` until the driver
+   shuts down, then its process exits (a worker never returns to the caller's code:
+   under torchrun every rank runs the user's command, and only rank 0 goes on).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from hybridserve.config import ModelConfig
+from hybridserve.errors import ConfigError
+from hybridserve.parallel.errors import TensorParallelError
+from hybridserve.parallel.group import TPGroup, env_rank, env_world_size, start_timeout_seconds, timeout_seconds
+from hybridserve.parallel.launcher import WorkerLauncher, describe_exit
+from hybridserve.parallel.shard import ShardPlan
+
+logger = logging.getLogger("hybridserve.parallel")
+
+
+class TensorParallel:
+    def __init__(self, group: TPGroup, shard: ShardPlan, launcher: WorkerLauncher | None) -> None:
+        self.group = group
+        self.shard = shard
+        self.launcher = launcher
+        # A step's (or start-up's) collectives are under way: close() must not send the
+        # shutdown message into the middle of them, it terminates the workers instead.
+        self.in_step = True
+        self.failure: TensorParallelError | None = None
+        self.closed = False
+        self._lock = threading.Lock()
+        # Held by a step and by each heartbeat: the driver's broadcasts stay in order.
+        self.comm_lock = threading.RLock()
+        self.last_message = time.monotonic()
+        self._heartbeat: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ start-up
+    @classmethod
+    def start(cls, args: Any, config: ModelConfig, device: torch.device) -> "TensorParallel":
+        n = args.tensor_parallel_size
+        # Shapes first: a size that does not divide a dimension fails before any process starts.
+        rank = env_rank()
+        if rank is not None and env_world_size() != n:
+            raise ConfigError(
+                f"tensor_parallel_size={n} but the torchrun environment has WORLD_SIZE="
+                f"{env_world_size()}: launch as many processes as --tensor-parallel-size")
+        ShardPlan(config, 0, n)
+        launcher = None
+        if rank is None:
+            rank = 0
+            launcher = WorkerLauncher(args, n)
+            os.environ.setdefault("LOCAL_RANK", "0")
+        if device.type == "cuda":
+            local = int(os.environ.get("LOCAL_RANK", rank))
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        try:
+            if launcher is not None:
+                import datetime
+
+                import torch.distributed as dist
+
+                backend = "nccl" if device.type == "cuda" else "gloo"
+                # device_id: NCCL's communicator is made now, not lazily by the first
+                # collective (which must not happen inside a CUDA graph capture).
+                extra = {"device_id": device} if device.type == "cuda" else {}
+                dist.init_process_group(backend=backend, init_method=launcher.init_method, rank=0,
+                                        world_size=n, timeout=datetime.timedelta(seconds=start_timeout_seconds()),
+                                        **extra)
+            group = TPGroup(rank, n, device, timeout_seconds())
+        except Exception as e:
+            tp = cls.__new__(cls)
+            tp.launcher, tp.group, tp.closed, tp.in_step = launcher, None, False, False
+            err = tp._name_failed(e, "while the ranks were joining")
+            if launcher is not None:
+                launcher.stop(grace_s=0.0)
+            raise err from e
+        tp = cls(group, ShardPlan(config, rank, n), launcher)
+        if launcher is not None:
+            atexit.register(tp.close)
+        logger.info("tensor parallel: rank %d of %d on %s (%s)%s", rank, n, device,
+                    "gloo" if device.type != "cuda" else "nccl",
+                    f"; workers {launcher.pids()}" if launcher else "")
+        return tp
+
+    @property
+    def is_driver(self) -> bool:
+        return self.group.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    @property
+    def local_config(self) -> ModelConfig:
+        return self.shard.local_config()
+
+    def cpu_threads(self, requested: int | None) -> int | None:
+        """Threads per rank on the CPU: as asked, else this host's cores shared out
+        between the ranks on it (N ranks each taking every core would oversubscribe)."""
+        if requested or self.device.type != "cpu":
+            return requested
+        from hybridserve.engine.llm_engine import physical_cores
+
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.group.world_size))
+        return max(1, physical_cores() // max(1, local))
+
+    def load_model(self, model_dir: str, dtype: torch.dtype, device: torch.device):
+        from hybridserve.parallel.loader import load_sharded_model
+
+        return load_sharded_model(model_dir, self.shard, self.group, dtype=dtype, device=device)
+
+    def agree_num_pages(self, num_pages: int) -> int:
+        agreed = self.group.min_host(num_pages)
+        if agreed != num_pages:
+            logger.info("rank %d: %d pages fit here, %d on the smallest rank: using %d",
+                        self.group.rank, num_pages, agreed, agreed)
+        return agreed
+
+    def make_runner(self, model, cache, **kwargs):
+        if self.is_driver:
+            from hybridserve.parallel.runner import TensorParallelRunner
+
+            return TensorParallelRunner(model, cache, tp=self, **kwargs)
+        from hybridserve.runner.model_runner import ModelRunner
+
+        return ModelRunner(model, cache, **kwargs)
+
+    def attach(self, engine: Any) -> None:
+        """Driver: close the ranks when the engine is dropped. Worker: serve the
+        driver's steps, then end this process (it never returns)."""
+        if self.is_driver:
+            try:
+                self.group.ready_barrier()
+            except Exception as e:
+                self.failure = self._name_failed(e, "while starting")
+                self.close()
+                raise self.failure from e
+            weakref.finalize(engine, self.close)
+            self.in_step = False  # started: the workers wait for messages from here on
+            self.last_message = time.monotonic()
+            self._heartbeat = threading.Thread(target=self._beat, name="hybridserve-tp-heartbeat", daemon=True)
+            self._heartbeat.start()
+            return
+        code = 0
+        try:
+            self.group.ready_barrier()
+            self.serve_steps(engine.runner)
+        except BaseException:  # noqa: BLE001 - report, then exit non-zero
+            logger.exception("tensor-parallel rank %d failed", self.group.rank)
+            code = 1
+        finally:
+            self.group.close()
+        # Under torchrun the user's command continues only on rank 0.
+        os._exit(code) if code else sys.exit(0)
+
+    def serve_steps(self, runner) -> None:
+        from hybridserve.parallel import plan_message
+
+        while True:
+            msg = plan_message.receive(self.group)
+            if msg is None:
+                return
+            plan, all_positions = msg
+            runner.execute(plan, all_positions)
+
+    def _beat(self) -> None:
+        """Driver, while the engine is idle: an idle message every quarter of the
+        collective timeout, so waiting workers do not time out, and a worker that died
+        or hung between steps is found (the next step then fails at once)."""
+        period = max(0.05, timeout_seconds() / 4)
+        while not self.closed and self.failure is None:
+            time.sleep(period / 4)
+            if time.monotonic() - self.last_message < period:
+                continue
+            with self.comm_lock:
+                if self.closed or self.failure is not None or time.monotonic() - self.last_message < period:
+                    continue
+                from hybridserve.parallel import plan_message
+
+                try:
+                    plan_message.send_idle(self.group)
+                    self.last_message = time.monotonic()
+                except Exception as e:  # noqa: BLE001 - recorded; the next step raises it
+                    self.fault(e, when="while the engine was idle")
+                    return
+
+    # ------------------------------------------------------------------- faults
+    def check_healthy(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.launcher is not None and self.launcher.dead:
+            raise self.fault(RuntimeError("worker exited"))
+
+    def _name_failed(self, error: BaseException, when: str = "during a step") -> TensorParallelError:
+        dead = self.launcher.wait_for_death(1.0) if self.launcher is not None else {}
+        if dead:
+            procs = self.launcher.procs
+            what = "; ".join(f"rank {r} (pid {procs[r].pid}) {describe_exit(c)}" for r, c in sorted(dead.items()))
+            return TensorParallelError(f"tensor-parallel worker failed {when}: {what} ({error})",
+                                       ranks=tuple(sorted(dead)))
+        if self.launcher is not None:
+            alive = sorted(self.launcher.procs)
+            procs = self.launcher.procs
+            who = ", ".join(f"rank {r} (pid {procs[r].pid})" for r in alive)
+            return TensorParallelError(
+                f"tensor-parallel {who} did not answer {when} within the collective timeout "
+                f"({timeout_seconds():g}s, ${'HYBRIDSERVE_TP_TIMEOUT'}): hung or unreachable ({error})",
+                ranks=tuple(alive))
+        return TensorParallelError(f"a tensor-parallel peer of rank {self.group.rank if self.group else '?'} "
+                                   f"failed {when} (dead, hung past the collective timeout, or unreachable): {error}")
+
+    def fault(self, error: BaseException, when: str = "during a step") -> TensorParallelError:
+        """The engine's error for a failed step (kept: every later step raises it too).
+        The surviving workers are stopped: the ranks are out of step for good."""
+        if isinstance(error, TensorParallelError):
+            self.failure = self.failure or error
+            return self.failure
+        if self.failure is None:
+            self.failure = self._name_failed(error, when)
+            logger.error("%s", self.failure)
+            self.close()
+        return self.failure
+
+    # ----------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        """Stop the workers and free the ports: a shutdown message when the ranks are
+        between steps, else (a failed or interrupted step) terminate them."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+        # Not during another thread's step or heartbeat (waits for it; a failed one
+        # holding it in this thread re-enters).
+        locked = self.comm_lock.acquire(timeout=timeout_seconds() + 5) if hasattr(self, "comm_lock") else False
+        try:
+            if self.group is not None and self.is_driver and self.failure is None and not self.in_step:
+                from hybridserve.parallel import plan_message
+
+                try:
+                    plan_message.send_shutdown(self.group)
+                except Exception:  # noqa: BLE001 - a worker already gone: stop() below ends the rest
+                    pass
+        finally:
+            if locked:
+                self.comm_lock.release()
+        if self.launcher is not None:
+            self.launcher.stop(grace_s=5.0 if self.failure is None and not self.in_step else 0.0)
+        if self.group is not None:
+            self.group.close()

@@ -1,0 +1,43 @@
+"""Run by test_tp_faults.py in a fresh interpreter: a TP=2 engine whose worker is
+killed (or stopped) mid-generation. Prints one JSON line with what happened."""
+
+import json
+import os
+import signal
+import sys
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.parallel import TensorParallelError
+
+path, how = sys.argv[1], sys.argv[2]
+llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
+if how == "idle":
+    # Idle for 3x the collective timeout between two generations: the heartbeat keeps
+    # the waiting worker from timing out, and the second generation runs normally.
+    import time
+
+    first = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    time.sleep(3 * float(os.environ["HYBRIDSERVE_TP_TIMEOUT"]))
+    second = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    print(json.dumps({"same": first == second, "failure": str(llm.engine.parallel.failure)}), flush=True)
+    sys.exit(0)
+eng = llm.engine
+worker = eng.parallel.launcher.procs[1]
+port = eng.parallel.launcher.port
+for i in range(2):
+    eng.add_request(f"r{i}", [1, 2, 3, 4, 5 + i], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+steps, error, again = 0, None, None
+try:
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+        if steps == 3:
+            os.kill(worker.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+except TensorParallelError as e:
+    error = {"message": str(e), "ranks": list(e.ranks)}
+    try:  # the engine stays failed: the next step raises the same error at once
+        eng.step()
+    except TensorParallelError as e2:
+        again = str(e2)
+print(json.dumps({"steps": steps, "error": error, "again": again, "worker_pid": worker.pid, "port": port}),
+      flush=True)
