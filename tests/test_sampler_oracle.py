@@ -128,11 +128,16 @@ def test_all_greedy_takes_the_argmax_of_the_logits_without_a_copy(monkeypatch, d
 TOP_K_CASES = ["top_k", "top_p small k", "everything"]
 
 
+@pytest.mark.parametrize("sliced", [False, True])
 @pytest.mark.parametrize("with_greedy", [False, True])
-def test_top_k_batches_race_only_their_candidates_and_draw_the_same_tokens(monkeypatch, with_greedy):
+def test_top_k_batches_race_only_their_candidates_and_draw_the_same_tokens(monkeypatch, with_greedy, sliced):
     """Every sampled row has a small top_k: the draw works on the candidates only
-    (draw.race_top_k), and still gives the old sampler's seeded tokens."""
+    (draw.race_top_k; ``sliced``: one row block at a time), and still gives the old
+    sampler's seeded tokens."""
     import hybridserve.sampler.batch_sampler as bs
+
+    if sliced:
+        monkeypatch.setattr(processors, "SLICE_BYTES", 1)
 
     decided = []
     real = bs.race_top_k

@@ -7,7 +7,9 @@ into what each sample is drawn from (in one float32 work buffer),
 :mod:`~hybridserve.sampler.streams` provides the seeded noise.
 
 Memory per call: the logits, one float32 ``[samples, vocab]`` work buffer, and
-column-sliced temporaries (see :data:`~hybridserve.sampler.processors.SLICE_BYTES`);
+column-sliced temporaries (see :data:`~hybridserve.sampler.processors.SLICE_BYTES`;
+the candidate draw of :func:`~hybridserve.sampler.draw.race_top_k` works in row
+blocks of the same bound);
 a batch whose rows are all greedy, with no bias, ban or penalty, is an argmax of the
 logits themselves (no copy at all). Host->device: one staging copy (in the engine, the
 runner's copy of the step carries it: :meth:`Sampler.plan` then

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import hybridserve.sampler.processors as processors
 from hybridserve.sampler.processors import column_slices, nucleus_cut
 from hybridserve.sampler.rows import F_TOPP, I_KEY, I_OFF, I_TOPK, Prepared, RowTables
 from hybridserve.sampler.streams import row_states, uniform_at, uniform_columns
@@ -88,10 +89,17 @@ def race_top_k(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) 
     vocab = x.shape[1]
     kmax = max(prep.top_ks)
     n = len(prep.rand)
-    rows = x if every else x.index_select(0, rand)
     rslots = v["slots"] if every else v["slots"].index_select(0, rand)
     width = min(vocab, kmax + 1)
-    top = np.partition(rows.numpy(), vocab - width, axis=-1)[:, vocab - width:]
+    # Row blocks bound the temporaries (the partition's copy, the gathered rows of a
+    # batch with greedy rows, the kept mask) to processors.SLICE_BYTES.
+    block = max(1, processors.SLICE_BYTES // (4 * vocab))
+
+    def row_block(lo: int) -> torch.Tensor:
+        return x[lo:lo + block] if every else x.index_select(0, rand[lo:lo + block])
+
+    top = np.concatenate([np.partition(row_block(lo).numpy(), vocab - width, axis=-1)[:, vocab - width:]
+                          for lo in range(0, n, block)])
     values = torch.from_numpy(np.ascontiguousarray(np.sort(top, axis=-1)[:, ::-1]))
     k = t.ip.index_select(0, rslots)[:, I_TOPK]
     kth = values.gather(1, (k - 1).unsqueeze(1))
@@ -112,7 +120,12 @@ def race_top_k(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) 
     # The kept tokens, as (row, column) pairs: about top_k per row (never the -inf
     # ones: they cannot win).
     cut = cut.clamp(min=torch.finfo(torch.float32).min)
-    r, c = (rows >= cut).nonzero(as_tuple=True)
+    parts = []
+    for lo in range(0, n, block):
+        sub = row_block(lo)
+        br, bc = (sub >= cut[lo:lo + block]).nonzero(as_tuple=True)
+        parts.append((br + lo, bc, sub[br, bc]))
+    r, c, kept = (torch.cat(z) for z in zip(*parts)) if len(parts) > 1 else parts[0]
     if prep.seeded:
         seeded_slots = v["slots"].index_select(0, rand.index_select(0, v["seeded"]))
         ip = t.ip.index_select(0, seeded_slots)
@@ -127,7 +140,7 @@ def race_top_k(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) 
     else:
         q = torch.empty(len(r), dtype=torch.float32).exponential_()
     q.clamp_(min=torch.finfo(torch.float32).tiny)
-    score = (rows[r, c] - m.view(-1).index_select(0, r)).exp_().div_(q)
+    score = (kept - m.view(-1).index_select(0, r)).exp_().div_(q)
     best = torch.full((n,), -1.0).scatter_reduce_(0, r, score, "amax")
     # Among a row's best scores, the lowest column (no boolean indexing: that is a
     # nonzero, i.e. another pass and a host read).
