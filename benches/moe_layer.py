@@ -15,7 +15,14 @@ dense MLP's 4 MB of weights in cache, which no model step enjoys, while the MoE
 layer's 38 MB never fit. The time reported is per layer. At a few tokens the MoE layer
 must read every routed expert's weights once (41 of 64 experts at 16 tokens: 24 MB
 against the dense layer's 4 MB for the same FLOPs), so there its cost is the memory's
-streaming rate, printed as ``MoE MB read`` beside the measured ``GB/s``.
+streaming rate; ``MoE MB read`` is that volume per layer.
+
+The two sides run interleaved (a round of dense calls, a round of MoE calls, repeated)
+so a change in the machine's load hits both alike; each reports the median of its
+calls. With ``--threads 1`` the time is also taken as the calling thread's CPU time
+(``time.thread_time``: every op runs inline on it), which leaves out the time the
+thread waits for a core on a shared machine but keeps its stalls on memory; on an
+oversubscribed machine that ratio is the steadier one.
 
     python benches/moe_layer.py --threads 1
     python benches/moe_layer.py --threads 2 --shape 35b   # the 35B-A3B's layer shape
@@ -24,6 +31,7 @@ streaming rate, printed as ``MoE MB read`` beside the measured ``GB/s``.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -37,16 +45,25 @@ SHAPES = {
 }
 
 
-def _median_ms(fn, reps: int, min_s: float) -> float:
-    fn()
-    fn()
-    times = []
-    start = time.perf_counter()
-    while len(times) < reps or (time.perf_counter() - start < min_s and len(times) < 200):
-        t0 = time.perf_counter()
+def _interleaved(fns, reps: int, min_s: float, rounds: int = 5) -> list[tuple[float, float]]:
+    """Median (wall ms, thread CPU ms) per call of each of ``fns``, run in alternating
+    rounds of at least ``reps`` calls each (and until ``min_s`` per function has passed)."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    wall = [[] for _ in fns]
+    cpu = [[] for _ in fns]
+    per_round = max(1, reps // rounds)
+    start = time.perf_counter()
+    r = 0
+    while r < rounds or (time.perf_counter() - start < min_s * len(fns) and len(wall[0]) < 200):
+        for i, fn in enumerate(fns):
+            for _ in range(per_round):
+                t0, c0 = time.perf_counter(), time.thread_time()
+                fn()
+                wall[i].append(time.perf_counter() - t0)
+                cpu[i].append(time.thread_time() - c0)
+        r += 1
+    return [(1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in zip(wall, cpu)]
 
 
 def build(shape: str, layers: int = 1):
@@ -98,8 +115,14 @@ def main(argv=None) -> None:
           f"{SHAPES[a.shape]} (hidden, experts, top-k, expert inter, shared inter); {nl} layers cycled")
     _, e, k, i, si = SHAPES[a.shape]
     expert_mb = 3 * h * i * 4 / 1e6
-    print(f"{'tokens':>7} {'dense MLP ms':>13} {'MoE ms':>10} {'MoE/dense':>10} {'MoE MB read':>12} {'MoE GB/s':>9}")
-    worst = 0.0
+    cpu_clock = a.threads == 1
+    print(f"load average {os.getloadavg()[0]:.1f} at start; times per layer, medians of interleaved rounds"
+          + ("; 'cpu' = the thread's CPU time" if cpu_clock else ""))
+    head = f"{'tokens':>7} {'dense ms':>9} {'MoE ms':>9} {'MoE/dense':>10}"
+    if cpu_clock:
+        head += f" {'dense cpu':>10} {'MoE cpu':>9} {'cpu ratio':>10}"
+    print(head + f" {'MoE MB read':>12}")
+    worst = worst_cpu = 0.0
 
     def stack(layers, x):
         for m in layers:
@@ -108,15 +131,20 @@ def main(argv=None) -> None:
     for t in [int(v) for v in a.tokens.split(",")]:
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t))
         with torch.no_grad():
-            d = _median_ms(lambda: stack(denses, x), a.reps, a.min_s) / nl
-            m = _median_ms(lambda: stack(moes, x), a.reps, a.min_s) / nl
+            (d, dc), (m, mc) = _interleaved([lambda: stack(denses, x), lambda: stack(moes, x)], a.reps, a.min_s)
+            d, dc, m, mc = d / nl, dc / nl, m / nl, mc / nl
             active = sum(int((torch.bincount(
                 torch.topk(x @ moe.gate.weight.t(), k).indices.reshape(-1), minlength=e) > 0).sum())
                 for moe in moes) / nl
         mb = active * expert_mb + 3 * h * si * 4 / 1e6
         worst = max(worst, m / d)
-        print(f"{t:>7} {d:>13.3f} {m:>10.3f} {m / d:>10.2f} {mb:>12.1f} {mb / m:>9.1f}")
-    print(f"worst ratio {worst:.2f} (target <= 1.5)")
+        line = f"{t:>7} {d:>9.3f} {m:>9.3f} {m / d:>10.2f}"
+        if cpu_clock:
+            worst_cpu = max(worst_cpu, mc / dc)
+            line += f" {dc:>10.3f} {mc:>9.3f} {mc / dc:>10.2f}"
+        print(line + f" {mb:>12.1f}")
+    print(f"worst ratio {worst:.2f}" + (f", by CPU time {worst_cpu:.2f}" if cpu_clock else "")
+          + f" (target <= 1.5); load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

@@ -321,3 +321,42 @@ def test_load_state_dict_takes_per_expert_and_fused_names(our_models, hf_models)
     fresh2.load_state_dict(hf_sd, strict=False)
     assert torch.equal(fresh2.layers[1].mlp.experts.w2, model.layers[1].mlp.experts.w2)
     assert fresh2.layers[1].mlp.experts.w13.is_contiguous()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux only: reads /proc/self/smaps")
+def test_expert_weights_live_in_memory_advised_for_huge_pages():
+    """The expert tensors of a layer large enough to hold a 2 MiB page are moved into a
+    mapping advised ``MADV_HUGEPAGE`` (VmFlags ``hg``), at construction and again after
+    ``to_empty`` (the loader's path) and a dtype change, with values and layout kept."""
+    import mmap
+
+    from hybridserve.model.moe import Experts
+
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        pytest.skip("this Python's mmap has no MADV_HUGEPAGE")
+
+    def advised(t: torch.Tensor) -> bool:
+        addr = t.data_ptr()
+        flags = None
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split()[0]
+                if "-" in head and not head.endswith(":"):
+                    lo, hi = (int(v, 16) for v in head.split("-"))
+                    inside = lo <= addr < hi
+                elif head == "VmFlags:" and inside:
+                    flags = line.split()[1:]
+                    break
+        return flags is not None and "hg" in flags
+
+    e = Experts(16, 256, 192)  # 6.3 MB of gate/up, 3.1 MB of down: only the first qualifies
+    assert advised(e.gate_up_proj) and not advised(e.down_proj)
+    meta = Experts(16, 256, 192).to("meta")
+    meta.to_empty(device="cpu")
+    assert advised(meta.gate_up_proj) and meta.w13.is_contiguous() and meta.w2.is_contiguous()
+    with torch.no_grad():
+        meta.gate_up_proj.normal_()
+    want = meta.gate_up_proj.detach().clone()
+    meta.double()
+    assert advised(meta.gate_up_proj) and meta.w13.is_contiguous()
+    assert torch.equal(meta.gate_up_proj.float(), want)

@@ -408,17 +408,35 @@ dispatch!(fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) 
 /// over all strips (3.6 ms). The accumulators stay in L1.
 #[inline(always)]
 fn wide_rows_body(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
-    let mut acc = [[0.0f32; WIDE_COLS]; FEW_ROWS];
+    match m {
+        1 => wide_rows_m::<1>(ctx, c0, w, oc),
+        2 => wide_rows_m::<2>(ctx, c0, w, oc),
+        3 => wide_rows_m::<3>(ctx, c0, w, oc),
+        _ => wide_rows_m::<4>(ctx, c0, w, oc),
+    }
+}
+
+/// [`wide_rows_body`] for `M` rows: each weight element is loaded once for all `M`
+/// rows (a row-at-a-time pass would load it `M` times from L1).
+#[inline(always)]
+fn wide_rows_m<const M: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
+    let mut acc = [[0.0f32; WIDE_COLS]; M];
+    let w = w.min(WIDE_COLS);
     for kk in 0..ctx.x.width {
         let wr = &ctx.wt[kk * ctx.n + c0..][..w];
-        for (r, a) in acc.iter_mut().enumerate().take(m) {
-            let xv = ctx.x.row(r)[kk];
-            for (av, &wv) in a[..w].iter_mut().zip(wr) {
-                *av += xv * wv;
+        let xv: [f32; M] = std::array::from_fn(|r| ctx.x.row(r)[kk]);
+        let rows = acc.each_mut().map(|a| &mut a[..w]);
+        for (c, &wv) in wr.iter().enumerate() {
+            for r in 0..M {
+                // SAFETY: c < w, the length of every row slice.
+                unsafe {
+                    let a = rows[r].get_unchecked_mut(c);
+                    *a += xv[r] * wv;
+                }
             }
         }
     }
-    for (r, a) in acc.iter().enumerate().take(m) {
+    for (r, a) in acc.iter().enumerate() {
         // SAFETY: the caller's task owns these output columns of these rows.
         unsafe { ctx.out.slice(r * ctx.ldo + oc, w) }.copy_from_slice(&a[..w]);
     }
