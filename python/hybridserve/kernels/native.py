@@ -9,8 +9,11 @@ torch ops: the gated delta rule with its gates and output norm fused
 
 They compute the same contracts as the plain-PyTorch references beside them
 (``*_ref``), which stay the oracles: ``tests/kernels/test_native_kernels.py`` checks
-each kernel against its reference on random mixed batches. Other dtypes and devices
-take the PyTorch (or Triton) path; ``HYBRIDSERVE_NO_NATIVE=1`` forces the PyTorch path
+each kernel against its reference on random mixed batches. bfloat16 CPU tensors
+have the few-row GEMM (:func:`linear_bf16`: bfloat16 weight and activations,
+``vdpbf16ps`` where the CPU has AVX-512 BF16) and the fused DeltaNet mixer on
+float32 copies of its (small) inputs; other dtypes and devices take the PyTorch (or
+Triton) path; ``HYBRIDSERVE_NO_NATIVE=1`` forces the PyTorch path
 on the CPU as well (debugging, side-by-side benchmarks).
 """
 
@@ -59,6 +62,7 @@ _OPENMP = _share_torchs_openmp_pool()
 
 
 _F32 = torch.float32
+_BF16 = torch.bfloat16
 
 
 def available() -> bool:
@@ -73,6 +77,21 @@ def usable(*tensors: torch.Tensor) -> bool:
         if t.dtype != _F32 or t.is_cuda or t.device.type != "cpu":
             return False
     return True
+
+
+def usable_bf16(*tensors: torch.Tensor) -> bool:
+    """True when the bfloat16 native kernels can run on these tensors (bfloat16, CPU)."""
+    if _k is None or _DISABLED:
+        return False
+    for t in tensors:
+        if t.dtype != _BF16 or t.is_cuda or t.device.type != "cpu":
+            return False
+    return True
+
+
+def bf16_isa() -> str:
+    """What the bfloat16 kernels run on here: ``"avx512_bf16"``, ``"avx2"`` or ``"scalar"``."""
+    return _k.bf16_isa() if _k is not None else "none"
 
 
 def set_threads(n: int) -> None:
@@ -215,6 +234,21 @@ def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     unit column stride. For decode-sized ``M``, where BLAS repacks the weight per call."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     _k.matmul(_np(x), _weight_view(weight), _np(out))
+    return out
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A bfloat16 tensor's memory as numpy uint16 (numpy has no bfloat16), no copy."""
+    return t.detach().view(torch.uint16).numpy()
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = _BF16) -> torch.Tensor:
+    """``x @ weight.T`` for bfloat16 ``x`` ``[M, K]`` (unit column stride) and a bfloat16
+    ``weight`` ``[N, K]`` stored as checkpoints have it (C-contiguous); float32 sums,
+    returned as ``out_dtype`` (bfloat16, rounded once like torch's bfloat16 GEMM, or
+    float32). For decode-sized ``M``."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+    _k.matmul_bf16(_bits(x), _bits(weight), _bits(out) if out_dtype == _BF16 else _np(out))
     return out
 
 

@@ -138,8 +138,21 @@ def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_ep
                           plans: dict | None = None) -> torch.Tensor | None:
     """Gated DeltaNet after its conv, fused: gates from ``a``/``b``, the delta rule, and
     the gated output norm, all ``[T, X]`` (column ranges of the projections allowed);
-    returns ``[T, H * V]``. Only where the native kernels run (float32 CPU); ``None``
-    elsewhere, and the caller composes :func:`gated_delta_rule` with its own norm."""
+    returns ``[T, H * V]``. Only where the native kernels run (float32 CPU, or
+    bfloat16 CPU activations over the float32 state); ``None`` elsewhere, and the
+    caller composes :func:`gated_delta_rule` with its own norm."""
+    if native.usable_bf16(q, k, v, a, b, z) and native.usable(state):
+        # bfloat16 model: the recurrent state is float32 (as HF keeps it); the kernel
+        # reads float32 copies of the step's inputs (a few rows per sequence at decode)
+        # and its output is rounded once to bfloat16 for the output projection.
+        o = native.gated_delta_rule(
+            q.float(), k.float(), v.float(), state, _varlen(plans, query_start_loc, state_pages,
+                                                            has_initial_state, checkpoint_positions,
+                                                            checkpoint_pages),
+            key_heads=key_heads, value_heads=value_heads, scale=scale, a=a.float(), b=b.float(),
+            A_log=A_log.float(), dt_bias=dt_bias.float(), z=z.float(), norm_weight=norm_weight.float(),
+            norm_eps=norm_eps, item_base=item_base)
+        return o.to(q.dtype)
     if not native.usable(q, k, v, a, b, z, state, norm_weight):
         return None
     return native.gated_delta_rule(

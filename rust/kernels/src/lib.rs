@@ -33,10 +33,12 @@
 #![allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
 
 pub mod attention;
+pub mod bf16;
 pub mod conv1d;
 pub mod delta_rule;
 mod math;
 pub mod matmul;
+pub mod matmul_bf16;
 pub mod moe;
 pub mod norm;
 mod pool;
@@ -47,19 +49,19 @@ pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 /// A row-strided 2-D view: row `t` is `data[t * stride .. t * stride + width]`.
 ///
 /// Lets a kernel read a column range of a wider buffer (e.g. `q` inside the fused
-/// projection output) without a copy.
+/// projection output) without a copy. `T` is `f32`, or `u16` for bfloat16 bits.
 #[derive(Clone, Copy, Debug)]
-pub struct Rows<'a> {
-    pub data: &'a [f32],
+pub struct Rows<'a, T = f32> {
+    pub data: &'a [T],
     pub rows: usize,
     pub width: usize,
     pub stride: usize,
 }
 
-impl<'a> Rows<'a> {
+impl<'a, T> Rows<'a, T> {
     /// Checks that every row lies inside `data`.
     pub fn new(
-        data: &'a [f32],
+        data: &'a [T],
         rows: usize,
         width: usize,
         stride: usize,
@@ -79,7 +81,7 @@ impl<'a> Rows<'a> {
     }
 
     /// A dense `[rows, width]` buffer.
-    pub fn dense(data: &'a [f32], width: usize) -> Result<Self, KernelError> {
+    pub fn dense(data: &'a [T], width: usize) -> Result<Self, KernelError> {
         if width == 0 || data.len() % width != 0 {
             return Err(KernelError::new(format!(
                 "{} elements are not rows of {width}",
@@ -90,7 +92,7 @@ impl<'a> Rows<'a> {
     }
 
     #[inline(always)]
-    pub fn row(&self, t: usize) -> &'a [f32] {
+    pub fn row(&self, t: usize) -> &'a [T] {
         &self.data[t * self.stride..t * self.stride + self.width]
     }
 }

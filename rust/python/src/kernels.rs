@@ -23,7 +23,10 @@ fn err(e: KernelError) -> PyErr {
 }
 
 /// A `[T, X]` view with unit column stride as [`Rows`] (borrowing the array's memory).
-fn rows<'a>(name: &str, a: &'a PyReadonlyArray2<'_, f32>) -> PyResult<Rows<'a>> {
+fn rows<'a, T: numpy::Element>(
+    name: &str,
+    a: &'a PyReadonlyArray2<'_, T>,
+) -> PyResult<Rows<'a, T>> {
     let v = a.as_array();
     let (t, w) = v.dim();
     let s = v.strides();
@@ -436,6 +439,50 @@ fn matmul(
         .map_err(err)
 }
 
+/// `out = x @ w.T` in bfloat16 (see `hybridserve_cpu_kernels::matmul_bf16`): `x`
+/// `[M, K]` (row-strided allowed) and `w` `[N, K]` C-contiguous, both bfloat16 bits
+/// (`tensor.view(torch.uint16)`); `out` `[M, N]` C-contiguous, float32, or uint16 for
+/// bfloat16 rounded to nearest even.
+#[pyfunction]
+fn matmul_bf16(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, u16>,
+    w: PyReadonlyArray2<'_, u16>,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<()> {
+    use hybridserve_cpu_kernels::matmul_bf16::{matmul_bf16 as mm, Out};
+    let x = rows("x", &x)?;
+    let n = w.shape()[0];
+    if w.shape()[1] != x.width {
+        return Err(PyValueError::new_err(format!(
+            "w must be [N, K={}] (K of x); got {:?}",
+            x.width,
+            w.shape()
+        )));
+    }
+    let w = w.as_slice().map_err(|_| {
+        PyValueError::new_err("w must be a C-contiguous [N, K] bfloat16 (uint16 view) array")
+    })?;
+    if let Ok(mut o) = out.extract::<PyReadwriteArrayDyn<'_, u16>>() {
+        let o = o
+            .as_slice_mut()
+            .map_err(|_| PyValueError::new_err("out must be C-contiguous"))?;
+        return py.detach(|| mm(x, w, n, Out::Bf16(o))).map_err(err);
+    }
+    let mut o = out.extract::<PyReadwriteArrayDyn<'_, f32>>().map_err(|_| {
+        PyValueError::new_err("out must be a writable float32 or uint16 (bfloat16 bits) array")
+    })?;
+    let o = contiguous_mut("out", &mut o)?;
+    py.detach(|| mm(x, w, n, Out::F32(o))).map_err(err)
+}
+
+/// The instruction set the bfloat16 kernels use on this CPU: `"avx512_bf16"`,
+/// `"avx2"` or `"scalar"`.
+#[pyfunction]
+fn bf16_isa() -> &'static str {
+    hybridserve_cpu_kernels::bf16::Isa::detect().name()
+}
+
 /// A whole sparse MoE block (see `hybridserve_cpu_kernels::moe`): `x` `[T, H]`,
 /// `router_wt` `[H, E]`, `w13` `[E, H, 2I]`, `w2` `[E, I, H]`, the optional shared
 /// expert `shared_w13` `[H, 2Is]`, `shared_w2` `[Is, H]`, `shared_gate` `[H]`; writes
@@ -587,6 +634,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(bf16_isa, m)?)?;
     m.add_function(wrap_pyfunction!(moe_block, m)?)?;
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
