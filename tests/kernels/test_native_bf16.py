@@ -95,3 +95,66 @@ def test_deltanet_mixer_on_bf16_activations_matches_the_float32_reference():
     assert not torch.equal(state, before)
     # Rounded once to bfloat16 (a relative step of 2^-8), plus float32 noise.
     assert ((out.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-4 * ref.abs().max()).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_conv1d_bf16_matches_the_reference_on_bf16_values(seed, paged_pool):
+    """Mixed batch (decodes, chunks, empty runs, fresh and continued sequences,
+    checkpoints), bfloat16 pool pages scattered: outputs within one bfloat16 rounding of
+    the float32 reference on the same values, the state and checkpoints bit-equal."""
+    from hybridserve.kernels.causal_conv1d import causal_conv1d_ref
+
+    gen = torch.Generator().manual_seed(seed)
+    lens = [[1, 1, 0, 17, 2], [5, 1, 64, 1], [1] * 6, [130, 3, 1]][seed]
+    qsl = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist())
+    init = torch.rand(len(lens), generator=gen) < 0.6
+    ck = torch.tensor([int(torch.randint(1, m + 1, (1,), generator=gen)) if m and seed % 2 else -1 for m in lens])
+    c, w = [(24, 4), (300, 4), (40, 3), (64, 5)][seed]
+    t = sum(lens)
+    x = torch.randn(t, c + 7, generator=gen).to(BF16)[:, 3:3 + c]
+    weight = torch.randn(c, w, generator=gen).to(BF16)
+    bias = torch.randn(c, generator=gen).to(BF16) if seed % 2 else None
+    got = paged_pool(len(lens), 1, (c, w - 1), gen, per_page=2, item_base=3, dtype=BF16)
+    want = got.clone()
+    want.buf = want.buf.float()
+    kw = dict(checkpoint_positions=ck, checkpoint_pages=got.ck_table)
+    for _ in range(2):  # the second call continues from the first one's state
+        y_want = causal_conv1d_ref(x.float(), weight.float(), None if bias is None else bias.float(), want.pool,
+                                   qsl, want.table, init, "silu", item_base=3, **kw)
+        y_got = native.causal_conv1d_bf16(x, weight, bias, got.pool, native.Varlen(qsl, got.table, init, **kw),
+                                          "silu", item_base=3)
+        assert y_got.dtype == BF16
+        assert ((y_got.float() - y_want).abs() <= 2 ** -8 * y_want.abs() + 1e-6).all()
+        assert torch.equal(got.buf.float(), want.buf)
+        init = torch.ones_like(init)
+
+
+def test_bf16_model_ops_dispatch_conv1d_natively(monkeypatch):
+    """ops.causal_conv1d sends bfloat16 CPU tensors to the native bfloat16 kernel."""
+    from hybridserve.kernels import ops
+
+    seen = []
+    monkeypatch.setattr(native, "causal_conv1d_bf16", lambda *a, **kw: seen.append(1) or a[0])
+    x = torch.zeros(2, 8, dtype=BF16)
+    ops.causal_conv1d(x, torch.zeros(8, 4, dtype=BF16), None, torch.zeros(2, 1, 8, 3, dtype=BF16),
+                      torch.tensor([0, 2]), torch.tensor([[0]]), torch.tensor([False]), item_base=0)
+    assert seen == [1]
+
+
+@pytest.mark.parametrize("centered", [True, False])
+def test_rms_norm_bf16_matches_hf_style_rounding(centered):
+    """residual + x as a bfloat16 add (in place), the norm in float32 from it, one
+    rounding at the end: HF's ``Qwen3_5RMSNorm`` on bfloat16 tensors."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(37, 96, generator=g).to(BF16)
+    res = torch.randn(37, 96, generator=g).to(BF16)
+    w = (0.1 * torch.randn(96, generator=g)).to(BF16)
+    s = res + x  # torch's bfloat16 add: the residual stream HF carries
+    sf = s.float()
+    ref = sf * torch.rsqrt(sf.pow(2).mean(-1, keepdim=True) + 1e-6) * ((1.0 if centered else 0.0) + w.float())
+    r = res.clone()
+    got = native.rms_norm_bf16(x, w, 1e-6, residual=r, centered=centered)
+    assert torch.equal(r, s)
+    assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
+    plain = native.rms_norm_bf16(s, w, 1e-6, centered=centered)
+    assert torch.equal(plain, got)

@@ -178,6 +178,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def causal_conv1d_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                       varlen: Varlen, activation: str | None = "silu", *, item_base: int) -> torch.Tensor:
+    """:func:`causal_conv1d` for a bfloat16 model: ``x``, ``weight``, ``bias`` and the
+    ``conv_state`` pool bfloat16; float32 sums, the output rounded once to bfloat16."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}; use 'silu' or None")
+    _check_disjoint({"conv_state": conv_state}, {"x": x, "weight": weight, "bias": bias})
+    out = torch.empty(x.shape, dtype=_BF16)
+    _k.causal_conv1d_bf16(_bits(x), _bits(weight.contiguous()), None if bias is None else _bits(bias),
+                          _bits(conv_state), varlen.qsl, varlen.table, varlen.init, _bits(out),
+                          item_base=int(item_base), silu=activation is not None, **varlen.checkpoints)
+    return out
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, varlen: Varlen,
                      *, key_heads: int, value_heads: int, scale: float, item_base: int,
                      use_qk_l2norm: bool = True,
@@ -225,6 +239,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     _k.rms_norm(_np(x), _np(weight), float(eps), _np(out), None if residual is None else _np(residual),
                 bool(centered))
+    return out
+
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                  centered: bool = True) -> torch.Tensor:
+    """:func:`rms_norm` for a bfloat16 model (all contiguous bfloat16): ``residual += x``
+    rounded to bfloat16 (HF's bfloat16 add), the norm in float32, rounded once."""
+    if residual is not None:
+        _check_disjoint({"residual": residual}, {"x": x, "weight": weight})
+    out = torch.empty_like(x)
+    _k.rms_norm_bf16(_bits(x), _bits(weight), float(eps), _bits(out), None if residual is None else _bits(residual),
+                     bool(centered))
     return out
 
 

@@ -98,6 +98,10 @@ def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_pages, has
         return native.causal_conv1d(x, weight, bias, conv_state, _varlen(
             plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages),
             activation, item_base=item_base)
+    if native.usable_bf16(x, weight, conv_state) and (bias is None or native.usable_bf16(bias)):
+        return native.causal_conv1d_bf16(x, weight, bias, conv_state, _varlen(
+            plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages),
+            activation, item_base=item_base)
     plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
         query_start_loc, has_initial_state, weight.shape[-1], x.device, checkpoint_positions))
     return causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_pages,

@@ -38,6 +38,8 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous() and native.usable(x, self.weight):
             return native.rms_norm(x, self.weight, self.eps)
+        if x.dim() == 2 and x.is_contiguous() and native.usable_bf16(x, self.weight):
+            return native.rms_norm_bf16(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
@@ -48,6 +50,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         if (x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
                 and native.usable(x, residual, self.weight)):
             return native.rms_norm(x, self.weight, self.eps, residual=residual), residual
+        if (x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+                and native.usable_bf16(x, residual, self.weight)):
+            return native.rms_norm_bf16(x, self.weight, self.eps, residual=residual), residual
         residual = residual + x
         return self(residual), residual
 

@@ -35,12 +35,14 @@
 pub mod attention;
 pub mod bf16;
 pub mod conv1d;
+pub mod conv1d_bf16;
 pub mod delta_rule;
 mod math;
 pub mod matmul;
 pub mod matmul_bf16;
 pub mod moe;
 pub mod norm;
+pub mod norm_bf16;
 mod pool;
 pub mod rope;
 
@@ -296,20 +298,23 @@ impl PagedState<'_> {
     }
 }
 
-/// A raw pointer that tasks of one kernel call share to write disjoint elements.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedMut(*mut f32);
-unsafe impl Send for SharedMut {}
-unsafe impl Sync for SharedMut {}
+/// A raw pointer that tasks of one kernel call share to write disjoint elements
+/// (`f32`, or `u16` bfloat16 bits).
+pub(crate) struct SharedMut<T = f32>(*mut T);
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<T> {}
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
 
-impl SharedMut {
-    pub(crate) fn new(s: &mut [f32]) -> Self {
+impl<T> SharedMut<T> {
+    pub(crate) fn new(s: &mut [T]) -> Self {
         Self(s.as_mut_ptr())
     }
 
-    /// # Safety
-    /// `at..at + len` must lie in the slice this was made from, and no other task may
-    /// touch those elements during the call.
     /// The pointer `at` elements further on.
     ///
     /// # Safety
@@ -319,8 +324,11 @@ impl SharedMut {
         Self(self.0.add(at))
     }
 
+    /// # Safety
+    /// `at..at + len` must lie in the slice this was made from, and no other task may
+    /// touch those elements during the call.
     #[inline(always)]
-    pub(crate) unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [f32] {
+    pub(crate) unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
 }

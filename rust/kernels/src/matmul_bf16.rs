@@ -248,11 +248,30 @@ mod avx512 {
         }
         let mut tile = [[0.0f32; C]; MR];
         for i in 0..R {
-            for c in 0..C {
-                tile[i][c] = _mm512_reduce_add_ps(acc[i][c]);
+            for c in (0..C).step_by(4) {
+                let s = reduce4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]);
+                _mm_storeu_ps(tile[i].as_mut_ptr().add(c), s);
             }
         }
         tile
+    }
+
+    /// The lane sums of four accumulators at once: `[sum a, sum b, sum c, sum d]`.
+    /// Interleaving them first takes 9 shuffles and adds instead of 4 x 7: at
+    /// `K = 1,024` a tile has only 32 steps, and separate reductions cost a fifth of it.
+    #[inline(always)]
+    unsafe fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+        // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], the same for c, d.
+        let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+        // Per 128-bit lane: [a, b, c, d] summed over that lane's four elements.
+        let abcd = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(ab, cd),
+            _mm512_shuffle_ps::<0xEE>(ab, cd),
+        );
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(abcd)));
+        let s = _mm256_add_ps(_mm512_castps512_ps256(abcd), hi);
+        _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s))
     }
 }
 

@@ -119,10 +119,10 @@ fn paged_view(
 }
 
 /// The state pool as a mutable slice plus its page layout.
-fn state_pool<'a>(
+fn state_pool<'a, T: numpy::Element>(
     name: &str,
-    a: &'a mut PyReadwriteArrayDyn<'_, f32>,
-) -> PyResult<(&'a mut [f32], usize, usize, usize, usize)> {
+    a: &'a mut PyReadwriteArrayDyn<'_, T>,
+) -> PyResult<(&'a mut [T], usize, usize, usize, usize)> {
     let mut v = a.as_array_mut();
     let (extent, pages, per_page, stride, item) = paged_view(name, v.shape(), v.strides())?;
     // SAFETY: the view's pages lie in the array's buffer (numpy guarantees its strided
@@ -418,6 +418,89 @@ fn rms_norm(
         .map_err(err)
 }
 
+/// [`rms_norm`] for a bfloat16 model: every array bfloat16 bits (uint16 views).
+#[pyfunction]
+#[pyo3(signature = (x, weight, eps, out, residual=None, centered=true))]
+fn rms_norm_bf16(
+    py: Python<'_>,
+    x: PyReadonlyArrayDyn<'_, u16>,
+    weight: PyReadonlyArrayDyn<'_, u16>,
+    eps: f32,
+    mut out: PyReadwriteArrayDyn<'_, u16>,
+    residual: Option<PyReadwriteArrayDyn<'_, u16>>,
+    centered: bool,
+) -> PyResult<()> {
+    let c16 = |name: &str| PyValueError::new_err(format!("{name} must be C-contiguous bfloat16 bits"));
+    let x = x.as_slice().map_err(|_| c16("x"))?;
+    let weight = weight.as_slice().map_err(|_| c16("weight"))?;
+    let out = out.as_slice_mut().map_err(|_| c16("out"))?;
+    let mut residual = residual;
+    let residual = match residual.as_mut() {
+        Some(r) => Some(r.as_slice_mut().map_err(|_| c16("residual"))?),
+        None => None,
+    };
+    py.detach(|| {
+        hybridserve_cpu_kernels::norm_bf16::rms_norm_bf16(x, residual, weight, eps, centered, out)
+    })
+    .map_err(err)
+}
+
+/// [`causal_conv1d`] for a bfloat16 model: every array bfloat16 bits (uint16 views).
+#[pyfunction]
+#[pyo3(signature = (x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out, *,
+                    item_base, silu=true, checkpoint_positions=None, checkpoint_pages=None))]
+#[allow(clippy::too_many_arguments)]
+fn causal_conv1d_bf16(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, u16>,
+    weight: PyReadonlyArrayDyn<'_, u16>,
+    bias: Option<PyReadonlyArrayDyn<'_, u16>>,
+    mut state: PyReadwriteArrayDyn<'_, u16>,
+    query_start_loc: PyReadonlyArray1<'_, i64>,
+    state_pages: PyReadonlyArray2<'_, i64>,
+    has_initial_state: PyReadonlyArray1<'_, bool>,
+    mut out: PyReadwriteArrayDyn<'_, u16>,
+    item_base: usize,
+    silu: bool,
+    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
+    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
+) -> PyResult<()> {
+    let x = rows("x", &x)?;
+    let (wshape, sshape) = (weight.shape().to_vec(), state.shape().to_vec());
+    if wshape.len() != 2
+        || wshape[0] != x.width
+        || sshape.len() != 4
+        || sshape[2..] != [x.width, wshape[1].saturating_sub(1)]
+    {
+        return Err(PyValueError::new_err(format!(
+            "weight must be [C={}, W] and state a pool [num_pages, per_page, C, W-1]; got {wshape:?} and {sshape:?}",
+            x.width
+        )));
+    }
+    let c16 = |name: &str| PyValueError::new_err(format!("{name} must be C-contiguous bfloat16 bits"));
+    let weight = weight.as_slice().map_err(|_| c16("weight"))?;
+    let bias = match &bias {
+        Some(b) => Some(b.as_slice().map_err(|_| c16("bias"))?),
+        None => None,
+    };
+    let varlen = varlen(&query_start_loc, &has_initial_state)?;
+    let (state, pages, per_page, stride, item) = state_pool("state", &mut state)?;
+    let paged = paged_state(
+        &state_pages,
+        item_base,
+        (pages, per_page, stride, item),
+        &checkpoint_positions,
+        &checkpoint_pages,
+    )?;
+    let out = out.as_slice_mut().map_err(|_| c16("out"))?;
+    py.detach(|| {
+        hybridserve_cpu_kernels::conv1d_bf16::causal_conv1d_bf16(
+            x, weight, bias, silu, state, paged, varlen, out,
+        )
+    })
+    .map_err(err)
+}
+
 /// `out = x @ wt` for `x` `[M, K]` (row-strided allowed), `wt` `[K, N]` row-major
 /// (a projection weight stored transposed), `out` `[M, N]`.
 #[pyfunction]
@@ -630,8 +713,10 @@ fn uses_openmp() -> bool {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
+    m.add_function(wrap_pyfunction!(causal_conv1d_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
+    m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_bf16, m)?)?;
