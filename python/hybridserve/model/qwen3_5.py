@@ -87,9 +87,10 @@ class Projection(nn.Linear):
 
     NATIVE_MAX_ROWS = 128
     # bfloat16 weights (kept [out, in] row-major on the CPU): the native kernel up to
-    # this many rows, torch's (oneDNN) bfloat16 GEMM above, where it is faster
-    # (measured in benches/bf16_kernels.py).
-    NATIVE_MAX_ROWS_BF16 = 32
+    # this many rows (0.96-1.20x oneDNN's time at 1 and 16 rows, the bench's shapes),
+    # torch's (oneDNN) bfloat16 GEMM above (0.73-0.80x at 64 rows: it is faster there);
+    # benches/bf16_kernels.py, RESULTS.md's issue 22 section.
+    NATIVE_MAX_ROWS_BF16 = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
