@@ -158,3 +158,40 @@ def test_rms_norm_bf16_matches_hf_style_rounding(centered):
     assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-6).all()
     plain = native.rms_norm_bf16(s, w, 1e-6, centered=centered)
     assert torch.equal(plain, got)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_attention_bf16_decodes_native_and_the_rest_grouped_match_reference(seed):
+    """A mixed step over a bfloat16 cache in arena pages: decodes through the native
+    bfloat16 kernel, the rest through SDPA groups; against the reference in float32 on
+    the same bfloat16 values, within one bfloat16 rounding of the output."""
+    from hybridserve.kernels.paged_attention import AttentionPlan, paged_attention_cpu, paged_attention_ref
+
+    gen = torch.Generator().manual_seed(190 + seed)
+    hq, hkv, d, bs = [(4, 2, 16, 4), (8, 2, 64, 16), (6, 1, 32, 8)][seed]
+    q_lens = [1, 3, 1, 1, 7, 1][: 4 + seed]
+    seq_lens = [ql + int(torch.randint(0, 70, (1,), generator=gen)) for ql in q_lens]
+    n = len(q_lens)
+    num_blocks = sum(-(-s // bs) for s in seq_lens) + 5
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    width = max(-(-s // bs) for s in seq_lens) + 2
+    tables = torch.zeros(n, width, dtype=torch.int32)
+    at = 0
+    for i, s in enumerate(seq_lens):
+        nb = -(-s // bs)
+        tables[i, :nb] = torch.tensor(perm[at:at + nb], dtype=torch.int32)
+        at += nb
+    blk = bs * hkv * d
+    page = 4 * blk + 16
+    arena = torch.randn(num_blocks * page, generator=gen).to(BF16)
+    k_cache = arena.as_strided((num_blocks, bs, hkv, d), (page, hkv * d, d, 1), 2 * blk)
+    v_cache = arena.as_strided((num_blocks, bs, hkv, d), (page, hkv * d, d, 1), 3 * blk)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), hq, d, generator=gen).to(BF16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), qsl, lens, tables, d ** -0.5)
+    plan = AttentionPlan(qsl, lens, tables, bs, split_decodes=True)
+    assert plan.decode is not None and len(plan.decode[0]) == q_lens.count(1)
+    got = paged_attention_cpu(q, k_cache, v_cache, qsl, lens, tables, d ** -0.5, plan)
+    assert got.dtype == BF16
+    assert ((got.float() - want).abs() <= 2 ** -8 * want.abs() + 1e-3 * want.abs().max()).all()

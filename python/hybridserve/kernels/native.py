@@ -224,8 +224,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: np.ndarray, block_tables: torch.Tensor, scale: float,
                            out: torch.Tensor) -> None:
     """Decode attention for the listed rows of ``q`` ``[T, Hq, D]`` into the same rows of
-    ``out`` (float32, contiguous); ``block_tables`` int32 ``[n, width]``, one row per
-    listed sequence. The caches may be the arena's paged views (blocks a page apart)."""
+    ``out`` (float32 or bfloat16 like ``q``, contiguous); ``block_tables`` int32 ``[n, width]``, one row per
+    listed sequence. The caches may be the arena's paged views (blocks a page apart).
+    bfloat16 ``q``, caches and ``out`` take the bfloat16 kernel (float32 softmax and
+    sums, the output rounded once)."""
+    if q.dtype == _BF16:
+        _k.paged_attention_decode_bf16(_bits(q.reshape(q.shape[0], -1)), _bits(k_cache), _bits(v_cache), rows,
+                                       seq_lens, _np(block_tables.to(torch.int32).contiguous()), float(scale),
+                                       _bits(out))
+        return
     _k.paged_attention_decode(_np(q.reshape(q.shape[0], -1)), _np(k_cache), _np(v_cache), rows, seq_lens,
                               _np(block_tables.to(torch.int32).contiguous()), float(scale), _np(out))
 

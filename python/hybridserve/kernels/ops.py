@@ -76,8 +76,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         from hybridserve.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    # Decodes go to the native kernel when it can run (float32 CPU); the rest to SDPA groups.
-    split = native.usable(q, k_cache, v_cache)
+    # Decodes go to the native kernel when it can run (float32 or bfloat16 CPU); the
+    # rest to SDPA groups.
+    split = native.usable(q, k_cache, v_cache) or native.usable_bf16(q, k_cache, v_cache)
     plan = _plan(plans, ("attention", k_cache.shape[1], split), lambda: AttentionPlan(
         query_start_loc, seq_lens, block_tables, k_cache.shape[1], q.device, split_decodes=split))
     return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan)

@@ -26,6 +26,42 @@ pub fn from_f32(x: f32) -> u16 {
     (bits.wrapping_add(bias) >> 16) as u16
 }
 
+/// An element a kernel reads and writes: `f32`, or `u16` holding bfloat16 bits.
+/// Kernels generic over it compute in float32 either way.
+pub trait Elem: Copy + Send + Sync + 'static {
+    /// `src` as float32: `src` itself for `f32` (no copy), widened into `buf` (at least
+    /// `src.len()` long) for bfloat16.
+    fn widen<'b>(src: &'b [Self], buf: &'b mut [f32]) -> &'b [f32];
+    /// `v` stored as `Self` (rounded to nearest even for bfloat16).
+    fn narrow(v: f32) -> Self;
+}
+
+impl Elem for f32 {
+    #[inline(always)]
+    fn widen<'b>(src: &'b [f32], _buf: &'b mut [f32]) -> &'b [f32] {
+        src
+    }
+    #[inline(always)]
+    fn narrow(v: f32) -> f32 {
+        v
+    }
+}
+
+impl Elem for u16 {
+    #[inline(always)]
+    fn widen<'b>(src: &'b [u16], buf: &'b mut [f32]) -> &'b [f32] {
+        let buf = &mut buf[..src.len()];
+        for (b, &s) in buf.iter_mut().zip(src) {
+            *b = to_f32(s);
+        }
+        buf
+    }
+    #[inline(always)]
+    fn narrow(v: f32) -> u16 {
+        from_f32(v)
+    }
+}
+
 /// The instruction set a bfloat16 kernel runs with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {

@@ -418,6 +418,67 @@ fn rms_norm(
         .map_err(err)
 }
 
+/// [`paged_attention_decode`] for a bfloat16 model: `q`, the caches and `out` bfloat16
+/// bits (uint16 views).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention_decode_bf16(
+    py: Python<'_>,
+    q: PyReadonlyArray2<'_, u16>,
+    k_cache: PyReadonlyArrayDyn<'_, u16>,
+    v_cache: PyReadonlyArrayDyn<'_, u16>,
+    rows_: PyReadonlyArray1<'_, i64>,
+    seq_lens: PyReadonlyArray1<'_, i64>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    scale: f32,
+    mut out: PyReadwriteArrayDyn<'_, u16>,
+) -> PyResult<()> {
+    let shape = k_cache.shape().to_vec();
+    if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
+        return Err(PyValueError::new_err(
+            "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike",
+        ));
+    }
+    let q = rows("q", &q)?;
+    let (heads, d) = (q.width / shape[3].max(1), shape[3]);
+    let (kview, vview) = (k_cache.as_array(), v_cache.as_array());
+    let (extent, num_blocks, _, block_stride, _) = paged_view("k_cache", &shape, kview.strides())?;
+    if kview.strides() != vview.strides() {
+        return Err(PyValueError::new_err(
+            "k_cache and v_cache must have the same strides",
+        ));
+    }
+    // SAFETY: each view's blocks lie in its array's buffer (numpy guarantees the
+    // strided extent is allocated); the borrows outlive the slices.
+    let kv = PagedKv {
+        k_cache: unsafe { std::slice::from_raw_parts(kview.as_ptr(), extent) },
+        v_cache: unsafe { std::slice::from_raw_parts(vview.as_ptr(), extent) },
+        block_size: shape[1],
+        kv_heads: shape[2],
+        head_dim: d,
+        num_blocks,
+        block_stride,
+    };
+    let width = block_tables.shape()[1];
+    let seqs = DecodeSeqs {
+        rows: ints("rows", &rows_)?,
+        seq_lens: ints("seq_lens", &seq_lens)?,
+        block_tables: block_tables.as_slice().map_err(|_| {
+            PyValueError::new_err("block_tables must be a C-contiguous int32 array")
+        })?,
+        width,
+    };
+    let out = out
+        .as_slice_mut()
+        .map_err(|_| PyValueError::new_err("out must be C-contiguous bfloat16 bits"))?;
+    py.detach(|| {
+        hybridserve_cpu_kernels::attention::paged_attention_decode_bf16(
+            q, kv, seqs, heads, scale, out,
+        )
+    })
+    .map_err(err)
+}
+
 /// [`rms_norm`] for a bfloat16 model: every array bfloat16 bits (uint16 views).
 #[pyfunction]
 #[pyo3(signature = (x, weight, eps, out, residual=None, centered=true))]
@@ -715,6 +776,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_attention_decode_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
