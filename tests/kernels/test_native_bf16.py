@@ -195,3 +195,24 @@ def test_attention_bf16_decodes_native_and_the_rest_grouped_match_reference(seed
     got = paged_attention_cpu(q, k_cache, v_cache, qsl, lens, tables, d ** -0.5, plan)
     assert got.dtype == BF16
     assert ((got.float() - want).abs() <= 2 ** -8 * want.abs() + 1e-3 * want.abs().max()).all()
+
+
+def test_qk_norm_rope_bf16_matches_float32_math_on_the_bf16_values():
+    """Per-head zero-centred RMSNorm then half-split rotary on the first channels, heads
+    a stride apart in the row (the query's gate between them), as the model calls it."""
+    from hybridserve.model.qwen3_5 import RotaryEmbedding
+
+    g = torch.Generator().manual_seed(5)
+    t, heads, d, r = 7, 4, 32, 8
+    qkv = torch.randn(t, heads * 2 * d + 5, generator=g).to(BF16)
+    x = qkv[:, : heads * 2 * d]
+    w = (0.1 * torch.randn(d, generator=g)).to(BF16)
+    ang = torch.randn(t, r // 2, generator=g)
+    cos, sin = torch.cat([ang, ang], -1).cos().to(BF16), torch.cat([ang, ang], -1).sin().to(BF16)
+    got = native.qk_norm_rope(x, heads, 2 * d, w, 1e-6, cos, sin)
+    assert got.dtype == BF16 and got.shape == (t, heads, d)
+    xf = x.float().view(t, heads, 2 * d)[..., :d]
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * (1.0 + w.float())
+    ref = RotaryEmbedding.apply(y, cos.float(), sin.float())
+    scale = y.abs().amax(-1, keepdim=True)  # rope mixes two channels: error relative to the head's scale
+    assert ((got.float() - ref).abs() <= 2 ** -8 * ref.abs() + 1e-5 * scale).all()

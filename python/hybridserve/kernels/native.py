@@ -303,6 +303,11 @@ def qk_norm_rope(x: torch.Tensor, heads: int, head_stride: int, weight: torch.Te
     rows hold ``heads`` heads ``head_stride`` apart (the query's gate may sit between
     them); returns ``[T, heads, head_dim]`` contiguous."""
     d = weight.shape[0]
+    if x.dtype == _BF16:  # a bfloat16 model: float32 arithmetic, the output rounded once
+        out = torch.empty(x.shape[0], heads, d, dtype=_BF16)
+        _k.qk_norm_rope_bf16(_bits(x), heads, head_stride, _bits(weight), float(eps), _bits(cos), _bits(sin),
+                             _bits(out))
+        return out
     out = torch.empty(x.shape[0], heads, d, dtype=torch.float32)
     _k.qk_norm_rope(_np(x), heads, head_stride, _np(weight), float(eps), _np(cos), _np(sin), _np(out))
     return out

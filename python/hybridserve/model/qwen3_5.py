@@ -236,7 +236,8 @@ class Attention(_Fused, nn.Module):
         qg = qkv[:, :qr].view(t, self.num_heads, 2 * self.head_dim)
         gate = qg[..., self.head_dim:]
         v = qkv[:, qr + kvr:].view(t, self.num_kv_heads, self.head_dim)
-        if native.usable(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight) and qkv.is_contiguous():
+        if qkv.is_contiguous() and (native.usable(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight)
+                                    or native.usable_bf16(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight)):
             # One pass per tensor instead of ~15 ops: norm each head, then rope.
             q = native.qk_norm_rope(qkv[:, :qr], self.num_heads, 2 * self.head_dim, self.q_norm.weight,
                                     self.q_norm.eps, cos, sin)

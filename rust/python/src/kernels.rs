@@ -740,6 +740,39 @@ fn qk_norm_rope(
     .map_err(err)
 }
 
+/// [`qk_norm_rope`] for a bfloat16 model: every array bfloat16 bits (uint16 views).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_rope_bf16(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, u16>,
+    heads: usize,
+    head_stride: usize,
+    weight: PyReadonlyArrayDyn<'_, u16>,
+    eps: f32,
+    cos: PyReadonlyArray2<'_, u16>,
+    sin: PyReadonlyArray2<'_, u16>,
+    mut out: PyReadwriteArrayDyn<'_, u16>,
+) -> PyResult<()> {
+    let (x, cos, sin) = (rows("x", &x)?, rows("cos", &cos)?, rows("sin", &sin)?);
+    let c16 = |name: &str| PyValueError::new_err(format!("{name} must be C-contiguous bfloat16 bits"));
+    let weight = weight.as_slice().map_err(|_| c16("weight"))?;
+    let out = out.as_slice_mut().map_err(|_| c16("out"))?;
+    py.detach(|| {
+        hybridserve_cpu_kernels::rope::qk_norm_rope_bf16(
+            x,
+            heads,
+            head_stride,
+            weight,
+            eps,
+            cos,
+            sin,
+            out,
+        )
+    })
+    .map_err(err)
+}
+
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
 #[pyfunction]
 fn set_kernel_threads(n: usize) {
@@ -780,6 +813,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
+    m.add_function(wrap_pyfunction!(qk_norm_rope_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(bf16_isa, m)?)?;
