@@ -9,8 +9,11 @@ torch ops: the gated delta rule with its gates and output norm fused
 
 They compute the same contracts as the plain-PyTorch references beside them
 (``*_ref``), which stay the oracles: ``tests/kernels/test_native_kernels.py`` checks
-each kernel against its reference on random mixed batches. Other dtypes and devices
-take the PyTorch (or Triton) path; ``HYBRIDSERVE_NO_NATIVE=1`` forces the PyTorch path
+each kernel against its reference on random mixed batches. bfloat16 CPU tensors
+have the few-row GEMM (:func:`linear_bf16`: bfloat16 weight and activations,
+``vdpbf16ps`` where the CPU has AVX-512 BF16) and the fused DeltaNet mixer on
+float32 copies of its (small) inputs; other dtypes and devices take the PyTorch (or
+Triton) path; ``HYBRIDSERVE_NO_NATIVE=1`` forces the PyTorch path
 on the CPU as well (debugging, side-by-side benchmarks).
 """
 
@@ -59,6 +62,7 @@ _OPENMP = _share_torchs_openmp_pool()
 
 
 _F32 = torch.float32
+_BF16 = torch.bfloat16
 
 
 def available() -> bool:
@@ -73,6 +77,21 @@ def usable(*tensors: torch.Tensor) -> bool:
         if t.dtype != _F32 or t.is_cuda or t.device.type != "cpu":
             return False
     return True
+
+
+def usable_bf16(*tensors: torch.Tensor) -> bool:
+    """True when the bfloat16 native kernels can run on these tensors (bfloat16, CPU)."""
+    if _k is None or _DISABLED:
+        return False
+    for t in tensors:
+        if t.dtype != _BF16 or t.is_cuda or t.device.type != "cpu":
+            return False
+    return True
+
+
+def bf16_isa() -> str:
+    """What the bfloat16 kernels run on here: ``"avx512_bf16"``, ``"avx2"`` or ``"scalar"``."""
+    return _k.bf16_isa() if _k is not None else "none"
 
 
 def set_threads(n: int) -> None:
@@ -159,6 +178,20 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out
 
 
+def causal_conv1d_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                       varlen: Varlen, activation: str | None = "silu", *, item_base: int) -> torch.Tensor:
+    """:func:`causal_conv1d` for a bfloat16 model: ``x``, ``weight``, ``bias`` and the
+    ``conv_state`` pool bfloat16; float32 sums, the output rounded once to bfloat16."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}; use 'silu' or None")
+    _check_disjoint({"conv_state": conv_state}, {"x": x, "weight": weight, "bias": bias})
+    out = torch.empty(x.shape, dtype=_BF16)
+    _k.causal_conv1d_bf16(_bits(x), _bits(weight.contiguous()), None if bias is None else _bits(bias),
+                          _bits(conv_state), varlen.qsl, varlen.table, varlen.init, _bits(out),
+                          item_base=int(item_base), silu=activation is not None, **varlen.checkpoints)
+    return out
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: torch.Tensor, varlen: Varlen,
                      *, key_heads: int, value_heads: int, scale: float, item_base: int,
                      use_qk_l2norm: bool = True,
@@ -191,8 +224,15 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            seq_lens: np.ndarray, block_tables: torch.Tensor, scale: float,
                            out: torch.Tensor) -> None:
     """Decode attention for the listed rows of ``q`` ``[T, Hq, D]`` into the same rows of
-    ``out`` (float32, contiguous); ``block_tables`` int32 ``[n, width]``, one row per
-    listed sequence. The caches may be the arena's paged views (blocks a page apart)."""
+    ``out`` (float32 or bfloat16 like ``q``, contiguous); ``block_tables`` int32 ``[n, width]``, one row per
+    listed sequence. The caches may be the arena's paged views (blocks a page apart).
+    bfloat16 ``q``, caches and ``out`` take the bfloat16 kernel (float32 softmax and
+    sums, the output rounded once)."""
+    if q.dtype == _BF16:
+        _k.paged_attention_decode_bf16(_bits(q.reshape(q.shape[0], -1)), _bits(k_cache), _bits(v_cache), rows,
+                                       seq_lens, _np(block_tables.to(torch.int32).contiguous()), float(scale),
+                                       _bits(out))
+        return
     _k.paged_attention_decode(_np(q.reshape(q.shape[0], -1)), _np(k_cache), _np(v_cache), rows, seq_lens,
                               _np(block_tables.to(torch.int32).contiguous()), float(scale), _np(out))
 
@@ -209,12 +249,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return out
 
 
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                  centered: bool = True) -> torch.Tensor:
+    """:func:`rms_norm` for a bfloat16 model (all contiguous bfloat16): ``residual += x``
+    rounded to bfloat16 (HF's bfloat16 add), the norm in float32, rounded once."""
+    if residual is not None:
+        _check_disjoint({"residual": residual}, {"x": x, "weight": weight})
+    out = torch.empty_like(x)
+    _k.rms_norm_bf16(_bits(x), _bits(weight), float(eps), _bits(out), None if residual is None else _bits(residual),
+                     bool(centered))
+    return out
+
+
 def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for a ``weight`` stored transposed (strides ``(1, out)``, see
     :meth:`Qwen3_5ForServing.store_projections_column_major`); ``x`` ``[M, K]`` with
     unit column stride. For decode-sized ``M``, where BLAS repacks the weight per call."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     _k.matmul(_np(x), _weight_view(weight), _np(out))
+    return out
+
+
+def _bits(t: torch.Tensor) -> np.ndarray:
+    """A bfloat16 tensor's memory as numpy uint16 (numpy has no bfloat16), no copy."""
+    return t.detach().view(torch.uint16).numpy()
+
+
+def linear_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = _BF16) -> torch.Tensor:
+    """``x @ weight.T`` for bfloat16 ``x`` ``[M, K]`` (unit column stride) and a bfloat16
+    ``weight`` ``[N, K]`` stored as checkpoints have it (C-contiguous); float32 sums,
+    returned as ``out_dtype`` (bfloat16, rounded once like torch's bfloat16 GEMM, or
+    float32). For decode-sized ``M``."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+    _k.matmul_bf16(_bits(x), _bits(weight), _bits(out) if out_dtype == _BF16 else _np(out))
     return out
 
 
@@ -236,6 +303,11 @@ def qk_norm_rope(x: torch.Tensor, heads: int, head_stride: int, weight: torch.Te
     rows hold ``heads`` heads ``head_stride`` apart (the query's gate may sit between
     them); returns ``[T, heads, head_dim]`` contiguous."""
     d = weight.shape[0]
+    if x.dtype == _BF16:  # a bfloat16 model: float32 arithmetic, the output rounded once
+        out = torch.empty(x.shape[0], heads, d, dtype=_BF16)
+        _k.qk_norm_rope_bf16(_bits(x), heads, head_stride, _bits(weight), float(eps), _bits(cos), _bits(sin),
+                             _bits(out))
+        return out
     out = torch.empty(x.shape[0], heads, d, dtype=torch.float32)
     _k.qk_norm_rope(_np(x), heads, head_stride, _np(weight), float(eps), _np(cos), _np(sin), _np(out))
     return out

@@ -76,8 +76,9 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
         from hybridserve.kernels.paged_attention_triton import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    # Decodes go to the native kernel when it can run (float32 CPU); the rest to SDPA groups.
-    split = native.usable(q, k_cache, v_cache)
+    # Decodes go to the native kernel when it can run (float32 or bfloat16 CPU); the
+    # rest to SDPA groups.
+    split = native.usable(q, k_cache, v_cache) or native.usable_bf16(q, k_cache, v_cache)
     plan = _plan(plans, ("attention", k_cache.shape[1], split), lambda: AttentionPlan(
         query_start_loc, seq_lens, block_tables, k_cache.shape[1], q.device, split_decodes=split))
     return paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, plan)
@@ -96,6 +97,10 @@ def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_pages, has
                                     has_initial_state, activation, **ck)
     if native.usable(x, weight, conv_state) and (bias is None or native.usable(bias)):
         return native.causal_conv1d(x, weight, bias, conv_state, _varlen(
+            plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages),
+            activation, item_base=item_base)
+    if native.usable_bf16(x, weight, conv_state) and (bias is None or native.usable_bf16(bias)):
+        return native.causal_conv1d_bf16(x, weight, bias, conv_state, _varlen(
             plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages),
             activation, item_base=item_base)
     plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
@@ -138,8 +143,21 @@ def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_ep
                           plans: dict | None = None) -> torch.Tensor | None:
     """Gated DeltaNet after its conv, fused: gates from ``a``/``b``, the delta rule, and
     the gated output norm, all ``[T, X]`` (column ranges of the projections allowed);
-    returns ``[T, H * V]``. Only where the native kernels run (float32 CPU); ``None``
-    elsewhere, and the caller composes :func:`gated_delta_rule` with its own norm."""
+    returns ``[T, H * V]``. Only where the native kernels run (float32 CPU, or
+    bfloat16 CPU activations over the float32 state); ``None`` elsewhere, and the
+    caller composes :func:`gated_delta_rule` with its own norm."""
+    if native.usable_bf16(q, k, v, a, b, z) and native.usable(state):
+        # bfloat16 model: the recurrent state is float32 (as HF keeps it); the kernel
+        # reads float32 copies of the step's inputs (a few rows per sequence at decode)
+        # and its output is rounded once to bfloat16 for the output projection.
+        o = native.gated_delta_rule(
+            q.float(), k.float(), v.float(), state, _varlen(plans, query_start_loc, state_pages,
+                                                            has_initial_state, checkpoint_positions,
+                                                            checkpoint_pages),
+            key_heads=key_heads, value_heads=value_heads, scale=scale, a=a.float(), b=b.float(),
+            A_log=A_log.float(), dt_bias=dt_bias.float(), z=z.float(), norm_weight=norm_weight.float(),
+            norm_eps=norm_eps, item_base=item_base)
+        return o.to(q.dtype)
     if not native.usable(q, k, v, a, b, z, state, norm_weight):
         return None
     return native.gated_delta_rule(

@@ -38,6 +38,8 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.is_contiguous() and native.usable(x, self.weight):
             return native.rms_norm(x, self.weight, self.eps)
+        if x.dim() == 2 and x.is_contiguous() and native.usable_bf16(x, self.weight):
+            return native.rms_norm_bf16(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * (1.0 + self.weight.float())).type_as(x)
@@ -48,6 +50,9 @@ class ZeroCenteredRMSNorm(nn.Module):
         if (x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
                 and native.usable(x, residual, self.weight)):
             return native.rms_norm(x, self.weight, self.eps, residual=residual), residual
+        if (x.dim() == 2 and x.is_contiguous() and residual.is_contiguous() and x.shape == residual.shape
+                and native.usable_bf16(x, residual, self.weight)):
+            return native.rms_norm_bf16(x, self.weight, self.eps, residual=residual), residual
         residual = residual + x
         return self(residual), residual
 
@@ -81,9 +86,20 @@ class Projection(nn.Linear):
     """
 
     NATIVE_MAX_ROWS = 128
+    # bfloat16 weights (kept [out, in] row-major on the CPU): the native kernel up to
+    # this many rows (0.96-1.20x oneDNN's time at 1 and 16 rows, the bench's shapes),
+    # torch's (oneDNN) bfloat16 GEMM above (0.73-0.80x at 64 rows: it is faster there);
+    # benches/bf16_kernels.py, RESULTS.md's issue 22 section.
+    NATIVE_MAX_ROWS_BF16 = 16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if w.dtype == torch.bfloat16:
+            if (x.dim() == 2 and x.shape[0] <= self.NATIVE_MAX_ROWS_BF16 and self.bias is None
+                    and w.is_contiguous() and x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1])
+                    and native.usable_bf16(x, w)):
+                return native.linear_bf16(x, w)
+            return F.linear(x, w, self.bias)
         if (x.dim() == 2 and x.shape[0] <= self.NATIVE_MAX_ROWS and w.stride(0) == 1
                 and x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1])
                 and native.usable(x, w)):
@@ -220,7 +236,8 @@ class Attention(_Fused, nn.Module):
         qg = qkv[:, :qr].view(t, self.num_heads, 2 * self.head_dim)
         gate = qg[..., self.head_dim:]
         v = qkv[:, qr + kvr:].view(t, self.num_kv_heads, self.head_dim)
-        if native.usable(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight) and qkv.is_contiguous():
+        if qkv.is_contiguous() and (native.usable(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight)
+                                    or native.usable_bf16(qkv, cos, sin, self.q_norm.weight, self.k_norm.weight)):
             # One pass per tensor instead of ~15 ops: norm each head, then rope.
             q = native.qk_norm_rope(qkv[:, :qr], self.num_heads, 2 * self.head_dim, self.q_norm.weight,
                                     self.q_norm.eps, cos, sin)
@@ -403,7 +420,10 @@ class Qwen3_5ForServing(nn.Module):
         tied = self.embed_tokens.weight
         with torch.no_grad():
             for m in self.modules():
-                if isinstance(m, nn.Linear) and m.weight is not tied:
+                # bfloat16 stays [out, in]: the native bfloat16 GEMM reads rows along
+                # the input dimension, and oneDNN's bfloat16 GEMM is faster on that
+                # layout too (measured: 0.40 vs 0.74 ms for one row at 1,024 x 7,168).
+                if isinstance(m, nn.Linear) and m.weight is not tied and m.weight.dtype != torch.bfloat16:
                     m.weight.data = m.weight.data.t().contiguous().t()
 
     def new_cache(self, num_pages: int, block_size: int) -> HybridCache:

@@ -7,8 +7,11 @@
 //! and serves all query heads of the group, so each K/V row is read once per task.
 //!
 //! Softmax in float32 with the maximum subtracted, as torch does; the sums differ
-//! from torch's only in rounding order.
+//! from torch's only in rounding order. A bfloat16 model's query, cache and output
+//! are bfloat16 ([`paged_attention_decode_bf16`]): each row is widened as it is read
+//! (float32 reads it in place), the output rounded once.
 
+use crate::bf16::Elem;
 use crate::math::{dispatch, dot, exp};
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
@@ -17,9 +20,9 @@ use crate::{KernelError, Rows, SharedMut};
 /// arena's page size: a page holds every attention layer's block), each
 /// `[block_size, kv_heads, head_dim]` contiguous.
 #[derive(Clone, Copy, Debug)]
-pub struct PagedKv<'a> {
-    pub k_cache: &'a [f32],
-    pub v_cache: &'a [f32],
+pub struct PagedKv<'a, T = f32> {
+    pub k_cache: &'a [T],
+    pub v_cache: &'a [T],
     pub block_size: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
@@ -39,13 +42,13 @@ pub struct DecodeSeqs<'a> {
     pub width: usize,
 }
 
-struct Ctx<'a> {
-    q: Rows<'a>,
-    kv: PagedKv<'a>,
+struct Ctx<'a, T = f32> {
+    q: Rows<'a, T>,
+    kv: PagedKv<'a, T>,
     seqs: DecodeSeqs<'a>,
     heads: usize,
     scale: f32,
-    out: SharedMut,
+    out: SharedMut<T>,
 }
 
 /// `out[rows[i]]` = attention of `q[rows[i]]` (`[Hq * D]`) over sequence `i`'s
@@ -58,6 +61,31 @@ pub fn paged_attention_decode(
     heads: usize,
     scale: f32,
     out: &mut [f32],
+) -> Result<(), KernelError> {
+    decode_with(q, kv, seqs, heads, scale, out, run_task_f32)
+}
+
+/// [`paged_attention_decode`] for a bfloat16 model: `q`, the caches and `out` are
+/// bfloat16 bits.
+pub fn paged_attention_decode_bf16(
+    q: Rows<'_, u16>,
+    kv: PagedKv<'_, u16>,
+    seqs: DecodeSeqs<'_>,
+    heads: usize,
+    scale: f32,
+    out: &mut [u16],
+) -> Result<(), KernelError> {
+    decode_with(q, kv, seqs, heads, scale, out, run_task_bf16)
+}
+
+fn decode_with<T: Elem>(
+    q: Rows<'_, T>,
+    kv: PagedKv<'_, T>,
+    seqs: DecodeSeqs<'_>,
+    heads: usize,
+    scale: f32,
+    out: &mut [T],
+    run_task: fn(&Ctx<'_, T>, usize, usize),
 ) -> Result<(), KernelError> {
     let PagedKv {
         block_size: bs,
@@ -131,10 +159,21 @@ pub fn paged_attention_decode(
     Ok(())
 }
 
-dispatch!(fn run_task(ctx: &Ctx<'_>, i: usize, j: usize) => run_task_body);
+dispatch!(fn run_task_f32(ctx: &Ctx<'_, f32>, i: usize, j: usize) => body_f32);
+dispatch!(fn run_task_bf16(ctx: &Ctx<'_, u16>, i: usize, j: usize) => body_bf16);
 
 #[inline(always)]
-fn run_task_body(ctx: &Ctx<'_>, i: usize, j: usize) {
+fn body_f32(ctx: &Ctx<'_, f32>, i: usize, j: usize) {
+    run_task_body(ctx, i, j)
+}
+
+#[inline(always)]
+fn body_bf16(ctx: &Ctx<'_, u16>, i: usize, j: usize) {
+    run_task_body(ctx, i, j)
+}
+
+#[inline(always)]
+fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, i: usize, j: usize) {
     let PagedKv {
         block_size: bs,
         kv_heads: hkv,
@@ -145,13 +184,16 @@ fn run_task_body(ctx: &Ctx<'_>, i: usize, j: usize) {
     let row = ctx.seqs.rows[i] as usize;
     let len = ctx.seqs.seq_lens[i] as usize;
     let table = &ctx.seqs.block_tables[i * ctx.seqs.width..(i + 1) * ctx.seqs.width];
-    let qrow = &ctx.q.row(row)[j * rep * d..(j + 1) * rep * d];
+    let mut qbuf = vec![0.0f32; if std::mem::size_of::<T>() == 4 { 0 } else { rep * d }];
+    let qrow = T::widen(&ctx.q.row(row)[j * rep * d..(j + 1) * rep * d], &mut qbuf);
+    // Where a bfloat16 K or V row is widened (unused for float32).
+    let mut rowbuf = vec![0.0f32; if std::mem::size_of::<T>() == 4 { 0 } else { d }];
     let stride = ctx.kv.block_stride;
     let at = |pos: usize| table[pos / bs] as usize * stride + ((pos % bs) * hkv + j) * d;
     // Scores of every query head of the group, [rep, len].
     let mut p = vec![0.0f32; rep * len];
     for pos in 0..len {
-        let krow = &ctx.kv.k_cache[at(pos)..at(pos) + d];
+        let krow = T::widen(&ctx.kv.k_cache[at(pos)..at(pos) + d], &mut rowbuf);
         for r in 0..rep {
             p[r * len + pos] = dot(&qrow[r * d..(r + 1) * d], krow) * ctx.scale;
         }
@@ -175,7 +217,7 @@ fn run_task_body(ctx: &Ctx<'_>, i: usize, j: usize) {
     }
     let mut acc = vec![0.0f32; rep * d];
     for pos in 0..len {
-        let vrow = &ctx.kv.v_cache[at(pos)..at(pos) + d];
+        let vrow = T::widen(&ctx.kv.v_cache[at(pos)..at(pos) + d], &mut rowbuf);
         for r in 0..rep {
             let w = p[r * len + pos];
             for (a, &v) in acc[r * d..(r + 1) * d].iter_mut().zip(vrow) {
@@ -190,7 +232,7 @@ fn run_task_body(ctx: &Ctx<'_>, i: usize, j: usize) {
             .iter_mut()
             .zip(&acc[r * d..(r + 1) * d])
         {
-            *o = a * inv[r];
+            *o = T::narrow(a * inv[r]);
         }
     }
 }
@@ -272,5 +314,72 @@ mod tests {
         }
         // row 1 is not a decode row: untouched
         assert!(out[heads * d..2 * heads * d].iter().all(|&v| v == -1.0));
+    }
+
+    #[test]
+    fn bf16_matches_the_float32_kernel_on_bf16_values() {
+        use crate::bf16::{from_f32, to_f32};
+        let (bs, hkv, d, heads, nblocks) = (4usize, 2usize, 16usize, 6usize, 9usize);
+        let stride = 2 * bs * hkv * d + 3;
+        let mut seed = 7u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            to_f32(from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32) * 3.0 - 1.5))
+        };
+        let kc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
+        let vc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
+        let t = 4;
+        let q: Vec<f32> = (0..t * heads * d).map(|_| rnd()).collect();
+        let (rows, lens, width) = ([3i64, 0, 1], [10i64, 1, 7], 3);
+        let tables = [7i32, 2, 5, 4, 0, 0, 1, 8, 0];
+        let seqs = DecodeSeqs {
+            rows: &rows,
+            seq_lens: &lens,
+            block_tables: &tables,
+            width,
+        };
+        fn layout<'a, T>(k: &'a [T], v: &'a [T], dims: [usize; 5]) -> PagedKv<'a, T> {
+            let [block_size, kv_heads, head_dim, num_blocks, block_stride] = dims;
+            PagedKv {
+                k_cache: k,
+                v_cache: v,
+                block_size,
+                kv_heads,
+                head_dim,
+                num_blocks,
+                block_stride,
+            }
+        }
+        let dims = [bs, hkv, d, nblocks, stride];
+        let mut o32 = vec![0.0f32; t * heads * d];
+        paged_attention_decode(
+            Rows::dense(&q, heads * d).unwrap(),
+            layout(&kc, &vc, dims),
+            seqs,
+            heads,
+            0.25,
+            &mut o32,
+        )
+        .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|&f| from_f32(f)).collect::<Vec<u16>>();
+        let (qb, kb, vb) = (bits(&q), bits(&kc), bits(&vc));
+        let mut o16 = vec![0x7fc0u16; t * heads * d];
+        paged_attention_decode_bf16(
+            Rows::dense(&qb, heads * d).unwrap(),
+            layout(&kb, &vb, dims),
+            seqs,
+            heads,
+            0.25,
+            &mut o16,
+        )
+        .unwrap();
+        for &row in &rows {
+            for x in row as usize * heads * d..(row as usize + 1) * heads * d {
+                let (g, w) = (to_f32(o16[x]), o32[x]);
+                assert!((g - w).abs() <= w.abs() * 2f32.powi(-8) + 1e-6, "{x}: {g} vs {w}");
+            }
+        }
+        // Row 2 is not a decode row: untouched.
+        assert!(o16[2 * heads * d..3 * heads * d].iter().all(|&v| v == 0x7fc0));
     }
 }

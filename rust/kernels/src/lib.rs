@@ -33,12 +33,16 @@
 #![allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
 
 pub mod attention;
+pub mod bf16;
 pub mod conv1d;
+pub mod conv1d_bf16;
 pub mod delta_rule;
 mod math;
 pub mod matmul;
+pub mod matmul_bf16;
 pub mod moe;
 pub mod norm;
+pub mod norm_bf16;
 mod pool;
 pub mod rope;
 
@@ -47,19 +51,19 @@ pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 /// A row-strided 2-D view: row `t` is `data[t * stride .. t * stride + width]`.
 ///
 /// Lets a kernel read a column range of a wider buffer (e.g. `q` inside the fused
-/// projection output) without a copy.
+/// projection output) without a copy. `T` is `f32`, or `u16` for bfloat16 bits.
 #[derive(Clone, Copy, Debug)]
-pub struct Rows<'a> {
-    pub data: &'a [f32],
+pub struct Rows<'a, T = f32> {
+    pub data: &'a [T],
     pub rows: usize,
     pub width: usize,
     pub stride: usize,
 }
 
-impl<'a> Rows<'a> {
+impl<'a, T> Rows<'a, T> {
     /// Checks that every row lies inside `data`.
     pub fn new(
-        data: &'a [f32],
+        data: &'a [T],
         rows: usize,
         width: usize,
         stride: usize,
@@ -79,7 +83,7 @@ impl<'a> Rows<'a> {
     }
 
     /// A dense `[rows, width]` buffer.
-    pub fn dense(data: &'a [f32], width: usize) -> Result<Self, KernelError> {
+    pub fn dense(data: &'a [T], width: usize) -> Result<Self, KernelError> {
         if width == 0 || data.len() % width != 0 {
             return Err(KernelError::new(format!(
                 "{} elements are not rows of {width}",
@@ -90,7 +94,7 @@ impl<'a> Rows<'a> {
     }
 
     #[inline(always)]
-    pub fn row(&self, t: usize) -> &'a [f32] {
+    pub fn row(&self, t: usize) -> &'a [T] {
         &self.data[t * self.stride..t * self.stride + self.width]
     }
 }
@@ -294,20 +298,23 @@ impl PagedState<'_> {
     }
 }
 
-/// A raw pointer that tasks of one kernel call share to write disjoint elements.
-#[derive(Clone, Copy)]
-pub(crate) struct SharedMut(*mut f32);
-unsafe impl Send for SharedMut {}
-unsafe impl Sync for SharedMut {}
+/// A raw pointer that tasks of one kernel call share to write disjoint elements
+/// (`f32`, or `u16` bfloat16 bits).
+pub(crate) struct SharedMut<T = f32>(*mut T);
+impl<T> Clone for SharedMut<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for SharedMut<T> {}
+unsafe impl<T> Send for SharedMut<T> {}
+unsafe impl<T> Sync for SharedMut<T> {}
 
-impl SharedMut {
-    pub(crate) fn new(s: &mut [f32]) -> Self {
+impl<T> SharedMut<T> {
+    pub(crate) fn new(s: &mut [T]) -> Self {
         Self(s.as_mut_ptr())
     }
 
-    /// # Safety
-    /// `at..at + len` must lie in the slice this was made from, and no other task may
-    /// touch those elements during the call.
     /// The pointer `at` elements further on.
     ///
     /// # Safety
@@ -317,8 +324,11 @@ impl SharedMut {
         Self(self.0.add(at))
     }
 
+    /// # Safety
+    /// `at..at + len` must lie in the slice this was made from, and no other task may
+    /// touch those elements during the call.
     #[inline(always)]
-    pub(crate) unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [f32] {
+    pub(crate) unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
 }

@@ -1,0 +1,405 @@
+//! `y = x W^T` in bfloat16 for few rows (decode steps): bfloat16 activations times a
+//! bfloat16 weight stored as checkpoints have it (`[N, K]` row-major, HF's layout),
+//! summed in float32, written as float32 or rounded once to bfloat16.
+//!
+//! A decode step's GEMMs are bound by reading the weight, so halving its bytes is
+//! most of the gain; the arithmetic uses `vdpbf16ps` where the CPU has AVX-512 BF16
+//! (two products per float32 lane per instruction, no conversions), AVX2 FMAs on
+//! widened values otherwise ([`Isa`]). Each output is a dot product of an `x` row and
+//! a weight row, both contiguous along `K`: blocks of up to 4 rows x 4 weight rows
+//! keep 16 vector accumulators in registers, the 4 weight rows (`4 K` values, 8 KiB at
+//! `K = 1,024`) stay in L1 while every row block of `x` passes over them, and each
+//! accumulator is summed across its lanes once at the end. No repacking of the
+//! weight, so the same tensor serves torch's GEMM for prefill-sized chunks.
+
+use crate::bf16::{from_f32, to_f32, Isa};
+use crate::pool::for_each_task;
+use crate::{KernelError, Rows};
+
+/// Rows of `x` per register block.
+const MR: usize = 4;
+/// Weight rows per register block.
+const NR: usize = 4;
+/// Weight rows per task: enough work to pay for claiming a task, small enough to
+/// balance two or more threads on the narrowest projection of a model.
+const ROWS_PER_TASK: usize = 32;
+
+/// Where the products go: float32, or bfloat16 bits rounded to nearest even.
+pub enum Out<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [u16]),
+}
+
+impl Out<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Out::F32(o) => o.len(),
+            Out::Bf16(o) => o.len(),
+        }
+    }
+}
+
+/// The output as a raw pointer that tasks share to write disjoint columns.
+#[derive(Clone, Copy)]
+enum OutPtr {
+    F32(*mut f32),
+    Bf16(*mut u16),
+}
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    /// # Safety
+    /// `at` must lie in the output, written by this task alone.
+    #[inline(always)]
+    unsafe fn put(self, at: usize, v: f32) {
+        match self {
+            OutPtr::F32(p) => *p.add(at) = v,
+            OutPtr::Bf16(p) => *p.add(at) = from_f32(v),
+        }
+    }
+}
+
+/// `out[m, j] = sum_k x[m, k] * w[j, k]`: `x` `[M, K]` bfloat16 (row-strided view
+/// allowed), `w` `[N, K]` bfloat16 row-major, `out` `[M, N]` row-major.
+pub fn matmul_bf16(x: Rows<'_, u16>, w: &[u16], n: usize, out: Out<'_>) -> Result<(), KernelError> {
+    matmul_bf16_with(Isa::detect(), x, w, n, out)
+}
+
+/// [`matmul_bf16`] with the instruction set chosen by the caller (tests and benches
+/// run every path this CPU supports); `KernelError` if the CPU lacks it.
+pub fn matmul_bf16_with(
+    isa: Isa,
+    x: Rows<'_, u16>,
+    w: &[u16],
+    n: usize,
+    mut out: Out<'_>,
+) -> Result<(), KernelError> {
+    let (m, k) = (x.rows, x.width);
+    if n == 0 || k == 0 || w.len() != n * k || out.len() != m * n {
+        return Err(KernelError::new(format!(
+            "w must be [N={n}, K={k}] and out [M={m}, N={n}]; got {} and {} elements",
+            w.len(),
+            out.len()
+        )));
+    }
+    if !isa.supported() {
+        return Err(KernelError::new(format!(
+            "this CPU cannot run the {} kernels",
+            isa.name()
+        )));
+    }
+    let ptr = match &mut out {
+        Out::F32(o) => OutPtr::F32(o.as_mut_ptr()),
+        Out::Bf16(o) => OutPtr::Bf16(o.as_mut_ptr()),
+    };
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    for_each_task(tasks, m * n * k, |t| {
+        let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+        // SAFETY: output columns j0..j1 of every row belong to this task alone; the
+        // ISA was checked above.
+        unsafe { columns(isa, &x, w, j0, j1, ptr, n) };
+    });
+    Ok(())
+}
+
+/// Output columns `j0..j1` of every row: blocks of [`NR`] weight rows x [`MR`] rows,
+/// or, for one or two rows (a lone sequence's decode, memory-bound), of `2 NR` weight
+/// rows: twice the independent loads and accumulators in flight per step.
+unsafe fn columns(
+    isa: Isa,
+    x: &Rows<'_, u16>,
+    w: &[u16],
+    j0: usize,
+    j1: usize,
+    out: OutPtr,
+    ldo: usize,
+) {
+    if x.rows <= 2 {
+        columns_of::<{ 2 * NR }>(isa, x, w, j0, j1, out, ldo)
+    } else {
+        columns_of::<NR>(isa, x, w, j0, j1, out, ldo)
+    }
+}
+
+unsafe fn columns_of<const C: usize>(
+    isa: Isa,
+    x: &Rows<'_, u16>,
+    w: &[u16],
+    j0: usize,
+    j1: usize,
+    out: OutPtr,
+    ldo: usize,
+) {
+    let k = x.width;
+    let mut j = j0;
+    while j < j1 {
+        let nc = (j1 - j).min(C);
+        // A partial block repeats its last weight row (computed, not stored).
+        let ws: [*const u16; C] = std::array::from_fn(|c| w.as_ptr().add((j + c.min(nc - 1)) * k));
+        let mut r = 0;
+        while r < x.rows {
+            let mr = (x.rows - r).min(MR);
+            let xs: [*const u16; MR] = std::array::from_fn(|i| x.row(r + i.min(mr - 1)).as_ptr());
+            let tile: Tile<C> = match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512Bf16 => match mr {
+                    1 => avx512::tile::<1, C>(&xs, &ws, k),
+                    2 => avx512::tile::<2, C>(&xs, &ws, k),
+                    3 => avx512::tile::<3, C>(&xs, &ws, k),
+                    _ => avx512::tile::<4, C>(&xs, &ws, k),
+                },
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => match mr {
+                    1 => avx2::tile::<1, C>(&xs, &ws, k),
+                    2 => avx2::tile::<2, C>(&xs, &ws, k),
+                    3 => avx2::tile::<3, C>(&xs, &ws, k),
+                    _ => avx2::tile::<4, C>(&xs, &ws, k),
+                },
+                _ => scalar_tile::<C>(&xs, mr, &ws, k),
+            };
+            for (i, row) in tile.iter().enumerate().take(mr) {
+                for (c, &v) in row.iter().enumerate().take(nc) {
+                    out.put((r + i) * ldo + j + c, v);
+                }
+            }
+            r += mr;
+        }
+        j += nc;
+    }
+}
+
+type Tile<const C: usize> = [[f32; C]; MR];
+
+/// The sums in plain Rust (any CPU; the reference order of the other paths' lanes
+/// does not matter: float32 sums of at most `K` products).
+unsafe fn scalar_tile<const C: usize>(
+    xs: &[*const u16; MR],
+    mr: usize,
+    ws: &[*const u16; C],
+    k: usize,
+) -> Tile<C> {
+    let mut tile = [[0.0f32; C]; MR];
+    for (i, row) in tile.iter_mut().enumerate().take(mr) {
+        let xr = std::slice::from_raw_parts(xs[i], k);
+        for (c, v) in row.iter_mut().enumerate() {
+            let wr = std::slice::from_raw_parts(ws[c], k);
+            let mut acc = [0.0f32; 8];
+            let (cx, cw) = (xr.chunks_exact(8), wr.chunks_exact(8));
+            let mut tail = 0.0f32;
+            for (a, b) in cx.remainder().iter().zip(cw.remainder()) {
+                tail += to_f32(*a) * to_f32(*b);
+            }
+            for (a, b) in cx.zip(cw) {
+                for l in 0..8 {
+                    acc[l] += to_f32(a[l]) * to_f32(b[l]);
+                }
+            }
+            *v = acc.iter().sum::<f32>() + tail;
+        }
+    }
+    tile
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Tile, MR};
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn load(p: *const u16) -> __m512bh {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(p as *const _))
+    }
+
+    #[inline(always)]
+    unsafe fn load_tail(p: *const u16, mask: __mmask32) -> __m512bh {
+        std::mem::transmute::<__m512i, __m512bh>(_mm512_maskz_loadu_epi16(mask, p as *const i16))
+    }
+
+    /// `R` rows of `x` against the `C` weight rows over all `k`: 32 keys per step
+    /// (`vdpbf16ps` adds 16 pairs of products), the last partial step masked.
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn tile<const R: usize, const C: usize>(
+        xs: &[*const u16; MR],
+        ws: &[*const u16; C],
+        k: usize,
+    ) -> Tile<C> {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        let mut kk = 0;
+        while kk + 32 <= k {
+            let wv: [__m512bh; C] = std::array::from_fn(|c| load(ws[c].add(kk)));
+            for i in 0..R {
+                let xv = load(xs[i].add(kk));
+                for c in 0..C {
+                    acc[i][c] = _mm512_dpbf16_ps(acc[i][c], xv, wv[c]);
+                }
+            }
+            kk += 32;
+        }
+        if kk < k {
+            let mask: __mmask32 = (1u32 << (k - kk)) - 1;
+            let wv: [__m512bh; C] = std::array::from_fn(|c| load_tail(ws[c].add(kk), mask));
+            for i in 0..R {
+                let xv = load_tail(xs[i].add(kk), mask);
+                for c in 0..C {
+                    acc[i][c] = _mm512_dpbf16_ps(acc[i][c], xv, wv[c]);
+                }
+            }
+        }
+        let mut tile = [[0.0f32; C]; MR];
+        for i in 0..R {
+            for c in (0..C).step_by(4) {
+                let s = reduce4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]);
+                _mm_storeu_ps(tile[i].as_mut_ptr().add(c), s);
+            }
+        }
+        tile
+    }
+
+    /// The lane sums of four accumulators at once: `[sum a, sum b, sum c, sum d]`.
+    /// Interleaving them first takes 9 shuffles and adds instead of 4 x 7: at
+    /// `K = 1,024` a tile has only 32 steps, and separate reductions cost a fifth of it.
+    #[inline(always)]
+    unsafe fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
+        // Per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], the same for c, d.
+        let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+        let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+        // Per 128-bit lane: [a, b, c, d] summed over that lane's four elements.
+        let abcd = _mm512_add_ps(
+            _mm512_shuffle_ps::<0x44>(ab, cd),
+            _mm512_shuffle_ps::<0xEE>(ab, cd),
+        );
+        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(abcd)));
+        let s = _mm256_add_ps(_mm512_castps512_ps256(abcd), hi);
+        _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{Tile, MR};
+    use std::arch::x86_64::*;
+
+    /// 8 bfloat16 at `p` widened to float32 (a bfloat16 is a float32's top half).
+    #[inline(always)]
+    unsafe fn widen(p: *const u16) -> __m256 {
+        let h = _mm_loadu_si128(p as *const __m128i);
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// `R` rows of `x` against the `C` weight rows: 8 keys per step, the weight
+    /// rows widened once per step and shared by the `R` rows; the last `k % 8` keys in
+    /// plain arithmetic.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn tile<const R: usize, const C: usize>(
+        xs: &[*const u16; MR],
+        ws: &[*const u16; C],
+        k: usize,
+    ) -> Tile<C> {
+        let mut acc = [[_mm256_setzero_ps(); C]; R];
+        let mut kk = 0;
+        while kk + 8 <= k {
+            let wv: [__m256; C] = std::array::from_fn(|c| widen(ws[c].add(kk)));
+            for i in 0..R {
+                let xv = widen(xs[i].add(kk));
+                for c in 0..C {
+                    acc[i][c] = _mm256_fmadd_ps(xv, wv[c], acc[i][c]);
+                }
+            }
+            kk += 8;
+        }
+        let mut tile = [[0.0f32; C]; MR];
+        for i in 0..R {
+            for c in 0..C {
+                let mut s = hsum(acc[i][c]);
+                for t in kk..k {
+                    s += super::to_f32(*xs[i].add(t)) * super::to_f32(*ws[c].add(t));
+                }
+                tile[i][c] = s;
+            }
+        }
+        tile
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bf(v: f32) -> u16 {
+        from_f32(v)
+    }
+
+    /// Every path this CPU runs, against the float64 sum of the same bfloat16 values,
+    /// for row counts around the register block, partial weight blocks and tasks,
+    /// and `K` with and without a partial 32-key (and 8-key) step.
+    #[test]
+    fn every_path_matches_the_f64_sum_of_the_bf16_values() {
+        let isas = [Isa::Scalar, Isa::Avx2, Isa::Avx512Bf16];
+        for (m, k, n) in [
+            (1usize, 7usize, 1usize),
+            (1, 64, 16),
+            (2, 70, 19),
+            (3, 33, 5),
+            (5, 100, 37),
+            (9, 512, 70),
+            (4, 1031, 33),
+        ] {
+            let ld = k + 5;
+            let x: Vec<u16> = (0..m * ld)
+                .map(|i| bf(((i * 7 % 29) as f32 - 14.0) / 9.0))
+                .collect();
+            let w: Vec<u16> = (0..n * k)
+                .map(|i| bf(((i * 11 % 31) as f32 - 15.0) / 13.0))
+                .collect();
+            let xr = Rows::new(&x, m, k, ld).unwrap();
+            for isa in isas.into_iter().filter(|i| i.supported()) {
+                let mut o32 = vec![f32::NAN; m * n];
+                let mut o16 = vec![0u16; m * n];
+                matmul_bf16_with(isa, xr, &w, n, Out::F32(&mut o32)).unwrap();
+                matmul_bf16_with(isa, xr, &w, n, Out::Bf16(&mut o16)).unwrap();
+                for r in 0..m {
+                    for c in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|kk| to_f32(x[r * ld + kk]) as f64 * to_f32(w[c * k + kk]) as f64)
+                            .sum();
+                        let got = o32[r * n + c] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5 * (k as f64).sqrt() * (1.0 + want.abs()),
+                            "{isa:?} m={m} k={k} n={n} at {r},{c}: {got} vs {want}"
+                        );
+                        // bfloat16 output = the float32 result rounded once.
+                        assert_eq!(o16[r * n + c], from_f32(o32[r * n + c]), "{isa:?} bf16 out");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn this_cpu_runs_the_vdpbf16ps_path_when_it_has_avx512_bf16() {
+        #[cfg(target_arch = "x86_64")]
+        if std::is_x86_feature_detected!("avx512bf16") && std::is_x86_feature_detected!("avx512bw")
+        {
+            assert_eq!(Isa::detect(), Isa::Avx512Bf16);
+        }
+    }
+
+    #[test]
+    fn wrong_shapes_are_errors() {
+        let x = vec![0u16; 6];
+        let xr = Rows::dense(&x, 3).unwrap();
+        let mut o = vec![0.0f32; 2 * 4];
+        assert!(matmul_bf16(xr, &[0u16; 11], 4, Out::F32(&mut o)).is_err());
+        let mut o = vec![0.0f32; 7];
+        assert!(matmul_bf16(xr, &[0u16; 12], 4, Out::F32(&mut o)).is_err());
+    }
+}
