@@ -94,7 +94,7 @@ def run_profile(a: argparse.Namespace, hf_dir: Path, precisions: list[str], para
         for parallel in parallels:
             wl = side_by_side.peer_workload(a.num_prompts if parallel > 1 else a.single_num_prompts, a.seed)
             prompts = [list(r.prompt) for r in wl.requests]
-            outputs = [r.output_len for r in wl.requests]
+            outputs = [1 if a.prefill_only else r.output_len for r in wl.requests]
             for budget in budgets:
                 t = time.strftime("%H:%M:%S", time.gmtime())
                 load = os.getloadavg()[0]
@@ -105,6 +105,7 @@ def run_profile(a: argparse.Namespace, hf_dir: Path, precisions: list[str], para
                       f"forward {res['forward_s']:.1f} s over {res['steps']} steps", flush=True)
                 for kind, v in res["by_kind"].items():
                     print(f"    {kind}: {v}")
+                print(f"    steps with prefill (tokens, sequences, ms): {res['prefill_steps']}")
                 if "top_ops" in res:
                     print(res["top_ops"])
     return 0
@@ -129,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-engine", action="store_true",
                     help="instead of the servers: hybridserve in process on the same workload, forwards timed by "
                          "kind (prefill / decode-only), torch's op profile, and the GEMM ceiling")
+    ap.add_argument("--prefill-only", action="store_true",
+                    help="with --profile-engine: one output token per request (the prompts' prefill alone)")
     ap.add_argument("--budgets", default="",
                     help="with --profile-engine: comma list of max_num_batched_tokens to compare (default: the engine's)")
     a = ap.parse_args(argv)

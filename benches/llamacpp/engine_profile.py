@@ -81,6 +81,8 @@ def profile(hf_dir: Path, prompts: list[list[int]], outputs: list[int], *, dtype
                            "ms_per_step": round(1e3 * v[2] / max(v[0], 1), 1),
                            "tokens_per_s": round(v[1] / max(v[2], 1e-9), 1)} for kind, v in kinds.items()},
     }
+    # Each step that carried prefill tokens: (tokens, sequences, ms), in order.
+    res["prefill_steps"] = [(t, q, round(1e3 * sec)) for t, q, sec in calls if t != q]
     if prof:
         res["top_ops"] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18)
     return res
