@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-check", action="store_true", help="skip the greedy-token check against HF")
     ap.add_argument("--only", choices=("both", "llama", "hybridserve"), default="both")
     ap.add_argument("--hybridserve-args", default="", help="extra 'hybridserve serve' flags, one string")
+    ap.add_argument("--llama-args", default="",
+                    help="extra llama-server flags, one string (e.g. '--poll 0' on a machine shared with other work: "
+                         "ggml's threads spin at barriers by default)")
     ap.add_argument("--json", default=None, help="write every run's numbers here")
     ap.add_argument("--profile-engine", action="store_true",
                     help="instead of the servers: hybridserve in process on the same workload, forwards timed by "
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.profile_engine:
         return run_profile(a, hf_dir, precisions, parallels)
     report: dict[str, Any] = {"shape": a.shape, "preset": preset, "threads": a.threads, "llama_server": str(exe),
-                              "hybridserve_args": extra, "checks": {}, "runs": [], "rows": []}
+                              "hybridserve_args": extra, "llama_args": a.llama_args, "checks": {}, "runs": [], "rows": []}
 
     for precision in precisions:
         gguf = checkpoint.gguf_file(tree, hf_dir, OUTTYPE[precision]) if need_llama else None
@@ -181,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     if who == "llama":
                         srv = servers.llama_server(exe, gguf, parallel=parallel, threads=a.threads,
-                                                   log=logs / f"llama-{precision}-{parallel}.log")
+                                                   log=logs / f"llama-{precision}-{parallel}.log",
+                                                   extra=shlex.split(a.llama_args))
                     else:
                         srv = servers.hybridserve(hf_dir, dtype=precision, parallel=parallel, threads=a.threads,
                                                   log=logs / f"hybridserve-{precision}-{parallel}.log", extra=extra)

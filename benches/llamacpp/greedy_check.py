@@ -47,7 +47,7 @@ def hf_greedy(hf_dir: Path, prompts: list[list[int]], n_predict: int, round_to_b
         for prompt in prompts:
             ids = torch.tensor([prompt])
             for _ in range(n_predict):
-                nxt = model(input_ids=ids).logits[0, -1].argmax()
+                nxt = model(input_ids=ids, logits_to_keep=1).logits[0, -1].argmax()
                 ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
             outs.append(ids[0, len(prompt):].tolist())
     return outs

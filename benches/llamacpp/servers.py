@@ -79,11 +79,12 @@ class Server:
         self.stop()
 
 
-def llama_server(exe: Path, gguf: Path, *, parallel: int, threads: int, log: Path) -> Server:
+def llama_server(exe: Path, gguf: Path, *, parallel: int, threads: int, log: Path,
+                 extra: list[str] | None = None) -> Server:
     port = free_port()
     cmd = [str(exe), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "-np", str(parallel), "-c", str(CTX_PER_SLOT * parallel), "-t", str(threads), "-tb", str(threads),
-           "--cont-batching", "--metrics"]
+           "--cont-batching", "--metrics", *(extra or [])]
     return Server("llama-server", cmd, log, port=port)
 
 
