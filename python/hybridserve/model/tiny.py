@@ -67,6 +67,28 @@ PRESETS: dict[str, dict[str, Any]] = {
         "linear_key_head_dim": 32, "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
         "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
     },
+    # The shapes of the llama.cpp side-by-side bench (issue 22, benches/llamacpp_peer.py):
+    # not tiny, but random weights all the same. ~0.1B: hidden 768, 12 layers, the 152K
+    # vocabulary of Qwen2/Qwen3 (151,936, as llama.cpp's shipped Qwen BPE vocabulary),
+    # tied embeddings (the LM head is the largest GEMM).
+    "peer-0.1b": {
+        "vocab_size": 151_936, "hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 12,
+        "layer_types": [LIN, LIN, LIN, FULL] * 3,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 128,
+        "linear_num_key_heads": 8, "linear_num_value_heads": 16,
+        "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+        "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": True,
+    },
+    # Qwen3.5-0.8B's published text shape (hidden 1024, 24 layers, 248K vocabulary,
+    # head_dim 256 with a quarter rotary, 16 DeltaNet heads of 128, tied embeddings).
+    "peer-0.8b": {
+        "vocab_size": 248_320, "hidden_size": 1024, "intermediate_size": 3584, "num_hidden_layers": 24,
+        "layer_types": [LIN, LIN, LIN, FULL] * 6,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 256,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 16,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": True,
+    },
     # Mixture-of-experts (model_type qwen3_5_moe_text): a sparse MoE block in every
     # layer. Top-3 of 7 experts (not a power of two), GQA 1:1, a shared expert.
     "moe-a": {

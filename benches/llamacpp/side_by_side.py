@@ -1,0 +1,112 @@
+"""One workload served by llama-server and by hybridserve, one after the other, through
+the same streaming client (:func:`hybridserve.bench.http_runner.run_http`), and what
+each run measured.
+
+Per run: useful output tokens/s (output tokens / first arrival to last finish), TTFT,
+ITL and per-request decode tokens/s ((output - 1) / (E2E - TTFT)) percentiles; for
+hybridserve also where its engine steps' time went (``/metrics``:
+``step_phase_seconds`` per phase, steps, admission limits), taken before and after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import urllib.request
+from typing import Any
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from hybridserve.bench.http_runner import run_http
+from hybridserve.bench.report import summarize
+from hybridserve.bench.workload import Workload, generate_workload
+
+from .servers import Server
+
+
+def peer_workload(num_prompts: int, seed: int = 0) -> Workload:
+    """Issue 22's workload: prompts 64-256 tokens, outputs 32-96, all at t=0."""
+    return generate_workload(num_prompts=num_prompts, seed=seed, prompt_len=(64, 256), output_len=(32, 96),
+                             request_rate=float("inf"))
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of ``/metrics`` keyed ``name{label=value,...}`` (empty if none)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return out
+
+
+def engine_profile(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """hybridserve's step accounting over the run: steps, seconds and ms/step per phase,
+    and how often admission was held back by each limit."""
+    def d(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    steps = d("hybridserve:engine_steps_total")
+    phases = {}
+    for key in after:
+        if key.startswith("hybridserve:step_phase_seconds_sum{"):
+            phase = key.split("phase=", 1)[1].rstrip("}")
+            phases[phase] = {"seconds": round(d(key), 3), "ms_per_step": round(1e3 * d(key) / max(steps, 1), 2)}
+    limits = {key.split("{", 1)[1].rstrip("}"): d(key) for key in after
+              if key.startswith("hybridserve:admission_limited_total{")}
+    return {"steps": int(steps), "phases": phases, "admission_limited": limits,
+            "preemptions": d("hybridserve:num_preemptions_total")}
+
+
+def _warm_up(server: Server) -> None:
+    """One short request, so that first-call costs (thread pools, allocations) are not
+    charged to the measured run."""
+    wl = generate_workload(num_prompts=1, seed=99, prompt_len=(64, 64), output_len=(8, 8))
+    asyncio.run(run_http(server.url, wl, send_class_fields=False, progress=False))
+
+
+def measure(server: Server, workload: Workload) -> dict[str, Any]:
+    """Start ``server``, warm it up, run ``workload``, stop it; the run's numbers."""
+    load = os.getloadavg()
+    with server:
+        _warm_up(server)
+        before = scrape(server.url)
+        t0 = time.time()
+        records, _srv, _timeline, duration = asyncio.run(
+            run_http(server.url, workload, send_class_fields=False, progress=False))
+        after = scrape(server.url)
+    ok = [r for r in records if r.ok]
+    errors = sorted({r.error for r in records if r.error})
+    decode = [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok
+              if r.output_tokens > 1 and r.e2e is not None and r.ttft is not None and r.e2e > r.ttft]
+    out_tokens = sum(r.output_tokens for r in ok)
+    res: dict[str, Any] = {
+        "server": server.name, "started_utc": time.strftime("%H:%M:%S", time.gmtime(t0)),
+        "load_avg_1m_before": round(load[0], 2), "completed": len(ok), "failed": len(records) - len(ok),
+        "errors": errors[:3], "duration_s": round(duration, 3), "output_tokens": out_tokens,
+        "useful_tok_s": out_tokens / max(duration, 1e-9),
+        "ttft_s": summarize([r.ttft for r in ok if r.ttft is not None]),
+        "itl_s": summarize([x for r in ok for x in r.itls]),
+        "decode_tok_s_per_request": summarize(decode),
+    }
+    if server.name == "hybridserve":
+        res["engine"] = engine_profile(before, after)
+    return res
+
+
+def median_of(runs: list[dict[str, Any]], path: tuple[str, ...]) -> float | None:
+    vals = []
+    for r in runs:
+        v: Any = r
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        if v is not None:
+            vals.append(float(v))
+    return float(np.median(vals)) if vals else None
