@@ -105,7 +105,8 @@ _GAUGES = [
      "Arena pages holding running sequences' DeltaNet state (also in arena_pages{use=...})"),
     ("checkpoints", "state_checkpoints", "DeltaNet state checkpoints held (each pages_per_state pages)"),
     ("num_running_requests", "num_requests_running", "Requests running"),
-    ("num_running_seqs", "num_seqs_running", "Sequences running (n > 1 requests count n)"),
+    ("num_running_seqs", "num_seqs_running", "Live sequences of running requests: an n > 1 request counts 1 until its prompt is prefilled, "
+     "then its unfinished samples; a beam request its live beams"),
     ("num_waiting_requests", "num_requests_waiting", "Requests waiting"),
     ("waiting_tokens", "num_tokens_waiting", "Prompt tokens of waiting requests"),
     ("last_step_tokens", "step_batched_tokens", "Tokens in the last step's batch"),
