@@ -73,6 +73,21 @@ def test_worker_failure_names_the_rank_and_leaves_nothing_behind(how, tp_dirs):
     assert _port_free(out["port"])
 
 
+def test_a_driver_failing_at_start_stops_its_worker_at_once(tp_dirs):
+    # A start-up timeout far longer than the test allows: only an explicit stop ends
+    # the worker in time.
+    env = dict(os.environ, HYBRIDSERVE_TP_TIMEOUT="120", HYBRIDSERVE_TP_START_TIMEOUT="300")
+    proc = subprocess.run([sys.executable, SCRIPT, tp_dirs["dense-gqa"], "driver-start"], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["error"] == "tokenizer broken on the driver", out
+    assert out["seconds"] < 100, out
+    # The worker had exited within 10 s while its driver process still lived.
+    assert out["worker_exit"] is not None, "the worker outlived its driver's failed start"
+    assert _port_free(out["port"])
+
+
 def test_an_idle_engine_outlives_the_collective_timeout(tp_dirs):
     env = dict(os.environ, HYBRIDSERVE_TP_TIMEOUT="3")
     proc = subprocess.run([sys.executable, SCRIPT, tp_dirs["dense-gqa"], "idle"], env=env,

@@ -10,6 +10,42 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.parallel import TensorParallelError
 
 path, how = sys.argv[1], sys.argv[2]
+if how == "driver-start":
+    # The driver fails after its worker started (its tokenizer breaks; the worker's
+    # does not, it is another process): the worker must be stopped at once.
+    import time
+
+    import hybridserve.engine.llm_engine as llm_engine
+    from hybridserve.parallel import launcher
+
+    started = []
+    real_init = launcher.WorkerLauncher.__init__
+
+    def recording_init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        started.append(self)
+
+    def broken_tokenizer(*a, **kw):
+        raise ValueError("tokenizer broken on the driver")
+
+    launcher.WorkerLauncher.__init__ = recording_init
+    llm_engine.load_tokenizer = broken_tokenizer
+    t0 = time.monotonic()
+    try:
+        LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    seconds = time.monotonic() - t0
+    # Asked here, while this driver lives: its exit would end the worker anyway
+    # (PR_SET_PDEATHSIG), stopped or not.
+    worker = started[0].procs[1]
+    deadline = time.monotonic() + 10
+    while worker.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print(json.dumps({"error": error, "seconds": seconds, "worker_exit": worker.poll(),
+                      "port": started[0].port}), flush=True)
+    sys.exit(0)
 llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
 if how == "idle":
     # Idle for 3x the collective timeout between two generations: the heartbeat keeps

@@ -126,6 +126,18 @@ class LLMEngine:
             self.parallel = TensorParallel.start(args, config, self.device)
             self.device = self.parallel.device
             cpu_threads = self.parallel.cpu_threads(cpu_threads)
+        try:
+            self._build(args, config, cpu_threads)
+        except BaseException:
+            # A driver that fails between starting its workers and serving (a broken
+            # tokenizer, an arena too small for the memory given, ...) stops them now:
+            # they would otherwise sit in a start-up collective until its timeout.
+            if self.parallel is not None and self.parallel.is_driver:
+                self.parallel.close()
+            raise
+
+    def _build(self, args: EngineArgs, config: ModelConfig, cpu_threads: int | None) -> None:
+        """Everything after the ranks are up: model, tokenizer, arena, scheduler, runner."""
         self.dtype = _resolve_model_dtype(args.dtype, config, self.device)
         dtype_name = str(self.dtype).removeprefix("torch.")
         self.max_model_len = min(
