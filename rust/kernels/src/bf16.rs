@@ -34,6 +34,19 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn widen<'b>(src: &'b [Self], buf: &'b mut [f32]) -> &'b [f32];
     /// `v` stored as `Self` (rounded to nearest even for bfloat16).
     fn narrow(v: f32) -> Self;
+    /// One element as float32 (exact).
+    fn get(self) -> f32;
+    /// `v` rounded to what `Self` can hold, as float32: where HF's bfloat16 run rounds
+    /// an intermediate, a kernel generic over `Elem` calls this (identity for `f32`).
+    #[inline(always)]
+    fn round(v: f32) -> f32 {
+        Self::narrow(v).get()
+    }
+    /// Scratch for [`Elem::widen`]: `n` floats for bfloat16, none for `f32` (read in place).
+    #[inline(always)]
+    fn scratch(n: usize) -> Vec<f32> {
+        vec![0.0; if std::mem::size_of::<Self>() == 4 { 0 } else { n }]
+    }
 }
 
 impl Elem for f32 {
@@ -44,6 +57,10 @@ impl Elem for f32 {
     #[inline(always)]
     fn narrow(v: f32) -> f32 {
         v
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self
     }
 }
 
@@ -59,6 +76,10 @@ impl Elem for u16 {
     #[inline(always)]
     fn narrow(v: f32) -> u16 {
         from_f32(v)
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        to_f32(self)
     }
 }
 

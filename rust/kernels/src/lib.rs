@@ -35,14 +35,12 @@
 pub mod attention;
 pub mod bf16;
 pub mod conv1d;
-pub mod conv1d_bf16;
 pub mod delta_rule;
 mod math;
 pub mod matmul;
 pub mod matmul_bf16;
 pub mod moe;
 pub mod norm;
-pub mod norm_bf16;
 mod pool;
 pub mod rope;
 

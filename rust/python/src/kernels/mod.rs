@@ -186,6 +186,153 @@ fn paged_state<'a>(
     })
 }
 
+/// An element type the bindings take: float32, or bfloat16 bits in a uint16 view.
+trait Dtype: numpy::Element + Copy {
+    /// How an error message names it.
+    const NAME: &'static str;
+}
+
+impl Dtype for f32 {
+    const NAME: &'static str = "float32";
+}
+
+impl Dtype for u16 {
+    const NAME: &'static str = "bfloat16 bits (a uint16 view)";
+}
+
+fn contiguous_of<'a, T: Dtype>(name: &str, a: &'a PyReadonlyArrayDyn<'_, T>) -> PyResult<&'a [T]> {
+    a.as_slice()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be C-contiguous {}", T::NAME)))
+}
+
+fn contiguous_mut_of<'a, T: Dtype>(
+    name: &str,
+    a: &'a mut PyReadwriteArrayDyn<'_, T>,
+) -> PyResult<&'a mut [T]> {
+    a.as_slice_mut()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be C-contiguous {}", T::NAME)))
+}
+
+/// The delta rule's arrays as one binding received them (float32 or bfloat16 `T`;
+/// the state is float32 either way).
+struct DeltaRuleArrays<'py, T: Dtype> {
+    q: PyReadonlyArray2<'py, T>,
+    k: PyReadonlyArray2<'py, T>,
+    v: PyReadonlyArray2<'py, T>,
+    state: PyReadwriteArrayDyn<'py, f32>,
+    query_start_loc: PyReadonlyArray1<'py, i64>,
+    state_pages: PyReadonlyArray2<'py, i64>,
+    has_initial_state: PyReadonlyArray1<'py, bool>,
+    out: PyReadwriteArrayDyn<'py, T>,
+    g: Option<PyReadonlyArray2<'py, T>>,
+    beta: Option<PyReadonlyArray2<'py, T>>,
+    a: Option<PyReadonlyArray2<'py, T>>,
+    b: Option<PyReadonlyArray2<'py, T>>,
+    a_log: Option<PyReadonlyArrayDyn<'py, T>>,
+    dt_bias: Option<PyReadonlyArrayDyn<'py, T>>,
+    z: Option<PyReadonlyArray2<'py, T>>,
+    norm_weight: Option<PyReadonlyArrayDyn<'py, T>>,
+    checkpoint_positions: Option<PyReadonlyArray1<'py, i64>>,
+    checkpoint_pages: Option<PyReadonlyArray2<'py, i64>>,
+}
+
+type DeltaRuleKernel<T> = fn(
+    Rows<'_, T>,
+    Rows<'_, T>,
+    Rows<'_, T>,
+    Gates<'_, T>,
+    Option<OutputNorm<'_, T>>,
+    Heads,
+    f32,
+    bool,
+    &mut [f32],
+    PagedState<'_>,
+    Varlen<'_>,
+    &mut [T],
+) -> Result<(), KernelError>;
+
+/// The argument checks of both delta rule bindings, then the kernel.
+#[allow(clippy::too_many_arguments)]
+fn delta_rule_with<T: Dtype>(
+    py: Python<'_>,
+    mut arr: DeltaRuleArrays<'_, T>,
+    item_base: usize,
+    key_heads: usize,
+    value_heads: usize,
+    scale: f32,
+    l2norm: bool,
+    norm_eps: f32,
+    kernel: DeltaRuleKernel<T>,
+) -> PyResult<()> {
+    let (q, k, v) = (rows("q", &arr.q)?, rows("k", &arr.k)?, rows("v", &arr.v)?);
+    if key_heads == 0 || value_heads == 0 || q.width % key_heads != 0 || v.width % value_heads != 0
+    {
+        return Err(PyValueError::new_err(format!(
+            "q/k width {} must be key_heads ({key_heads}) x K and v width {} value_heads ({value_heads}) x V",
+            q.width, v.width
+        )));
+    }
+    let heads = Heads {
+        key_heads,
+        value_heads,
+        key_dim: q.width / key_heads,
+        value_dim: v.width / value_heads,
+    };
+    let shape = arr.state.shape();
+    if shape.len() != 4 || shape[2..] != [heads.key_dim, heads.value_dim] {
+        return Err(PyValueError::new_err(format!(
+            "state must be a pool [num_pages, per_page, K={}, V={}] of float32 (from q/k/v widths and head counts), got {shape:?}",
+            heads.key_dim, heads.value_dim
+        )));
+    }
+    let gates = match (&arr.g, &arr.beta, &arr.a, &arr.b, &arr.a_log, &arr.dt_bias) {
+        (Some(g), Some(beta), None, None, None, None) => Gates::Direct {
+            g: rows("g", g)?,
+            beta: rows("beta", beta)?,
+        },
+        (None, None, Some(a), Some(b), Some(al), Some(dt)) => Gates::Raw {
+            a: rows("a", a)?,
+            b: rows("b", b)?,
+            a_log: contiguous_of("a_log", al)?,
+            dt_bias: contiguous_of("dt_bias", dt)?,
+        },
+        _ => {
+            return Err(PyValueError::new_err(
+                "give either g and beta, or a, b, a_log and dt_bias",
+            ))
+        }
+    };
+    let norm = match (&arr.z, &arr.norm_weight) {
+        (Some(z), Some(w)) => Some(OutputNorm {
+            z: rows("z", z)?,
+            weight: contiguous_of("norm_weight", w)?,
+            eps: norm_eps,
+        }),
+        (None, None) => None,
+        _ => {
+            return Err(PyValueError::new_err(
+                "give both z and norm_weight for the output norm, or neither",
+            ))
+        }
+    };
+    let varlen = varlen(&arr.query_start_loc, &arr.has_initial_state)?;
+    let (state, pages, per_page, stride, item) = state_pool("state", &mut arr.state)?;
+    let paged = paged_state(
+        &arr.state_pages,
+        item_base,
+        (pages, per_page, stride, item),
+        &arr.checkpoint_positions,
+        &arr.checkpoint_pages,
+    )?;
+    let out = contiguous_mut_of("out", &mut arr.out)?;
+    py.detach(|| {
+        kernel(
+            q, k, v, gates, norm, heads, scale, l2norm, state, paged, varlen, out,
+        )
+    })
+    .map_err(err)
+}
+
 /// Gated delta rule over a varlen batch, in place on `state`; see the Rust docs of
 /// `hybridserve_cpu_kernels::delta_rule`. Gates: `g` + `beta`, or `a` + `b` + `a_log`
 /// + `dt_bias`. Output norm when `z` and `norm_weight` are given.
@@ -200,11 +347,11 @@ fn gated_delta_rule(
     q: PyReadonlyArray2<'_, f32>,
     k: PyReadonlyArray2<'_, f32>,
     v: PyReadonlyArray2<'_, f32>,
-    mut state: PyReadwriteArrayDyn<'_, f32>,
+    state: PyReadwriteArrayDyn<'_, f32>,
     query_start_loc: PyReadonlyArray1<'_, i64>,
     state_pages: PyReadonlyArray2<'_, i64>,
     has_initial_state: PyReadonlyArray1<'_, bool>,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
     item_base: usize,
     key_heads: usize,
     value_heads: usize,
@@ -222,94 +369,41 @@ fn gated_delta_rule(
     checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
     checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
 ) -> PyResult<()> {
-    let (q, k, v) = (rows("q", &q)?, rows("k", &k)?, rows("v", &v)?);
-    if key_heads == 0 || value_heads == 0 || q.width % key_heads != 0 || v.width % value_heads != 0
-    {
-        return Err(PyValueError::new_err(format!(
-            "q/k width {} must be key_heads ({key_heads}) x K and v width {} value_heads ({value_heads}) x V",
-            q.width, v.width
-        )));
-    }
-    let heads = Heads {
-        key_heads,
-        value_heads,
-        key_dim: q.width / key_heads,
-        value_dim: v.width / value_heads,
+    let arrays = DeltaRuleArrays {
+        q, k, v, state, query_start_loc, state_pages, has_initial_state, out, g, beta, a, b, a_log,
+        dt_bias, z, norm_weight, checkpoint_positions, checkpoint_pages,
     };
-    let shape = state.shape();
-    if shape.len() != 4 || shape[2..] != [heads.key_dim, heads.value_dim] {
-        return Err(PyValueError::new_err(format!(
-            "state must be a pool [num_pages, per_page, K={}, V={}] (from q/k/v widths and head counts), got {shape:?}",
-            heads.key_dim, heads.value_dim
-        )));
-    }
-    let gates = match (&g, &beta, &a, &b, &a_log, &dt_bias) {
-        (Some(g), Some(beta), None, None, None, None) => Gates::Direct {
-            g: rows("g", g)?,
-            beta: rows("beta", beta)?,
-        },
-        (None, None, Some(a), Some(b), Some(al), Some(dt)) => Gates::Raw {
-            a: rows("a", a)?,
-            b: rows("b", b)?,
-            a_log: contiguous("a_log", al)?,
-            dt_bias: contiguous("dt_bias", dt)?,
-        },
-        _ => {
-            return Err(PyValueError::new_err(
-                "give either g and beta, or a, b, a_log and dt_bias",
-            ))
-        }
-    };
-    let norm = match (&z, &norm_weight) {
-        (Some(z), Some(w)) => Some(OutputNorm {
-            z: rows("z", z)?,
-            weight: contiguous("norm_weight", w)?,
-            eps: norm_eps,
-        }),
-        (None, None) => None,
-        _ => {
-            return Err(PyValueError::new_err(
-                "give both z and norm_weight for the output norm, or neither",
-            ))
-        }
-    };
-    let varlen = varlen(&query_start_loc, &has_initial_state)?;
-    let (state, pages, per_page, stride, item) = state_pool("state", &mut state)?;
-    let paged = paged_state(
-        &state_pages,
-        item_base,
-        (pages, per_page, stride, item),
-        &checkpoint_positions,
-        &checkpoint_pages,
-    )?;
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| {
-        gdr(
-            q, k, v, gates, norm, heads, scale, l2norm, state, paged, varlen, out,
-        )
-    })
-    .map_err(err)
+    delta_rule_with(py, arrays, item_base, key_heads, value_heads, scale, l2norm, norm_eps, gdr)
 }
 
-/// Depthwise causal conv1d over a varlen batch with the conv state in paged items (in place).
-#[pyfunction]
-#[pyo3(signature = (x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out, *,
-                    item_base, silu=true, checkpoint_positions=None, checkpoint_pages=None))]
+type ConvKernel<T> = fn(
+    Rows<'_, T>,
+    &[T],
+    Option<&[T]>,
+    bool,
+    &mut [T],
+    PagedState<'_>,
+    Varlen<'_>,
+    &mut [T],
+) -> Result<(), KernelError>;
+
+/// The argument checks of both conv1d bindings (float32 or bfloat16 `T`, the state
+/// pool in the same type), then the kernel.
 #[allow(clippy::too_many_arguments)]
-fn causal_conv1d(
+fn conv1d_with<T: Dtype>(
     py: Python<'_>,
-    x: PyReadonlyArray2<'_, f32>,
-    weight: PyReadonlyArrayDyn<'_, f32>,
-    bias: Option<PyReadonlyArrayDyn<'_, f32>>,
-    mut state: PyReadwriteArrayDyn<'_, f32>,
+    x: PyReadonlyArray2<'_, T>,
+    weight: PyReadonlyArrayDyn<'_, T>,
+    bias: Option<PyReadonlyArrayDyn<'_, T>>,
+    mut state: PyReadwriteArrayDyn<'_, T>,
     query_start_loc: PyReadonlyArray1<'_, i64>,
     state_pages: PyReadonlyArray2<'_, i64>,
     has_initial_state: PyReadonlyArray1<'_, bool>,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
-    item_base: usize,
-    silu: bool,
+    mut out: PyReadwriteArrayDyn<'_, T>,
+    (item_base, silu): (usize, bool),
     checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
     checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
+    kernel: ConvKernel<T>,
 ) -> PyResult<()> {
     let x = rows("x", &x)?;
     let (wshape, sshape) = (weight.shape().to_vec(), state.shape().to_vec());
@@ -323,9 +417,9 @@ fn causal_conv1d(
             x.width
         )));
     }
-    let weight = contiguous("weight", &weight)?;
+    let weight = contiguous_of("weight", &weight)?;
     let bias = match &bias {
-        Some(b) => Some(contiguous("bias", b)?),
+        Some(b) => Some(contiguous_of("bias", b)?),
         None => None,
     };
     let varlen = varlen(&query_start_loc, &has_initial_state)?;
@@ -337,24 +431,53 @@ fn causal_conv1d(
         &checkpoint_positions,
         &checkpoint_pages,
     )?;
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| conv(x, weight, bias, silu, state, paged, varlen, out))
+    let out = contiguous_mut_of("out", &mut out)?;
+    py.detach(|| kernel(x, weight, bias, silu, state, paged, varlen, out))
         .map_err(err)
 }
 
-/// Decode attention (one query per listed sequence) over the paged KV pool.
+/// Depthwise causal conv1d over a varlen batch with the conv state in paged items (in place).
 #[pyfunction]
+#[pyo3(signature = (x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out, *,
+                    item_base, silu=true, checkpoint_positions=None, checkpoint_pages=None))]
 #[allow(clippy::too_many_arguments)]
-fn paged_attention_decode(
+fn causal_conv1d(
     py: Python<'_>,
-    q: PyReadonlyArray2<'_, f32>,
-    k_cache: PyReadonlyArrayDyn<'_, f32>,
-    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    x: PyReadonlyArray2<'_, f32>,
+    weight: PyReadonlyArrayDyn<'_, f32>,
+    bias: Option<PyReadonlyArrayDyn<'_, f32>>,
+    state: PyReadwriteArrayDyn<'_, f32>,
+    query_start_loc: PyReadonlyArray1<'_, i64>,
+    state_pages: PyReadonlyArray2<'_, i64>,
+    has_initial_state: PyReadonlyArray1<'_, bool>,
+    out: PyReadwriteArrayDyn<'_, f32>,
+    item_base: usize,
+    silu: bool,
+    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
+    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
+) -> PyResult<()> {
+    conv1d_with(
+        py, x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out,
+        (item_base, silu), checkpoint_positions, checkpoint_pages, conv,
+    )
+}
+
+type DecodeKernel<T> =
+    fn(Rows<'_, T>, PagedKv<'_, T>, DecodeSeqs<'_>, usize, f32, &mut [T]) -> Result<(), KernelError>;
+
+/// The argument checks of both decode attention bindings, then the kernel.
+#[allow(clippy::too_many_arguments)]
+fn decode_with<T: Dtype>(
+    py: Python<'_>,
+    q: PyReadonlyArray2<'_, T>,
+    k_cache: PyReadonlyArrayDyn<'_, T>,
+    v_cache: PyReadonlyArrayDyn<'_, T>,
     rows_: PyReadonlyArray1<'_, i64>,
     seq_lens: PyReadonlyArray1<'_, i64>,
     block_tables: PyReadonlyArray2<'_, i32>,
     scale: f32,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    mut out: PyReadwriteArrayDyn<'_, T>,
+    kernel: DecodeKernel<T>,
 ) -> PyResult<()> {
     let shape = k_cache.shape().to_vec();
     if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
@@ -391,8 +514,50 @@ fn paged_attention_decode(
         })?,
         width,
     };
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| attn_decode(q, kv, seqs, heads, scale, out))
+    let out = contiguous_mut_of("out", &mut out)?;
+    py.detach(|| kernel(q, kv, seqs, heads, scale, out))
+        .map_err(err)
+}
+
+/// Decode attention (one query per listed sequence) over the paged KV pool.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn paged_attention_decode(
+    py: Python<'_>,
+    q: PyReadonlyArray2<'_, f32>,
+    k_cache: PyReadonlyArrayDyn<'_, f32>,
+    v_cache: PyReadonlyArrayDyn<'_, f32>,
+    rows_: PyReadonlyArray1<'_, i64>,
+    seq_lens: PyReadonlyArray1<'_, i64>,
+    block_tables: PyReadonlyArray2<'_, i32>,
+    scale: f32,
+    out: PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<()> {
+    decode_with(py, q, k_cache, v_cache, rows_, seq_lens, block_tables, scale, out, attn_decode)
+}
+
+type NormKernel<T> = fn(&[T], Option<&mut [T]>, &[T], f32, bool, &mut [T]) -> Result<(), KernelError>;
+
+/// The argument checks of both RMSNorm bindings, then the kernel.
+#[allow(clippy::too_many_arguments)]
+fn rms_norm_with<T: Dtype>(
+    py: Python<'_>,
+    x: PyReadonlyArrayDyn<'_, T>,
+    weight: PyReadonlyArrayDyn<'_, T>,
+    eps: f32,
+    mut out: PyReadwriteArrayDyn<'_, T>,
+    mut residual: Option<PyReadwriteArrayDyn<'_, T>>,
+    centered: bool,
+    kernel: NormKernel<T>,
+) -> PyResult<()> {
+    let x = contiguous_of("x", &x)?;
+    let weight = contiguous_of("weight", &weight)?;
+    let out = contiguous_mut_of("out", &mut out)?;
+    let residual = match residual.as_mut() {
+        Some(r) => Some(contiguous_mut_of("residual", r)?),
+        None => None,
+    };
+    py.detach(|| kernel(x, residual, weight, eps, centered, out))
         .map_err(err)
 }
 
@@ -405,20 +570,12 @@ fn rms_norm(
     x: PyReadonlyArrayDyn<'_, f32>,
     weight: PyReadonlyArrayDyn<'_, f32>,
     eps: f32,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
     residual: Option<PyReadwriteArrayDyn<'_, f32>>,
     centered: bool,
 ) -> PyResult<()> {
-    let x = contiguous("x", &x)?;
-    let weight = contiguous("weight", &weight)?;
-    let out = contiguous_mut("out", &mut out)?;
-    let mut residual = residual;
-    let residual = match residual.as_mut() {
-        Some(r) => Some(contiguous_mut("residual", r)?),
-        None => None,
-    };
-    py.detach(|| hybridserve_cpu_kernels::norm::rms_norm(x, residual, weight, eps, centered, out))
-        .map_err(err)
+    let kernel = hybridserve_cpu_kernels::norm::rms_norm;
+    rms_norm_with(py, x, weight, eps, out, residual, centered, kernel)
 }
 
 /// `out = x @ wt` for `x` `[M, K]` (row-strided allowed), `wt` `[K, N]` row-major
@@ -522,6 +679,37 @@ fn moe_block(
     .map_err(err)
 }
 
+type RopeKernel<T> = fn(
+    Rows<'_, T>,
+    usize,
+    usize,
+    &[T],
+    f32,
+    Rows<'_, T>,
+    Rows<'_, T>,
+    &mut [T],
+) -> Result<(), KernelError>;
+
+/// The argument checks of both q/k norm+rope bindings, then the kernel.
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_rope_with<T: Dtype>(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, T>,
+    (heads, head_stride): (usize, usize),
+    weight: PyReadonlyArrayDyn<'_, T>,
+    eps: f32,
+    cos: PyReadonlyArray2<'_, T>,
+    sin: PyReadonlyArray2<'_, T>,
+    mut out: PyReadwriteArrayDyn<'_, T>,
+    kernel: RopeKernel<T>,
+) -> PyResult<()> {
+    let (x, cos, sin) = (rows("x", &x)?, rows("cos", &cos)?, rows("sin", &sin)?);
+    let weight = contiguous_of("weight", &weight)?;
+    let out = contiguous_mut_of("out", &mut out)?;
+    py.detach(|| kernel(x, heads, head_stride, weight, eps, cos, sin, out))
+        .map_err(err)
+}
+
 /// Per-head zero-centred RMSNorm then rotary embedding (half-split) of `x` rows
 /// holding `heads` heads `head_stride` apart; `out` `[T, heads, head_dim]`.
 #[pyfunction]
@@ -535,24 +723,10 @@ fn qk_norm_rope(
     eps: f32,
     cos: PyReadonlyArray2<'_, f32>,
     sin: PyReadonlyArray2<'_, f32>,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
 ) -> PyResult<()> {
-    let (x, cos, sin) = (rows("x", &x)?, rows("cos", &cos)?, rows("sin", &sin)?);
-    let weight = contiguous("weight", &weight)?;
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| {
-        hybridserve_cpu_kernels::rope::qk_norm_rope(
-            x,
-            heads,
-            head_stride,
-            weight,
-            eps,
-            cos,
-            sin,
-            out,
-        )
-    })
-    .map_err(err)
+    let kernel = hybridserve_cpu_kernels::rope::qk_norm_rope;
+    qk_norm_rope_with(py, x, (heads, head_stride), weight, eps, cos, sin, out, kernel)
 }
 
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
@@ -588,6 +762,7 @@ fn uses_openmp() -> bool {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
+    m.add_function(wrap_pyfunction!(gated_delta_rule_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
