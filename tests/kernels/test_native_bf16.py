@@ -163,9 +163,9 @@ def test_rms_norm_bf16_matches_hf_style_rounding(centered):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_attention_bf16_decodes_native_and_the_rest_grouped_match_reference(seed):
+def test_attention_bf16_decodes_native_and_the_rest_grouped_match_reference(seed, monkeypatch):
     """A mixed step over a bfloat16 cache in arena pages: decodes through the native
-    bfloat16 kernel, the rest through SDPA groups; against the reference in float32 on
+    bfloat16 kernel, the rest through SDPA groups in bfloat16; against the reference in float32 on
     the same bfloat16 values, within one bfloat16 rounding of the output."""
     from hybridserve.kernels.paged_attention import AttentionPlan, paged_attention_cpu, paged_attention_ref
 
@@ -194,7 +194,16 @@ def test_attention_bf16_decodes_native_and_the_rest_grouped_match_reference(seed
     want = paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), qsl, lens, tables, d ** -0.5)
     plan = AttentionPlan(qsl, lens, tables, bs, split_decodes=True)
     assert plan.decode is not None and len(plan.decode[0]) == q_lens.count(1)
+    # The groups' SDPA runs on the gathered bfloat16 blocks, not on float32 copies.
+    sdpa, seen = torch.nn.functional.scaled_dot_product_attention, []
+
+    def spy(*a, **kw):
+        seen.append({t.dtype for t in a[:3]})
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     got = paged_attention_cpu(q, k_cache, v_cache, qsl, lens, tables, d ** -0.5, plan)
+    assert seen and all(s == {BF16} for s in seen)
     assert got.dtype == BF16
     assert ((got.float() - want).abs() <= 2 ** -8 * want.abs() + 1e-3 * want.abs().max()).all()
 
