@@ -18,12 +18,15 @@ pub fn to_f32(b: u16) -> f32 {
 /// `x` rounded to the nearest bfloat16, ties to even (torch's rounding).
 #[inline(always)]
 pub fn from_f32(x: f32) -> u16 {
-    if x.is_nan() {
-        return 0x7fc0;
-    }
     let bits = x.to_bits();
     let bias = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(bias) >> 16) as u16
+    let rounded = (bits.wrapping_add(bias) >> 16) as u16;
+    // A select, not an early return: loops that round stay vectorisable.
+    if x.is_nan() {
+        0x7fc0
+    } else {
+        rounded
+    }
 }
 
 /// An element a kernel reads and writes: `f32`, or `u16` holding bfloat16 bits.
