@@ -72,10 +72,11 @@ struct Ctx<'a, T = f32> {
     v: Rows<'a, T>,
     gates: Gates<'a, T>,
     norm: Option<OutputNorm<'a, T>>,
-    /// float32 copies of the small parameter vectors (`[H]`, `[H]`, `[V]`; empty when unused).
-    a_log: Vec<f32>,
-    dt_bias: Vec<f32>,
-    norm_weight: Vec<f32>,
+    /// The small parameter vectors as float32 (`[H]`, `[H]`, `[V]`; empty when unused):
+    /// read in place, or widened once per call for bfloat16.
+    a_log: &'a [f32],
+    dt_bias: &'a [f32],
+    norm_weight: &'a [f32],
     heads: Heads,
     scale: f32,
     l2norm: bool,
@@ -181,8 +182,8 @@ fn rule_with<T: Elem>(
     check("q", &q, hk * kd)?;
     check("k", &k, hk * kd)?;
     check("v", &v, h * vd)?;
-    let widen = |p: &[T]| p.iter().map(|&x| x.get()).collect::<Vec<f32>>();
-    let (mut a_log, mut dt_bias, mut norm_weight) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut wide_a, mut wide_dt, mut wide_w) = (T::scratch(h), T::scratch(h), T::scratch(vd));
+    let (mut a_log, mut dt_bias, mut norm_weight): (&[f32], &[f32], &[f32]) = (&[], &[], &[]);
     match &gates {
         Gates::Direct { g, beta } => {
             check("g", g, h)?;
@@ -201,7 +202,7 @@ fn rule_with<T: Elem>(
                     "A_log and dt_bias must have H = {h} entries"
                 )));
             }
-            (a_log, dt_bias) = (widen(al), widen(dt));
+            (a_log, dt_bias) = (T::widen(al, &mut wide_a), T::widen(dt, &mut wide_dt));
         }
     }
     if let Some(n) = &norm {
@@ -211,7 +212,7 @@ fn rule_with<T: Elem>(
                 "the norm weight must have V = {vd} entries"
             )));
         }
-        norm_weight = widen(n.weight);
+        norm_weight = T::widen(n.weight, &mut wide_w);
     }
     if paged.item_len != kd * vd {
         return Err(KernelError::new(format!(
@@ -347,7 +348,7 @@ fn write_output<T: Elem>(ctx: &Ctx<'_, T>, t: usize, head: usize, o: &mut [f32],
             }
             let r = inv_rms(o, n.eps);
             let z = T::widen(&n.z.row(t)[head * vd..(head + 1) * vd], wide);
-            for (((d, &x), &w), &zz) in dst.iter_mut().zip(o.iter()).zip(&ctx.norm_weight).zip(z) {
+            for (((d, &x), &w), &zz) in dst.iter_mut().zip(o.iter()).zip(ctx.norm_weight).zip(z) {
                 *d = T::narrow(T::round(w * T::round(x * r)) * silu(zz));
             }
         }

@@ -19,8 +19,8 @@ const ROWS_PER_TASK: usize = 64;
 struct Ctx<'a, T = f32> {
     x: &'a [T],
     residual: Option<SharedMut<T>>,
-    /// float32 (a copy, widened for bfloat16).
-    weight: Vec<f32>,
+    /// float32: read in place, or widened once per call for bfloat16.
+    weight: &'a [f32],
     eps: f32,
     centered: bool,
     out: SharedMut<T>,
@@ -73,10 +73,11 @@ fn norm_with<T: Elem>(
         )));
     }
     let t = x.len() / d;
+    let mut wide = T::scratch(d);
     let ctx = Ctx {
         x,
         residual: residual.map(SharedMut::new),
-        weight: weight.iter().map(|&w| w.get()).collect(),
+        weight: T::widen(weight, &mut wide),
         eps,
         centered,
         out: SharedMut::new(out),
@@ -121,11 +122,11 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, i: usize) {
         // SAFETY: this row of the output belongs to this task.
         let dst = unsafe { ctx.out.slice(row * d, d) };
         if ctx.centered {
-            for ((o, &v), &w) in dst.iter_mut().zip(src).zip(&ctx.weight) {
+            for ((o, &v), &w) in dst.iter_mut().zip(src).zip(ctx.weight) {
                 *o = T::narrow((v * inv) * (1.0 + w));
             }
         } else {
-            for ((o, &v), &w) in dst.iter_mut().zip(src).zip(&ctx.weight) {
+            for ((o, &v), &w) in dst.iter_mut().zip(src).zip(ctx.weight) {
                 *o = T::narrow((v * inv) * w);
             }
         }
