@@ -180,8 +180,9 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 
         native.paged_attention_decode(q, k_cache, v_cache, *plan.decode, scale, out)
     # A bfloat16 model's groups run SDPA in bfloat16 on the gathered bfloat16 blocks (its
-    # CPU flash kernel sums and softmaxes in float32, as in HF's bfloat16 run): float32
-    # copies of the blocks cost 2-3x the attention itself (benches/bf16_kernels.py).
+    # CPU flash kernel sums and softmaxes in float32; HF's bfloat16 run calls the same
+    # kernel): no float32 copies of the queries and blocks. Speed is level with SDPA on
+    # float32 copies (0.91-0.96x at 1 thread, benches/bf16_kernels.py --only attention).
     cd = q.dtype if q.dtype == torch.bfloat16 and k_cache.dtype == q.dtype else torch.float32
     qf = q.to(cd)
     for grp in plan.groups:
