@@ -29,7 +29,8 @@ struct Ctx<'a, T = f32> {
     x: Rows<'a, T>,
     /// `[W, C]` float32: the weight transposed, so a tap's weights are contiguous over channels.
     wt: Vec<f32>,
-    bias: Option<Vec<f32>>,
+    /// float32: read in place, or widened once per call for bfloat16.
+    bias: Option<&'a [f32]>,
     silu: bool,
     width: usize,
     varlen: Varlen<'a>,
@@ -117,10 +118,11 @@ fn conv_with<T: Elem>(
             wt[j * c + ch] = weight[ch * w + j].get();
         }
     }
+    let mut wide_bias = T::scratch(c);
     let ctx = Ctx {
         x,
         wt,
-        bias: bias.map(|b| b.iter().map(|&v| v.get()).collect()),
+        bias: bias.map(|b| T::widen(b, &mut wide_bias)),
         silu,
         width: w,
         varlen,
@@ -185,7 +187,7 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, c0: usize) {
     };
     let mut acc = vec![0.0f32; n];
     for p in 0..len {
-        match &ctx.bias {
+        match ctx.bias {
             Some(bias) => acc.copy_from_slice(&bias[c0..c1]),
             None => acc.fill(0.0),
         }
