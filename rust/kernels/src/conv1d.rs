@@ -156,6 +156,19 @@ fn body_bf16(ctx: &Ctx<'_, u16>, b: usize, c0: usize) {
     run_task_body(ctx, b, c0)
 }
 
+/// Input at position `p` of a sequence starting at row `start` (negative: the stored
+/// history `hist`, `[hw, n]`), channels `c0..c1`.
+#[inline(always)]
+fn input_at<'s, T>(hist: &'s [T], x: &Rows<'s, T>, (start, c0, c1, hw): (usize, usize, usize, usize), p: isize) -> &'s [T] {
+    let n = c1 - c0;
+    if p < 0 {
+        let i = (p + hw as isize) as usize;
+        &hist[i * n..(i + 1) * n]
+    } else {
+        &x.row(start + p as usize)[c0..c1]
+    }
+}
+
 #[inline(always)]
 fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, c0: usize) {
     let c = ctx.x.width;
@@ -176,15 +189,7 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, c0: usize) {
             }
         }
     }
-    let input = |p: isize| -> &[T] {
-        // Input at position p of this sequence (negative: the stored history).
-        if p < 0 {
-            let i = (p + hw as isize) as usize;
-            &hist[i * n..(i + 1) * n]
-        } else {
-            &ctx.x.row(start + p as usize)[c0..c1]
-        }
-    };
+    let input = |p: isize| -> &[T] { input_at(&hist, &ctx.x, (start, c0, c1, hw), p) };
     let mut acc = vec![0.0f32; n];
     for p in 0..len {
         match ctx.bias {
