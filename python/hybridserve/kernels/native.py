@@ -11,8 +11,8 @@ They compute the same contracts as the plain-PyTorch references beside them
 (``*_ref``), which stay the oracles: ``tests/kernels/test_native_kernels.py`` checks
 each kernel against its reference on random mixed batches. bfloat16 CPU tensors
 have the few-row GEMM (:func:`linear_bf16`: bfloat16 weight and activations,
-``vdpbf16ps`` where the CPU has AVX-512 BF16) and the fused DeltaNet mixer on
-float32 copies of its (small) inputs; other dtypes and devices take the PyTorch (or
+``vdpbf16ps`` where the CPU has AVX-512 BF16) and bfloat16 versions of the other
+kernels (the DeltaNet mixer reads bfloat16 inputs over its float32 state); other dtypes and devices take the PyTorch (or
 Triton) path; ``HYBRIDSERVE_NO_NATIVE=1`` forces the PyTorch path
 on the CPU as well (debugging, side-by-side benchmarks).
 """
@@ -207,16 +207,23 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: t
     ``q``/``k`` ``[T, Hk * K]`` and ``v`` ``[T, H * V]`` (column ranges allowed). Gates
     either given (``g``, ``beta`` ``[T, H]``) or computed as Gated DeltaNet does from
     ``a``, ``b``, ``A_log``, ``dt_bias``. With ``z`` and ``norm_weight`` the output is
-    ``norm_weight * rmsnorm(o) * silu(z)`` per head (DeltaNet's gated output norm)."""
+    ``norm_weight * rmsnorm(o) * silu(z)`` per head (DeltaNet's gated output norm).
+
+    bfloat16 ``q`` (a bfloat16 model): every tensor but the float32 ``state`` is
+    bfloat16 and read in place, the output bfloat16 (rounded where HF's bfloat16 run
+    rounds); float32 otherwise."""
     t = q.shape[0]
-    out = torch.empty(t, v.shape[1], dtype=torch.float32)
+    bf16 = q.dtype == _BF16
+    out = torch.empty(t, v.shape[1], dtype=_BF16 if bf16 else torch.float32)
     given = dict(g=g, beta=beta, a=a, b=b, a_log=A_log, dt_bias=dt_bias, z=z, norm_weight=norm_weight)
     _check_disjoint({"state": state}, {"q": q, "k": k, "v": v, **given})
-    opt = {name: _np(x) for name, x in given.items() if x is not None}
-    _k.gated_delta_rule(_np(q), _np(k), _np(v), _np(state), varlen.qsl, varlen.table, varlen.init, _np(out),
-                        item_base=int(item_base), key_heads=key_heads, value_heads=value_heads,
-                        scale=float(scale), l2norm=bool(use_qk_l2norm), norm_eps=float(norm_eps),
-                        **varlen.checkpoints, **opt)
+    view = _bits if bf16 else _np
+    opt = {name: view(x) for name, x in given.items() if x is not None}
+    rule = _k.gated_delta_rule_bf16 if bf16 else _k.gated_delta_rule
+    rule(view(q), view(k), view(v), _np(state), varlen.qsl, varlen.table, varlen.init, view(out),
+         item_base=int(item_base), key_heads=key_heads, value_heads=value_heads,
+         scale=float(scale), l2norm=bool(use_qk_l2norm), norm_eps=float(norm_eps),
+         **varlen.checkpoints, **opt)
     return out
 
 

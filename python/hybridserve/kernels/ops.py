@@ -144,20 +144,16 @@ def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_ep
     """Gated DeltaNet after its conv, fused: gates from ``a``/``b``, the delta rule, and
     the gated output norm, all ``[T, X]`` (column ranges of the projections allowed);
     returns ``[T, H * V]``. Only where the native kernels run (float32 CPU, or
-    bfloat16 CPU activations over the float32 state); ``None`` elsewhere, and the
+    bfloat16 CPU inputs and parameters over the float32 state); ``None`` elsewhere, and the
     caller composes :func:`gated_delta_rule` with its own norm."""
-    if native.usable_bf16(q, k, v, a, b, z) and native.usable(state):
-        # bfloat16 model: the recurrent state is float32 (as HF keeps it); the kernel
-        # reads float32 copies of the step's inputs (a few rows per sequence at decode)
-        # and its output is rounded once to bfloat16 for the output projection.
-        o = native.gated_delta_rule(
-            q.float(), k.float(), v.float(), state, _varlen(plans, query_start_loc, state_pages,
-                                                            has_initial_state, checkpoint_positions,
-                                                            checkpoint_pages),
-            key_heads=key_heads, value_heads=value_heads, scale=scale, a=a.float(), b=b.float(),
-            A_log=A_log.float(), dt_bias=dt_bias.float(), z=z.float(), norm_weight=norm_weight.float(),
-            norm_eps=norm_eps, item_base=item_base)
-        return o.to(q.dtype)
+    if native.usable_bf16(q, k, v, a, b, z, A_log, dt_bias, norm_weight) and native.usable(state):
+        # bfloat16 model: the kernel reads the bfloat16 inputs in place over the float32
+        # recurrent state (as HF keeps it); the output is bfloat16 for the output projection.
+        return native.gated_delta_rule(
+            q, k, v, state, _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
+                                    checkpoint_pages),
+            key_heads=key_heads, value_heads=value_heads, scale=scale, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
+            z=z, norm_weight=norm_weight, norm_eps=norm_eps, item_base=item_base)
     if not native.usable(q, k, v, a, b, z, state, norm_weight):
         return None
     return native.gated_delta_rule(

@@ -179,7 +179,12 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         from hybridserve.kernels import native
 
         native.paged_attention_decode(q, k_cache, v_cache, *plan.decode, scale, out)
-    qf = q.float()
+    # A bfloat16 model's groups run SDPA in bfloat16 on the gathered bfloat16 blocks (its
+    # CPU flash kernel sums and softmaxes in float32; HF's bfloat16 run calls the same
+    # kernel): no float32 copies of the queries and blocks. Speed is level with SDPA on
+    # float32 copies (0.91-0.96x at 1 thread, benches/bf16_kernels.py --only attention).
+    cd = q.dtype if q.dtype == torch.bfloat16 and k_cache.dtype == q.dtype else torch.float32
+    qf = q.to(cd)
     for grp in plan.groups:
         n, ql, length, tables = grp["n"], grp["q"], grp["len"], grp["tables"]
         nb = tables.shape[1]
@@ -188,7 +193,7 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         kg = k_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length].transpose(1, 2)
         vg = v_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length].transpose(1, 2)
         og = torch.nn.functional.scaled_dot_product_attention(
-            qg, kg.float(), vg.float(), attn_mask=grp["mask"], is_causal=grp["causal"], scale=scale,
+            qg, kg.to(cd), vg.to(cd), attn_mask=grp["mask"], is_causal=grp["causal"], scale=scale,
             enable_gqa=hq != hkv)
         og = og.transpose(1, 2).reshape(n * ql, hq, d)
         if grp["out_pos"] is not None:

@@ -18,12 +18,15 @@ pub fn to_f32(b: u16) -> f32 {
 /// `x` rounded to the nearest bfloat16, ties to even (torch's rounding).
 #[inline(always)]
 pub fn from_f32(x: f32) -> u16 {
-    if x.is_nan() {
-        return 0x7fc0;
-    }
     let bits = x.to_bits();
     let bias = 0x7fff + ((bits >> 16) & 1);
-    (bits.wrapping_add(bias) >> 16) as u16
+    let rounded = (bits.wrapping_add(bias) >> 16) as u16;
+    // A select, not an early return: loops that round stay vectorisable.
+    if x.is_nan() {
+        0x7fc0
+    } else {
+        rounded
+    }
 }
 
 /// An element a kernel reads and writes: `f32`, or `u16` holding bfloat16 bits.
@@ -34,6 +37,19 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn widen<'b>(src: &'b [Self], buf: &'b mut [f32]) -> &'b [f32];
     /// `v` stored as `Self` (rounded to nearest even for bfloat16).
     fn narrow(v: f32) -> Self;
+    /// One element as float32 (exact).
+    fn get(self) -> f32;
+    /// `v` rounded to what `Self` can hold, as float32: where HF's bfloat16 run rounds
+    /// an intermediate, a kernel generic over `Elem` calls this (identity for `f32`).
+    #[inline(always)]
+    fn round(v: f32) -> f32 {
+        Self::narrow(v).get()
+    }
+    /// Scratch for [`Elem::widen`]: `n` floats for bfloat16, none for `f32` (read in place).
+    #[inline(always)]
+    fn scratch(n: usize) -> Vec<f32> {
+        vec![0.0; if std::mem::size_of::<Self>() == 4 { 0 } else { n }]
+    }
 }
 
 impl Elem for f32 {
@@ -44,6 +60,10 @@ impl Elem for f32 {
     #[inline(always)]
     fn narrow(v: f32) -> f32 {
         v
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        self
     }
 }
 
@@ -59,6 +79,10 @@ impl Elem for u16 {
     #[inline(always)]
     fn narrow(v: f32) -> u16 {
         from_f32(v)
+    }
+    #[inline(always)]
+    fn get(self) -> f32 {
+        to_f32(self)
     }
 }
 

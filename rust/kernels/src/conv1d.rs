@@ -11,24 +11,32 @@
 //! [`PagedState`], item `0` of the layer) can be overwritten in place at the end of the
 //! task, and a checkpoint (the `W-1` inputs ending at the run's `k`-th token) copied
 //! out in the same task.
+//!
+//! One loop serves both precisions ([`Elem`]): a bfloat16 model
+//! ([`causal_conv1d_bf16`]) keeps inputs, weight, bias and conv state in bfloat16
+//! (the arena keeps the conv state in the model's dtype); its inputs are widened as
+//! the taps read them, the sums are float32 and each output is rounded once. The
+//! stored state and checkpoints are the inputs themselves, copied bit for bit.
 
+use crate::bf16::Elem;
 use crate::math::{dispatch, silu};
 use crate::pool::for_each_task;
 use crate::{KernelError, PagedState, Rows, SharedMut, Varlen};
 
 const CHANNEL_BLOCK: usize = 256;
 
-struct Ctx<'a> {
-    x: Rows<'a>,
-    /// `[W, C]`: the weight transposed, so a tap's weights are contiguous over channels.
+struct Ctx<'a, T = f32> {
+    x: Rows<'a, T>,
+    /// `[W, C]` float32: the weight transposed, so a tap's weights are contiguous over channels.
     wt: Vec<f32>,
+    /// float32: read in place, or widened once per call for bfloat16.
     bias: Option<&'a [f32]>,
     silu: bool,
     width: usize,
     varlen: Varlen<'a>,
     paged: PagedState<'a>,
-    state: SharedMut,
-    out: SharedMut,
+    state: SharedMut<T>,
+    out: SharedMut<T>,
 }
 
 /// * `x` `[T, C]` (row-strided view allowed), `weight` `[C, W]` (HF's
@@ -48,6 +56,38 @@ pub fn causal_conv1d(
     paged: PagedState<'_>,
     varlen: Varlen<'_>,
     out: &mut [f32],
+) -> Result<(), KernelError> {
+    conv_with(x, weight, bias, silu, state, paged, varlen, out, run_task_f32)
+}
+
+/// [`causal_conv1d`] for a bfloat16 model, every tensor bfloat16 bits: `x` `[T, C]`
+/// (row-strided allowed), `weight` `[C, W]`, `bias` `[C]`, the state pool, `out`
+/// `[T, C]`.
+#[allow(clippy::too_many_arguments)]
+pub fn causal_conv1d_bf16(
+    x: Rows<'_, u16>,
+    weight: &[u16],
+    bias: Option<&[u16]>,
+    silu: bool,
+    state: &mut [u16],
+    paged: PagedState<'_>,
+    varlen: Varlen<'_>,
+    out: &mut [u16],
+) -> Result<(), KernelError> {
+    conv_with(x, weight, bias, silu, state, paged, varlen, out, run_task_bf16)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn conv_with<T: Elem>(
+    x: Rows<'_, T>,
+    weight: &[T],
+    bias: Option<&[T]>,
+    silu: bool,
+    state: &mut [T],
+    paged: PagedState<'_>,
+    varlen: Varlen<'_>,
+    out: &mut [T],
+    run_task: fn(&Ctx<'_, T>, usize, usize),
 ) -> Result<(), KernelError> {
     let (t, c) = (x.rows, x.width);
     if c == 0 || weight.len() % c != 0 || weight.len() / c < 2 {
@@ -75,13 +115,14 @@ pub fn causal_conv1d(
     let mut wt = vec![0.0f32; w * c];
     for ch in 0..c {
         for j in 0..w {
-            wt[j * c + ch] = weight[ch * w + j];
+            wt[j * c + ch] = weight[ch * w + j].get();
         }
     }
+    let mut wide_bias = T::scratch(c);
     let ctx = Ctx {
         x,
         wt,
-        bias,
+        bias: bias.map(|b| T::widen(b, &mut wide_bias)),
         silu,
         width: w,
         varlen,
@@ -102,10 +143,34 @@ pub fn causal_conv1d(
     Ok(())
 }
 
-dispatch!(fn run_task(ctx: &Ctx<'_>, b: usize, c0: usize) => run_task_body);
+dispatch!(fn run_task_f32(ctx: &Ctx<'_, f32>, b: usize, c0: usize) => body_f32);
+dispatch!(fn run_task_bf16(ctx: &Ctx<'_, u16>, b: usize, c0: usize) => body_bf16);
 
 #[inline(always)]
-fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
+fn body_f32(ctx: &Ctx<'_, f32>, b: usize, c0: usize) {
+    run_task_body(ctx, b, c0)
+}
+
+#[inline(always)]
+fn body_bf16(ctx: &Ctx<'_, u16>, b: usize, c0: usize) {
+    run_task_body(ctx, b, c0)
+}
+
+/// Input at position `p` of a sequence starting at row `start` (negative: the stored
+/// history `hist`, `[hw, n]`), channels `c0..c1`.
+#[inline(always)]
+fn input_at<'s, T>(hist: &'s [T], x: &Rows<'s, T>, (start, c0, c1, hw): (usize, usize, usize, usize), p: isize) -> &'s [T] {
+    let n = c1 - c0;
+    if p < 0 {
+        let i = (p + hw as isize) as usize;
+        &hist[i * n..(i + 1) * n]
+    } else {
+        &x.row(start + p as usize)[c0..c1]
+    }
+}
+
+#[inline(always)]
+fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, c0: usize) {
     let c = ctx.x.width;
     let c1 = (c0 + CHANNEL_BLOCK).min(c);
     let n = c1 - c0;
@@ -116,7 +181,7 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
     // among runs and checkpoints, validated; channel blocks split by task).
     let st = unsafe { ctx.state.slice(ctx.paged.item(b, 0) + c0 * hw, n * hw) };
     // hist[i] = input at position i - hw of the sequence, for i in 0..hw.
-    let mut hist = vec![0.0f32; hw * n];
+    let mut hist = vec![T::narrow(0.0); hw * n];
     if ctx.varlen.has_initial_state[b] {
         for k in 0..n {
             for i in 0..hw {
@@ -124,15 +189,7 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
             }
         }
     }
-    let input = |p: isize| -> &[f32] {
-        // Input at position p of this sequence (negative: the stored history).
-        if p < 0 {
-            let i = (p + hw as isize) as usize;
-            &hist[i * n..(i + 1) * n]
-        } else {
-            &ctx.x.row(start + p as usize)[c0..c1]
-        }
-    };
+    let input = |p: isize| -> &[T] { input_at(&hist, &ctx.x, (start, c0, c1, hw), p) };
     let mut acc = vec![0.0f32; n];
     for p in 0..len {
         match ctx.bias {
@@ -143,22 +200,24 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
             let src = input(p as isize - hw as isize + j as isize);
             let wj = &ctx.wt[j * c + c0..j * c + c1];
             for ((a, &xv), &wv) in acc.iter_mut().zip(src).zip(wj) {
-                *a += wv * xv;
+                *a += wv * xv.get();
             }
         }
         // SAFETY: row start + p, channels c0..c1 of the output are this task's.
         let dst = unsafe { ctx.out.slice((start + p) * c + c0, n) };
         if ctx.silu {
             for (d, &a) in dst.iter_mut().zip(&acc) {
-                *d = silu(a);
+                *d = T::narrow(silu(a));
             }
         } else {
-            dst.copy_from_slice(&acc);
+            for (d, &a) in dst.iter_mut().zip(&acc) {
+                *d = T::narrow(a);
+            }
         }
     }
     // The checkpoint, then the new state: the last hw inputs ending at row k, and at
     // the sequence's last row.
-    let store = |dst: &mut [f32], upto: usize| {
+    let store = |dst: &mut [T], upto: usize| {
         for i in 0..hw {
             let src = input(upto as isize - hw as isize + i as isize);
             for k in 0..n {
@@ -177,6 +236,7 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, c0: usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bf16::{from_f32, to_f32};
 
     #[test]
     fn pieces_equal_one_pass_and_the_formula() {
@@ -270,5 +330,72 @@ mod tests {
         assert!(st1[2 * stride..2 * stride + item].iter().all(|&v| v == 9.0));
         assert!(st1[stride..2 * stride].iter().all(|&v| v == 9.0));
         assert!(st1[2 * item..stride].iter().all(|&v| v == 9.0));
+    }
+
+    /// Against the float32 kernel on the same (bfloat16-valued) inputs: outputs its
+    /// float32 outputs rounded once, state and checkpoint bit-equal; a run shorter than the
+    /// history, a fresh run, a run with a checkpoint.
+    #[test]
+    fn matches_the_float32_kernel_on_bf16_values() {
+        let (c, w) = (300usize, 4usize);
+        let lens = [2usize, 7, 1];
+        let t: usize = lens.iter().sum();
+        let mut seed = 5u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            to_f32(from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5))
+        };
+        let x: Vec<f32> = (0..t * c).map(|_| rnd()).collect();
+        let weight: Vec<f32> = (0..c * w).map(|_| rnd()).collect();
+        let bias: Vec<f32> = (0..c).map(|_| rnd()).collect();
+        let item = c * (w - 1);
+        let state: Vec<f32> = (0..5 * item).map(|_| rnd()).collect();
+        let qsl = [0i64, 2, 9, 10];
+        let init = [true, false, true];
+        let table = [3i64, 0, 1];
+        let (ckpos, cktab) = ([-1i64, 4, -1], [0i64, 4, 0]);
+        let paged = PagedState {
+            table: &table,
+            cols: 1,
+            item_base: 0,
+            per_page: 1,
+            page_stride: item,
+            item_len: item,
+            num_pages: 5,
+            checkpoint_positions: &ckpos,
+            checkpoint_table: &cktab,
+        };
+        let varlen = Varlen {
+            query_start_loc: &qsl,
+            has_initial_state: &init,
+        };
+        let (mut s32, mut o32) = (state.clone(), vec![0.0f32; t * c]);
+        causal_conv1d(
+            Rows::dense(&x, c).unwrap(),
+            &weight,
+            Some(&bias),
+            true,
+            &mut s32,
+            paged,
+            varlen,
+            &mut o32,
+        )
+        .unwrap();
+        let bits = |v: &[f32]| v.iter().map(|&f| from_f32(f)).collect::<Vec<u16>>();
+        let (xb, mut s16, mut o16) = (bits(&x), bits(&state), vec![0u16; t * c]);
+        causal_conv1d_bf16(
+            Rows::dense(&xb, c).unwrap(),
+            &bits(&weight),
+            Some(&bits(&bias)),
+            true,
+            &mut s16,
+            paged,
+            varlen,
+            &mut o16,
+        )
+        .unwrap();
+        assert_eq!(s16, bits(&s32), "state and checkpoint");
+        // One loop for both: the same float32 sums in the same order, rounded once.
+        assert_eq!(o16, bits(&o32), "outputs");
     }
 }

@@ -19,7 +19,13 @@
 //! sequence's state page table, [`PagedState`]) and its output elements, so they run in
 //! parallel without locks. A requested checkpoint (the state after the run's first `k`
 //! tokens) is copied out by the task as it passes token `k`: no second pass.
+//!
+//! A bfloat16 model ([`gated_delta_rule_bf16`]) passes its activations and parameters
+//! as bfloat16 bits: each token's rows are widened as the task reads them, the state
+//! stays float32 (as HF keeps it), and the output is rounded where HF's bfloat16 run
+//! rounds (the rule's output, then inside the gated norm), once each.
 
+use crate::bf16::Elem;
 use crate::math::{dispatch, inv_rms, sigmoid, silu, softplus, sum_sq};
 use crate::pool::for_each_task;
 use crate::{KernelError, PagedState, Rows, SharedMut, Varlen};
@@ -35,43 +41,49 @@ pub struct Heads {
 
 /// Where each token's log-decay `g` and write strength `beta` come from.
 #[derive(Clone, Copy, Debug)]
-pub enum Gates<'a> {
+pub enum Gates<'a, T = f32> {
     /// Given: `g` and `beta` `[T, H]`.
-    Direct { g: Rows<'a>, beta: Rows<'a> },
+    Direct { g: Rows<'a, T>, beta: Rows<'a, T> },
     /// Gated DeltaNet's projections: `beta = sigmoid(b)`,
     /// `g = -exp(a_log) * softplus(a + dt_bias)` (`a`, `b` `[T, H]`; `a_log`, `dt_bias` `[H]`).
+    /// For bfloat16, `beta` is rounded to bfloat16 as HF's `b.sigmoid()` is; `g` is float32.
     Raw {
-        a: Rows<'a>,
-        b: Rows<'a>,
-        a_log: &'a [f32],
-        dt_bias: &'a [f32],
+        a: Rows<'a, T>,
+        b: Rows<'a, T>,
+        a_log: &'a [T],
+        dt_bias: &'a [T],
     },
 }
 
 /// The gated RMSNorm Gated DeltaNet applies to each head's output:
 /// `weight * rmsnorm(o) * silu(z)` (plain weight, not 1-centred).
 #[derive(Clone, Copy, Debug)]
-pub struct OutputNorm<'a> {
+pub struct OutputNorm<'a, T = f32> {
     /// `[T, H * V]`.
-    pub z: Rows<'a>,
+    pub z: Rows<'a, T>,
     /// `[V]`.
-    pub weight: &'a [f32],
+    pub weight: &'a [T],
     pub eps: f32,
 }
 
-struct Ctx<'a> {
-    q: Rows<'a>,
-    k: Rows<'a>,
-    v: Rows<'a>,
-    gates: Gates<'a>,
-    norm: Option<OutputNorm<'a>>,
+struct Ctx<'a, T = f32> {
+    q: Rows<'a, T>,
+    k: Rows<'a, T>,
+    v: Rows<'a, T>,
+    gates: Gates<'a, T>,
+    norm: Option<OutputNorm<'a, T>>,
+    /// The small parameter vectors as float32 (`[H]`, `[H]`, `[V]`; empty when unused):
+    /// read in place, or widened once per call for bfloat16.
+    a_log: &'a [f32],
+    dt_bias: &'a [f32],
+    norm_weight: &'a [f32],
     heads: Heads,
     scale: f32,
     l2norm: bool,
     varlen: Varlen<'a>,
     paged: PagedState<'a>,
     state: SharedMut,
-    out: SharedMut,
+    out: SharedMut<T>,
 }
 
 /// Runs the recurrence for every sequence of the batch.
@@ -101,6 +113,50 @@ pub fn gated_delta_rule(
     varlen: Varlen<'_>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
+    let args = (q, k, v, gates, norm, heads, scale, l2norm);
+    rule_with(args, state, paged, varlen, out, run_task_f32)
+}
+
+/// [`gated_delta_rule`] for a bfloat16 model: `q`, `k`, `v`, the gates' inputs and
+/// parameters, `z`, the norm weight and `out` are bfloat16 bits; the state is float32.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_rule_bf16(
+    q: Rows<'_, u16>,
+    k: Rows<'_, u16>,
+    v: Rows<'_, u16>,
+    gates: Gates<'_, u16>,
+    norm: Option<OutputNorm<'_, u16>>,
+    heads: Heads,
+    scale: f32,
+    l2norm: bool,
+    state: &mut [f32],
+    paged: PagedState<'_>,
+    varlen: Varlen<'_>,
+    out: &mut [u16],
+) -> Result<(), KernelError> {
+    let args = (q, k, v, gates, norm, heads, scale, l2norm);
+    rule_with(args, state, paged, varlen, out, run_task_bf16)
+}
+
+type RuleArgs<'a, T> = (
+    Rows<'a, T>,
+    Rows<'a, T>,
+    Rows<'a, T>,
+    Gates<'a, T>,
+    Option<OutputNorm<'a, T>>,
+    Heads,
+    f32,
+    bool,
+);
+
+fn rule_with<T: Elem>(
+    (q, k, v, gates, norm, heads, scale, l2norm): RuleArgs<'_, T>,
+    state: &mut [f32],
+    paged: PagedState<'_>,
+    varlen: Varlen<'_>,
+    out: &mut [T],
+    portable: TaskFn<T>,
+) -> Result<(), KernelError> {
     let Heads {
         key_heads: hk,
         value_heads: h,
@@ -113,7 +169,7 @@ pub fn gated_delta_rule(
         )));
     }
     let t = q.rows;
-    let check = |name: &str, r: &Rows<'_>, width: usize| {
+    let check = |name: &str, r: &Rows<'_, T>, width: usize| {
         if r.rows != t || r.width != width {
             Err(KernelError::new(format!(
                 "{name} must be [T={t}, {width}], got [{}, {}]",
@@ -126,6 +182,8 @@ pub fn gated_delta_rule(
     check("q", &q, hk * kd)?;
     check("k", &k, hk * kd)?;
     check("v", &v, h * vd)?;
+    let (mut wide_a, mut wide_dt, mut wide_w) = (T::scratch(h), T::scratch(h), T::scratch(vd));
+    let (mut a_log, mut dt_bias, mut norm_weight): (&[f32], &[f32], &[f32]) = (&[], &[], &[]);
     match &gates {
         Gates::Direct { g, beta } => {
             check("g", g, h)?;
@@ -134,16 +192,17 @@ pub fn gated_delta_rule(
         Gates::Raw {
             a,
             b,
-            a_log,
-            dt_bias,
+            a_log: al,
+            dt_bias: dt,
         } => {
             check("a", a, h)?;
             check("b", b, h)?;
-            if a_log.len() != h || dt_bias.len() != h {
+            if al.len() != h || dt.len() != h {
                 return Err(KernelError::new(format!(
                     "A_log and dt_bias must have H = {h} entries"
                 )));
             }
+            (a_log, dt_bias) = (T::widen(al, &mut wide_a), T::widen(dt, &mut wide_dt));
         }
     }
     if let Some(n) = &norm {
@@ -153,6 +212,7 @@ pub fn gated_delta_rule(
                 "the norm weight must have V = {vd} entries"
             )));
         }
+        norm_weight = T::widen(n.weight, &mut wide_w);
     }
     if paged.item_len != kd * vd {
         return Err(KernelError::new(format!(
@@ -175,6 +235,9 @@ pub fn gated_delta_rule(
         v,
         gates,
         norm,
+        a_log,
+        dt_bias,
+        norm_weight,
         heads,
         scale,
         l2norm,
@@ -190,43 +253,57 @@ pub fn gated_delta_rule(
         })
         .collect();
     let work = t * h * kd * vd * 4;
-    let task = task_fn(vd);
+    let task = task_fn(vd, portable);
     for_each_task(runs.len() * h, work, |i| task(&ctx, runs[i / h], i % h));
     Ok(())
 }
 
-dispatch!(fn run_task(ctx: &Ctx<'_>, b: usize, head: usize) => run_task_body);
+dispatch!(fn run_task_f32(ctx: &Ctx<'_, f32>, b: usize, head: usize) => body_f32);
+dispatch!(fn run_task_bf16(ctx: &Ctx<'_, u16>, b: usize, head: usize) => body_bf16);
 
-type TaskFn = fn(&Ctx<'_>, usize, usize);
+#[inline(always)]
+fn body_f32(ctx: &Ctx<'_, f32>, b: usize, head: usize) {
+    run_task_body(ctx, b, head)
+}
+
+#[inline(always)]
+fn body_bf16(ctx: &Ctx<'_, u16>, b: usize, head: usize) {
+    run_task_body(ctx, b, head)
+}
+
+type TaskFn<T> = fn(&Ctx<'_, T>, usize, usize);
 
 /// The hand-vectorised AVX2 task for value dims of 32, 64 or 128 (Qwen3.5's sizes),
-/// the portable one otherwise.
-fn task_fn(vd: usize) -> TaskFn {
+/// `portable` otherwise.
+fn task_fn<T: Elem>(vd: usize, portable: TaskFn<T>) -> TaskFn<T> {
     #[cfg(target_arch = "x86_64")]
     if crate::math::has_avx2() {
         match vd {
-            32 => return |c, b, h| unsafe { avx2::run_task::<4>(c, b, h) },
-            64 => return |c, b, h| unsafe { avx2::run_task::<8>(c, b, h) },
-            128 => return |c, b, h| unsafe { avx2::run_task::<16>(c, b, h) },
+            32 => return |c, b, h| unsafe { avx2::run_task::<4, T>(c, b, h) },
+            64 => return |c, b, h| unsafe { avx2::run_task::<8, T>(c, b, h) },
+            128 => return |c, b, h| unsafe { avx2::run_task::<16, T>(c, b, h) },
             _ => {}
         }
     }
-    run_task
+    portable
 }
 
 /// Per-token inputs: normalised `k`, scaled normalised `q`, decay `exp(g)` and `beta`.
+/// `wide`: `2 K` floats where bfloat16 rows are widened (empty for float32).
 #[inline(always)]
-fn token_inputs(
-    ctx: &Ctx<'_>,
+fn token_inputs<T: Elem>(
+    ctx: &Ctx<'_, T>,
     t: usize,
     j: usize,
     head: usize,
     kn: &mut [f32],
     qn: &mut [f32],
+    wide: &mut [f32],
 ) -> (f32, f32) {
     let kd = ctx.heads.key_dim;
-    let qr = &ctx.q.row(t)[j * kd..(j + 1) * kd];
-    let kr = &ctx.k.row(t)[j * kd..(j + 1) * kd];
+    let (qw, kw) = wide.split_at_mut(wide.len() / 2);
+    let qr = T::widen(&ctx.q.row(t)[j * kd..(j + 1) * kd], qw);
+    let kr = T::widen(&ctx.k.row(t)[j * kd..(j + 1) * kd], kw);
     let (qs, ks) = if ctx.l2norm {
         (
             1.0 / (sum_sq(qr) + 1e-6).sqrt(),
@@ -240,33 +317,39 @@ fn token_inputs(
         qn[i] = (qr[i] * qs) * ctx.scale;
     }
     let (g, beta) = match &ctx.gates {
-        Gates::Direct { g, beta } => (g.row(t)[head], beta.row(t)[head]),
-        Gates::Raw {
-            a,
-            b: bb,
-            a_log,
-            dt_bias,
-        } => (
-            -a_log[head].exp() * softplus(a.row(t)[head] + dt_bias[head]),
-            sigmoid(bb.row(t)[head]),
+        Gates::Direct { g, beta } => (g.row(t)[head].get(), beta.row(t)[head].get()),
+        Gates::Raw { a, b: bb, .. } => (
+            -ctx.a_log[head].exp() * softplus(a.row(t)[head].get() + ctx.dt_bias[head]),
+            T::round(sigmoid(bb.row(t)[head].get())),
         ),
     };
     (g.exp(), beta)
 }
 
-/// Writes token `t`'s output `o` (normalised when asked) to its row.
+/// Writes token `t`'s output `o` (normalised when asked) to its row. For bfloat16,
+/// HF's rounding points: the rule's output is rounded before the norm, the normalised
+/// value before the weight, the weighted value before the gate (all no-ops for
+/// float32). `o` is the task's scratch (rounded in place); `wide`: `V` floats for a
+/// bfloat16 `z` row (empty for float32).
 #[inline(always)]
-fn write_output(ctx: &Ctx<'_>, t: usize, head: usize, o: &[f32]) {
+fn write_output<T: Elem>(ctx: &Ctx<'_, T>, t: usize, head: usize, o: &mut [f32], wide: &mut [f32]) {
     let (h, vd) = (ctx.heads.value_heads, o.len());
     // SAFETY: row t, head `head` of the output belongs to this task.
     let dst = unsafe { ctx.out.slice((t * h + head) * vd, vd) };
     match &ctx.norm {
-        None => dst.copy_from_slice(o),
+        None => {
+            for (d, &x) in dst.iter_mut().zip(o.iter()) {
+                *d = T::narrow(x);
+            }
+        }
         Some(n) => {
+            for x in o.iter_mut() {
+                *x = T::round(*x);
+            }
             let r = inv_rms(o, n.eps);
-            let z = &n.z.row(t)[head * vd..(head + 1) * vd];
-            for (((d, &x), &w), &zz) in dst.iter_mut().zip(o).zip(n.weight).zip(z) {
-                *d = (w * (x * r)) * silu(zz);
+            let z = T::widen(&n.z.row(t)[head * vd..(head + 1) * vd], wide);
+            for (((d, &x), &w), &zz) in dst.iter_mut().zip(o.iter()).zip(ctx.norm_weight).zip(z) {
+                *d = T::narrow(T::round(w * T::round(x * r)) * silu(zz));
             }
         }
     }
@@ -282,6 +365,7 @@ mod avx2 {
     //! of token `t + 1` are fused, so a run of `L` tokens makes `L + 1` sweeps instead
     //! of `2L`.
     use super::{token_inputs, write_output, Ctx, Heads};
+    use crate::bf16::Elem;
     use std::arch::x86_64::*;
 
     /// Token t's first sweep: decay the state, and return `S^T k`.
@@ -308,7 +392,7 @@ mod avx2 {
     }
 
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn run_task<const NV: usize>(ctx: &Ctx<'_>, b: usize, head: usize) {
+    pub(super) unsafe fn run_task<const NV: usize, T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
         let Heads {
             key_heads: hk,
             value_heads: h,
@@ -330,12 +414,14 @@ mod avx2 {
         let sp = s.as_mut_ptr();
         let (mut kn, mut qn) = (vec![0.0f32; kd], vec![0.0f32; kd]);
         let (mut kn2, mut qn2) = (vec![0.0f32; kd], vec![0.0f32; kd]);
+        // Where bfloat16 q/k, v and z rows are widened (empty for float32).
+        let (mut wide_qk, mut wide_v, mut wide_z) = (T::scratch(2 * kd), T::scratch(vd), T::scratch(vd));
         let mut o = vec![0.0f32; vd];
         let zero = _mm256_setzero_ps();
-        let (decay, mut beta) = token_inputs(ctx, start, j, head, &mut kn, &mut qn);
+        let (decay, mut beta) = token_inputs(ctx, start, j, head, &mut kn, &mut qn, &mut wide_qk);
         let mut mem = first_sweep::<NV>(sp, &kn, decay, vd);
         for t in start..end {
-            let vr = ctx.v.row(t)[head * vd..(head + 1) * vd].as_ptr();
+            let vr = T::widen(&ctx.v.row(t)[head * vd..(head + 1) * vd], &mut wide_v).as_ptr();
             let bv = _mm256_set1_ps(beta);
             let mut delta = [zero; NV];
             for i in 0..NV {
@@ -343,7 +429,7 @@ mod avx2 {
             }
             let mut acc = [zero; NV];
             if t + 1 < end && t + 1 != ck_row {
-                let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2);
+                let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2, &mut wide_qk);
                 let dv = _mm256_set1_ps(decay2);
                 let mut mem2 = [zero; NV];
                 for kk in 0..kd {
@@ -383,7 +469,7 @@ mod avx2 {
                             .copy_from_slice(std::slice::from_raw_parts(sp, kd * vd));
                     }
                     if t + 1 < end {
-                        let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2);
+                        let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2, &mut wide_qk);
                         mem = first_sweep::<NV>(sp, &kn2, decay2, vd);
                         beta = beta2;
                     }
@@ -392,7 +478,7 @@ mod avx2 {
             for (i, a) in acc.iter().enumerate() {
                 _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), *a);
             }
-            write_output(ctx, t, head, &o);
+            write_output(ctx, t, head, &mut o, &mut wide_z);
             std::mem::swap(&mut kn, &mut kn2);
             std::mem::swap(&mut qn, &mut qn2);
         }
@@ -402,7 +488,7 @@ mod avx2 {
 /// The portable task: two sweeps over the state per token (see the AVX2 module for
 /// the fused form).
 #[inline(always)]
-fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
+fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
     let Heads {
         key_heads: hk,
         value_heads: h,
@@ -420,11 +506,12 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
     let ckpt = ctx.paged.checkpoint(b, head);
     let mut kn = vec![0.0f32; kd];
     let mut qn = vec![0.0f32; kd];
+    let (mut wide_qk, mut wide_v, mut wide_z) = (T::scratch(2 * kd), T::scratch(vd), T::scratch(vd));
     let mut mem = vec![0.0f32; vd];
     let mut o = vec![0.0f32; vd];
     for t in start..end {
-        let vr = &ctx.v.row(t)[head * vd..(head + 1) * vd];
-        let (decay, beta) = token_inputs(ctx, t, j, head, &mut kn, &mut qn);
+        let vr = T::widen(&ctx.v.row(t)[head * vd..(head + 1) * vd], &mut wide_v);
+        let (decay, beta) = token_inputs(ctx, t, j, head, &mut kn, &mut qn, &mut wide_qk);
         // Pass 1: decay the state and read S^T k.
         mem.fill(0.0);
         for (row, &kc) in s.chunks_exact_mut(vd).zip(&kn) {
@@ -444,7 +531,7 @@ fn run_task_body(ctx: &Ctx<'_>, b: usize, head: usize) {
                 *oo += *x * qc;
             }
         }
-        write_output(ctx, t, head, &o);
+        write_output(ctx, t, head, &mut o, &mut wide_z);
         if let Some((k, at)) = ckpt {
             if t + 1 == start + k {
                 // SAFETY: the checkpoint item is this task's alone (validated).
@@ -718,5 +805,90 @@ mod tests {
         assert!(err.0.contains("must lie in 1..=1"), "{err}");
         let err = run(one_item_pool(&[0, 2], &[], &[]));
         assert!(err.0.contains("outside 0..2"), "{err}");
+    }
+    /// bfloat16 inputs read in place equal the float32 kernel on the same values: the
+    /// state (float32) bit-equal, the output its single rounding; portable (12) and
+    /// AVX2 (32) tasks, a fresh and a continued sequence, grouped heads.
+    #[test]
+    fn bf16_inputs_equal_the_float32_kernel_on_their_values() {
+        use crate::bf16::{from_f32, to_f32};
+        for vd in [12usize, 32] {
+            let heads = Heads {
+                key_heads: 1,
+                value_heads: 2,
+                key_dim: 16,
+                value_dim: vd,
+            };
+            let (t, item) = (9usize, 16 * vd);
+            let mut rng = Lcg(vd as u64);
+            let mut bf = |n: usize, s: f32| -> Vec<f32> {
+                rng.vec(n).iter().map(|x| to_f32(from_f32(x * s))).collect()
+            };
+            let (q, k, v) = (bf(t * 16, 1.0), bf(t * 16, 1.0), bf(t * 2 * vd, 1.0));
+            let g: Vec<f32> = bf(t * 2, 1.0).iter().map(|x| -x.abs()).collect();
+            let beta: Vec<f32> = bf(t * 2, 1.0).iter().map(|x| x.abs()).collect();
+            let state0: Vec<f32> = Lcg(3).vec(4 * item);
+            let table = [0i64, 1, 2, 3];
+            let paged = PagedState {
+                table: &table,
+                cols: 2,
+                item_base: 0,
+                per_page: 1,
+                page_stride: item,
+                item_len: item,
+                num_pages: 4,
+                checkpoint_positions: &[],
+                checkpoint_table: &[],
+            };
+            let varlen = Varlen {
+                query_start_loc: &[0, 4, 9],
+                has_initial_state: &[false, true],
+            };
+            let (mut s32, mut o32) = (state0.clone(), vec![0.0f32; t * 2 * vd]);
+            fn d<T>(x: &[T], w: usize) -> Rows<'_, T> {
+                Rows::dense(x, w).unwrap()
+            }
+            gated_delta_rule(
+                d(&q, 16),
+                d(&k, 16),
+                d(&v, 2 * vd),
+                Gates::Direct {
+                    g: d(&g, 2),
+                    beta: d(&beta, 2),
+                },
+                None,
+                heads,
+                0.25,
+                true,
+                &mut s32,
+                paged,
+                varlen,
+                &mut o32,
+            )
+            .unwrap();
+            let bits = |x: &[f32]| x.iter().map(|&f| from_f32(f)).collect::<Vec<u16>>();
+            let (qb, kb, vb, gb, bb) = (bits(&q), bits(&k), bits(&v), bits(&g), bits(&beta));
+            let (mut s16, mut o16) = (state0.clone(), vec![0u16; t * 2 * vd]);
+            gated_delta_rule_bf16(
+                d(&qb, 16),
+                d(&kb, 16),
+                d(&vb, 2 * vd),
+                Gates::Direct {
+                    g: d(&gb, 2),
+                    beta: d(&bb, 2),
+                },
+                None,
+                heads,
+                0.25,
+                true,
+                &mut s16,
+                paged,
+                varlen,
+                &mut o16,
+            )
+            .unwrap();
+            assert_eq!(s16, s32, "state (vd {vd})");
+            assert_eq!(o16, bits(&o32), "output (vd {vd})");
+        }
     }
 }

@@ -23,6 +23,11 @@
 //! * [`attention`]: decode attention (one query per sequence) straight from the paged
 //!   KV pool through the block table, every query head of a KV group at once.
 //!
+//! A bfloat16 model runs the same code: every kernel but the float32 GEMMs is one loop
+//! generic over [`bf16::Elem`] (float32 read in place, bfloat16 widened as read,
+//! float32 arithmetic, outputs rounded once; the DeltaNet state stays float32), with
+//! `*_bf16` entry points; [`matmul_bf16`] is the bfloat16 few-row GEMM.
+//!
 //! Every kernel is checked here against a scalar transcription of its formula and,
 //! from Python, against the plain-PyTorch references (`hybridserve.kernels`), which
 //! are the project's oracles. Work is split by sequence and head into tasks that never
@@ -35,14 +40,12 @@
 pub mod attention;
 pub mod bf16;
 pub mod conv1d;
-pub mod conv1d_bf16;
 pub mod delta_rule;
 mod math;
 pub mod matmul;
 pub mod matmul_bf16;
 pub mod moe;
 pub mod norm;
-pub mod norm_bf16;
 mod pool;
 pub mod rope;
 

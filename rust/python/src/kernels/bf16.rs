@@ -17,52 +17,10 @@ pub(super) fn paged_attention_decode_bf16(
     seq_lens: PyReadonlyArray1<'_, i64>,
     block_tables: PyReadonlyArray2<'_, i32>,
     scale: f32,
-    mut out: PyReadwriteArrayDyn<'_, u16>,
+    out: PyReadwriteArrayDyn<'_, u16>,
 ) -> PyResult<()> {
-    let shape = k_cache.shape().to_vec();
-    if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
-        return Err(PyValueError::new_err(
-            "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike",
-        ));
-    }
-    let q = rows("q", &q)?;
-    let (heads, d) = (q.width / shape[3].max(1), shape[3]);
-    let (kview, vview) = (k_cache.as_array(), v_cache.as_array());
-    let (extent, num_blocks, _, block_stride, _) = paged_view("k_cache", &shape, kview.strides())?;
-    if kview.strides() != vview.strides() {
-        return Err(PyValueError::new_err(
-            "k_cache and v_cache must have the same strides",
-        ));
-    }
-    // SAFETY: each view's blocks lie in its array's buffer (numpy guarantees the
-    // strided extent is allocated); the borrows outlive the slices.
-    let kv = PagedKv {
-        k_cache: unsafe { std::slice::from_raw_parts(kview.as_ptr(), extent) },
-        v_cache: unsafe { std::slice::from_raw_parts(vview.as_ptr(), extent) },
-        block_size: shape[1],
-        kv_heads: shape[2],
-        head_dim: d,
-        num_blocks,
-        block_stride,
-    };
-    let width = block_tables.shape()[1];
-    let seqs = DecodeSeqs {
-        rows: ints("rows", &rows_)?,
-        seq_lens: ints("seq_lens", &seq_lens)?,
-        block_tables: block_tables.as_slice().map_err(|_| {
-            PyValueError::new_err("block_tables must be a C-contiguous int32 array")
-        })?,
-        width,
-    };
-    let out = out
-        .as_slice_mut()
-        .map_err(|_| PyValueError::new_err("out must be C-contiguous bfloat16 bits"))?;
-    py.detach(|| {
-        hybridserve_cpu_kernels::attention::paged_attention_decode_bf16(
-            q, kv, seqs, heads, scale, out,
-        )
-    })
-    .map_err(err)
+    let kernel = hybridserve_cpu_kernels::attention::paged_attention_decode_bf16;
+    decode_with(py, q, k_cache, v_cache, rows_, seq_lens, block_tables, scale, out, kernel)
 }
 
 /// [`rms_norm`] for a bfloat16 model: every array bfloat16 bits (uint16 views).
@@ -73,23 +31,12 @@ pub(super) fn rms_norm_bf16(
     x: PyReadonlyArrayDyn<'_, u16>,
     weight: PyReadonlyArrayDyn<'_, u16>,
     eps: f32,
-    mut out: PyReadwriteArrayDyn<'_, u16>,
+    out: PyReadwriteArrayDyn<'_, u16>,
     residual: Option<PyReadwriteArrayDyn<'_, u16>>,
     centered: bool,
 ) -> PyResult<()> {
-    let c16 = |name: &str| PyValueError::new_err(format!("{name} must be C-contiguous bfloat16 bits"));
-    let x = x.as_slice().map_err(|_| c16("x"))?;
-    let weight = weight.as_slice().map_err(|_| c16("weight"))?;
-    let out = out.as_slice_mut().map_err(|_| c16("out"))?;
-    let mut residual = residual;
-    let residual = match residual.as_mut() {
-        Some(r) => Some(r.as_slice_mut().map_err(|_| c16("residual"))?),
-        None => None,
-    };
-    py.detach(|| {
-        hybridserve_cpu_kernels::norm_bf16::rms_norm_bf16(x, residual, weight, eps, centered, out)
-    })
-    .map_err(err)
+    let kernel = hybridserve_cpu_kernels::norm::rms_norm_bf16;
+    rms_norm_with(py, x, weight, eps, out, residual, centered, kernel)
 }
 
 /// [`causal_conv1d`] for a bfloat16 model: every array bfloat16 bits (uint16 views).
@@ -102,50 +49,21 @@ pub(super) fn causal_conv1d_bf16(
     x: PyReadonlyArray2<'_, u16>,
     weight: PyReadonlyArrayDyn<'_, u16>,
     bias: Option<PyReadonlyArrayDyn<'_, u16>>,
-    mut state: PyReadwriteArrayDyn<'_, u16>,
+    state: PyReadwriteArrayDyn<'_, u16>,
     query_start_loc: PyReadonlyArray1<'_, i64>,
     state_pages: PyReadonlyArray2<'_, i64>,
     has_initial_state: PyReadonlyArray1<'_, bool>,
-    mut out: PyReadwriteArrayDyn<'_, u16>,
+    out: PyReadwriteArrayDyn<'_, u16>,
     item_base: usize,
     silu: bool,
     checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
     checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
 ) -> PyResult<()> {
-    let x = rows("x", &x)?;
-    let (wshape, sshape) = (weight.shape().to_vec(), state.shape().to_vec());
-    if wshape.len() != 2
-        || wshape[0] != x.width
-        || sshape.len() != 4
-        || sshape[2..] != [x.width, wshape[1].saturating_sub(1)]
-    {
-        return Err(PyValueError::new_err(format!(
-            "weight must be [C={}, W] and state a pool [num_pages, per_page, C, W-1]; got {wshape:?} and {sshape:?}",
-            x.width
-        )));
-    }
-    let c16 = |name: &str| PyValueError::new_err(format!("{name} must be C-contiguous bfloat16 bits"));
-    let weight = weight.as_slice().map_err(|_| c16("weight"))?;
-    let bias = match &bias {
-        Some(b) => Some(b.as_slice().map_err(|_| c16("bias"))?),
-        None => None,
-    };
-    let varlen = varlen(&query_start_loc, &has_initial_state)?;
-    let (state, pages, per_page, stride, item) = state_pool("state", &mut state)?;
-    let paged = paged_state(
-        &state_pages,
-        item_base,
-        (pages, per_page, stride, item),
-        &checkpoint_positions,
-        &checkpoint_pages,
-    )?;
-    let out = out.as_slice_mut().map_err(|_| c16("out"))?;
-    py.detach(|| {
-        hybridserve_cpu_kernels::conv1d_bf16::causal_conv1d_bf16(
-            x, weight, bias, silu, state, paged, varlen, out,
-        )
-    })
-    .map_err(err)
+    conv1d_with(
+        py, x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out,
+        (item_base, silu), checkpoint_positions, checkpoint_pages,
+        hybridserve_cpu_kernels::conv1d::causal_conv1d_bf16,
+    )
 }
 
 /// `out = x @ w.T` in bfloat16 (see `hybridserve_cpu_kernels::matmul_bf16`): `x`
@@ -204,23 +122,52 @@ pub(super) fn qk_norm_rope_bf16(
     eps: f32,
     cos: PyReadonlyArray2<'_, u16>,
     sin: PyReadonlyArray2<'_, u16>,
-    mut out: PyReadwriteArrayDyn<'_, u16>,
+    out: PyReadwriteArrayDyn<'_, u16>,
 ) -> PyResult<()> {
-    let (x, cos, sin) = (rows("x", &x)?, rows("cos", &cos)?, rows("sin", &sin)?);
-    let c16 = |name: &str| PyValueError::new_err(format!("{name} must be C-contiguous bfloat16 bits"));
-    let weight = weight.as_slice().map_err(|_| c16("weight"))?;
-    let out = out.as_slice_mut().map_err(|_| c16("out"))?;
-    py.detach(|| {
-        hybridserve_cpu_kernels::rope::qk_norm_rope_bf16(
-            x,
-            heads,
-            head_stride,
-            weight,
-            eps,
-            cos,
-            sin,
-            out,
-        )
-    })
-    .map_err(err)
+    let kernel = hybridserve_cpu_kernels::rope::qk_norm_rope_bf16;
+    qk_norm_rope_with(py, x, (heads, head_stride), weight, eps, cos, sin, out, kernel)
+}
+
+/// [`gated_delta_rule`] for a bfloat16 model: `q`, `k`, `v`, the gates' inputs and
+/// parameters, `z`, `norm_weight` and `out` bfloat16 bits (uint16 views); the state
+/// pool float32.
+#[pyfunction]
+#[pyo3(signature = (q, k, v, state, query_start_loc, state_pages, has_initial_state, out, *,
+                    item_base, key_heads, value_heads, scale, l2norm=true, g=None, beta=None, a=None,
+                    b=None, a_log=None, dt_bias=None, z=None, norm_weight=None, norm_eps=1e-6,
+                    checkpoint_positions=None, checkpoint_pages=None))]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gated_delta_rule_bf16(
+    py: Python<'_>,
+    q: PyReadonlyArray2<'_, u16>,
+    k: PyReadonlyArray2<'_, u16>,
+    v: PyReadonlyArray2<'_, u16>,
+    state: PyReadwriteArrayDyn<'_, f32>,
+    query_start_loc: PyReadonlyArray1<'_, i64>,
+    state_pages: PyReadonlyArray2<'_, i64>,
+    has_initial_state: PyReadonlyArray1<'_, bool>,
+    out: PyReadwriteArrayDyn<'_, u16>,
+    item_base: usize,
+    key_heads: usize,
+    value_heads: usize,
+    scale: f32,
+    l2norm: bool,
+    g: Option<PyReadonlyArray2<'_, u16>>,
+    beta: Option<PyReadonlyArray2<'_, u16>>,
+    a: Option<PyReadonlyArray2<'_, u16>>,
+    b: Option<PyReadonlyArray2<'_, u16>>,
+    a_log: Option<PyReadonlyArrayDyn<'_, u16>>,
+    dt_bias: Option<PyReadonlyArrayDyn<'_, u16>>,
+    z: Option<PyReadonlyArray2<'_, u16>>,
+    norm_weight: Option<PyReadonlyArrayDyn<'_, u16>>,
+    norm_eps: f32,
+    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
+    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
+) -> PyResult<()> {
+    let arrays = DeltaRuleArrays {
+        q, k, v, state, query_start_loc, state_pages, has_initial_state, out, g, beta, a, b, a_log,
+        dt_bias, z, norm_weight, checkpoint_positions, checkpoint_pages,
+    };
+    let kernel = hybridserve_cpu_kernels::delta_rule::gated_delta_rule_bf16;
+    delta_rule_with(py, arrays, item_base, key_heads, value_heads, scale, l2norm, norm_eps, kernel)
 }

@@ -19,7 +19,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 mod bf16;
+mod checks;
 use bf16::*;
+use checks::*;
 
 fn err(e: KernelError) -> PyErr {
     PyValueError::new_err(e.0)
@@ -200,11 +202,11 @@ fn gated_delta_rule(
     q: PyReadonlyArray2<'_, f32>,
     k: PyReadonlyArray2<'_, f32>,
     v: PyReadonlyArray2<'_, f32>,
-    mut state: PyReadwriteArrayDyn<'_, f32>,
+    state: PyReadwriteArrayDyn<'_, f32>,
     query_start_loc: PyReadonlyArray1<'_, i64>,
     state_pages: PyReadonlyArray2<'_, i64>,
     has_initial_state: PyReadonlyArray1<'_, bool>,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
     item_base: usize,
     key_heads: usize,
     value_heads: usize,
@@ -222,73 +224,11 @@ fn gated_delta_rule(
     checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
     checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
 ) -> PyResult<()> {
-    let (q, k, v) = (rows("q", &q)?, rows("k", &k)?, rows("v", &v)?);
-    if key_heads == 0 || value_heads == 0 || q.width % key_heads != 0 || v.width % value_heads != 0
-    {
-        return Err(PyValueError::new_err(format!(
-            "q/k width {} must be key_heads ({key_heads}) x K and v width {} value_heads ({value_heads}) x V",
-            q.width, v.width
-        )));
-    }
-    let heads = Heads {
-        key_heads,
-        value_heads,
-        key_dim: q.width / key_heads,
-        value_dim: v.width / value_heads,
+    let arrays = DeltaRuleArrays {
+        q, k, v, state, query_start_loc, state_pages, has_initial_state, out, g, beta, a, b, a_log,
+        dt_bias, z, norm_weight, checkpoint_positions, checkpoint_pages,
     };
-    let shape = state.shape();
-    if shape.len() != 4 || shape[2..] != [heads.key_dim, heads.value_dim] {
-        return Err(PyValueError::new_err(format!(
-            "state must be a pool [num_pages, per_page, K={}, V={}] (from q/k/v widths and head counts), got {shape:?}",
-            heads.key_dim, heads.value_dim
-        )));
-    }
-    let gates = match (&g, &beta, &a, &b, &a_log, &dt_bias) {
-        (Some(g), Some(beta), None, None, None, None) => Gates::Direct {
-            g: rows("g", g)?,
-            beta: rows("beta", beta)?,
-        },
-        (None, None, Some(a), Some(b), Some(al), Some(dt)) => Gates::Raw {
-            a: rows("a", a)?,
-            b: rows("b", b)?,
-            a_log: contiguous("a_log", al)?,
-            dt_bias: contiguous("dt_bias", dt)?,
-        },
-        _ => {
-            return Err(PyValueError::new_err(
-                "give either g and beta, or a, b, a_log and dt_bias",
-            ))
-        }
-    };
-    let norm = match (&z, &norm_weight) {
-        (Some(z), Some(w)) => Some(OutputNorm {
-            z: rows("z", z)?,
-            weight: contiguous("norm_weight", w)?,
-            eps: norm_eps,
-        }),
-        (None, None) => None,
-        _ => {
-            return Err(PyValueError::new_err(
-                "give both z and norm_weight for the output norm, or neither",
-            ))
-        }
-    };
-    let varlen = varlen(&query_start_loc, &has_initial_state)?;
-    let (state, pages, per_page, stride, item) = state_pool("state", &mut state)?;
-    let paged = paged_state(
-        &state_pages,
-        item_base,
-        (pages, per_page, stride, item),
-        &checkpoint_positions,
-        &checkpoint_pages,
-    )?;
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| {
-        gdr(
-            q, k, v, gates, norm, heads, scale, l2norm, state, paged, varlen, out,
-        )
-    })
-    .map_err(err)
+    delta_rule_with(py, arrays, item_base, key_heads, value_heads, scale, l2norm, norm_eps, gdr)
 }
 
 /// Depthwise causal conv1d over a varlen batch with the conv state in paged items (in place).
@@ -301,45 +241,20 @@ fn causal_conv1d(
     x: PyReadonlyArray2<'_, f32>,
     weight: PyReadonlyArrayDyn<'_, f32>,
     bias: Option<PyReadonlyArrayDyn<'_, f32>>,
-    mut state: PyReadwriteArrayDyn<'_, f32>,
+    state: PyReadwriteArrayDyn<'_, f32>,
     query_start_loc: PyReadonlyArray1<'_, i64>,
     state_pages: PyReadonlyArray2<'_, i64>,
     has_initial_state: PyReadonlyArray1<'_, bool>,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
     item_base: usize,
     silu: bool,
     checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
     checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
 ) -> PyResult<()> {
-    let x = rows("x", &x)?;
-    let (wshape, sshape) = (weight.shape().to_vec(), state.shape().to_vec());
-    if wshape.len() != 2
-        || wshape[0] != x.width
-        || sshape.len() != 4
-        || sshape[2..] != [x.width, wshape[1].saturating_sub(1)]
-    {
-        return Err(PyValueError::new_err(format!(
-            "weight must be [C={}, W] and state a pool [num_pages, per_page, C, W-1]; got {wshape:?} and {sshape:?}",
-            x.width
-        )));
-    }
-    let weight = contiguous("weight", &weight)?;
-    let bias = match &bias {
-        Some(b) => Some(contiguous("bias", b)?),
-        None => None,
-    };
-    let varlen = varlen(&query_start_loc, &has_initial_state)?;
-    let (state, pages, per_page, stride, item) = state_pool("state", &mut state)?;
-    let paged = paged_state(
-        &state_pages,
-        item_base,
-        (pages, per_page, stride, item),
-        &checkpoint_positions,
-        &checkpoint_pages,
-    )?;
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| conv(x, weight, bias, silu, state, paged, varlen, out))
-        .map_err(err)
+    conv1d_with(
+        py, x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out,
+        (item_base, silu), checkpoint_positions, checkpoint_pages, conv,
+    )
 }
 
 /// Decode attention (one query per listed sequence) over the paged KV pool.
@@ -354,46 +269,9 @@ fn paged_attention_decode(
     seq_lens: PyReadonlyArray1<'_, i64>,
     block_tables: PyReadonlyArray2<'_, i32>,
     scale: f32,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
 ) -> PyResult<()> {
-    let shape = k_cache.shape().to_vec();
-    if shape.len() != 4 || v_cache.shape() != shape.as_slice() {
-        return Err(PyValueError::new_err(
-            "k_cache and v_cache must be [num_blocks, block_size, Hkv, D] alike",
-        ));
-    }
-    let q = rows("q", &q)?;
-    let (heads, d) = (q.width / shape[3].max(1), shape[3]);
-    let (kview, vview) = (k_cache.as_array(), v_cache.as_array());
-    let (extent, num_blocks, _, block_stride, _) = paged_view("k_cache", &shape, kview.strides())?;
-    if kview.strides() != vview.strides() {
-        return Err(PyValueError::new_err(
-            "k_cache and v_cache must have the same strides",
-        ));
-    }
-    // SAFETY: each view's blocks lie in its array's buffer (numpy guarantees the
-    // strided extent is allocated); the borrows outlive the slices.
-    let kv = PagedKv {
-        k_cache: unsafe { std::slice::from_raw_parts(kview.as_ptr(), extent) },
-        v_cache: unsafe { std::slice::from_raw_parts(vview.as_ptr(), extent) },
-        block_size: shape[1],
-        kv_heads: shape[2],
-        head_dim: d,
-        num_blocks,
-        block_stride,
-    };
-    let width = block_tables.shape()[1];
-    let seqs = DecodeSeqs {
-        rows: ints("rows", &rows_)?,
-        seq_lens: ints("seq_lens", &seq_lens)?,
-        block_tables: block_tables.as_slice().map_err(|_| {
-            PyValueError::new_err("block_tables must be a C-contiguous int32 array")
-        })?,
-        width,
-    };
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| attn_decode(q, kv, seqs, heads, scale, out))
-        .map_err(err)
+    decode_with(py, q, k_cache, v_cache, rows_, seq_lens, block_tables, scale, out, attn_decode)
 }
 
 /// RMSNorm of `x` (`[T, D]`) into `out`; with `residual`, first `residual += x` and
@@ -405,20 +283,12 @@ fn rms_norm(
     x: PyReadonlyArrayDyn<'_, f32>,
     weight: PyReadonlyArrayDyn<'_, f32>,
     eps: f32,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
     residual: Option<PyReadwriteArrayDyn<'_, f32>>,
     centered: bool,
 ) -> PyResult<()> {
-    let x = contiguous("x", &x)?;
-    let weight = contiguous("weight", &weight)?;
-    let out = contiguous_mut("out", &mut out)?;
-    let mut residual = residual;
-    let residual = match residual.as_mut() {
-        Some(r) => Some(contiguous_mut("residual", r)?),
-        None => None,
-    };
-    py.detach(|| hybridserve_cpu_kernels::norm::rms_norm(x, residual, weight, eps, centered, out))
-        .map_err(err)
+    let kernel = hybridserve_cpu_kernels::norm::rms_norm;
+    rms_norm_with(py, x, weight, eps, out, residual, centered, kernel)
 }
 
 /// `out = x @ wt` for `x` `[M, K]` (row-strided allowed), `wt` `[K, N]` row-major
@@ -535,24 +405,10 @@ fn qk_norm_rope(
     eps: f32,
     cos: PyReadonlyArray2<'_, f32>,
     sin: PyReadonlyArray2<'_, f32>,
-    mut out: PyReadwriteArrayDyn<'_, f32>,
+    out: PyReadwriteArrayDyn<'_, f32>,
 ) -> PyResult<()> {
-    let (x, cos, sin) = (rows("x", &x)?, rows("cos", &cos)?, rows("sin", &sin)?);
-    let weight = contiguous("weight", &weight)?;
-    let out = contiguous_mut("out", &mut out)?;
-    py.detach(|| {
-        hybridserve_cpu_kernels::rope::qk_norm_rope(
-            x,
-            heads,
-            head_stride,
-            weight,
-            eps,
-            cos,
-            sin,
-            out,
-        )
-    })
-    .map_err(err)
+    let kernel = hybridserve_cpu_kernels::rope::qk_norm_rope;
+    qk_norm_rope_with(py, x, (heads, head_stride), weight, eps, cos, sin, out, kernel)
 }
 
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
@@ -588,6 +444,7 @@ fn uses_openmp() -> bool {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gated_delta_rule, m)?)?;
+    m.add_function(wrap_pyfunction!(gated_delta_rule_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d, m)?)?;
     m.add_function(wrap_pyfunction!(causal_conv1d_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(paged_attention_decode, m)?)?;
