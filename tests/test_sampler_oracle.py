@@ -263,3 +263,40 @@ def test_fork_row_raw_logprobs_make_no_samples_by_vocab_copy(monkeypatch):
     assert got.token_ids == want.token_ids and got.ranks == want.ranks
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
     assert [[t for t, _ in x] for x in got.top_logprobs] == [[t for t, _ in x] for x in want.top_logprobs]
+
+
+def test_penalty_rows_in_any_order_read_their_own_counts(monkeypatch):
+    """Penalty rows whose count-table rows are consecutive read a slice of the tables,
+    others a gather (``Prepared.pen_span``); the rows here come in a new order every
+    other step (the engine's batch order changes as requests come and go), so both
+    routes run, and every step's seeded tokens are the old sampler's."""
+    import hybridserve.sampler.processors as procs
+
+    routes = []
+    real = procs.apply_penalties
+
+    def spy(x, prep, t, fp):
+        routes.append(prep.pen_span is not None)
+        return real(x, prep, t, fp)
+
+    monkeypatch.setattr(procs, "apply_penalties", spy)
+    vocab, n = 300, 12
+    params = [SamplingParams(seed=40 + i, temperature=0.9, top_k=30, top_p=0.9, repetition_penalty=1.3,
+                             frequency_penalty=0.25, presence_penalty=-0.2) for i in range(n)]
+    g = torch.Generator().manual_seed(4)
+    prompts = [[random.Random(i).randrange(vocab) for _ in range(10)] for i in range(n)]
+    got_state = {"new": ([[] for _ in range(n)], [make_generator(p.seed, 0) for p in params], Sampler()),
+                 "old": ([[] for _ in range(n)], [old.make_generator(p.seed, 0) for p in params], old.Sampler())}
+    for step in range(8):
+        order = list(range(n)) if step % 2 == 0 else list(random.Random(step).sample(range(n), n))
+        logits = torch.randn(n, vocab, generator=g) * 3
+        tokens = {}
+        for name, mod in (("new", new), ("old", old)):
+            outs, streams, sampler = got_state[name]
+            rows = [mod.SamplingRow(params=params[i], prompt_token_ids=prompts[i], output_token_ids=outs[i],
+                                    generator=streams[i], key=i) for i in order]
+            tokens[name] = sampler(logits, rows).token_ids
+            for i, tok in zip(order, tokens[name]):
+                outs[i].append(tok)
+        assert tokens["new"] == tokens["old"], step
+    assert True in routes and False in routes

@@ -168,6 +168,9 @@ class Prepared:
     # Every sampled row has a top_k below the vocabulary (the draw may then work on
     # the top-k candidates only).
     all_top_k: bool = False
+    # (first, end) when the penalty rows' count-table rows are consecutive, in order
+    # (the penalties then read a slice of the tables, not a gather).
+    pen_span: tuple[int, int] | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -404,11 +407,12 @@ class RowTables:
                     top_p_limits.append(k or vocab)
 
             expand = len(samples) != len(rows)
+            pen_pslots = [samples[s].slot.pslot for s in pen]
             segs = [
                 slot_ids, [smp.row for smp in samples] if expand else [],
                 chg_slots, float_bits(chg_f), chg_i, bias_slots, bias_tok, float_bits(bias_val),
                 rc_pslots, rc_rows, rc_toks, pm_pslots, pm_rows, pm_toks, ban_rows, ban_toks,
-                pen, [samples[s].slot.pslot for s in pen], bias, topp, rand, seeded, unseeded,
+                pen, pen_pslots, bias, topp, rand, seeded, unseeded,
             ]
         except BaseException:
             for slot in ephemeral:
@@ -424,6 +428,9 @@ class RowTables:
         prep.segments = segs
         prep.num_rows, prep.vocab = len(rows), vocab
         prep.all_top_k = bool(rand) and not rand_without_k
+        if pen_pslots and pen_pslots[-1] - pen_pslots[0] == len(pen_pslots) - 1 \
+                and pen_pslots == list(range(pen_pslots[0], pen_pslots[-1] + 1)):
+            prep.pen_span = (pen_pslots[0], pen_pslots[-1] + 1)
         return prep
 
     def bind(self, prep: Prepared, views: Sequence[torch.Tensor]) -> None:
