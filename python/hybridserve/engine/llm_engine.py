@@ -601,27 +601,41 @@ class LLMEngine:
         now = time.monotonic()
 
         requests = self.requests
+        # Outputs of this step. A running single-sample request that is not a beam,
+        # wants no prompt logprobs and does not finish now gets its delta output in
+        # this one pass over the new tokens (the common row); every other changed
+        # request is collected in `changed` and handled below.
+        outputs: list[RequestOutput] = []
+        fast = self.emit_unfinished
+        finishing = set(update.finished_request_ids) if len(update.finished_request_ids) else ()
+        beams, plp = self._beams, self._prompt_logprobs
         for rid, si, tok in zip(update.request_ids, np.asarray(update.sample_indices).tolist(),
                                 np.asarray(update.token_ids).tolist()):
             state = requests.get(rid)
             if state is None:
                 continue
-            sample = state.samples[si]
+            samples = state.samples
+            sample = samples[si]
             sample.token_ids.append(tok)
             m = state.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
+            completion = sample.completion
+            if completion is not None and sample.finish_reason is None:
+                hit = completion.append(tok)
+                if hit is not None:
+                    sample.finish_reason, sample.stop_reason = "stop", hit
+                    self.scheduler.finish(rid, si, "stop")
+            if (fast and len(samples) == 1 and sample.finish_reason is None and rid not in finishing
+                    and not (beams and rid in beams) and not (plp and rid in plp)):
+                outputs.append(state.single_delta_output())
+                continue
             got = changed.get(rid)
             if got is None:
                 changed[rid] = {si}
             else:
                 got.add(si)
-            if sample.completion is not None and sample.finish_reason is None:
-                hit = sample.completion.append(tok)
-                if hit is not None:
-                    sample.finish_reason, sample.stop_reason = "stop", hit
-                    self.scheduler.finish(rid, si, "stop")
         for rid, si, reason in zip(
             update.finished_request_ids, update.finished_sample_indices, update.finished_reasons
         ):
@@ -653,7 +667,6 @@ class LLMEngine:
 
         # Running requests report only what is new (delta outputs); a finished one
         # reports its whole result once.
-        outputs = []
         requests, beams, emit = self.requests, self._beams, self.emit_unfinished
         for rid, changed_samples in changed.items():
             state = requests.get(rid)
