@@ -486,7 +486,7 @@ class LLMEngine:
         growing token list, the stream), so a decode step costs a lookup per row."""
         rows = []
         req_ids = plan.request_ids
-        sample_indices = plan.sample_indices
+        sample_indices = np.asarray(plan.sample_indices).tolist()  # a list: numpy item reads are slow
         requests = self.requests
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         for b, k in zip(batch_index.tolist(), num_samples.tolist()):
@@ -503,7 +503,7 @@ class LLMEngine:
                     eos_token_id=eos,
                 ))
                 continue
-            sample = state.samples[int(sample_indices[b])]
+            sample = state.samples[sample_indices[b]]
             row = sample.sampling_row
             if row is None:
                 row = sample.sampling_row = SamplingRow(

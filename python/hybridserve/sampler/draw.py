@@ -139,11 +139,14 @@ def race_top_k(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) 
     # The kept tokens, as (row, column) pairs: about top_k per row (never the -inf
     # ones: they cannot win).
     cut = np.maximum(cut, np.finfo(np.float32).min).astype(np.float32)[:, None]
+    # flatnonzero (one index array, 8x faster than a 2-D nonzero here), rows by
+    # division; the pairs come out row-major, as a 2-D nonzero gives them.
     parts = []
     for lo in range(0, n, block):
-        sub = row_block(lo)
-        br, bc = np.nonzero(sub >= cut[lo:lo + block])
-        parts.append((br + lo, bc, sub[br, bc]))
+        sub = np.ascontiguousarray(row_block(lo))
+        flat = np.flatnonzero(sub >= cut[lo:lo + block])
+        br = flat // vocab
+        parts.append((br + lo, flat - br * vocab, sub.ravel()[flat]))
     r, c, kept = (np.concatenate(z) for z in zip(*parts)) if len(parts) > 1 else parts[0]
     if prep.seeded:
         seeded_slots = v["slots"].index_select(0, v["rand"].index_select(0, v["seeded"]))
@@ -159,12 +162,22 @@ def race_top_k(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) 
     else:
         q = torch.empty(len(r), dtype=torch.float32).exponential_()
     q.clamp_(min=torch.finfo(torch.float32).tiny)
-    r_t = torch.from_numpy(r)
     score = torch.from_numpy(kept - m[r, 0]).exp_().div_(q)
-    best = torch.full((n,), -1.0).scatter_reduce_(0, r_t, score, "amax")
-    # Among a row's best scores, the lowest column.
-    cols = torch.from_numpy(c.astype(np.int64)).masked_fill_(score != best.index_select(0, r_t), vocab)
-    tokens = torch.full((n,), vocab, dtype=torch.int64).scatter_reduce_(0, r_t, cols, "amin")
+    counts = np.bincount(r, minlength=n)
+    if counts.all():
+        # Every row has candidates (the pairs are row-major): per-row segments.
+        starts = np.zeros(n, dtype=np.int64)
+        np.cumsum(counts[:-1], out=starts[1:])
+        sc = score.numpy()
+        best = np.maximum.reduceat(sc, starts)
+        # Among a row's best scores, the lowest column.
+        cols = np.where(sc == np.repeat(best, counts), c, vocab)
+        tokens = torch.from_numpy(np.minimum.reduceat(cols, starts).astype(np.int64))
+    else:  # a row with nothing to draw from (all -inf) gets token `vocab`, as before
+        r_t = torch.from_numpy(r)
+        best_t = torch.full((n,), -1.0).scatter_reduce_(0, r_t, score, "amax")
+        cols_t = torch.from_numpy(c.astype(np.int64)).masked_fill_(score != best_t.index_select(0, r_t), vocab)
+        tokens = torch.full((n,), vocab, dtype=torch.int64).scatter_reduce_(0, r_t, cols_t, "amin")
     if prep.seeded:
         t.ip[:, I_OFF].index_add_(0, seeded_slots, torch.ones_like(seeded_slots))
     return tokens

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from hybridserve.sampler.streams import SeedStream, signed64
@@ -175,6 +176,9 @@ class Prepared:
     # that the next call of a steady batch can stage them again).
     slot_ids: list[int] | None = None
     pen_pslots: list[int] | None = None
+    # The steady batch's index lists as int64 arrays, made at its first reuse and
+    # passed on (a list of 256 ints costs ~10 us to convert for the staging copy).
+    steady_arrays: list | None = None
 
     @property
     def all_greedy(self) -> bool:
@@ -316,11 +320,17 @@ class RowTables:
                     return None
         prep = Prepared(lp.samples, [], {}, lp.pen, lp.bias, lp.topp, lp.rand, lp.seeded, lp.unseeded, False,
                         False, lp.want_logprobs, lp.any_temp, lp.any_min_p, lp.top_ks, lp.top_p_limits)
-        empty: list[int] = []
+        arrays = lp.steady_arrays
+        if arrays is None:
+            arrays = [np.asarray(a, dtype=np.int64) for a in (lp.slot_ids, lp.pen, lp.pen_pslots, lp.bias, lp.topp,
+                                                               lp.rand, lp.seeded, lp.unseeded)]
+        prep.steady_arrays = arrays
+        slot_ids, pen, pen_pslots, bias, topp, rand, seeded, unseeded = arrays
+        empty = arrays[-1][:0]
         prep.segments = [
-            lp.slot_ids, empty, empty, empty, empty, empty, empty, empty,
+            slot_ids, empty, empty, empty, empty, empty, empty, empty,
             empty, empty, empty, empty, empty, empty, empty, empty,
-            lp.pen, lp.pen_pslots, lp.bias, lp.topp, lp.rand, lp.seeded, lp.unseeded,
+            pen, pen_pslots, bias, topp, rand, seeded, unseeded,
         ]
         prep.num_rows, prep.vocab = lp.num_rows, lp.vocab
         prep.all_top_k, prep.pen_span = lp.all_top_k, lp.pen_span
