@@ -382,8 +382,9 @@ def test_a_tokenizer_with_space_clean_up_is_decoded_through_its_own_decode(raw_t
 @pytest.mark.parametrize("skip", [True, False])
 def test_byte_level_fast_path_gives_the_two_decode_deltas(which, skip, request):
     """A byte-level tokenizer's token that is whole text on its own is emitted from a
-    per-token table (no decode); every delta, and the flush, must be the one the
-    two-decode path gives. Random ids over the whole vocabulary (lone continuation
+    per-token table (no decode), and a pending window's prefix text is kept while the
+    offsets stay; every delta, and the flush, must be the ones the plain two-decode
+    algorithm gives. Random ids over the whole vocabulary (lone continuation
     bytes, truncated characters, special tokens) and real text, from several
     prompts."""
     tok = request.getfixturevalue("hf_tokenizer" if which == "hf" else "raw_tokenizer")
@@ -402,6 +403,7 @@ def test_byte_level_fast_path_gives_the_two_decode_deltas(which, skip, request):
         slow._texts = None  # the two-decode path only
         for t in ids:
             before = fast._read_offset == len(fast._ids)
+            slow._prefix_text = None  # and both decodes every time: the plain algorithm
             assert fast.append(t) == slow.append(t)
             fast_hits += before and fast._texts.get(t) is not None
         assert fast.flush() == slow.flush()

@@ -96,6 +96,9 @@ class IncrementalDetokenizer:
         # decodes); anything else takes the two-decode path below.
         byte_level = _byte_level_backend(tokenizer)
         self._texts = _token_texts(byte_level, skip_special_tokens) if byte_level is not None else None
+        # The text of the window before the read offset while the offsets stay put
+        # (tokens pending: an incomplete character), so a pending step decodes once.
+        self._prefix_text: str | None = None
 
     @property
     def output_text(self) -> str:
@@ -124,16 +127,21 @@ class IncrementalDetokenizer:
                 ids.clear()
                 ids.append(token_id)
                 self._prefix_offset, self._read_offset = 0, 1
+                self._prefix_text = None
                 self._emitted.append(text)
                 return text
         self._ids.append(token_id)
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         pending = len(self._ids) - self._read_offset
         if len(new_text) <= len(prefix_text) or (
             new_text.endswith(REPLACEMENT_CHAR) and pending < _MAX_PENDING_TOKENS
         ):
+            self._prefix_text = prefix_text  # the offsets stay: the same window next time
             return ""
+        self._prefix_text = None
         delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
@@ -153,6 +161,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = None
         delta = new_text[len(prefix_text) :]
         self._emitted.append(delta)
         return delta
