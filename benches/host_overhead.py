@@ -30,12 +30,14 @@ nothing) and ``sample_cpu`` (the sampler's CPU time, its plan and its draw): on 
 machine shared with other work, CPU time leaves out the waits for a core.
 
 ``--before REV`` also runs the script against the package as of git revision REV
-(extracted to a temporary folder, with the current build of the Rust extension) in a
-subprocess, and prints both side by side. With ``--isolated``, REV must have the
-engine's phase timers (issue 20's first round, 301109f or later).
+(extracted to a temporary folder, with the current build of the Rust extension) and
+prints both side by side: every case in its own process, the two trees alternating
+case by case, ``--rounds`` times (cells: medians over the rounds), so that a change
+in the machine's load lands on both. With ``--isolated``, REV must have the engine's
+phase timers (issue 20's first round, 301109f or later).
 
     python benches/host_overhead.py --threads 2 --before 6c663d6
-    python benches/host_overhead.py --threads 1 --isolated --before 96b5551
+    python benches/host_overhead.py --threads 1 --isolated --before 96b5551 --rounds 3
 """
 
 from __future__ import annotations
@@ -317,16 +319,32 @@ def measure_each_in_own_process(args) -> list[dict]:
     results = []
     for context in args.contexts:
         for mode in args.modes:
-            cmd = [sys.executable, os.path.abspath(__file__), "--json", "--single", "--threads", str(args.threads),
-                   "--seqs", str(args.seqs), "--steps", str(args.steps), "--contexts", str(context),
-                   "--modes", mode, *(["--isolated"] if args.isolated else []),
-                   *(["--expect-root", args.expect_root] if args.expect_root else [])]
-            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+            out = subprocess.run(_case_cmd(args, context, mode, args.expect_root), check=True,
+                                 stdout=subprocess.PIPE, text=True).stdout
             results.extend(json.loads(out.strip().splitlines()[-1]))
     return results
 
 
-def _before(rev: str, args) -> list[dict]:
+def _case_cmd(args, context: int, mode: str, expect_root: str | None) -> list[str]:
+    return [sys.executable, os.path.abspath(__file__), "--json", "--single", "--threads", str(args.threads),
+            "--seqs", str(args.seqs), "--steps", str(args.steps), "--contexts", str(context), "--modes", mode,
+            *(["--isolated"] if args.isolated else []), *(["--expect-root", expect_root] if expect_root else [])]
+
+
+def _median_rows(runs: list[dict]) -> dict:
+    """One case's rounds -> one row: the median of each cell over the rounds."""
+    row = dict(runs[0])
+    for key in ("us_per_seq", "engine_phases_us_per_seq"):
+        if key in row and row[key]:
+            row[key] = {k: round(statistics.median(r[key][k] for r in runs), 2) for k in row[key]}
+    row["rounds"] = len(runs)
+    return row
+
+
+def side_by_side(rev: str, args) -> tuple[list[dict], list[dict]]:
+    """Before (the package as of ``rev``) and after, each case in its own process,
+    the two trees alternating case by case for ``--rounds`` rounds (so a change in
+    the machine's load lands on both), cells the medians over the rounds."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     tmp = tempfile.mkdtemp(prefix="hybridserve-before-")
     try:
@@ -336,12 +354,23 @@ def _before(rev: str, args) -> list[dict]:
         pkg = os.path.join(tmp, "python", "hybridserve")
         for so in glob.glob(os.path.join(root, "python", "hybridserve", "_core*.so")):
             shutil.copy(so, pkg)
-        env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "python"))
-        cmd = [sys.executable, os.path.abspath(__file__), "--json", "--threads", str(args.threads),
-               "--seqs", str(args.seqs), "--steps", str(args.steps), "--expect-root", os.path.join(tmp, "python"),
-               "--contexts", *map(str, args.contexts), "--modes", *args.modes, *(["--isolated"] if args.isolated else [])]
-        out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-        return json.loads(out.strip().splitlines()[-1])
+        before_env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "python"))
+        before, after = [], []
+        for context in args.contexts:
+            for mode in args.modes:
+                b_runs, a_runs = [], []
+                for r in range(args.rounds):
+                    # Alternate which tree goes first, so neither always follows the other.
+                    order = (("b", before_env), ("a", None)) if r % 2 == 0 else (("a", None), ("b", before_env))
+                    for which, env in order:
+                        expect = os.path.join(tmp, "python") if which == "b" else args.expect_root
+                        out = subprocess.run(_case_cmd(args, context, mode, expect), env=env, check=True,
+                                             stdout=subprocess.PIPE, text=True).stdout
+                        (b_runs if which == "b" else a_runs).extend(json.loads(out.strip().splitlines()[-1]))
+                before.append(_median_rows(b_runs))
+                after.append(_median_rows(a_runs))
+                print(json.dumps({"before": before[-1], "after": after[-1]}), file=sys.stderr, flush=True)
+        return before, after
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -354,6 +383,8 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[100, 4000, 16000])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     ap.add_argument("--before", metavar="REV", help="also measure the package as of this git revision")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --before: rounds of each case, the two trees alternating case by case (medians)")
     ap.add_argument("--isolated", action="store_true",
                     help="synchronous engine, model output replayed: host work alone, by the engine's phase timers")
     ap.add_argument("--json", action="store_true", help="print one JSON list (used by --before)")
@@ -364,13 +395,15 @@ def main() -> None:
         import hybridserve
 
         assert os.path.abspath(hybridserve.__file__).startswith(args.expect_root), hybridserve.__file__
-    before = _before(args.before, args) if args.before else None
-    after = measure_each_in_own_process(args)
+    if args.before:
+        before, after = side_by_side(args.before, args)
+    else:
+        before, after = None, measure_each_in_own_process(args)
     if args.json:
         print(json.dumps(after))
         return
     if args.isolated:
-        print(f"torch intra-op threads: {torch.get_num_threads()}; {args.seqs} sequences decoding; synchronous "
+        print(f"torch intra-op threads: {args.threads}; {args.seqs} sequences decoding; synchronous "
               "engine, model output replayed; medians, us per sequence per step (gc: mean)")
         keys = list(after[0]["us_per_seq"])
         print("| context | sampling | " + " | ".join(f"{k} before / after" if before else k for k in keys) + " |")
@@ -385,7 +418,7 @@ def main() -> None:
             print(f"{mode}: host at context {hi['context']} / {lo['context']}: "
                   f"{hi['us_per_seq']['host'] / lo['us_per_seq']['host']:.2f}x")
         return
-    print(f"torch intra-op threads: {torch.get_num_threads()}; {args.seqs} sequences decoding; "
+    print(f"torch intra-op threads: {args.threads}; {args.seqs} sequences decoding; "
           "medians, us per sequence per step")
     keys = ("schedule", "prepare", "sample", "rest", "handoff", "host", "forward")
     print("| context | sampling | " + " | ".join(f"{k} before / after" if before else k for k in keys) + " |")

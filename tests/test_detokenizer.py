@@ -376,3 +376,44 @@ def test_a_tokenizer_with_space_clean_up_is_decoded_through_its_own_decode(raw_t
     d2.flush()
     assert d2._decode_fn == plain.backend_tokenizer.decode
     assert "".join(deltas2) == plain.decode(out)
+
+
+@pytest.mark.parametrize("which", ["hf", "raw"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_level_fast_path_gives_the_two_decode_deltas(which, skip, request):
+    """A byte-level tokenizer's token that is whole text on its own is emitted from a
+    per-token table (no decode), and a pending window's prefix text is kept while the
+    offsets stay; every delta, and the flush, must be the ones the plain two-decode
+    algorithm gives. Random ids over the whole vocabulary (lone continuation
+    bytes, truncated characters, special tokens) and real text, from several
+    prompts."""
+    tok = request.getfixturevalue("hf_tokenizer" if which == "hf" else "raw_tokenizer")
+    raw = tok if which == "raw" else tok.backend_tokenizer
+    vocab = raw.get_vocab_size()
+    encode = (lambda s: tok.encode(s).ids) if which == "raw" else (lambda s: tok.encode(s))
+    rng = random.Random(5)
+    fast_hits = 0
+    sequences = [[rng.randrange(vocab) for _ in range(rng.randrange(1, 40))] for _ in range(60)]
+    sequences += [encode(t) for t in TEXTS + CORPUS]
+    for ids in sequences:
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 8))]
+        fast = IncrementalDetokenizer(tok, prompt, skip)
+        slow = IncrementalDetokenizer(tok, prompt, skip)
+        assert fast._texts is not None
+        slow._texts = None  # the two-decode path only
+        for t in ids:
+            before = fast._read_offset == len(fast._ids)
+            slow._prefix_text = None  # and both decodes every time: the plain algorithm
+            assert fast.append(t) == slow.append(t)
+            fast_hits += before and fast._texts.get(t) is not None
+        assert fast.flush() == slow.flush()
+        assert fast.output_text == slow.output_text
+    assert fast_hits > 100
+
+
+def test_tokenizers_without_a_byte_level_decoder_take_the_two_decode_path():
+    from tokenizers import Tokenizer, decoders, models
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.Metaspace()
+    assert IncrementalDetokenizer(tok, [], True)._texts is None

@@ -263,3 +263,95 @@ def test_fork_row_raw_logprobs_make_no_samples_by_vocab_copy(monkeypatch):
     assert got.token_ids == want.token_ids and got.ranks == want.ranks
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
     assert [[t for t, _ in x] for x in got.top_logprobs] == [[t for t, _ in x] for x in want.top_logprobs]
+
+
+def test_penalty_rows_in_any_order_read_their_own_counts(monkeypatch):
+    """Penalty rows whose count-table rows are consecutive read a slice of the tables,
+    others a gather (``Prepared.pen_span``); the rows here come in a new order every
+    other step (the engine's batch order changes as requests come and go), so both
+    routes run, and every step's seeded tokens are the old sampler's."""
+    import hybridserve.sampler.processors as procs
+
+    routes = []
+    real = procs.apply_penalties
+
+    def spy(x, prep, t, fp):
+        routes.append(prep.pen_span is not None)
+        return real(x, prep, t, fp)
+
+    monkeypatch.setattr(procs, "apply_penalties", spy)
+    vocab, n = 300, 12
+    params = [SamplingParams(seed=40 + i, temperature=0.9, top_k=30, top_p=0.9, repetition_penalty=1.3,
+                             frequency_penalty=0.25, presence_penalty=-0.2) for i in range(n)]
+    g = torch.Generator().manual_seed(4)
+    prompts = [[random.Random(i).randrange(vocab) for _ in range(10)] for i in range(n)]
+    got_state = {"new": ([[] for _ in range(n)], [make_generator(p.seed, 0) for p in params], Sampler()),
+                 "old": ([[] for _ in range(n)], [old.make_generator(p.seed, 0) for p in params], old.Sampler())}
+    for step in range(8):
+        order = list(range(n)) if step % 2 == 0 else list(random.Random(step).sample(range(n), n))
+        logits = torch.randn(n, vocab, generator=g) * 3
+        tokens = {}
+        for name, mod in (("new", new), ("old", old)):
+            outs, streams, sampler = got_state[name]
+            rows = [mod.SamplingRow(params=params[i], prompt_token_ids=prompts[i], output_token_ids=outs[i],
+                                    generator=streams[i], key=i) for i in order]
+            tokens[name] = sampler(logits, rows).token_ids
+            for i, tok in zip(order, tokens[name]):
+                outs[i].append(tok)
+        assert tokens["new"] == tokens["old"], step
+    assert True in routes and False in routes
+
+
+def test_a_steady_batch_reuses_its_plan_and_any_change_is_seen(monkeypatch):
+    """The same row objects step after step reuse the last call's row lists
+    (``RowTables._plan_steady``); a stream moved by the caller, a rewritten history,
+    new parameters, a released row or a new order must each be noticed. Every step's
+    tokens are the old sampler's (which prepares every row from scratch)."""
+    import hybridserve.sampler.rows as rows_mod
+
+    reused = []
+    real = rows_mod.RowTables._plan_steady
+
+    def spy(self, rows):
+        out = real(self, rows)
+        reused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(rows_mod.RowTables, "_plan_steady", spy)
+    vocab, n = 300, 10
+    kinds = [dict(temperature=0.8, top_k=40, top_p=0.9, repetition_penalty=1.2, frequency_penalty=0.2,
+                  presence_penalty=0.1), dict(temperature=0.0), dict(temperature=1.0, min_tokens=2, stop_token_ids=[7]),
+             dict(temperature=0.7, logit_bias={5: 2.0})]
+    params = [SamplingParams(seed=60 + i, **kinds[i % len(kinds)]) for i in range(n)]
+    g = torch.Generator().manual_seed(9)
+    prompts = [[random.Random(i).randrange(vocab) for _ in range(6)] for i in range(n)]
+    sides = {}
+    for name, mod in (("new", new), ("old", old)):
+        outs = [[] for _ in range(n)]
+        streams = [mod.make_generator(p.seed, 0) for p in params]
+        rows = [mod.SamplingRow(params=params[i], prompt_token_ids=prompts[i], output_token_ids=outs[i],
+                                generator=streams[i], key=("r", i), eos_token_id=2) for i in range(n)]
+        sides[name] = (mod, rows, outs, streams, Sampler() if name == "new" else old.Sampler())
+    for step in range(12):
+        logits = torch.randn(n, vocab, generator=g) * 3
+        tokens = {}
+        for name, (mod, rows, outs, streams, sampler) in sides.items():
+            if step == 4:
+                streams[0].offset += 3  # the caller moved a stream
+            if step == 6:
+                outs[0][-1] = (outs[0][-1] + 1) % vocab  # a rewritten history, same length
+            if step == 7:
+                rows[1].params = SamplingParams(seed=99, temperature=0.9, top_k=20, presence_penalty=0.5)
+            if step == 8:
+                sampler.release(("r", 2))
+            if step == 9:
+                rows.reverse()
+            tokens[name] = sampler(logits, rows).token_ids
+            for r, tok in zip(rows, tokens[name]):
+                r.output_token_ids.append(tok)
+        assert tokens["new"] == tokens["old"], step
+    # Reused on a quiet step that follows a step which rebuilt nothing (min_tokens'
+    # bans are over after step 1; steps 4-9 each change something), never on a step
+    # with a change.
+    assert all(reused[s] for s in (3, 10, 11)), reused
+    assert not any(reused[s] for s in (0, 1, 2, 4, 5, 6, 7, 8, 9)), reused

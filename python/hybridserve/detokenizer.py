@@ -31,6 +31,34 @@ _CONTEXT_TOKENS = 5
 _MAX_PENDING_TOKENS = 4
 
 
+def _byte_level_backend(tokenizer: Any) -> Any:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` when its decoding is pure
+    byte-level BPE (one ``ByteLevel`` decoder, no clean-up of spaces), else None.
+
+    There the text of a token sequence is the UTF-8 decoding of its tokens' bytes
+    concatenated, so a token whose own bytes are complete UTF-8 text, decoded after
+    text that ended on a character boundary, adds exactly its own text."""
+    from tokenizers import Tokenizer, decoders
+
+    backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return None
+    return backend if isinstance(backend.decoder, decoders.ByteLevel) else None
+
+
+# Per byte-level tokenizer (and skip_special_tokens): token id -> its text when that
+# text stands alone (non-empty, no U+FFFD), else None. Keyed by id() with the
+# tokenizer held, so the id is never reused; a server has one tokenizer.
+_TOKEN_TEXT: dict[tuple[int, bool], tuple[Any, dict[int, str | None]]] = {}
+
+
+def _token_texts(backend: Any, skip_special_tokens: bool) -> dict[int, str | None]:
+    entry = _TOKEN_TEXT.get((id(backend), skip_special_tokens))
+    if entry is None:
+        entry = _TOKEN_TEXT[(id(backend), skip_special_tokens)] = (backend, {})
+    return entry[1]
+
+
 class IncrementalDetokenizer:
     """Turns one sample's token ids into text, one token at a time.
 
@@ -63,6 +91,14 @@ class IncrementalDetokenizer:
         # Emitted text as pieces: `str +=` on an attribute copies the whole string,
         # O(generated) per token; joined only when read.
         self._emitted: list[str] = []
+        # Byte-level BPE (Qwen's): a token that is whole text on its own, arriving when
+        # nothing is pending, is its own delta (one dictionary lookup instead of two
+        # decodes); anything else takes the two-decode path below.
+        byte_level = _byte_level_backend(tokenizer)
+        self._texts = _token_texts(byte_level, skip_special_tokens) if byte_level is not None else None
+        # The text of the window before the read offset while the offsets stay put
+        # (tokens pending: an incomplete character), so a pending step decodes once.
+        self._prefix_text: str | None = None
 
     @property
     def output_text(self) -> str:
@@ -76,14 +112,36 @@ class IncrementalDetokenizer:
 
     def append(self, token_id: int) -> str:
         """Add one generated token; return the newly completed text (may be "")."""
-        self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        token_id = int(token_id)
+        texts = self._texts
+        if texts is not None and self._read_offset == len(self._ids):
+            text = texts.get(token_id, REPLACEMENT_CHAR)
+            if text is REPLACEMENT_CHAR:  # not looked at yet
+                text = self._decode([token_id])
+                text = texts[token_id] = text if text and REPLACEMENT_CHAR not in text else None
+            if text is not None:
+                # What the two decodes below would give: the window is text that ended
+                # on a character boundary, and this token's bytes are whole characters.
+                # The window becomes this one token, as there.
+                ids = self._ids
+                ids.clear()
+                ids.append(token_id)
+                self._prefix_offset, self._read_offset = 0, 1
+                self._prefix_text = None
+                self._emitted.append(text)
+                return text
+        self._ids.append(token_id)
+        prefix_text = self._prefix_text
+        if prefix_text is None:
+            prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         pending = len(self._ids) - self._read_offset
         if len(new_text) <= len(prefix_text) or (
             new_text.endswith(REPLACEMENT_CHAR) and pending < _MAX_PENDING_TOKENS
         ):
+            self._prefix_text = prefix_text  # the offsets stay: the same window next time
             return ""
+        self._prefix_text = None
         delta = new_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
@@ -103,6 +161,7 @@ class IncrementalDetokenizer:
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
+        self._prefix_text = None
         delta = new_text[len(prefix_text) :]
         self._emitted.append(delta)
         return delta

@@ -41,6 +41,9 @@ SampleLogprobs = list[dict[int, Logprob]]
 class CompletionOutput:
     """One completion (sample) of a request.
 
+    (The engine's per-step path builds it with positional arguments: keep the field
+    order.)
+
     finish_reason: None while running; "stop" (EOS, a stop token or a stop string) or
       "length" (max_tokens reached) once finished; "abort" when cancelled.
     stop_reason: the stop token id or stop string that ended it; None for EOS, length
@@ -65,7 +68,8 @@ class CompletionOutput:
 class RequestOutput:
     """All completions of one request, plus its prompt.
 
-    ``finished`` is true when every completion has finished.
+    ``finished`` is true when every completion has finished. (The engine's per-step
+    path builds it with positional arguments: keep the field order.)
     """
 
     request_id: str

@@ -125,3 +125,43 @@ def test_decode_graph_plumbing_gives_the_eager_engine_tokens(tiny_dirs):
     replayed, graphs = run(True)
     assert replayed == eager
     assert graphs.replays >= 8  # decode steps at batch sizes 5, 4, 3, 2, 1 went through it
+
+
+def test_batch_block_tables_are_a_view_when_rows_are_consecutive(tiny_dirs, monkeypatch):
+    """A batch whose block-table rows are consecutive reads the runner's persistent
+    table through a view (no per-step copy that grows with context); any other batch
+    gathers its rows. Either way the batch's tables are the rows the plan names (the
+    oracle: a gather of those rows of the persistent buffer)."""
+    import numpy as np
+    import torch
+
+    engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), device="cpu", dtype="float32",
+                                  block_size=4, max_num_seqs=8, num_gpu_blocks=96, num_state_slots=16))
+    runner = engine.runner
+    seen = {"view": 0, "gather": 0}
+    real = runner.build_batch
+
+    def build_batch(plan, *a):
+        batch, sampling, num_samples = real(plan, *a)
+        rows = np.asarray(plan.block_table_rows, dtype=np.int64)
+        width = batch.block_tables.shape[1]
+        want = runner.block_table_buf[torch.from_numpy(rows), :width]
+        assert torch.equal(batch.block_tables, want)
+        assert torch.equal(batch.state_pages, runner.state_table_buf[torch.from_numpy(rows)])
+        shares = batch.block_tables.untyped_storage().data_ptr() == runner.block_table_buf.untyped_storage().data_ptr()
+        consecutive = bool((np.diff(rows) == 1).all())
+        assert shares == consecutive
+        seen["view" if shares else "gather"] += 1
+        return batch, sampling, num_samples
+
+    monkeypatch.setattr(runner, "build_batch", build_batch)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for rid in "abc":
+        engine.add_request(rid, list(range(1, 14)), greedy)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("b")  # rows 0, 2 left: not consecutive
+    engine.add_request("d", list(range(2, 9)), greedy)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert seen["view"] and seen["gather"]

@@ -498,7 +498,7 @@ class LLMEngine:
         growing token list, the stream), so a decode step costs a lookup per row."""
         rows = []
         req_ids = plan.request_ids
-        sample_indices = plan.sample_indices
+        sample_indices = np.asarray(plan.sample_indices).tolist()  # a list: numpy item reads are slow
         requests = self.requests
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
         for b, k in zip(batch_index.tolist(), num_samples.tolist()):
@@ -515,7 +515,7 @@ class LLMEngine:
                     eos_token_id=eos,
                 ))
                 continue
-            sample = state.samples[int(sample_indices[b])]
+            sample = state.samples[sample_indices[b]]
             row = sample.sampling_row
             if row is None:
                 row = sample.sampling_row = SamplingRow(
@@ -613,27 +613,41 @@ class LLMEngine:
         now = time.monotonic()
 
         requests = self.requests
+        # Outputs of this step. A running single-sample request that is not a beam,
+        # wants no prompt logprobs and does not finish now gets its delta output in
+        # this one pass over the new tokens (the common row); every other changed
+        # request is collected in `changed` and handled below.
+        outputs: list[RequestOutput] = []
+        fast = self.emit_unfinished
+        finishing = set(update.finished_request_ids) if len(update.finished_request_ids) else ()
+        beams, plp = self._beams, self._prompt_logprobs
         for rid, si, tok in zip(update.request_ids, np.asarray(update.sample_indices).tolist(),
                                 np.asarray(update.token_ids).tolist()):
             state = requests.get(rid)
             if state is None:
                 continue
-            sample = state.samples[si]
+            samples = state.samples
+            sample = samples[si]
             sample.token_ids.append(tok)
             m = state.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
+            completion = sample.completion
+            if completion is not None and sample.finish_reason is None:
+                hit = completion.append(tok)
+                if hit is not None:
+                    sample.finish_reason, sample.stop_reason = "stop", hit
+                    self.scheduler.finish(rid, si, "stop")
+            if (fast and len(samples) == 1 and sample.finish_reason is None and rid not in finishing
+                    and not (beams and rid in beams) and not (plp and rid in plp)):
+                outputs.append(state.single_delta_output())
+                continue
             got = changed.get(rid)
             if got is None:
                 changed[rid] = {si}
             else:
                 got.add(si)
-            if sample.completion is not None and sample.finish_reason is None:
-                hit = sample.completion.append(tok)
-                if hit is not None:
-                    sample.finish_reason, sample.stop_reason = "stop", hit
-                    self.scheduler.finish(rid, si, "stop")
         for rid, si, reason in zip(
             update.finished_request_ids, update.finished_sample_indices, update.finished_reasons
         ):
@@ -665,7 +679,6 @@ class LLMEngine:
 
         # Running requests report only what is new (delta outputs); a finished one
         # reports its whole result once.
-        outputs = []
         requests, beams, emit = self.requests, self._beams, self.emit_unfinished
         for rid, changed_samples in changed.items():
             state = requests.get(rid)

@@ -48,15 +48,19 @@ class SampleState:
         ``streamed_tokens`` and the text that is safe to stream (a possible stop-string
         prefix held back until it is decided). O(new), not O(generated)."""
         n0 = self.streamed_tokens
-        self.streamed_tokens = len(self.token_ids)
+        token_ids = self.token_ids
+        self.streamed_tokens = len(token_ids)
+        finished = self.finish_reason is not None
+        # Positional: this runs once per running sample per step, and keyword
+        # arguments cost a dataclass __init__ about twice as much.
         return CompletionOutput(
-            index=self.index,
-            text=self.completion.take_delta(self.finished) if self.completion is not None else "",
-            token_ids=self.token_ids[n0:],
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs[n0:] if self.logprobs is not None else None,
-            finish_reason=self.finish_reason,
-            stop_reason=self.stop_reason,
+            self.index,
+            self.completion.take_delta(finished) if self.completion is not None else "",
+            token_ids[n0:],
+            self.cumulative_logprob,
+            self.logprobs[n0:] if self.logprobs is not None else None,
+            self.finish_reason,
+            self.stop_reason,
         )
 
     def to_output(self) -> CompletionOutput:
@@ -160,6 +164,12 @@ class RequestState:
             metrics=self.metrics,
             delta=True,
         )
+
+    def single_delta_output(self) -> RequestOutput:
+        """:meth:`delta_output` of a running one-sample request (the common row of a
+        decode step), arguments positional."""
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [self.samples[0].delta_output()],
+                             False, self.metrics, None, True)
 
     def to_output(self) -> RequestOutput:
         """The whole result (``delta=False``): every sample's text, tokens and logprobs."""

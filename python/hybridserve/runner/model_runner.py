@@ -180,7 +180,7 @@ class ModelRunner:
         # choice) follows the batch's real context, not max_model_len.
         seq_lens = np.asarray(plan.seq_lens)
         width = -(-int(seq_lens.max()) // self.cache.block_size) if len(seq_lens) else 1
-        rows = s["block_table_rows"]
+        rows, host_rows = s["block_table_rows"], np.asarray(plan.block_table_rows)
         ck = {}
         if self._has_checkpoints:
             ck = dict(checkpoint_positions=s["checkpoint_positions"].to(torch.int32),
@@ -191,13 +191,26 @@ class ModelRunner:
             slot_mapping=s["slot_mapping"],
             query_start_loc=s["query_start_loc"].to(torch.int32),
             seq_lens=s["seq_lens"].to(torch.int32),
-            block_tables=self.block_table_buf[:, :width].index_select(0, rows),
-            state_pages=self.state_table_buf.index_select(0, rows),
+            block_tables=self._batch_rows(self.block_table_buf[:, :width], host_rows, rows),
+            state_pages=self._batch_rows(self.state_table_buf, host_rows, rows),
             has_initial_state=s["has_initial_state"].to(torch.bool),
             logits_indices=s["logits_indices"],
             **ck,
         )
         return batch, sampling, num_samples
+
+    @staticmethod
+    def _batch_rows(buf: torch.Tensor, host_rows: np.ndarray, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``host_rows`` of a persistent table (``rows``: the same on the device):
+        a view when they are consecutive (the steady state: the scheduler hands rows
+        out in admission order), so a decode step copies nothing that grows with
+        context (the block table at 16,000 tokens is about 1,000 columns a row);
+        otherwise a gather."""
+        n = len(host_rows)
+        if n and (n == 1 or bool((np.diff(host_rows) == 1).all())):
+            r0 = int(host_rows[0])
+            return buf[r0:r0 + n]
+        return buf.index_select(0, rows)
 
     @torch.inference_mode()
     def execute(self, plan: Any, all_positions: Any = ()) -> StepLogits | None:

@@ -203,15 +203,25 @@ class Sampler:
                 for s, k in enumerate(ks):
                     top[s] = [(int(ti[s * kmax + j]), tv[s * kmax + j]) for j in range(k)]
 
-        # Host mirrors of what the device just did.
-        for j in prep.seeded:
-            smp = samples[prep.rand[j]]
-            smp.stream.offset += 1
-            smp.slot.offset += 1
-        for s in prep.pen:
-            slot = samples[s].slot
-            slot.counted += 1
-            slot.last_tok = token_ids[s]
+        # Host mirrors of what the device just did (one pass when every sample is a
+        # seeded penalty row, the usual sampled batch).
+        n = len(samples)
+        if len(prep.seeded) == n and len(prep.pen) == n:
+            for smp, tok in zip(samples, token_ids):
+                slot = smp.slot
+                smp.stream.offset += 1
+                slot.offset += 1
+                slot.counted += 1
+                slot.last_tok = tok
+        else:
+            for j in prep.seeded:
+                smp = samples[prep.rand[j]]
+                smp.stream.offset += 1
+                smp.slot.offset += 1
+            for s in prep.pen:
+                slot = samples[s].slot
+                slot.counted += 1
+                slot.last_tok = token_ids[s]
         if not prep.want_logprobs:
             return SamplerOutput(token_ids=token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=chosen_l, ranks=ranks_l, top_logprobs=top)

@@ -69,29 +69,43 @@ def apply_bans(x: torch.Tensor, prep: Prepared, t: RowTables) -> None:
 
 
 def apply_penalties(x: torch.Tensor, prep: Prepared, t: RowTables, fp: torch.Tensor) -> None:
-    """Repetition, frequency and presence penalties of the penalty rows, in place."""
+    """Repetition, frequency and presence penalties of the penalty rows, in place.
+
+    Float arithmetic only (no boolean masks: on the CPU a bool->float promotion or
+    comparison costs 4-5x a float op of the same size): a token's "in the output"
+    is ``sign(count)`` (counts are >= 0) and its "seen" is the larger of that and the
+    prompt table's byte, both exactly 0.0 or 1.0, so every product below is the
+    number the boolean formulation gave (``pres * 1.0``, ``rep * 1.0 + 0.0``)."""
     idx, pslots = prep.v["pen"], prep.v["pen_pslots"]
     f = fp.index_select(0, idx)
     rep = f[:, F_REP : F_REP + 1]
     freq = f[:, F_FREQ : F_FREQ + 1]
     pres = f[:, F_PRES : F_PRES + 1]
     every = len(prep.pen) == x.shape[0]
+    span = prep.pen_span
     for sl in column_slices(len(prep.pen), x.shape[1], 16):
-        counts = t.counts[:, sl].index_select(0, pslots)
-        in_output = counts > 0
-        seen = t.prompt_seen[:, sl].index_select(0, pslots).logical_or_(in_output)
+        if span is not None:
+            # The rows' count-table rows are consecutive (the steady state): a view.
+            counts = t.counts[span[0]:span[1], sl]
+            prompt = t.prompt_seen[span[0]:span[1], sl]
+        else:
+            counts = t.counts[:, sl].index_select(0, pslots)
+            prompt = t.prompt_seen[:, sl].index_select(0, pslots)
+        in_output = counts.sign()
+        seen = torch.maximum(prompt.view(torch.uint8).to(torch.float32), in_output)
         cols = x[:, sl]
         # Every row penalised (the usual batch): work on the buffer's columns directly.
         sub = cols if every else cols.index_select(0, idx)
         # Repetition without torch.where (several times slower than arithmetic on
-        # the CPU): each seen token's factor is rep (exactly: seen * rep + unseen * 1),
+        # the CPU): each seen token's factor is rep (exactly: seen * rep + (1 - seen)),
         # a positive logit is divided by it and a negative one multiplied, both
         # exactly as before (a term with the other sign is an exact zero).
-        factor = seen * rep + seen.logical_not()
-        sub = sub.clamp(min=0).div_(factor).add_(sub.clamp(max=0).mul_(factor))
-        sub.sub_(freq * counts)
-        sub.sub_(pres * in_output)
-        cols.copy_(sub) if every else cols.index_copy_(0, idx, sub)
+        factor = (seen * rep).add_(seen.neg_().add_(1.0))
+        neg = sub.clamp(max=0).mul_(factor)
+        out = sub.clamp(min=0).div_(factor).add_(neg)
+        out.sub_(counts * freq)
+        out.sub_(in_output.mul_(pres))
+        cols.copy_(out) if every else cols.index_copy_(0, idx, out)
 
 
 def apply_temperature(x: torch.Tensor, fp: torch.Tensor) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 _MASK64 = (1 << 64) - 1
@@ -78,6 +79,36 @@ def uniform_at(states: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     return (_srl(h, 40) + 1).to(torch.float32) * (2.0**-24)
 
 
+# The same hash on numpy uint64 arrays (the CPU candidate draw: numpy's per-call
+# cost is a fraction of torch's at a few thousand elements). Wrapping arithmetic and
+# logical shifts on uint64 give the very bits of the int64 torch functions above.
+_U = np.uint64
+_GOLDEN_U, _MIX1_U, _MIX2_U = _U(_GOLDEN), _U(_MIX1), _U(_MIX2)
+
+
+def _mix64_np(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> _U(30))
+    x *= _MIX1_U
+    x ^= x >> _U(27)
+    x *= _MIX2_U
+    return x ^ (x >> _U(31))
+
+
+def row_states_np(keys: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """:func:`row_states` on uint64 arrays (the same bits)."""
+    with np.errstate(over="ignore"):
+        row = _mix64_np(offsets.astype(np.uint64) + _GOLDEN_U)
+        return _mix64_np((keys.astype(np.uint64) ^ row) + _GOLDEN_U)
+
+
+def uniform_at_np(states: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """:func:`uniform_at` on numpy arrays (uint64 ``states``, integer ``cols``): the
+    same float32 numbers."""
+    with np.errstate(over="ignore"):
+        h = _mix64_np(states + (cols.astype(np.uint64) + _U(1)) * _GOLDEN_U)
+    return ((h >> _U(40)) + _U(1)).astype(np.float32) * np.float32(2.0**-24)
+
+
 def counter_uniform(keys: torch.Tensor, offsets: torch.Tensor, vocab: int) -> torch.Tensor:
     """float32 ``[R, vocab]`` uniforms in (0, 1] from int64 stream ``keys`` ``[R]`` and
     draw ``offsets`` ``[R]``: element ``(r, j)`` is a pure function of
@@ -126,4 +157,4 @@ def make_generator(
 
 
 __all__ = ["SeedStream", "make_generator", "counter_uniform", "counter_uniform_reference", "row_states",
-           "uniform_at", "uniform_columns", "signed64"]
+           "row_states_np", "uniform_at", "uniform_at_np", "uniform_columns", "signed64"]
