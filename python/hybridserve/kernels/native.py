@@ -292,6 +292,29 @@ def linear_bf16(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype = 
     return out
 
 
+def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` for ``gu`` ``[T, 2 * inter]`` = ``[gate | up]``
+    (contiguous, float32 or bfloat16), in one pass, in place in the gate half, which is
+    returned (a ``[T, inter]`` view of ``gu``). bfloat16 rounds the activation and the
+    product as torch's ``silu_`` then ``mul_`` do."""
+    _k.silu_mul(_bits(gu) if gu.dtype == _BF16 else _np(gu), int(inter))
+    return gu[:, :inter]
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Same contract as :func:`hybridserve.kernels.cache_write.write_kv_ref` for
+    ``key``/``value`` ``[T, Hkv, D]`` of the caches' dtype (float32 or bfloat16; rows
+    may be strided, e.g. ``v`` inside the fused qkv output) and the caches the arena's
+    paged views: one row copy per token on the calling thread."""
+    t = key.shape[0]
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must both be [T, Hkv, D]")
+    view = _bits if key.dtype == _BF16 else _np
+    _k.write_kv(view(key.reshape(t, -1)), view(value.reshape(t, -1)), _i64(slot_mapping), view(k_cache),
+                view(v_cache))
+
+
 def _weight_view(weight: torch.Tensor) -> np.ndarray:
     """``weight.T`` as numpy, cached on the parameter (its storage never moves: loading
     copies into it), rebuilt if the tensor's memory or shape changed."""

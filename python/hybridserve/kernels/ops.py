@@ -51,6 +51,9 @@ def write_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
         from hybridserve.kernels.cache_write_triton import write_kv_triton
 
         return write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+    if native.usable(key, value, k_cache, v_cache) or native.usable_bf16(key, value, k_cache, v_cache):
+        # One row copy per token instead of torch's advanced-index index_put_.
+        return native.write_kv(key, value, k_cache, v_cache, slot_mapping)
     write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 
 

@@ -171,6 +171,9 @@ class MLP(_Fused, nn.Module):
         # silu(gate) * up in place in the gate half: no [T, inter] temporaries (at a
         # 2,048-token chunk each is 10 MB at the bench shape, 140 MB at 27B's), and the
         # down projection reads the strided half directly.
+        if gu.dim() == 2 and gu.is_contiguous() and (native.usable(gu) or native.usable_bf16(gu)):
+            # One native pass instead of silu_ then mul_ (two over [T, inter]).
+            return self.down_proj(native.silu_mul(gu, self.inter))
         act = gu[:, : self.inter]
         F.silu(act, inplace=True).mul_(gu[:, self.inter:])
         return self.down_proj(act)
@@ -379,6 +382,22 @@ def _check_supported(config: ModelConfig) -> None:
         raise ConfigError("linear_conv_kernel_dim must be at least 2")
 
 
+def _transposed_copy(w: torch.Tensor) -> torch.Tensor:
+    """``w`` with the same values and shape, stored transposed; on the CPU, past a few
+    MiB, in memory advised for transparent huge pages: the few-row GEMM reads a strip
+    of the weight one line per weight row, 4 x out bytes apart, so with 4 KiB pages
+    nearly every line is a TLB miss at the LM head's widths (the MoE experts' memory,
+    :func:`hybridserve.model.moe._huge_page_empty`, for the same reason)."""
+    from hybridserve.model.moe import _huge_page_empty
+
+    if w.device.type == "cpu" and w.numel() * w.element_size() >= 4 << 20:
+        new = _huge_page_empty((w.shape[1], w.shape[0]), w.dtype)
+        if new is not None:
+            new.copy_(w.t())
+            return new.t()
+    return w.t().contiguous().t()
+
+
 class Qwen3_5ForServing(nn.Module):
     """The whole decoder plus LM head; one call = one step of the flattened batch.
 
@@ -426,7 +445,7 @@ class Qwen3_5ForServing(nn.Module):
                 # the input dimension, and oneDNN's bfloat16 GEMM is faster on that
                 # layout too (measured: 0.40 vs 0.74 ms for one row at 1,024 x 7,168).
                 if isinstance(m, nn.Linear) and m.weight.dtype != torch.bfloat16:
-                    m.weight.data = m.weight.data.t().contiguous().t()
+                    m.weight.data = _transposed_copy(m.weight.data)
 
     def new_cache(self, num_pages: int, block_size: int) -> HybridCache:
         """A zeroed :class:`HybridCache` arena of ``num_pages`` pages in this model's dtype

@@ -27,11 +27,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from hybridserve.sampler.draw import logprob_parts, race, race_top_k
 from hybridserve.sampler.processors import cut_top_k_top_p, process
 from hybridserve.sampler.rows import Prepared, RowTables, SamplingRow, check_logits
+
+
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (int64): on the CPU through numpy, whose SIMD argmax is
+    ~13x faster than torch's at ``[16, 151,936]`` float32 (0.15 vs 2-4 ms, 1 thread:
+    2% of a float32 decode step); the same first-maximum rule for ties and NaN."""
+    if x.device.type == "cpu" and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 @dataclass
@@ -153,7 +163,7 @@ class Sampler:
         if prep.all_greedy and prep.untouched:
             # The argmax of the logits themselves: no copy, no float conversion (the
             # conversion is exact and monotonic, so the token is the same).
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax_rows(logits)
             if prep.expand:
                 tokens = tokens.index_select(0, v["row_of"])
         else:
@@ -170,7 +180,7 @@ class Sampler:
             if len(prep.rand) == x.shape[0] and drawn is not None:
                 tokens = drawn
             else:
-                tokens = x.argmax(dim=-1)
+                tokens = _argmax_rows(x)
                 if prep.rand:
                     tokens.index_copy_(0, v["rand"], drawn if drawn is not None else race(x, prep, t))
         if prep.pen:

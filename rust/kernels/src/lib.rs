@@ -37,8 +37,10 @@
 
 #![allow(clippy::manual_is_multiple_of)] // is_multiple_of needs Rust 1.87; the MSRV is 1.80
 
+pub mod activation;
 pub mod attention;
 pub mod bf16;
+pub mod cache_write;
 pub mod conv1d;
 pub mod delta_rule;
 mod math;

@@ -18,7 +18,9 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+mod activation;
 mod bf16;
+mod cache_write;
 mod checks;
 use bf16::*;
 use checks::*;
@@ -461,5 +463,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
     m.add_function(wrap_pyfunction!(uses_openmp, m)?)?;
+    activation::register(m)?;
+    cache_write::register(m)?;
     Ok(())
 }
