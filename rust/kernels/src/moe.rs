@@ -409,20 +409,30 @@ dispatch!(fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) 
 #[inline(always)]
 fn wide_rows_body(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
     match m {
-        1 => wide_rows_m::<1>(ctx, c0, w, oc),
-        2 => wide_rows_m::<2>(ctx, c0, w, oc),
-        3 => wide_rows_m::<3>(ctx, c0, w, oc),
-        _ => wide_rows_m::<4>(ctx, c0, w, oc),
+        1 => wide_rows_m::<1, STREAMS>(ctx, c0, w, oc),
+        2 => wide_rows_m::<2, STREAMS>(ctx, c0, w, oc),
+        3 => wide_rows_m::<3, STREAMS>(ctx, c0, w, oc),
+        _ => wide_rows_m::<4, STREAMS>(ctx, c0, w, oc),
     }
 }
 
-/// [`wide_rows_body`] for `M` rows: each weight element is loaded once for all `M`
-/// rows (a row-at-a-time pass would load it `M` times from L1).
+/// Weight streams [`wide_rows_m`] reads at once: the key range cut in this many parts
+/// walked in lockstep, so more memory requests are in flight than one sequential
+/// stream's hardware prefetcher keeps (measured at 16 tokens x 64 experts, thread CPU
+/// time, one process: the MoE layer 1.71 ms with one stream, 1.65 with two, 1.62 with
+/// four; at 4 tokens 0.66 -> 0.56 ms).
+const STREAMS: usize = 4;
+
+/// [`wide_rows_body`] for `M` rows and `S` weight streams ([`STREAMS`]): each weight
+/// element is loaded once for all `M` rows (a row-at-a-time pass would load it `M`
+/// times from L1).
 #[inline(always)]
-fn wide_rows_m<const M: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
+fn wide_rows_m<const M: usize, const S: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
     let mut acc = [[0.0f32; WIDE_COLS]; M];
     let w = w.min(WIDE_COLS);
-    for kk in 0..ctx.x.width {
+    let k = ctx.x.width;
+    let part = k / S;
+    let step = |acc: &mut [[f32; WIDE_COLS]; M], kk: usize| {
         let wr = &ctx.wt[kk * ctx.n + c0..][..w];
         let xv: [f32; M] = std::array::from_fn(|r| ctx.x.row(r)[kk]);
         let rows = acc.each_mut().map(|a| &mut a[..w]);
@@ -435,6 +445,28 @@ fn wide_rows_m<const M: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
                 }
             }
         }
+    };
+    for kk in 0..part {
+        let wr: [&[f32]; S] = std::array::from_fn(|s| &ctx.wt[(kk + s * part) * ctx.n + c0..][..w]);
+        let xv: [[f32; M]; S] =
+            std::array::from_fn(|s| std::array::from_fn(|r| ctx.x.row(r)[kk + s * part]));
+        let rows = acc.each_mut().map(|a| &mut a[..w]);
+        for c in 0..w {
+            for r in 0..M {
+                // SAFETY: c < w, the length of every row and weight slice.
+                unsafe {
+                    let a = rows[r].get_unchecked_mut(c);
+                    let mut v = *a;
+                    for s in 0..S {
+                        v += xv[s][r] * *wr[s].get_unchecked(c);
+                    }
+                    *a = v;
+                }
+            }
+        }
+    }
+    for kk in S * part..k {
+        step(&mut acc, kk);
     }
     for (r, a) in acc.iter().enumerate() {
         // SAFETY: the caller's task owns these output columns of these rows.
@@ -564,10 +596,18 @@ mod tests {
         v / (1.0 + (-v).exp())
     }
 
-    /// The block in f64 with plain loops, routing on the same expert choice.
+    /// The block in f64 with plain loops, routing on the same expert choice. 37 tokens
+    /// take the strip kernel, 5 and 2 the few-row one (2 also for the shared expert);
+    /// H and I are not multiples of its weight streams.
     #[test]
     fn matches_a_scalar_transcription() {
-        let (t, h, e, k, i, si) = (37usize, 24usize, 7usize, 3usize, 20usize, 36usize);
+        for t in [37usize, 5, 2] {
+            check_against_scalar(t);
+        }
+    }
+
+    fn check_against_scalar(t: usize) {
+        let (h, e, k, i, si) = (26usize, 7usize, 3usize, 21usize, 36usize);
         // A small LCG: values without the exact ties a periodic pattern would give.
         let gen = |n: usize, s: u64| -> Vec<f32> {
             let mut st = s.wrapping_mul(0x9E37_79B9_7F4A_7C15);
