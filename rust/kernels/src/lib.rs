@@ -45,6 +45,7 @@ pub mod norm;
 pub mod norm_bf16;
 mod pool;
 pub mod rope;
+mod strip16;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 

@@ -24,6 +24,7 @@
 use crate::math::{dispatch, sigmoid, silu};
 use crate::matmul::{run_strip, Ctx};
 use crate::pool::for_each_task;
+use crate::strip16::run_strip16;
 use crate::{KernelError, Rows, SharedMut};
 
 const STRIP: usize = 16;
@@ -532,8 +533,8 @@ unsafe fn up_task(g: &Group<'_>, act: SharedMut, r0: usize, u0: usize) {
     for u in u0..(u0 + STRIPS_PER_TASK).min(units) {
         let c0 = u * STRIP;
         let w = STRIP.min(i - c0);
-        run_strip(&ctx, c0, 0, n, 0);
-        run_strip(&ctx, i + c0, 0, n, STRIP);
+        run_strip16(&ctx, c0, 0, n, 0);
+        run_strip16(&ctx, i + c0, 0, n, STRIP);
         for r in 0..n {
             let s = &scratch[r * 2 * STRIP..];
             let dst = act.slice((g.at + r0 + r) * i + c0, w);
@@ -571,7 +572,7 @@ unsafe fn down_task(g: &Group<'_>, act: &[f32], h: usize, y: SharedMut, r0: usiz
     }
     let strips = h.div_ceil(STRIP);
     for s in u0..(u0 + STRIPS_PER_TASK).min(strips) {
-        run_strip(&ctx, s * STRIP, 0, r1 - r0, s * STRIP);
+        run_strip16(&ctx, s * STRIP, 0, r1 - r0, s * STRIP);
     }
 }
 
