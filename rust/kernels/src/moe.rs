@@ -20,6 +20,9 @@
 //! row-major: the dense path's layout), cut into tasks of a tile of up to
 //! [`ROW_TILE`] rows by a few 16-column strips, so a large group's tile of `x` stays
 //! in L2 while the strips pass over it and a small group still splits over threads.
+//! Groups of more than 6 rows take the 16-row AVX-512 blocks of `strip16`
+//! where the CPU has them; groups of at most [`FEW_ROWS`] rows stream their weight
+//! whole ([`wide_rows`]).
 
 use crate::math::{dispatch, sigmoid, silu};
 use crate::matmul::{run_strip, Ctx};
