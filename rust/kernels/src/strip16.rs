@@ -33,9 +33,7 @@ pub(crate) unsafe fn run_strip16(ctx: &Ctx<'_>, c0: usize, r0: usize, r1: usize,
 fn has_avx512() -> bool {
     use std::sync::OnceLock;
     static YES: OnceLock<bool> = OnceLock::new();
-    *YES.get_or_init(|| {
-        std::is_x86_feature_detected!("avx512f")
-    })
+    *YES.get_or_init(|| std::is_x86_feature_detected!("avx512f"))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -69,7 +67,15 @@ mod avx512 {
 
     /// Dispatch on the block's row count (a const generic per count).
     #[target_feature(enable = "avx512f")]
-    unsafe fn block_of(ctx: &Ctx<'_>, c0: usize, r: usize, m: usize, k0: usize, k1: usize, oc: usize) {
+    unsafe fn block_of(
+        ctx: &Ctx<'_>,
+        c0: usize,
+        r: usize,
+        m: usize,
+        k0: usize,
+        k1: usize,
+        oc: usize,
+    ) {
         macro_rules! go {
             ($($n:literal)*) => {
                 match m {
