@@ -29,13 +29,14 @@ from hybridserve import _core
 from hybridserve import planner
 from hybridserve.beam_search import BeamSearch, BeamSearchParams, candidates_to_host
 from hybridserve.config import ModelConfig
+from hybridserve.engine import logprobs
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.request_state import RequestState
 from hybridserve.memory.layout import arena_layout
 from hybridserve.errors import ConfigError, InvalidRequest, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
-from hybridserve.outputs import CompletionOutput, Logprob, RequestOutput
+from hybridserve.outputs import CompletionOutput, RequestOutput
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.sampler import Sampler, SamplingRow
 from hybridserve.sampling import MAX_LOGPROBS, SamplingParams
@@ -99,8 +100,6 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
 # the scheduler's update, detokenization, stop strings and the outputs handed back.
 STEP_PHASES = ("schedule", "prepare_inputs", "forward", "sample", "process_outputs")
 
-# Rows of prompt logits turned into log-probabilities at a time (bounds the float32 copy).
-PROMPT_LOGPROB_SLICE = 256
 
 
 class LLMEngine:
@@ -239,7 +238,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         # request id -> (k, per-prompt-token logprobs) for requests that asked for
         # prompt logprobs; empty in the common case, so steps pay nothing for it.
-        self._prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob] | None]]] = {}
+        self._prompt_logprobs: dict[str, logprobs.PromptLogprobs] = {}
         # Beam requests: id -> their selection state (see hybridserve.beam_search).
         self._beams: dict[str, BeamSearch] = {}
         # Preemptions by (cause, victim's request_class), for the metrics.
@@ -558,7 +557,7 @@ class LLMEngine:
                 st.metrics.first_scheduled_time = now
                 st.metrics.queue_delay = queue_delay
 
-        want = self._prompt_logprob_rows(plan) if self._prompt_logprobs else ()
+        want = logprobs.prompt_logprob_rows(self._prompt_logprobs, plan) if self._prompt_logprobs else ()
         t_sched = time.perf_counter()
         runner = self.runner
         runner.inputs_ready_at = None
@@ -591,7 +590,7 @@ class LLMEngine:
         if t_prep is None or not t_sched <= t_prep <= t_fwd:
             t_prep = t_sched
         if step is not None and step.prompt_spans:
-            self._record_prompt_logprobs(plan, step)
+            logprobs.record_prompt_logprobs(self.requests, self._prompt_logprobs, plan, step)
         if step is not None and len(step.batch_index):
             if prep is not None:
                 views, runner.extra_views = runner.extra_views, None
@@ -601,7 +600,7 @@ class LLMEngine:
                 out = self.sampler(step.logits, self._sampling_rows(plan, step.batch_index, step.num_samples))
             sampled = np.asarray(out.token_ids, dtype=np.int32)
             beams_ended = self._beam_select(plan, step, sampled) if self._beams else ()
-            self._record_logprobs(plan, step, out)
+            logprobs.record_logprobs(self.requests, plan, step, out)
         else:
             out = None
             sampled = np.zeros(0, dtype=np.int32)
@@ -719,72 +718,6 @@ class LLMEngine:
         """Adds host work done for the engine outside ``step()`` (the async engine's
         hand-off of outputs to the clients' queues) to a phase's total."""
         self._phase_seconds[phase] += seconds
-
-    def _prompt_logprob_rows(self, plan: Any) -> list[int]:
-        """Batch indices of sequences still prefilling positions whose prompt logprobs
-        are wanted (a position p yields the logprob of prompt token p + 1)."""
-        rows = []
-        computed = plan.num_computed_tokens
-        for b, rid in enumerate(plan.request_ids):
-            entry = self._prompt_logprobs.get(rid)
-            if entry is not None and int(computed[b]) < len(entry[1]) - 1:
-                rows.append(b)
-        return rows
-
-    def _record_prompt_logprobs(self, plan: Any, step: Any) -> None:
-        for b, row0, count in step.prompt_spans:
-            k, entries = self._prompt_logprobs[plan.request_ids[b]]
-            state = self.requests[plan.request_ids[b]]
-            start = int(plan.num_computed_tokens[b])
-            # Positions start..start+count-1 predict prompt tokens start+1..; stop at the prompt's end.
-            m = min(count, len(entries) - 1 - start)
-            if m <= 0:
-                continue
-            target = torch.tensor(state.prompt_token_ids[start + 1:start + 1 + m],
-                                  device=step.prompt_logits.device)
-            chosen_l: list[float] = []
-            ranks_l: list[int] = []
-            tv: list[list[float]] = []
-            ti: list[list[int]] = []
-            # In slices: a float32 log-softmax of a whole chunk over a 250k vocabulary
-            # would be gigabytes on top of the logits.
-            for lo in range(0, m, PROMPT_LOGPROB_SLICE):
-                hi = min(m, lo + PROMPT_LOGPROB_SLICE)
-                lps = torch.log_softmax(step.prompt_logits[row0 + lo:row0 + hi].float(), dim=-1)
-                chosen = lps.gather(1, target[lo:hi, None])[:, 0]
-                chosen_l += chosen.tolist()
-                ranks_l += ((lps > chosen[:, None]).sum(dim=1) + 1).tolist()
-                if k:
-                    top_v, top_i = lps.topk(k, dim=-1)
-                    tv += top_v.tolist()
-                    ti += top_i.tolist()
-            for j in range(m):
-                tok = state.prompt_token_ids[start + 1 + j]
-                entry = {tok: Logprob(chosen_l[j], rank=ranks_l[j])}
-                if k:
-                    for rank, (alt, lp) in enumerate(zip(ti[j], tv[j]), start=1):
-                        entry.setdefault(alt, Logprob(lp, rank=rank))
-                entries[start + 1 + j] = entry
-
-    def _record_logprobs(self, plan: Any, step: Any, out: Any) -> None:
-        if out.logprobs is None:
-            return
-        j = 0
-        req_ids = plan.request_ids
-        for b, k in zip(step.batch_index.tolist(), step.num_samples.tolist()):
-            state = self.requests[req_ids[b]]
-            base = int(plan.sample_indices[b])
-            for i in range(k):
-                si = i if k > 1 else base
-                sample = state.samples[si]
-                if sample.logprobs is not None:
-                    tok = out.token_ids[j]
-                    entry = {tok: Logprob(out.logprobs[j], rank=out.ranks[j] if out.ranks else None)}
-                    for rank, (alt, lp) in enumerate(out.top_logprobs[j], start=1):
-                        entry.setdefault(alt, Logprob(lp, rank=rank))
-                    sample.logprobs.append(entry)
-                    sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + out.logprobs[j]
-                j += 1
 
     # ----------------------------------------------------------------- helpers
     def stats(self) -> dict[str, Any]:
