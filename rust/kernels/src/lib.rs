@@ -50,7 +50,6 @@ pub mod moe;
 pub mod norm;
 mod pool;
 pub mod rope;
-mod strip16;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 

@@ -140,11 +140,11 @@ mod avx512 {
             ($r:literal, $s:literal) => {{
                 let mut s = s0;
                 while s + $s <= s1 {
-                    block::<$r, $s>(ctx, s, r, k0, k1);
+                    block::<$r, $s>(ctx, s * 16, s * 16, r, k0, k1);
                     s += $s;
                 }
                 while s < s1 {
-                    block::<$r, 1>(ctx, s, r, k0, k1);
+                    block::<$r, 1>(ctx, s * 16, s * 16, r, k0, k1);
                     s += 1;
                 }
             }};
@@ -169,10 +169,48 @@ mod avx512 {
         }
     }
 
-    /// Rows `r0 .. r0 + R`, strips `s0 .. s0 + S` (columns `16 s0 ..`), keys `k0 .. k1`.
+    /// One strip (weight columns `c0 .. c0 + 16`, written to output columns from `oc`),
+    /// rows `r0..r1`, in register blocks of up to 16 rows: the MoE kernel's expert
+    /// groups of more than 6 rows, whose outputs land at their own columns.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn strip(ctx: &Ctx<'_>, c0: usize, r0: usize, r1: usize, oc: usize) {
+        let k = ctx.x.width;
+        let mut k0 = 0;
+        while k0 < k || k0 == 0 {
+            let k1 = (k0 + KB).min(k);
+            let mut r = r0;
+            while r < r1 {
+                let rb = (r1 - r).min(MAX_R);
+                macro_rules! go {
+                    ($($n:literal)*) => {
+                        match rb {
+                            $($n => block::<$n, 1>(ctx, c0, oc, r, k0, k1),)*
+                            _ => unreachable!("a block holds 1 to 16 rows"),
+                        }
+                    };
+                }
+                go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+                r += rb;
+            }
+            if k1 == k {
+                break;
+            }
+            k0 = k1;
+        }
+    }
+
+    /// Rows `r0 .. r0 + R`, `S` strips of weight columns from `c0` written to output
+    /// columns from `oc`, keys `k0 .. k1`.
     #[target_feature(enable = "avx512f")]
     #[inline]
-    unsafe fn block<const R: usize, const S: usize>(ctx: &Ctx<'_>, s0: usize, r0: usize, k0: usize, k1: usize) {
+    unsafe fn block<const R: usize, const S: usize>(
+        ctx: &Ctx<'_>,
+        c0: usize,
+        oc: usize,
+        r0: usize,
+        k0: usize,
+        k1: usize,
+    ) {
         let n = ctx.n;
         let mut acc = [[_mm512_setzero_ps(); S]; R];
         let mut xs = [std::ptr::null::<f32>(); R];
@@ -180,14 +218,14 @@ mod avx512 {
         for i in 0..R {
             xs[i] = ctx.x.row(r0 + i).as_ptr();
             // SAFETY: these strips' output columns of these rows belong to this task.
-            dst[i] = ctx.out.slice((r0 + i) * ctx.ldo + s0 * 16, 16 * S).as_mut_ptr();
+            dst[i] = ctx.out.slice((r0 + i) * ctx.ldo + oc, 16 * S).as_mut_ptr();
             if k0 > 0 {
                 for j in 0..S {
                     acc[i][j] = _mm512_loadu_ps(dst[i].add(16 * j));
                 }
             }
         }
-        let w = ctx.wt.as_ptr().add(s0 * 16);
+        let w = ctx.wt.as_ptr().add(c0);
         for kk in k0..k1 {
             let wp = w.add(kk * n);
             let mut wv = [_mm512_setzero_ps(); S];
@@ -208,6 +246,25 @@ mod avx512 {
             }
         }
     }
+}
+
+/// [`run_strip`] with 16-row register blocks where the CPU has AVX-512 (and the
+/// path is not switched off) and the strip is whole: the MoE kernel's expert groups of
+/// more than 6 rows, which the AVX2 kernel's 6-row blocks would pass over each strip
+/// three times. Measured in one process against the AVX2 kernel (MoE layer, thread CPU
+/// time, `moe-bench` shape): 256 tokens 10.17 -> 8.85 ms, 2,048 tokens 65.0 -> 59.7,
+/// 32 tokens 2.75 -> 2.52, 16 tokens 1.56 -> 1.51.
+///
+/// # Safety
+/// As [`run_strip`].
+pub(crate) unsafe fn run_strip16(ctx: &Ctx<'_>, c0: usize, r0: usize, r1: usize, oc: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() && c0 + STRIP <= ctx.n && r1 - r0 > 6 {
+        // SAFETY: the CPU has AVX-512F; the strip is whole.
+        avx512::strip(ctx, c0, r0, r1, oc);
+        return;
+    }
+    run_strip(ctx, c0, r0, r1, oc);
 }
 
 /// Rows `r0..r1`, weight columns `c0..min(c0 + 16, n)`, written to output columns from
@@ -374,6 +431,45 @@ mod tests {
             let mut few = vec![0.0f32; m * n];
             matmul(Rows::dense(&x[..m * k], k).unwrap(), &wt, n, &mut few).unwrap();
             assert_eq!(few, all[..m * n], "{m} rows");
+        }
+    }
+
+    /// Every row count the blocks take (7 to 40: blocks of 16 plus each remainder), more
+    /// keys than one pass holds, a row-strided `x` and an output wider than the strips.
+    #[test]
+    fn strip16_matches_the_sum() {
+        let (k, n, ldx, ldo) = (300usize, 48usize, 303usize, 50usize);
+        for m in 7..=40usize {
+            let x: Vec<f32> = (0..m * ldx)
+                .map(|i| ((i * 7 % 29) as f32 - 14.0) / 9.0)
+                .collect();
+            let wt: Vec<f32> = (0..k * n)
+                .map(|i| ((i * 11 % 31) as f32 - 15.0) / 13.0)
+                .collect();
+            let mut out = vec![f32::NAN; m * ldo];
+            let ctx = Ctx {
+                x: Rows::new(&x, m, k, ldx).unwrap(),
+                wt: &wt,
+                n,
+                out: SharedMut::new(&mut out),
+                ldo,
+            };
+            for s in 0..n / 16 {
+                // SAFETY: one thread; the strips' columns lie in `out`.
+                unsafe { run_strip16(&ctx, s * 16, 0, m, s * 16) };
+            }
+            for r in 0..m {
+                for c in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|kk| x[r * ldx + kk] as f64 * wt[kk * n + c] as f64)
+                        .sum();
+                    assert!(
+                        (out[r * ldo + c] as f64 - want).abs() < 1e-3,
+                        "m={m} at {r},{c}: {} vs {want}",
+                        out[r * ldo + c]
+                    );
+                }
+            }
         }
     }
 }

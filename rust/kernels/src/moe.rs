@@ -27,7 +27,7 @@
 use crate::math::{dispatch, sigmoid, silu};
 use crate::matmul::{run_strip, Ctx};
 use crate::pool::for_each_task;
-use crate::strip16::run_strip16;
+use crate::matmul::run_strip16;
 use crate::{KernelError, Rows, SharedMut};
 
 const STRIP: usize = 16;
