@@ -27,7 +27,7 @@ impl Scheduler {
         now: f64,
         bs: usize,
         thresh: usize,
-        trim_match: bool,
+        trim: MatchTrim,
     ) -> Result<(), AdmitLimit> {
         let units = req.units();
         if *running_units + units > self.cfg.max_num_seqs {
@@ -95,8 +95,8 @@ impl Scheduler {
             // its table: the others fork that table.
             let upto = if refork { req.prompt_len } else { s.tokens.len() };
             s.matched = self.cache.kv.match_prefix(&mut s.table, &s.tokens[..upto], req.params.extra_key);
-            if trim_match {
-                let keep = (chunks[si] / bs).min(s.table.num_blocks());
+            if trim != MatchTrim::Full {
+                let keep = if trim == MatchTrim::ToChunk { (chunks[si] / bs).min(s.table.num_blocks()) } else { 0 };
                 self.cache.kv.truncate_match(&mut s.table, keep);
                 s.matched = s.table.num_tokens();
             }
@@ -248,6 +248,20 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// How much of a prefix match admission keeps. Matched blocks nobody runs on
+/// are reclaimable pages that a hit takes off the free list, so a long match
+/// can need more pages than computing the first chunk from scratch.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum MatchTrim {
+    /// The whole match (the first attempt).
+    Full,
+    /// At most the blocks of the first chunk.
+    ToChunk,
+    /// None: the first chunk computed from position 0, so the head is refused
+    /// for pages only when even that does not fit.
+    Off,
 }
 
 /// A branch-point checkpoint must skip at least this many blocks more than

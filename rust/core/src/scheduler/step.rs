@@ -3,6 +3,7 @@
 //! `update()` applies the sampled tokens (registering the checkpoints the
 //! forward wrote, forking n > 1 requests, finishing sequences).
 
+use super::admission::MatchTrim;
 use super::request::ReqState;
 use super::{sync_row, AdmitLimit, Entry, PreemptCause, SchedError, Scheduler, SchedulerOutput, Snap, StepUpdate};
 use crate::CoreError;
@@ -204,11 +205,18 @@ impl Scheduler {
                     break;
                 }
                 let mut req = self.requests[r as usize].take().expect("waiting handle");
-                let mut res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, false);
-                if res == Err(AdmitLimit::Pages) && self.cache.kv.prefix_caching_enabled() {
+                let mut res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, MatchTrim::Full);
+                if self.cache.kv.prefix_caching_enabled() {
                     // A prefix match longer than the first chunk holds pages the
-                    // chunk does not need yet: try again without them.
-                    res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, true);
+                    // chunk does not need yet: try again without them; and since
+                    // the matched blocks before a state hit are taken off the
+                    // reclaimable list too, last without any match.
+                    for trim in [MatchTrim::ToChunk, MatchTrim::Off] {
+                        if res != Err(AdmitLimit::Pages) {
+                            break;
+                        }
+                        res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, trim);
+                    }
                 }
                 self.requests[r as usize] = Some(req);
                 if let Err(limit) = res {
