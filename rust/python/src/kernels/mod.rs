@@ -18,6 +18,8 @@ use numpy::{
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+#[macro_use]
+mod per_precision;
 mod activation;
 mod bf16;
 mod cache_write;
@@ -190,108 +192,36 @@ fn paged_state<'a>(
     })
 }
 
-/// Gated delta rule over a varlen batch, in place on `state`; see the Rust docs of
-/// `hybridserve_cpu_kernels::delta_rule`. Gates: `g` + `beta`, or `a` + `b` + `a_log`
-/// + `dt_bias`. Output norm when `z` and `norm_weight` are given.
-#[pyfunction]
-#[pyo3(signature = (q, k, v, state, query_start_loc, state_pages, has_initial_state, out, *,
-                    item_base, key_heads, value_heads, scale, l2norm=true, g=None, beta=None, a=None,
-                    b=None, a_log=None, dt_bias=None, z=None, norm_weight=None, norm_eps=1e-6,
-                    checkpoint_positions=None, checkpoint_pages=None))]
-#[allow(clippy::too_many_arguments)]
-fn gated_delta_rule(
-    py: Python<'_>,
-    q: PyReadonlyArray2<'_, f32>,
-    k: PyReadonlyArray2<'_, f32>,
-    v: PyReadonlyArray2<'_, f32>,
-    state: PyReadwriteArrayDyn<'_, f32>,
-    query_start_loc: PyReadonlyArray1<'_, i64>,
-    state_pages: PyReadonlyArray2<'_, i64>,
-    has_initial_state: PyReadonlyArray1<'_, bool>,
-    out: PyReadwriteArrayDyn<'_, f32>,
-    item_base: usize,
-    key_heads: usize,
-    value_heads: usize,
-    scale: f32,
-    l2norm: bool,
-    g: Option<PyReadonlyArray2<'_, f32>>,
-    beta: Option<PyReadonlyArray2<'_, f32>>,
-    a: Option<PyReadonlyArray2<'_, f32>>,
-    b: Option<PyReadonlyArray2<'_, f32>>,
-    a_log: Option<PyReadonlyArrayDyn<'_, f32>>,
-    dt_bias: Option<PyReadonlyArrayDyn<'_, f32>>,
-    z: Option<PyReadonlyArray2<'_, f32>>,
-    norm_weight: Option<PyReadonlyArrayDyn<'_, f32>>,
-    norm_eps: f32,
-    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
-    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
-) -> PyResult<()> {
-    let arrays = DeltaRuleArrays {
-        q, k, v, state, query_start_loc, state_pages, has_initial_state, out, g, beta, a, b, a_log,
-        dt_bias, z, norm_weight, checkpoint_positions, checkpoint_pages,
-    };
-    delta_rule_with(py, arrays, item_base, key_heads, value_heads, scale, l2norm, norm_eps, gdr)
-}
+delta_rule_binding!(
+    /// Gated delta rule over a varlen batch, in place on `state`; see the Rust docs of
+    /// `hybridserve_cpu_kernels::delta_rule`. Gates: `g` + `beta`, or `a` + `b` + `a_log`
+    /// + `dt_bias`. Output norm when `z` and `norm_weight` are given.
+    gated_delta_rule,
+    f32,
+    gdr
+);
 
-/// Depthwise causal conv1d over a varlen batch with the conv state in paged items (in place).
-#[pyfunction]
-#[pyo3(signature = (x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out, *,
-                    item_base, silu=true, checkpoint_positions=None, checkpoint_pages=None))]
-#[allow(clippy::too_many_arguments)]
-fn causal_conv1d(
-    py: Python<'_>,
-    x: PyReadonlyArray2<'_, f32>,
-    weight: PyReadonlyArrayDyn<'_, f32>,
-    bias: Option<PyReadonlyArrayDyn<'_, f32>>,
-    state: PyReadwriteArrayDyn<'_, f32>,
-    query_start_loc: PyReadonlyArray1<'_, i64>,
-    state_pages: PyReadonlyArray2<'_, i64>,
-    has_initial_state: PyReadonlyArray1<'_, bool>,
-    out: PyReadwriteArrayDyn<'_, f32>,
-    item_base: usize,
-    silu: bool,
-    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
-    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
-) -> PyResult<()> {
-    conv1d_with(
-        py, x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out,
-        (item_base, silu), checkpoint_positions, checkpoint_pages, conv,
-    )
-}
+conv1d_binding!(
+    /// Depthwise causal conv1d over a varlen batch with the conv state in paged items (in place).
+    causal_conv1d,
+    f32,
+    conv
+);
 
-/// Decode attention (one query per listed sequence) over the paged KV pool.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn paged_attention_decode(
-    py: Python<'_>,
-    q: PyReadonlyArray2<'_, f32>,
-    k_cache: PyReadonlyArrayDyn<'_, f32>,
-    v_cache: PyReadonlyArrayDyn<'_, f32>,
-    rows_: PyReadonlyArray1<'_, i64>,
-    seq_lens: PyReadonlyArray1<'_, i64>,
-    block_tables: PyReadonlyArray2<'_, i32>,
-    scale: f32,
-    out: PyReadwriteArrayDyn<'_, f32>,
-) -> PyResult<()> {
-    decode_with(py, q, k_cache, v_cache, rows_, seq_lens, block_tables, scale, out, attn_decode)
-}
+decode_attention_binding!(
+    /// Decode attention (one query per listed sequence) over the paged KV pool.
+    paged_attention_decode,
+    f32,
+    attn_decode
+);
 
-/// RMSNorm of `x` (`[T, D]`) into `out`; with `residual`, first `residual += x` and
-/// normalise the sum. `centered`: scale by `1 + weight` (Qwen3.5) instead of `weight`.
-#[pyfunction]
-#[pyo3(signature = (x, weight, eps, out, residual=None, centered=true))]
-fn rms_norm(
-    py: Python<'_>,
-    x: PyReadonlyArrayDyn<'_, f32>,
-    weight: PyReadonlyArrayDyn<'_, f32>,
-    eps: f32,
-    out: PyReadwriteArrayDyn<'_, f32>,
-    residual: Option<PyReadwriteArrayDyn<'_, f32>>,
-    centered: bool,
-) -> PyResult<()> {
-    let kernel = hybridserve_cpu_kernels::norm::rms_norm;
-    rms_norm_with(py, x, weight, eps, out, residual, centered, kernel)
-}
+rms_norm_binding!(
+    /// RMSNorm of `x` (`[T, D]`) into `out`; with `residual`, first `residual += x` and
+    /// normalise the sum. `centered`: scale by `1 + weight` (Qwen3.5) instead of `weight`.
+    rms_norm,
+    f32,
+    hybridserve_cpu_kernels::norm::rms_norm
+);
 
 /// `out = x @ wt` for `x` `[M, K]` (row-strided allowed), `wt` `[K, N]` row-major
 /// (a projection weight stored transposed), `out` `[M, N]`.
@@ -394,24 +324,13 @@ fn moe_block(
     .map_err(err)
 }
 
-/// Per-head zero-centred RMSNorm then rotary embedding (half-split) of `x` rows
-/// holding `heads` heads `head_stride` apart; `out` `[T, heads, head_dim]`.
-#[pyfunction]
-#[allow(clippy::too_many_arguments)]
-fn qk_norm_rope(
-    py: Python<'_>,
-    x: PyReadonlyArray2<'_, f32>,
-    heads: usize,
-    head_stride: usize,
-    weight: PyReadonlyArrayDyn<'_, f32>,
-    eps: f32,
-    cos: PyReadonlyArray2<'_, f32>,
-    sin: PyReadonlyArray2<'_, f32>,
-    out: PyReadwriteArrayDyn<'_, f32>,
-) -> PyResult<()> {
-    let kernel = hybridserve_cpu_kernels::rope::qk_norm_rope;
-    qk_norm_rope_with(py, x, (heads, head_stride), weight, eps, cos, sin, out, kernel)
-}
+qk_norm_rope_binding!(
+    /// Per-head zero-centred RMSNorm then rotary embedding (half-split) of `x` rows
+    /// holding `heads` heads `head_stride` apart; `out` `[T, heads, head_dim]`.
+    qk_norm_rope,
+    f32,
+    hybridserve_cpu_kernels::rope::qk_norm_rope
+);
 
 /// Threads the kernels use from now on (the engine's `cpu_threads`).
 #[pyfunction]
