@@ -430,7 +430,7 @@ impl PyScheduler {
     /// Dense `[B, width]` block tables of the last plan (-1 padded): tests and debugging.
     fn block_tables<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let (width, dense) = self.inner.block_tables();
-        let rows = if width == 0 { 0 } else { dense.len() / width };
+        let rows = dense.len().checked_div(width).unwrap_or(0);
         Ok(Array2::from_shape_vec((rows, width), dense)
             .map_err(|e| PyValueError::new_err(e.to_string()))?
             .into_pyarray(py))
