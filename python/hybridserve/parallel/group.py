@@ -192,6 +192,17 @@ class TPGroup:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(t.item())
 
+    def leave(self) -> None:
+        """A barrier of the orderly shutdown. gloo's broadcast returns on the root
+        once its data is sent: a driver destroying its process group right after the
+        shutdown message closed connections that the worker was still reading, and
+        the worker aborted at exit now and then (std::terminate in gloo). After this
+        barrier no rank has a message in flight to another."""
+        try:
+            dist.barrier(group=self.control_group)
+        except Exception:  # noqa: BLE001 - a peer already gone: close() ends the rest
+            pass
+
     def close(self) -> None:
         if dist.is_initialized():
             try:

@@ -64,7 +64,10 @@ def _send_op(group: TPGroup, op: int) -> None:
 
 
 def send_shutdown(group: TPGroup) -> None:
+    """The orderly end: the workers leave their step loop, and every rank waits for
+    the others before tearing its process group down (see `TPGroup.leave`)."""
     _send_op(group, OP_SHUTDOWN)
+    group.leave()
 
 
 def send_idle(group: TPGroup) -> None:
@@ -80,6 +83,7 @@ def receive(group: TPGroup) -> tuple[ReceivedPlan, list[int]] | None:
     while int(header[0]) == OP_IDLE:
         header = group.broadcast_host(header)
     if int(header[0]) == OP_SHUTDOWN:
+        group.leave()
         return None
     if int(header[0]) != OP_STEP:
         raise RuntimeError(f"unknown tensor-parallel operation {int(header[0])} from the driver")
