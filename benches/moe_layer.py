@@ -17,6 +17,14 @@ must read every routed expert's weights once (41 of 64 experts at 16 tokens: 24 
 against the dense layer's 4 MB for the same FLOPs), so there its cost is the memory's
 streaming rate; ``MoE MB read`` is that volume per layer.
 
+The floor columns put numbers on that. ``GB/s`` is this thread's streaming rate on the
+same memory, measured in the same rounds (a ``sum`` over every expert tensor of each
+layer: 37.7 MB per layer, read once); ``MoE floor`` is ``MoE MB read`` at that rate,
+the least the MoE layer can cost with all its arithmetic hidden under the stream;
+``floor/dense`` is that over the dense layer's time. The dense layer reads only its
+3.9 MB for the same FLOPs and is bound by its arithmetic, so where ``floor/dense`` is
+above the target no kernel reaches it on this machine at this width.
+
 The two sides run interleaved (a round of dense calls, a round of MoE calls, repeated)
 so a change in the machine's load hits both alike; each reports the median of its
 calls. With ``--threads 1`` the time is also taken as the calling thread's CPU time
@@ -25,6 +33,7 @@ thread waits for a core on a shared machine but keeps its stalls on memory; on a
 oversubscribed machine that ratio is the steadier one.
 
     python benches/moe_layer.py --threads 1
+    python benches/moe_layer.py --threads 1 --tokens 16 --min-s 2   # the 16-token floor
     python benches/moe_layer.py --threads 2 --shape 35b   # the 35B-A3B's layer shape
 """
 
@@ -121,18 +130,27 @@ def main(argv=None) -> None:
     head = f"{'tokens':>7} {'dense ms':>9} {'MoE ms':>9} {'MoE/dense':>10}"
     if cpu_clock:
         head += f" {'dense cpu':>10} {'MoE cpu':>9} {'cpu ratio':>10}"
-    print(head + f" {'MoE MB read':>12}")
+    print(head + f" {'MoE MB read':>12} {'GB/s':>6} {'MoE floor':>10} {'floor/dense':>12}")
     worst = worst_cpu = 0.0
 
     def stack(layers, x):
         for m in layers:
             m(x)
 
+    def stream():
+        for m in moes:
+            m.experts.w13.sum()
+            m.experts.w2.sum()
+
+    stream_mb = 3 * e * h * i * 4 / 1e6
+
     for t in [int(v) for v in a.tokens.split(",")]:
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t))
         with torch.no_grad():
-            (d, dc), (m, mc) = _interleaved([lambda: stack(denses, x), lambda: stack(moes, x)], a.reps, a.min_s)
+            (d, dc), (m, mc), (s, sc) = _interleaved(
+                [lambda: stack(denses, x), lambda: stack(moes, x), stream], a.reps, a.min_s)
             d, dc, m, mc = d / nl, dc / nl, m / nl, mc / nl
+            gbs = stream_mb / ((sc if cpu_clock else s) / nl)  # MB per ms = GB/s
             active = sum(int((torch.bincount(
                 torch.topk(x @ moe.gate.weight.t(), k).indices.reshape(-1), minlength=e) > 0).sum())
                 for moe in moes) / nl
@@ -142,7 +160,8 @@ def main(argv=None) -> None:
         if cpu_clock:
             worst_cpu = max(worst_cpu, mc / dc)
             line += f" {dc:>10.3f} {mc:>9.3f} {mc / dc:>10.2f}"
-        print(line + f" {mb:>12.1f}")
+        floor = mb / gbs
+        print(line + f" {mb:>12.1f} {gbs:>6.1f} {floor:>10.3f} {floor / (dc if cpu_clock else d):>12.2f}")
     print(f"worst ratio {worst:.2f}" + (f", by CPU time {worst_cpu:.2f}" if cpu_clock else "")
           + f" (target <= 1.5); load average {os.getloadavg()[0]:.1f} at the end")
 
