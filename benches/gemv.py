@@ -17,7 +17,7 @@ in a model, where every projection's weight comes from memory):
 * ``f32_mkl``: torch's ``F.linear`` on the ``[out, in]`` weight (MKL; what runs past
   the native kernel's row limit).
 * ``bf16_rows``: the bfloat16 kernel (``native.linear_bf16``) on the ``[out, in]``
-  bfloat16 weight; with ``--baseline-core`` also ``bf16_rows_before``: another build's
+  bfloat16 weight in huge-page memory (``bf16_rows_plain``: in ordinary pages); with ``--baseline-core`` also ``bf16_rows_before``: another build's
   bfloat16 kernel (e.g. the branch point's, without the next-block prefetch).
 
 Rounds alternate the variants; medians (and minima) over all calls are printed, with
@@ -107,6 +107,7 @@ def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline) -> 
             "f32_rows": Ring(lambda: base.clone(), ring_bytes),
             "f32_rows_huge": Ring(lambda: huge_copy(base), ring_bytes),
             "bf16_rows": Ring(lambda: huge_copy(b16), ring_bytes // 2),
+            "bf16_rows_plain": Ring(lambda: b16.clone(), ring_bytes // 2),
         }
         for m in rows:
             x = torch.randn(m, k, generator=g)
@@ -118,6 +119,7 @@ def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline) -> 
                 "f32_rows_huge": lambda: native.linear_rows(x, rings["f32_rows_huge"]()),
                 "f32_mkl": lambda: F.linear(x, rings["f32_rows"]()),
                 "bf16_rows": lambda: native.linear_bf16(xb, rings["bf16_rows"]()),
+                "bf16_rows_plain": lambda: native.linear_bf16(xb, rings["bf16_rows_plain"]()),
             }
             if baseline is not None:
                 def before(x=xb):

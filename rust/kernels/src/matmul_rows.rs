@@ -21,16 +21,21 @@ use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
 
 /// Rows of `x` per register block.
-const MR: usize = 4;
+const MR: usize = 6;
 /// Weight rows per register block for one or two rows of `x` (memory-bound: 8
 /// independent loads and FMA chains in flight; 4 measured 20-40 % slower at 1 row).
 const NR_FEW: usize = 8;
 /// Weight rows per register block for more rows (`MR x NR` accumulators, plus `NR`
-/// weight vectors and one `x` vector, fit in AVX-512's 32 registers).
+/// weight vectors and one `x` vector, fit in AVX-512's 32 registers: 10 loads per 24
+/// FMAs).
 const NR: usize = 4;
 /// Weight rows per task: balances 2+ threads on the narrowest projection of a model
 /// while keeping the per-task cost small.
 const ROWS_PER_TASK: usize = 64;
+/// Weight rows per task for one or two rows of `x`: a task's first block has no
+/// prefetch of its own (the block before it went to whichever thread claimed it), so
+/// tasks span more blocks; 6 tasks still split the narrowest projection (768 outputs).
+const ROWS_PER_TASK_FEW: usize = 128;
 
 /// The instruction set the kernel runs with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,8 +107,9 @@ pub fn matmul_rows_with(
         )));
     }
     let dst = SharedMut::new(out);
-    for_each_task(n.div_ceil(ROWS_PER_TASK), m * n * k, |t| {
-        let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+    let per_task = if m <= 2 { ROWS_PER_TASK_FEW } else { ROWS_PER_TASK };
+    for_each_task(n.div_ceil(per_task), m * n * k, |t| {
+        let (j0, j1) = (t * per_task, ((t + 1) * per_task).min(n));
         // SAFETY: output columns j0..j1 of every row belong to this task alone; the
         // instruction set was checked above.
         unsafe {
@@ -151,14 +157,18 @@ unsafe fn columns<const C: usize>(
                     1 => avx512::tile::<1, C>(&xs, &ws, k, next),
                     2 => avx512::tile::<2, C>(&xs, &ws, k, next),
                     3 => avx512::tile::<3, C>(&xs, &ws, k, next),
-                    _ => avx512::tile::<4, C>(&xs, &ws, k, next),
+                    4 => avx512::tile::<4, C>(&xs, &ws, k, next),
+                    5 => avx512::tile::<5, C>(&xs, &ws, k, next),
+                    _ => avx512::tile::<6, C>(&xs, &ws, k, next),
                 },
                 #[cfg(target_arch = "x86_64")]
                 Simd::Avx2 => match mr {
                     1 => avx2::tile::<1, C>(&xs, &ws, k, next),
                     2 => avx2::tile::<2, C>(&xs, &ws, k, next),
                     3 => avx2::tile::<3, C>(&xs, &ws, k, next),
-                    _ => avx2::tile::<4, C>(&xs, &ws, k, next),
+                    4 => avx2::tile::<4, C>(&xs, &ws, k, next),
+                    5 => avx2::tile::<5, C>(&xs, &ws, k, next),
+                    _ => avx2::tile::<6, C>(&xs, &ws, k, next),
                 },
                 _ => scalar_tile::<C>(&xs, mr, &ws, k),
             };
