@@ -107,7 +107,11 @@ pub fn matmul_rows_with(
         )));
     }
     let dst = SharedMut::new(out);
-    let per_task = if m <= 2 { ROWS_PER_TASK_FEW } else { ROWS_PER_TASK };
+    let per_task = if m <= 2 {
+        ROWS_PER_TASK_FEW
+    } else {
+        ROWS_PER_TASK
+    };
     for_each_task(n.div_ceil(per_task), m * n * k, |t| {
         let (j0, j1) = (t * per_task, ((t + 1) * per_task).min(n));
         // SAFETY: output columns j0..j1 of every row belong to this task alone; the
@@ -241,7 +245,8 @@ mod avx512 {
         }
         if kk < k {
             let mask: __mmask16 = (1u32 << (k - kk)) as u16 - 1;
-            let wv: [__m512; C] = std::array::from_fn(|c| _mm512_maskz_loadu_ps(mask, ws[c].add(kk)));
+            let wv: [__m512; C] =
+                std::array::from_fn(|c| _mm512_maskz_loadu_ps(mask, ws[c].add(kk)));
             for i in 0..R {
                 let xv = _mm512_maskz_loadu_ps(mask, xs[i].add(kk));
                 for c in 0..C {
@@ -350,8 +355,12 @@ mod tests {
             (17, 300, 65),
         ] {
             let ld = k + 5;
-            let x: Vec<f32> = (0..m * ld).map(|i| ((i * 7 % 29) as f32 - 14.0) / 9.0).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| ((i * 11 % 31) as f32 - 15.0) / 13.0).collect();
+            let x: Vec<f32> = (0..m * ld)
+                .map(|i| ((i * 7 % 29) as f32 - 14.0) / 9.0)
+                .collect();
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 11 % 31) as f32 - 15.0) / 13.0)
+                .collect();
             let xr = Rows::new(&x, m, k, ld).unwrap();
             for simd in [Simd::Scalar, Simd::Avx2, Simd::Avx512] {
                 if !simd.supported() {
@@ -379,8 +388,12 @@ mod tests {
     fn a_row_gets_the_same_bits_alone_in_a_pair_or_in_a_block() {
         // A sequence's products must not depend on what it is batched with.
         let (k, n) = (300usize, 2_100usize);
-        let x: Vec<f32> = (0..16 * k).map(|i| ((i * 7 % 29) as f32 - 14.0) / 9.0).collect();
-        let w: Vec<f32> = (0..k * n).map(|i| ((i * 11 % 31) as f32 - 15.0) / 13.0).collect();
+        let x: Vec<f32> = (0..16 * k)
+            .map(|i| ((i * 7 % 29) as f32 - 14.0) / 9.0)
+            .collect();
+        let w: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 11 % 31) as f32 - 15.0) / 13.0)
+            .collect();
         let mut all = vec![0.0f32; 16 * n];
         matmul_rows(Rows::dense(&x, k).unwrap(), &w, n, &mut all).unwrap();
         for m in [1usize, 2, 3, 5] {
