@@ -249,7 +249,7 @@ def _model(cfg, dtype, before: bool):
     m = Qwen3_5ForServing(cfg, dtype=dtype)
     for p in m.parameters():
         p.data.normal_(0, 0.02)
-    m.store_projections_column_major()
+    m.store_cpu_layout()
     if before and dtype == torch.bfloat16:  # the pre-issue-22 CPU layout: every projection column-major
         tied = m.embed_tokens.weight
         for mod in m.modules():

@@ -245,6 +245,23 @@ def test_few_rows_linear_matches_f_linear(m):
         native.linear_few_rows(torch.randn(3, 8), torch.randn(5, 9).t().contiguous().t())
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, 130])
+def test_row_major_linear_matches_f_linear(m):
+    """Weights as checkpoints store them ([out, in], C-contiguous); widths with and
+    without a partial register block of weight rows or of 16 keys; an input that is a
+    column range of a wider buffer."""
+    gen = torch.Generator().manual_seed(m)
+    for n_out, k in ((48, 32), (35, 20), (272, 256), (9, 771)):
+        w = torch.randn(n_out, k, generator=gen)
+        x = _wide(m, k, gen)
+        # float32 sums in another order than MKL's: rounding grows like sqrt(K).
+        torch.testing.assert_close(native.linear_rows(x, w), F.linear(x, w), rtol=1e-5, atol=1e-6 * k ** 0.5)
+    with pytest.raises(ValueError, match="w must be"):
+        native.linear_rows(torch.randn(3, 8), torch.randn(5, 9))
+    with pytest.raises(ValueError, match="C-contiguous"):
+        native.linear_rows(torch.randn(3, 8), torch.randn(8, 5).t())
+
+
 def test_state_shapes_that_only_divide_are_refused():
     """A pool whose element count happens to divide, but whose shape disagrees with the
     head sizes the inputs imply, is an error, not a silently wrong layout."""

@@ -270,10 +270,20 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: t
 
 def linear_few_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` for a ``weight`` stored transposed (strides ``(1, out)``, see
-    :meth:`Qwen3_5ForServing.store_projections_column_major`); ``x`` ``[M, K]`` with
+    :meth:`Qwen3_5ForServing.store_cpu_layout`: the float32 MoE blocks); ``x`` ``[M, K]`` with
     unit column stride. For decode-sized ``M``, where BLAS repacks the weight per call."""
     out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
     _k.matmul(_np(x), _weight_view(weight), _np(out))
+    return out
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for a float32 ``weight`` ``[out, in]`` stored as checkpoints have
+    it (C-contiguous): dot products over contiguous weight rows, which stream from
+    memory at full rate for one or two rows; ``x`` ``[M, K]`` with unit column stride.
+    For decode-sized ``M``, where BLAS repacks the weight per call."""
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    _k.matmul_rows(_np(x), _np(weight), _np(out))
     return out
 
 

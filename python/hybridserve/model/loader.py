@@ -174,6 +174,6 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
         warnings.warn(f"ignored {len(unknown)} unexpected tensor(s) in {model_dir}: {unknown[:5]}",
                       stacklevel=2)
     if device.type == "cpu":
-        model.store_projections_column_major()
+        model.store_cpu_layout()
     model.eval()
     return model, config

@@ -164,7 +164,7 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             weights += [self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight]
         # The kernel reads the projections transposed (the CPU layout, see
-        # Qwen3_5ForServing.store_projections_column_major).
+        # Qwen3_5ForServing.store_cpu_layout).
         return all(w.stride(0) == 1 for w in weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -75,14 +75,18 @@ class GatedRMSNorm(nn.Module):
 
 
 class Projection(nn.Linear):
-    """``nn.Linear`` that sends decode-sized inputs to the native kernel on the CPU.
+    """``nn.Linear`` that sends decode-sized inputs to the native kernels on the CPU.
 
-    Where the weight is stored transposed (float32 CPU, see
-    :meth:`Qwen3_5ForServing.store_projections_column_major`) and the input has at most
-    :attr:`NATIVE_MAX_ROWS` rows, :func:`hybridserve.kernels.native.linear_few_rows`
-    reads the weight in place; BLAS would repack all of it on every call, which for a
-    few rows costs as much as the product (measured 15-45% slower up to 128 rows at the
-    bench model's shapes, faster from 256). Everything else is ``F.linear``.
+    Inputs of at most :attr:`NATIVE_MAX_ROWS` rows (bfloat16:
+    :attr:`NATIVE_MAX_ROWS_BF16`) go to a native few-row kernel that reads the weight in
+    place; BLAS would repack all of it on every call, which for a few rows costs as much
+    as the product (measured 15-45% slower up to 128 rows at the bench model's shapes,
+    faster from 256). Which kernel follows the weight's layout (see
+    :meth:`Qwen3_5ForServing.store_cpu_layout`): ``[out, in]`` as checkpoints store it
+    (every dense projection, float32 or bfloat16): dot products over contiguous weight
+    rows (:func:`hybridserve.kernels.native.linear_rows` / ``linear_bf16``); stored
+    transposed (float32 MoE blocks, whose fused kernel reads them so):
+    :func:`hybridserve.kernels.native.linear_few_rows`. Everything else is ``F.linear``.
     """
 
     NATIVE_MAX_ROWS = 128
@@ -100,10 +104,14 @@ class Projection(nn.Linear):
                     and native.usable_bf16(x, w)):
                 return native.linear_bf16(x, w)
             return F.linear(x, w, self.bias)
-        if (x.dim() == 2 and x.shape[0] <= self.NATIVE_MAX_ROWS and w.stride(0) == 1
-                and x.stride(-1) == 1 and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1])
-                and native.usable(x, w)):
-            y = native.linear_few_rows(x, w)
+        if (x.dim() == 2 and x.shape[0] <= self.NATIVE_MAX_ROWS and x.stride(-1) == 1
+                and (x.shape[0] <= 1 or x.stride(0) >= x.shape[1]) and native.usable(x, w)):
+            if w.is_contiguous():
+                y = native.linear_rows(x, w)
+            elif w.stride(0) == 1:
+                y = native.linear_few_rows(x, w)
+            else:
+                return F.linear(x, w, self.bias)
             return y if self.bias is None else y.add_(self.bias)
         return F.linear(x, w, self.bias)
 
@@ -382,6 +390,22 @@ def _check_supported(config: ModelConfig) -> None:
         raise ConfigError("linear_conv_kernel_dim must be at least 2")
 
 
+def _huge_page_copy(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (C-contiguous) moved, past a few MiB on the CPU, into memory advised for
+    transparent huge pages: a one-row GEMM streams the whole weight, and with 4 KiB
+    pages it takes a TLB miss every 64 lines (measured 1.0-1.4x faster in huge pages
+    at one row, float32, benches/gemv.py). The old storage is freed when the caller
+    rebinds the parameter, so this is a move, not a second copy."""
+    from hybridserve.model.moe import _huge_page_empty
+
+    if w.device.type == "cpu" and w.is_contiguous() and w.numel() * w.element_size() >= 4 << 20:
+        new = _huge_page_empty(tuple(w.shape), w.dtype)
+        if new is not None:
+            new.copy_(w)
+            return new
+    return w
+
+
 def _transposed_copy(w: torch.Tensor) -> torch.Tensor:
     """``w`` with the same values and shape, stored transposed; on the CPU, past a few
     MiB, in memory advised for transparent huge pages: the few-row GEMM reads a strip
@@ -430,22 +454,33 @@ class Qwen3_5ForServing(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def store_projections_column_major(self) -> None:
-        """CPU layout: keep each projection's weight transposed in memory (same values and
-        shape, strides ``(1, out)``). MKL then reads it in place instead of repacking it
-        on every call; measured 7-20% off the GEMMs of decode steps (few rows), neutral
-        for long chunks. A tied LM head too, although it is also the embedding table:
-        the LM head is the largest GEMM of a decode step, and with the table row-major
-        it missed the native kernel (16 rows at 151,936 x 768: 98 ms through
-        ``F.linear``, 54 ms native), while gathering embedding rows from the transposed
-        table costs about 20 ms more per 2,048-token chunk and nothing at decode."""
+    def store_cpu_layout(self) -> None:
+        """CPU layout of the projections, after loading.
+
+        Dense projections (float32 and bfloat16) stay ``[out, in]`` as checkpoints store
+        them: the native few-row kernels read each output's weight row contiguously, so
+        a lone sequence's decode streams every weight at memory rate (benches/gemv.py:
+        about 2x the column-major kernel's GB/s at one row, and no slower at 2-128
+        rows), MKL reads that layout for long chunks as fast as the transposed one, and
+        a tied LM head is the embedding table as it is (no second copy, row gathers).
+
+        Each dense weight moves into huge-page memory (:func:`_huge_page_copy`). A
+        float32 MoE block's router and shared expert are stored transposed instead (same
+        values and shape, strides ``(1, out)``): the fused MoE kernel runs them on the
+        column-major few-row GEMM with the routed experts."""
+        from hybridserve.model.moe import SparseMoeBlock
+
         with torch.no_grad():
+            in_moe = set()
+            for block in self.modules():
+                if isinstance(block, SparseMoeBlock):
+                    for m in block.modules():
+                        if isinstance(m, nn.Linear) and m.weight.dtype != torch.bfloat16:
+                            m.weight.data = _transposed_copy(m.weight.data)
+                            in_moe.add(m)
             for m in self.modules():
-                # bfloat16 stays [out, in]: the native bfloat16 GEMM reads rows along
-                # the input dimension, and oneDNN's bfloat16 GEMM is faster on that
-                # layout too (measured: 0.40 vs 0.74 ms for one row at 1,024 x 7,168).
-                if isinstance(m, nn.Linear) and m.weight.dtype != torch.bfloat16:
-                    m.weight.data = _transposed_copy(m.weight.data)
+                if isinstance(m, nn.Linear) and m not in in_moe:
+                    m.weight.data = _huge_page_copy(m.weight.data)
 
     def new_cache(self, num_pages: int, block_size: int) -> HybridCache:
         """A zeroed :class:`HybridCache` arena of ``num_pages`` pages in this model's dtype

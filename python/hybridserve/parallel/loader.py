@@ -112,7 +112,7 @@ def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, grou
     if unknown:
         warnings.warn(f"ignored {len(unknown)} unexpected tensor(s) in {model_dir}: {unknown[:5]}", stacklevel=2)
     if device.type == "cpu":
-        model.store_projections_column_major()
+        model.store_cpu_layout()
     install_all_reduces(model, group)
     model.eval()
     # parameters() counts a tied embedding / LM head once.

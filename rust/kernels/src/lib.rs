@@ -14,7 +14,10 @@
 //! * [`conv1d`]: the depthwise causal conv1d over a flattened varlen batch, with the
 //!   conv state read from and written back to its slot and `silu` fused.
 //! * [`matmul`]: `x W^T` for the few rows of a decode step, without BLAS's per-call
-//!   repacking of the weight.
+//!   repacking of the weight (stored transposed, `[K, N]`).
+//! * [`matmul_rows`]: the same over a weight stored `[N, K]` (as checkpoints have it),
+//!   read as dot products: one contiguous stream, the layout one or two rows (a lone
+//!   sequence's decode, bound by reading the weight) need.
 //! * [`moe`]: a whole sparse mixture-of-experts block (routing, tokens grouped by
 //!   expert in one counting pass, every expert's GEMM pair on the few-row GEMM, the
 //!   weighted scatter back), the shared expert fused in.
@@ -46,6 +49,7 @@ pub mod delta_rule;
 mod math;
 pub mod matmul;
 pub mod matmul_bf16;
+pub mod matmul_rows;
 pub mod moe;
 pub mod norm;
 mod pool;

@@ -47,7 +47,8 @@ pub(super) fn matmul_bf16(
             w.shape()
         )));
     }
-    let w = w.as_slice().map_err(|_| {
+    // `as_slice` also takes a Fortran-ordered array (the transposed weight): refuse it.
+    let w = w.as_slice().ok().filter(|_| w.is_c_contiguous()).ok_or_else(|| {
         PyValueError::new_err("w must be a C-contiguous [N, K] bfloat16 (uint16 view) array")
     })?;
     if let Ok(mut o) = out.extract::<PyReadwriteArrayDyn<'_, u16>>() {

@@ -244,6 +244,36 @@ fn matmul(
         .map_err(err)
 }
 
+/// `out = x @ w.T` for `x` `[M, K]` (row-strided allowed), `w` `[N, K]` C-contiguous
+/// (a projection weight as checkpoints store it), `out` `[M, N]`: dot products over
+/// contiguous weight rows (see `hybridserve_cpu_kernels::matmul_rows`).
+#[pyfunction]
+fn matmul_rows(
+    py: Python<'_>,
+    x: PyReadonlyArray2<'_, f32>,
+    w: PyReadonlyArray2<'_, f32>,
+    mut out: PyReadwriteArrayDyn<'_, f32>,
+) -> PyResult<()> {
+    let x = rows("x", &x)?;
+    let n = w.shape()[0];
+    if w.shape()[1] != x.width {
+        return Err(PyValueError::new_err(format!(
+            "w must be [N, K={}] (K of x); got {:?}",
+            x.width,
+            w.shape()
+        )));
+    }
+    // `as_slice` also takes a Fortran-ordered array (the transposed weight): refuse it.
+    let w = w
+        .as_slice()
+        .ok()
+        .filter(|_| w.is_c_contiguous())
+        .ok_or_else(|| PyValueError::new_err("w must be a C-contiguous [N, K] float32 array"))?;
+    let out = contiguous_mut("out", &mut out)?;
+    py.detach(|| hybridserve_cpu_kernels::matmul_rows::matmul_rows(x, w, n, out))
+        .map_err(err)
+}
+
 /// A whole sparse MoE block (see `hybridserve_cpu_kernels::moe`): `x` `[T, H]`,
 /// `router_wt` `[H, E]`, `w13` `[E, H, 2I]`, `w2` `[E, I, H]`, the optional shared
 /// expert `shared_w13` `[H, 2Is]`, `shared_w2` `[Is, H]`, `shared_gate` `[H]`; writes
@@ -375,6 +405,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(matmul_rows, m)?)?;
     m.add_function(wrap_pyfunction!(matmul_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(bf16_isa, m)?)?;
     m.add_function(wrap_pyfunction!(moe_block, m)?)?;

@@ -1,0 +1,89 @@
+"""One sequence's decode step (or ``--seqs`` sequences') in process (issue 22): the float32 model with the dense
+projections column-major (the CPU layout before this change: every ``nn.Linear``,
+the tied LM head too, transposed into huge-page memory, run on the column-major few-row
+kernel) against the layout the loader keeps now (``[out, in]``, the row-major
+dot-product kernel), and the bfloat16 model, on the same checkpoint, in one process.
+
+Each variant is an :class:`hybridserve.LLM` on the checkpoint; rounds alternate them.
+A round generates ``--tokens`` greedy tokens from ``--seqs`` 64-token prompts at once
+and times every decode-only forward (every sequence one token); medians over all
+rounds are printed with the thread count and the load average.
+
+    python benches/decode_one.py --checkpoint ~/.cache/hybridserve/llamacpp/11434.0.0/work/peer-0.1b/hf --threads 2
+    python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --seqs 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+
+def transpose_dense(model) -> None:
+    """The layout before this change: every float32 projection (and the tied head)
+    stored transposed, as ``store_projections_column_major`` did."""
+    from hybridserve.model.qwen3_5 import _transposed_copy
+
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.weight.stride(0) != 1:
+                m.weight.data = _transposed_copy(m.weight.data)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--checkpoint", required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--variants", default="f32_colmajor,f32_rows,bf16")
+    ap.add_argument("--seqs", type=int, default=1, help="sequences decoding together (16: the batched row)")
+    args = ap.parse_args()
+    from hybridserve import LLM
+    from hybridserve.sampling import SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llms, times = {}, {}
+    for v in args.variants.split(","):
+        llm = LLM(args.checkpoint, dtype="bfloat16" if v == "bf16" else "float32", max_num_seqs=args.seqs,
+                  cpu_threads=args.threads, kv_cache_memory_bytes=1 << 30)
+        if v == "f32_colmajor":
+            transpose_dense(llm.engine.runner.model)
+        model = llm.engine.runner.model
+        inner = model.forward
+        rec: list[float] = []
+
+        def timed(batch, cache, inner=inner, rec=rec):
+            t0 = time.perf_counter()
+            out = inner(batch, cache)
+            if batch.input_ids.shape[0] == args.seqs and int(batch.query_start_loc.shape[0]) - 1 == args.seqs:
+                rec.append(time.perf_counter() - t0)
+            return out
+
+        model.forward = timed
+        llms[v], times[v] = llm, rec
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[int(t) for t in torch.randint(100, 5000, (64,), generator=gen)] for _ in range(args.seqs)]
+    params = SamplingParams(max_tokens=args.tokens, ignore_eos=True, temperature=0.0)
+    outs = {}
+    for v, llm in llms.items():  # warm-up
+        llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
+        times[v].clear()
+    for _ in range(args.rounds):
+        for v, llm in llms.items():
+            outs[v] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    for v, ts in times.items():
+        print(f"{v:14s} decode step median {statistics.median(ts) * 1e3:7.2f} ms  min {min(ts) * 1e3:7.2f} ms "
+              f"({len(ts)} steps)")
+    if "f32_colmajor" in outs and "f32_rows" in outs:
+        print("float32 greedy tokens equal across layouts:", list(outs["f32_colmajor"]) == list(outs["f32_rows"]))
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
