@@ -3,10 +3,9 @@
 The :class:`LLMEngine` is single-threaded and owns the scheduler. ``AsyncEngine`` runs
 it on a dedicated thread; coroutines talk to that thread through a command queue
 (add, abort) and receive their outputs on per-request streams, a step's outputs handed
-to each client event loop as one batch (a :class:`LoopInbox`, one wake-up per loop and
-step). ``generate`` reports
-admission errors (InvalidRequest, QueueFull) to the caller before anything streams, so
-the server can answer 4xx/503.
+to each client event loop as one batch (a :class:`LoopInbox`: one wake-up per loop and
+step). ``generate`` reports admission errors (InvalidRequest, QueueFull) to the caller
+before anything streams, so the server can answer 4xx/503.
 
 Where the hand-off happens matters more than what it costs. Waking one consumer task
 per request on the event loop costs a few microseconds of Python each, and the loop
