@@ -40,6 +40,10 @@ waits without the GIL and without a core, as it does for a GPU, so that the even
 loop's work can overlap the forward as it would on a device, and ``forward`` no longer
 competes with the host work for this machine's cores.
 
+With ``--isolated`` the same option makes the replayed forward sleep too: the
+synchronous engine's host work after the same idle wait (caches and clocks as the
+server's path finds them), the control for the async engine's numbers.
+
 ``--before REV`` also runs the script against the package as of git revision REV
 (extracted to a temporary folder, with the current build of the Rust extension) and
 prints both side by side: every case in its own process, the two trees alternating
@@ -137,14 +141,17 @@ def _engine(model_dir: str, context: int, seqs: int, threads: int = 2):
 class _Replay(torch.nn.Module):
     """The model's first output, returned again at every later call."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, sleep_s: float = 0.0):
         super().__init__()
         self.inner = inner
         self.out = None
+        self.sleep_s = sleep_s
 
     def forward(self, *a, **k):
         if self.out is None:
             self.out = self.inner(*a, **k)
+        elif self.sleep_s:
+            time.sleep(self.sleep_s)
         return self.out
 
 
@@ -168,7 +175,8 @@ class _GpuLikeForward(torch.nn.Module):
         return self.out
 
 
-def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int) -> dict:
+def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int,
+                  sleep_ms: float | None = None) -> dict:
     import gc
 
     from hybridserve.sampling import SamplingParams
@@ -184,7 +192,7 @@ def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int
         engine.add_request(f"s{i}", shared + [(11 * i + j) % 250 + 1 for j in range(context - prefix)], params)
     while engine.last_step_stats.get("num_batched_tokens") != seqs:
         engine.step()
-    engine.runner.model = _Replay(engine.runner.model)
+    engine.runner.model = _Replay(engine.runner.model, (sleep_ms or 0.0) / 1000)
     engine.step()  # the model runs once more here; later steps replay its logits
     gc_seconds, t = [0.0], [0.0]
 
@@ -353,7 +361,8 @@ def measure(args) -> list[dict]:
         for context in args.contexts:
             for mode in args.modes:
                 if args.isolated:
-                    results.append(_run_isolated(model_dir, context, args.seqs, mode, args.steps, args.threads))
+                    results.append(_run_isolated(model_dir, context, args.seqs, mode, args.steps, args.threads,
+                                                 args.gpu_like_forward_ms))
                 else:
                     results.append(_run_case(model_dir, context, args.seqs, mode, args.steps, args.threads,
                                              args.gpu_like_forward_ms))
@@ -445,10 +454,10 @@ def main() -> None:
     ap.add_argument("--isolated", action="store_true",
                     help="synchronous engine, model output replayed: host work alone, by the engine's phase timers")
     ap.add_argument("--gpu-like-forward-ms", type=float, metavar="MS",
-                    help="async engine: each full-batch decode step's model call replays the first one's "
-                         "logits after MS ms of sleep (the engine thread waits without the GIL or a core, "
-                         "as for a GPU), so that host work alone is timed and the event loop's work can "
-                         "overlap the forward as it would on a device")
+                    help="each full-batch decode step's model call replays the first one's logits after MS ms "
+                         "of sleep (the engine thread waits without the GIL or a core, as for a GPU), so that "
+                         "host work alone is timed and the event loop's work can overlap the forward as it "
+                         "would on a device; with --isolated, the synchronous engine's replay sleeps the same")
     ap.add_argument("--json", action="store_true", help="print one JSON list (used by --before)")
     ap.add_argument("--expect-root", help=argparse.SUPPRESS)
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)  # every case in this process
