@@ -16,8 +16,13 @@ version of the package:
 * ``handoff``   - from the end of one step to the start of the next on the engine
   thread (delivery to the clients' queues, metrics, commands);
 
-``host = step + handoff - forward`` is everything but forward. Medians over the
-measured steps, reported in microseconds per sequence per step. Prompts share a
+``host = step + handoff - forward`` is everything but forward (wall time on the
+engine thread, so it includes the engine thread's waits for the GIL, in whichever phase
+they fall). Two CPU-time columns say whose work it is: ``host_cpu``, the engine
+thread's CPU time in the step outside the model call, and ``frontend_cpu``, the event
+loop thread's CPU time per step (the consumers' work, which shares the GIL with the
+engine thread). Medians over the measured steps, reported in microseconds per
+sequence per step. Prompts share a
 prefix (cached, with a DeltaNet checkpoint at its end) so that long contexts do not
 cost a long prefill per sequence; each prompt ends in its own tokens.
 
@@ -29,6 +34,16 @@ step's CPU time on the engine thread, the replayed forward included, which is ne
 nothing) and ``sample_cpu`` (the sampler's CPU time, its plan and its draw): on a
 machine shared with other work, CPU time leaves out the waits for a core.
 
+``--gpu-like-forward-ms MS`` (async engine) replaces each full-batch decode step's
+model call by a replay of its first logits after ``MS`` ms of sleep: the engine thread
+waits without the GIL and without a core, as it does for a GPU, so that the event
+loop's work can overlap the forward as it would on a device, and ``forward`` no longer
+competes with the host work for this machine's cores.
+
+With ``--isolated`` the same option makes the replayed forward sleep too: the
+synchronous engine's host work after the same idle wait (caches and clocks as the
+server's path finds them), the control for the async engine's numbers.
+
 ``--before REV`` also runs the script against the package as of git revision REV
 (extracted to a temporary folder, with the current build of the Rust extension) and
 prints both side by side: every case in its own process, the two trees alternating
@@ -38,6 +53,7 @@ phase timers (issue 20's first round, 301109f or later).
 
     python benches/host_overhead.py --threads 2 --before 6c663d6
     python benches/host_overhead.py --threads 1 --isolated --before 96b5551 --rounds 3
+    python benches/host_overhead.py --threads 2 --gpu-like-forward-ms 10 --before 0b8e705 --rounds 2
 """
 
 from __future__ import annotations
@@ -53,6 +69,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -97,13 +114,15 @@ class _TimedModel(torch.nn.Module):
         super().__init__()
         self.inner = inner
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
 
     def forward(self, *a, **k):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return self.inner(*a, **k)
         finally:
             self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.thread_time() - c0
 
 
 def _engine(model_dir: str, context: int, seqs: int, threads: int = 2):
@@ -122,18 +141,42 @@ def _engine(model_dir: str, context: int, seqs: int, threads: int = 2):
 class _Replay(torch.nn.Module):
     """The model's first output, returned again at every later call."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, sleep_s: float = 0.0):
         super().__init__()
         self.inner = inner
         self.out = None
+        self.sleep_s = sleep_s
 
     def forward(self, *a, **k):
         if self.out is None:
             self.out = self.inner(*a, **k)
+        elif self.sleep_s:
+            time.sleep(self.sleep_s)
         return self.out
 
 
-def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int) -> dict:
+class _GpuLikeForward(torch.nn.Module):
+    """A full-batch decode step's model call as on a GPU: the first one's logits,
+    returned after ``seconds`` of sleep (the engine thread waits without the GIL and
+    without a core, as it waits for the device). Any other batch runs the model."""
+
+    def __init__(self, inner, seqs: int, seconds: float):
+        super().__init__()
+        self.inner, self.seqs, self.seconds = inner, seqs, seconds
+        self.out = None
+
+    def forward(self, batch, *a, **k):
+        if batch.input_ids.shape[0] != self.seqs:
+            return self.inner(batch, *a, **k)
+        if self.out is None:
+            self.out = self.inner(batch, *a, **k)
+        else:
+            time.sleep(self.seconds)
+        return self.out
+
+
+def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int,
+                  sleep_ms: float | None = None) -> dict:
     import gc
 
     from hybridserve.sampling import SamplingParams
@@ -149,7 +192,7 @@ def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int
         engine.add_request(f"s{i}", shared + [(11 * i + j) % 250 + 1 for j in range(context - prefix)], params)
     while engine.last_step_stats.get("num_batched_tokens") != seqs:
         engine.step()
-    engine.runner.model = _Replay(engine.runner.model)
+    engine.runner.model = _Replay(engine.runner.model, (sleep_ms or 0.0) / 1000)
     engine.step()  # the model runs once more here; later steps replay its logits
     gc_seconds, t = [0.0], [0.0]
 
@@ -193,7 +236,8 @@ def _run_isolated(model_dir: str, context: int, seqs: int, mode: str, steps: int
             "us_per_seq": {k: round(1e6 * v / seqs, 2) for k, v in med.items()}}
 
 
-def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int = 2) -> dict:
+def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, threads: int = 2,
+              gpu_like_ms: float | None = None) -> dict:
     from hybridserve.engine.async_engine import AsyncEngine
     from hybridserve.sampling import SamplingParams
 
@@ -210,6 +254,8 @@ def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, th
         engine.step()
     sched = engine.scheduler = _TimedScheduler(engine.scheduler)
     runner_exec = engine.runner.execute = _Clock(engine.runner.execute)
+    if gpu_like_ms:
+        engine.runner.model = _GpuLikeForward(engine.runner.model, seqs, gpu_like_ms / 1000)
     model = engine.runner.model = _TimedModel(engine.runner.model)
     if hasattr(engine.sampler, "sample_planned"):
         # This tree's engine plans the sampler's rows before forward (they ride in the
@@ -230,19 +276,31 @@ def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, th
     samples: list[dict] = []
     last_end = [None]
 
+    loop_clock = [None]  # the event loop thread's CPU clock (set by the first consumer)
+    last_loop_cpu = [None]
+
+    def loop_cpu() -> float | None:
+        return time.clock_gettime(loop_clock[0]) if loop_clock[0] is not None else None
+
     def step():
         t0 = time.perf_counter()
         handoff = t0 - last_end[0] if last_end[0] is not None else None
+        l0 = loop_cpu()
+        frontend = l0 - last_loop_cpu[0] if l0 is not None and last_loop_cpu[0] is not None else None
+        last_loop_cpu[0] = l0
         c0 = (sched.schedule.seconds, runner_exec.seconds, model.seconds, sampler.seconds)
+        cpu0, fcpu0 = time.thread_time(), model.cpu_seconds
         out = inner_step()
         t1 = time.perf_counter()
+        engine_cpu = time.thread_time() - cpu0 - (model.cpu_seconds - fcpu0)
         last_end[0] = t1
         st = engine.last_step_stats
         if st["num_batched_tokens"] == seqs and st["num_scheduled_seqs"] == seqs:  # pure decode
             s, e, m, sa = (sched.schedule.seconds - c0[0], runner_exec.seconds - c0[1],
                            model.seconds - c0[2], sampler.seconds - c0[3])
             samples.append({"schedule": s, "prepare": e - m, "forward": m, "sample": sa,
-                            "rest": (t1 - t0) - s - e - sa, "handoff": handoff,
+                            "rest": (t1 - t0) - s - e - sa, "handoff": handoff, "frontend_cpu": frontend,
+                            "host_cpu": engine_cpu,
                             "phases": dict(st.get("phase_seconds", {}))})
         return out
 
@@ -251,6 +309,8 @@ def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, th
     params = SamplingParams(max_tokens=steps + 3, ignore_eos=True, seed=1, **MODES[mode])
 
     async def consume(i: int) -> int:
+        if loop_clock[0] is None:
+            loop_clock[0] = time.pthread_getcpuclockid(threading.get_ident())
         prompt = shared + [(11 * i + j) % (vocab - 20) + 1 for j in range(context - prefix)]
         stream = await aengine.generate(f"s{i}", prompt, params)
         n = 0
@@ -269,11 +329,12 @@ def _run_case(model_dir: str, context: int, seqs: int, mode: str, steps: int, th
     finally:
         aengine.shutdown()
     # The first decode step follows a prefill step (its hand-off is not a decode's).
-    rows = [r for r in samples if r["handoff"] is not None][1:]
+    rows = [r for r in samples if r["handoff"] is not None and r["frontend_cpu"] is not None][1:]
     if not rows:
         raise RuntimeError("no pure-decode step was measured; raise --steps")
     med = {k: statistics.median(r[k] for r in rows) for k in ("schedule", "prepare", "forward", "sample",
-                                                                "rest", "handoff")}
+                                                                "rest", "handoff", "frontend_cpu",
+                                                                "host_cpu")}
     med["host"] = statistics.median(r["schedule"] + r["prepare"] + r["sample"] + r["rest"] + r["handoff"]
                                     for r in rows)
     phases = {}
@@ -299,8 +360,12 @@ def measure(args) -> list[dict]:
         results = []
         for context in args.contexts:
             for mode in args.modes:
-                run = _run_isolated if args.isolated else _run_case
-                results.append(run(model_dir, context, args.seqs, mode, args.steps, args.threads))
+                if args.isolated:
+                    results.append(_run_isolated(model_dir, context, args.seqs, mode, args.steps, args.threads,
+                                                 args.gpu_like_forward_ms))
+                else:
+                    results.append(_run_case(model_dir, context, args.seqs, mode, args.steps, args.threads,
+                                             args.gpu_like_forward_ms))
                 gc.collect()
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)
         return results
@@ -328,7 +393,8 @@ def measure_each_in_own_process(args) -> list[dict]:
 def _case_cmd(args, context: int, mode: str, expect_root: str | None) -> list[str]:
     return [sys.executable, os.path.abspath(__file__), "--json", "--single", "--threads", str(args.threads),
             "--seqs", str(args.seqs), "--steps", str(args.steps), "--contexts", str(context), "--modes", mode,
-            *(["--isolated"] if args.isolated else []), *(["--expect-root", expect_root] if expect_root else [])]
+            *(["--isolated"] if args.isolated else []), *(["--expect-root", expect_root] if expect_root else []),
+            *(["--gpu-like-forward-ms", str(args.gpu_like_forward_ms)] if args.gpu_like_forward_ms else [])]
 
 
 def _median_rows(runs: list[dict]) -> dict:
@@ -387,6 +453,11 @@ def main() -> None:
                     help="with --before: rounds of each case, the two trees alternating case by case (medians)")
     ap.add_argument("--isolated", action="store_true",
                     help="synchronous engine, model output replayed: host work alone, by the engine's phase timers")
+    ap.add_argument("--gpu-like-forward-ms", type=float, metavar="MS",
+                    help="each full-batch decode step's model call replays the first one's logits after MS ms "
+                         "of sleep (the engine thread waits without the GIL or a core, as for a GPU), so that "
+                         "host work alone is timed and the event loop's work can overlap the forward as it "
+                         "would on a device; with --isolated, the synchronous engine's replay sleeps the same")
     ap.add_argument("--json", action="store_true", help="print one JSON list (used by --before)")
     ap.add_argument("--expect-root", help=argparse.SUPPRESS)
     ap.add_argument("--single", action="store_true", help=argparse.SUPPRESS)  # every case in this process
@@ -420,7 +491,7 @@ def main() -> None:
         return
     print(f"torch intra-op threads: {args.threads}; {args.seqs} sequences decoding; "
           "medians, us per sequence per step")
-    keys = ("schedule", "prepare", "sample", "rest", "handoff", "host", "forward")
+    keys = ("schedule", "prepare", "sample", "rest", "handoff", "host", "host_cpu", "frontend_cpu", "forward")
     print("| context | sampling | " + " | ".join(f"{k} before / after" if before else k for k in keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for i, row in enumerate(after):

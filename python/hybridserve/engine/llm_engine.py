@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -252,6 +252,12 @@ class LLMEngine:
         # only wants finished ones, and skipping the rest keeps a step from copying
         # every running request's tokens (O(generated) per request per step).
         self.emit_unfinished = True
+        # Work for the previous step's outputs that the caller wants done between this
+        # step's input preparation and its model call (the async engine hands them to
+        # its event loop there, so the loop's work overlaps the forward, which on a GPU
+        # waits without the GIL). Its time counts in this step's process_outputs.
+        self.before_forward: Callable[[], None] | None = None
+        self._before_forward_seconds = 0.0
         if self.parallel is not None:
             # A worker rank serves the driver's steps here and never returns.
             self.parallel.attach(self)
@@ -536,6 +542,7 @@ class LLMEngine:
         for this step in ``last_step_stats["phase_seconds"]``: consecutive clock reads,
         so the five add up to the step's time."""
         t0 = time.perf_counter()
+        self._before_forward_seconds = 0.0
         if self.parallel is not None:
             # A failed rank fails every step at once, before anything is scheduled.
             self.parallel.check_healthy()
@@ -561,6 +568,7 @@ class LLMEngine:
         t_sched = time.perf_counter()
         runner = self.runner
         runner.inputs_ready_at = None
+        runner.before_forward = self._run_before_forward if self.before_forward is not None else None
         # The sampler's rows are known from the plan: its index lists travel in the
         # runner's staging copy (one host->device copy per step). A sampler that is
         # not ours (a test's, a bench's wrapper) is simply called with the logits.
@@ -583,12 +591,16 @@ class LLMEngine:
             raise
         finally:
             runner.extra_segments = None
+            runner.before_forward = None
         t_fwd = time.perf_counter()
         # The runner stamps the end of its input preparation; a wrapper that did not
         # run the real runner leaves no stamp and the whole call counts as forward.
         t_prep = getattr(self.runner, "inputs_ready_at", None)
         if t_prep is None or not t_sched <= t_prep <= t_fwd:
             t_prep = t_sched
+        # The hand-off run before the model call (inside prepare's clock reads) moves
+        # to process_outputs, the phase it belongs to.
+        handoff = min(self._before_forward_seconds, t_prep - t_sched)
         if step is not None and step.prompt_spans:
             logprobs.record_prompt_logprobs(self.requests, self._prompt_logprobs, plan, step)
         if step is not None and len(step.batch_index):
@@ -702,7 +714,8 @@ class LLMEngine:
             outputs.append(out_)
         self.step_count += 1
         t_end = time.perf_counter()
-        phases = (t_sched - t0, t_prep - t_sched, t_fwd - t_prep, t_sample - t_fwd, t_end - t_sample)
+        phases = (t_sched - t0, t_prep - t_sched - handoff, t_fwd - t_prep, t_sample - t_fwd,
+                  t_end - t_sample + handoff)
         acc = self._phase_seconds
         for name, dt in zip(STEP_PHASES, phases):
             acc[name] += dt
@@ -713,6 +726,13 @@ class LLMEngine:
             "phase_seconds": dict(zip(STEP_PHASES, phases)),
         }
         return outputs
+
+    def _run_before_forward(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.before_forward()  # type: ignore[misc]
+        finally:
+            self._before_forward_seconds += time.perf_counter() - t0
 
     def add_phase_time(self, phase: str, seconds: float) -> None:
         """Adds host work done for the engine outside ``step()`` (the async engine's

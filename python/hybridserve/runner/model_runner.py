@@ -86,6 +86,10 @@ class ModelRunner:
         self._staged: dict[str, torch.Tensor] = {}
         # perf_counter() when the last execute() finished preparing its inputs.
         self.inputs_ready_at: float | None = None
+        # Set by the engine for a step: called between input preparation and the model
+        # call (the async engine hands the previous step's outputs to its event loop
+        # there, so that the loop's work overlaps the forward).
+        self.before_forward: Any = None
         # Set before execute(): more int64 segments for the step's one staging copy;
         # their device views are in extra_views afterwards (None if none were staged).
         self.extra_segments: list | None = None
@@ -225,6 +229,8 @@ class ModelRunner:
             self.inputs_ready_at = time.perf_counter()
             return None
         batch, sampling, num_samples = self.build_batch(plan, all_positions)
+        if self.before_forward is not None:
+            self.before_forward()
         # The engine's step timer splits "prepare inputs" from "forward" here.
         self.inputs_ready_at = time.perf_counter()
         if self.graphs is not None and not len(all_positions) and self.graphs.can_run(batch):
