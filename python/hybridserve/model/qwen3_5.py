@@ -460,9 +460,11 @@ class Qwen3_5ForServing(nn.Module):
         Dense projections (float32 and bfloat16) stay ``[out, in]`` as checkpoints store
         them: the native few-row kernels read each output's weight row contiguously, so
         a lone sequence's decode streams every weight at memory rate (benches/gemv.py:
-        about 2x the column-major kernel's GB/s at one row, and no slower at 2-128
-        rows), MKL reads that layout for long chunks as fast as the transposed one, and
-        a tied LM head is the embedding table as it is (no second copy, row gathers).
+        1.6-3.9x the column-major kernel's GB/s at one row; at 16 rows faster on every
+        0.8B-shape GEMM, mixed at 0.1B's, where the 152K-row LM head is 0.86x; see
+        benches/RESULTS.md), MKL reads that layout for long chunks as fast as the
+        transposed one, and a tied LM head is the embedding table as it is (no second
+        copy, row gathers).
 
         Each dense weight moves into huge-page memory (:func:`_huge_page_copy`). A
         float32 MoE block's router and shared expert are stored transposed instead (same
