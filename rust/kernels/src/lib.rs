@@ -54,6 +54,7 @@ pub mod moe;
 pub mod norm;
 mod pool;
 pub mod rope;
+mod row_tiles;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 

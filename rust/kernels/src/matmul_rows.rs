@@ -19,6 +19,8 @@
 
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
+#[cfg(target_arch = "x86_64")]
+use crate::row_tiles::x86::avx2_tile;
 
 /// Rows of `x` per register block.
 const MR: usize = 6;
@@ -167,12 +169,12 @@ unsafe fn columns<const C: usize>(
                 },
                 #[cfg(target_arch = "x86_64")]
                 Simd::Avx2 => match mr {
-                    1 => avx2::tile::<1, C>(&xs, &ws, k, next),
-                    2 => avx2::tile::<2, C>(&xs, &ws, k, next),
-                    3 => avx2::tile::<3, C>(&xs, &ws, k, next),
-                    4 => avx2::tile::<4, C>(&xs, &ws, k, next),
-                    5 => avx2::tile::<5, C>(&xs, &ws, k, next),
-                    _ => avx2::tile::<6, C>(&xs, &ws, k, next),
+                    1 => avx2_tile::<f32, MR, 1, C>(&xs, &ws, k, next),
+                    2 => avx2_tile::<f32, MR, 2, C>(&xs, &ws, k, next),
+                    3 => avx2_tile::<f32, MR, 3, C>(&xs, &ws, k, next),
+                    4 => avx2_tile::<f32, MR, 4, C>(&xs, &ws, k, next),
+                    5 => avx2_tile::<f32, MR, 5, C>(&xs, &ws, k, next),
+                    _ => avx2_tile::<f32, MR, 6, C>(&xs, &ws, k, next),
                 },
                 _ => scalar_tile::<C>(&xs, mr, &ws, k),
             };
@@ -213,6 +215,7 @@ unsafe fn scalar_tile<const C: usize>(
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{Tile, MR};
+    use crate::row_tiles::x86::lane_sums;
     use std::arch::x86_64::*;
 
     /// `R` rows of `x` against the `C` weight rows over all `k`: 16 keys per step,
@@ -254,83 +257,7 @@ mod avx512 {
                 }
             }
         }
-        let mut tile = [[0.0f32; C]; MR];
-        for i in 0..R {
-            for c in (0..C).step_by(4) {
-                let s = reduce4(acc[i][c], acc[i][c + 1], acc[i][c + 2], acc[i][c + 3]);
-                _mm_storeu_ps(tile[i].as_mut_ptr().add(c), s);
-            }
-        }
-        tile
-    }
-
-    /// The lane sums of four accumulators at once: `[sum a, sum b, sum c, sum d]`
-    /// (each in the same order whatever the other three hold).
-    #[inline(always)]
-    unsafe fn reduce4(a: __m512, b: __m512, c: __m512, d: __m512) -> __m128 {
-        let ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-        let cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-        let abcd = _mm512_add_ps(
-            _mm512_shuffle_ps::<0x44>(ab, cd),
-            _mm512_shuffle_ps::<0xEE>(ab, cd),
-        );
-        let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(abcd)));
-        let s = _mm256_add_ps(_mm512_castps512_ps256(abcd), hi);
-        _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s))
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use super::{Tile, MR};
-    use std::arch::x86_64::*;
-
-    #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_shuffle_ps::<1>(s, s));
-        _mm_cvtss_f32(s)
-    }
-
-    /// As the AVX-512 tile with 8 keys per step; the last `k % 8` keys in plain
-    /// arithmetic. Prefetches one line of the next block every other step per weight
-    /// row (a line holds 16 floats).
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn tile<const R: usize, const C: usize>(
-        xs: &[*const f32; MR],
-        ws: &[*const f32; C],
-        k: usize,
-        next: *const f32,
-    ) -> Tile<C> {
-        let mut acc = [[_mm256_setzero_ps(); C]; R];
-        let mut kk = 0;
-        while kk + 8 <= k {
-            if !next.is_null() && kk % 16 == 0 {
-                for c in 0..C {
-                    _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(C * kk + 16 * c) as *const i8);
-                }
-            }
-            let wv: [__m256; C] = std::array::from_fn(|c| _mm256_loadu_ps(ws[c].add(kk)));
-            for i in 0..R {
-                let xv = _mm256_loadu_ps(xs[i].add(kk));
-                for c in 0..C {
-                    acc[i][c] = _mm256_fmadd_ps(xv, wv[c], acc[i][c]);
-                }
-            }
-            kk += 8;
-        }
-        let mut tile = [[0.0f32; C]; MR];
-        for i in 0..R {
-            for c in 0..C {
-                let mut s = hsum(acc[i][c]);
-                for t in kk..k {
-                    s += *xs[i].add(t) * *ws[c].add(t);
-                }
-                tile[i][c] = s;
-            }
-        }
-        tile
+        lane_sums(&acc)
     }
 }
 
