@@ -39,18 +39,7 @@ pub(super) fn matmul_bf16(
 ) -> PyResult<()> {
     use hybridserve_cpu_kernels::matmul_bf16::{matmul_bf16 as mm, Out};
     let x = rows("x", &x)?;
-    let n = w.shape()[0];
-    if w.shape()[1] != x.width {
-        return Err(PyValueError::new_err(format!(
-            "w must be [N, K={}] (K of x); got {:?}",
-            x.width,
-            w.shape()
-        )));
-    }
-    // `as_slice` also takes a Fortran-ordered array (the transposed weight): refuse it.
-    let w = w.as_slice().ok().filter(|_| w.is_c_contiguous()).ok_or_else(|| {
-        PyValueError::new_err("w must be a C-contiguous [N, K] bfloat16 (uint16 view) array")
-    })?;
+    let (w, n) = weight_rows(&w, x.width)?;
     if let Ok(mut o) = out.extract::<PyReadwriteArrayDyn<'_, u16>>() {
         let o = o
             .as_slice_mut()

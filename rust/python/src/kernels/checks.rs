@@ -33,6 +33,19 @@ pub(super) fn contiguous_mut_of<'a, T: Dtype>(
         .map_err(|_| PyValueError::new_err(format!("{name} must be C-contiguous {}", T::NAME)))
 }
 
+/// A weight `w` stored `[N, K]` as checkpoints store it, `K` the width of `x`: its
+/// values and `N`. `as_slice` also takes a Fortran-ordered array (a transposed
+/// weight), which these kernels would read wrongly: refused.
+pub(super) fn weight_rows<'a, T: Dtype>(w: &'a PyReadonlyArray2<'_, T>, k: usize) -> PyResult<(&'a [T], usize)> {
+    if w.shape()[1] != k {
+        return Err(PyValueError::new_err(format!("w must be [N, K={k}] (K of x); got {:?}", w.shape())));
+    }
+    let values = w.as_slice().ok().filter(|_| w.is_c_contiguous()).ok_or_else(|| {
+        PyValueError::new_err(format!("w must be a C-contiguous [N, K] {} array", T::NAME))
+    })?;
+    Ok((values, w.shape()[0]))
+}
+
 /// The delta rule's arrays as one binding received them (float32 or bfloat16 `T`;
 /// the state is float32 either way).
 pub(super) struct DeltaRuleArrays<'py, T: Dtype> {

@@ -255,20 +255,7 @@ fn matmul_rows(
     mut out: PyReadwriteArrayDyn<'_, f32>,
 ) -> PyResult<()> {
     let x = rows("x", &x)?;
-    let n = w.shape()[0];
-    if w.shape()[1] != x.width {
-        return Err(PyValueError::new_err(format!(
-            "w must be [N, K={}] (K of x); got {:?}",
-            x.width,
-            w.shape()
-        )));
-    }
-    // `as_slice` also takes a Fortran-ordered array (the transposed weight): refuse it.
-    let w = w
-        .as_slice()
-        .ok()
-        .filter(|_| w.is_c_contiguous())
-        .ok_or_else(|| PyValueError::new_err("w must be a C-contiguous [N, K] float32 array"))?;
+    let (w, n) = weight_rows(&w, x.width)?;
     let out = contiguous_mut("out", &mut out)?;
     py.detach(|| hybridserve_cpu_kernels::matmul_rows::matmul_rows(x, w, n, out))
         .map_err(err)
