@@ -17,8 +17,10 @@ in a model, where every projection's weight comes from memory):
 * ``f32_mkl``: torch's ``F.linear`` on the ``[out, in]`` weight (MKL; what runs past
   the native kernel's row limit).
 * ``bf16_rows``: the bfloat16 kernel (``native.linear_bf16``) on the ``[out, in]``
-  bfloat16 weight in huge-page memory (``bf16_rows_plain``: in ordinary pages); with ``--baseline-core`` also ``bf16_rows_before``: another build's
-  bfloat16 kernel (e.g. the branch point's, without the next-block prefetch).
+  bfloat16 weight in huge-page memory (``bf16_rows_plain``: in ordinary pages).
+* with ``--baseline-core`` (another build's ``_core``, e.g. of the branch point) also
+  ``bf16_rows_before`` and ``f32_rows_before``: that build's bfloat16 and float32
+  row kernels on the same huge-page weights as ``bf16_rows`` / ``f32_rows_huge``.
 
 Rounds alternate the variants; medians (and minima) over all calls are printed, with
 torch's and the kernels' thread count and the load average. ``--variants`` keeps a
@@ -143,6 +145,12 @@ def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline, kee
                     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
                     baseline.matmul_bf16(native._bits(x), native._bits(w), native._bits(out))
                 fns["bf16_rows_before"] = before
+
+                def f32_before(x=x):
+                    w = rings["f32_rows_huge"]()
+                    out = torch.empty(x.shape[0], w.shape[0])
+                    baseline.matmul_rows(native._np(x), native._np(w), native._np(out))
+                fns["f32_rows_before"] = f32_before
             if m > 2:
                 fns.pop("stream_f32")
             if keep is not None:
@@ -167,6 +175,9 @@ def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline, kee
                 new = med["f32_rows_huge"]
                 print(f"   f32 rows (huge pages) vs column-major: {med['f32_colmajor'] / new:.2f}x"
                       f"   vs MKL: {med['f32_mkl'] / new:.2f}x", flush=True)
+            if {"f32_rows_huge", "f32_rows_before"} <= med.keys():
+                print(f"   f32 rows (huge pages) vs the baseline build: "
+                      f"{med['f32_rows_before'] / med['f32_rows_huge']:.2f}x", flush=True)
             if {"bf16_rows", "bf16_rows_before"} <= med.keys():
                 print(f"   bf16 rows vs the baseline build: {med['bf16_rows_before'] / med['bf16_rows']:.2f}x",
                       flush=True)
@@ -183,7 +194,7 @@ def main() -> None:
     ap.add_argument("--baseline-core", default=None, help="another build's _core (bf16_rows_before)")
     ap.add_argument("--variants", default=None,
                     help="comma-separated subset of: stream_f32, f32_colmajor, f32_rows, f32_rows_huge, f32_mkl, "
-                         "bf16_rows, bf16_rows_plain, bf16_rows_before (default: all)")
+                         "bf16_rows, bf16_rows_plain, bf16_rows_before, f32_rows_before (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
