@@ -11,6 +11,13 @@ rounds are printed with the thread count and the load average.
 
     python benches/decode_one.py --checkpoint ~/.cache/hybridserve/llamacpp/11434.0.0/work/peer-0.1b/hf --threads 2
     python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --seqs 16
+    python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --variants bf16,bf16_before \
+        --baseline-core /tmp/base_bf16/target/release/lib_core.so
+
+``bf16_before`` (needs ``--baseline-core``, another build's ``_core``, see
+``benches/bf16_kernels.py``): the bfloat16 model with that build's few-row bfloat16
+GEMM (``native.linear_bf16`` swapped in during its rounds only), to compare two GEMM
+builds within the whole step.
 """
 
 from __future__ import annotations
@@ -34,6 +41,25 @@ def transpose_dense(model) -> None:
                 m.weight.data = _transposed_copy(m.weight.data)
 
 
+def baseline_linear_bf16(core_path: str | None):
+    """``native.linear_bf16`` on another build's kernel."""
+    if core_path is None:
+        raise SystemExit("the bf16_before variant needs --baseline-core")
+    from bf16_kernels import load_baseline  # benches/ is the script's folder
+
+    from hybridserve.kernels import native
+
+    base = load_baseline(core_path)
+
+    def linear_bf16(x, weight, out_dtype=torch.bfloat16):
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype)
+        base.matmul_bf16(native._bits(x), native._bits(weight),
+                         native._bits(out) if out_dtype == torch.bfloat16 else native._np(out))
+        return out
+
+    return linear_bf16
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
@@ -42,6 +68,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="f32_colmajor,f32_rows,bf16")
     ap.add_argument("--seqs", type=int, default=1, help="sequences decoding together (16: the batched row)")
+    ap.add_argument("--baseline-core", default=None, help="another build's _core (the bf16_before variant)")
     args = ap.parse_args()
     from hybridserve import LLM
     from hybridserve.sampling import SamplingParams
@@ -49,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llms, times = {}, {}
     for v in args.variants.split(","):
-        llm = LLM(args.checkpoint, dtype="bfloat16" if v == "bf16" else "float32", max_num_seqs=args.seqs,
+        llm = LLM(args.checkpoint, dtype="bfloat16" if v.startswith("bf16") else "float32", max_num_seqs=args.seqs,
                   cpu_threads=args.threads, kv_cache_memory_bytes=1 << 30)
         if v == "f32_colmajor":
             transpose_dense(llm.engine.runner.model)
@@ -66,6 +93,10 @@ def main() -> None:
 
         model.forward = timed
         llms[v], times[v] = llm, rec
+    swaps = {}
+    if "bf16_before" in llms:
+        # Loaded after the engines, so that it takes the kernel thread count they set.
+        swaps["bf16_before"] = baseline_linear_bf16(args.baseline_core)
     print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}", flush=True)
     gen = torch.Generator().manual_seed(0)
     prompts = [[int(t) for t in torch.randint(100, 5000, (64,), generator=gen)] for _ in range(args.seqs)]
@@ -74,14 +105,23 @@ def main() -> None:
     for v, llm in llms.items():  # warm-up
         llm.generate([prompts[0][:16]], SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0))
         times[v].clear()
+    from hybridserve.kernels import native
+
+    own = native.linear_bf16
     for _ in range(args.rounds):
         for v, llm in llms.items():
-            outs[v] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            native.linear_bf16 = swaps.get(v, own)
+            try:
+                outs[v] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            finally:
+                native.linear_bf16 = own
     for v, ts in times.items():
         print(f"{v:14s} decode step median {statistics.median(ts) * 1e3:7.2f} ms  min {min(ts) * 1e3:7.2f} ms "
               f"({len(ts)} steps)")
     if "f32_colmajor" in outs and "f32_rows" in outs:
         print("float32 greedy tokens equal across layouts:", list(outs["f32_colmajor"]) == list(outs["f32_rows"]))
+    if "bf16" in outs and "bf16_before" in outs:
+        print("bfloat16 greedy tokens equal across GEMM builds:", list(outs["bf16"]) == list(outs["bf16_before"]))
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

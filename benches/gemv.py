@@ -17,15 +17,20 @@ in a model, where every projection's weight comes from memory):
 * ``f32_mkl``: torch's ``F.linear`` on the ``[out, in]`` weight (MKL; what runs past
   the native kernel's row limit).
 * ``bf16_rows``: the bfloat16 kernel (``native.linear_bf16``) on the ``[out, in]``
-  bfloat16 weight in huge-page memory (``bf16_rows_plain``: in ordinary pages); with ``--baseline-core`` also ``bf16_rows_before``: another build's
-  bfloat16 kernel (e.g. the branch point's, without the next-block prefetch).
+  bfloat16 weight in huge-page memory (``bf16_rows_plain``: in ordinary pages).
+* with ``--baseline-core`` (another build's ``_core``, e.g. of the branch point) also
+  ``bf16_rows_before`` and ``f32_rows_before``: that build's bfloat16 and float32
+  row kernels on the same huge-page weights as ``bf16_rows`` / ``f32_rows_huge``.
 
 Rounds alternate the variants; medians (and minima) over all calls are printed, with
-torch's and the kernels' thread count and the load average.
+torch's and the kernels' thread count and the load average. ``--variants`` keeps a
+subset (on a shared machine: fewer variants, more rounds of the ones compared).
 
     python benches/gemv.py --threads 2
     python benches/gemv.py --threads 2 --rows 1,2,16,64,128 --shape 0.1b
     python benches/gemv.py --threads 2 --baseline-core /tmp/base22/target/release/lib_core.so
+    python benches/gemv.py --threads 2 --rows 1,2 --variants bf16_rows,bf16_rows_before,f32_rows_huge \
+        --baseline-core /tmp/base_bf16/target/release/lib_core.so
 """
 
 from __future__ import annotations
@@ -70,6 +75,18 @@ class Ring:
         return self.ws[self.i]
 
 
+class Rings(dict):
+    """Rings by name, each made the first time it is asked for."""
+
+    def __init__(self, makers):
+        super().__init__()
+        self.makers = makers
+
+    def __missing__(self, name):
+        self[name] = ring = self.makers[name]()
+        return ring
+
+
 def huge_copy(w: torch.Tensor) -> torch.Tensor:
     new = _huge_page_empty(tuple(w.shape), w.dtype)
     if new is None:
@@ -96,19 +113,20 @@ def timed(fn, reps: int) -> list[float]:
     return out
 
 
-def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline) -> list[dict]:
+def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline, keep: set[str] | None) -> list[dict]:
     records = []
     for name, n, k in SHAPES[shape]:
         g = torch.Generator().manual_seed(n + k)
         base = 0.02 * torch.randn(n, k, generator=g)
         b16 = base.to(torch.bfloat16)
-        rings = {
-            "f32_colmajor": Ring(lambda: huge_transposed(base), ring_bytes),
-            "f32_rows": Ring(lambda: base.clone(), ring_bytes),
-            "f32_rows_huge": Ring(lambda: huge_copy(base), ring_bytes),
-            "bf16_rows": Ring(lambda: huge_copy(b16), ring_bytes // 2),
-            "bf16_rows_plain": Ring(lambda: b16.clone(), ring_bytes // 2),
-        }
+        # Built on first use: a subset of variants needs only its own copies.
+        rings = Rings({
+            "f32_colmajor": lambda: Ring(lambda: huge_transposed(base), ring_bytes),
+            "f32_rows": lambda: Ring(lambda: base.clone(), ring_bytes),
+            "f32_rows_huge": lambda: Ring(lambda: huge_copy(base), ring_bytes),
+            "bf16_rows": lambda: Ring(lambda: huge_copy(b16), ring_bytes // 2),
+            "bf16_rows_plain": lambda: Ring(lambda: b16.clone(), ring_bytes // 2),
+        })
         for m in rows:
             x = torch.randn(m, k, generator=g)
             xb = x.to(torch.bfloat16)
@@ -127,8 +145,16 @@ def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline) -> 
                     out = torch.empty(x.shape[0], w.shape[0], dtype=torch.bfloat16)
                     baseline.matmul_bf16(native._bits(x), native._bits(w), native._bits(out))
                 fns["bf16_rows_before"] = before
+
+                def f32_before(x=x):
+                    w = rings["f32_rows_huge"]()
+                    out = torch.empty(x.shape[0], w.shape[0])
+                    baseline.matmul_rows(native._np(x), native._np(w), native._np(out))
+                fns["f32_rows_before"] = f32_before
             if m > 2:
                 fns.pop("stream_f32")
+            if keep is not None:
+                fns = {v: fn for v, fn in fns.items() if v in keep}
             reps = max(3, min(20, int(2e8 / (n * k * max(m, 4)))))
             samples: dict[str, list[float]] = {v: [] for v in fns}
             for _ in range(rounds):
@@ -144,9 +170,17 @@ def run(shape: str, rows: list[int], rounds: int, ring_bytes: int, baseline) -> 
                 print(f"{shape} {name:17s} [{n:6d} x {k:4d}] M={m:3d} {v:16s} {med * 1e3:9.3f} ms "
                       f"(min {best * 1e3:8.3f})  {rec['gb_s']:5.1f} GB/s (best {rec['best_gb_s']:5.1f})",
                       flush=True)
-            col, new = samples["f32_colmajor"], samples["f32_rows_huge"]
-            print(f"   f32 rows (huge pages) vs column-major: {statistics.median(col) / statistics.median(new):.2f}x"
-                  f"   vs MKL: {statistics.median(samples['f32_mkl']) / statistics.median(new):.2f}x", flush=True)
+            med = {v: statistics.median(ts) for v, ts in samples.items()}
+            if {"f32_colmajor", "f32_rows_huge", "f32_mkl"} <= med.keys():
+                new = med["f32_rows_huge"]
+                print(f"   f32 rows (huge pages) vs column-major: {med['f32_colmajor'] / new:.2f}x"
+                      f"   vs MKL: {med['f32_mkl'] / new:.2f}x", flush=True)
+            if {"f32_rows_huge", "f32_rows_before"} <= med.keys():
+                print(f"   f32 rows (huge pages) vs the baseline build: "
+                      f"{med['f32_rows_before'] / med['f32_rows_huge']:.2f}x", flush=True)
+            if {"bf16_rows", "bf16_rows_before"} <= med.keys():
+                print(f"   bf16 rows vs the baseline build: {med['bf16_rows_before'] / med['bf16_rows']:.2f}x",
+                      flush=True)
     return records
 
 
@@ -158,6 +192,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ring-mib", type=int, default=96, help="bytes of weight copies per ring (> the L3)")
     ap.add_argument("--baseline-core", default=None, help="another build's _core (bf16_rows_before)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated subset of: stream_f32, f32_colmajor, f32_rows, f32_rows_huge, f32_mkl, "
+                         "bf16_rows, bf16_rows_plain, bf16_rows_before, f32_rows_before (default: all)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -170,7 +207,8 @@ def main() -> None:
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     records = []
     for shape in args.shape.split(","):
-        records += run(shape, [int(r) for r in args.rows.split(",")], args.rounds, args.ring_mib << 20, baseline)
+        keep = set(args.variants.split(",")) if args.variants else None
+        records += run(shape, [int(r) for r in args.rows.split(",")], args.rounds, args.ring_mib << 20, baseline, keep)
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -11,6 +11,18 @@
 //! `K = 1,024`) stay in L1 while every row block of `x` passes over them, and each
 //! accumulator is summed across its lanes once at the end. No repacking of the
 //! weight, so the same tensor serves torch's GEMM for prefill-sized chunks.
+//!
+//! One or two rows (a lone sequence's decode) only stream the weight, and there the
+//! order of the loads decides the rate: with `vdpbf16ps` the kernel reads the weight
+//! rows one after another, in memory order ([`avx512::in_order`]), so that the core's
+//! own stream prefetcher runs ahead of a single sequential read. Reading 8 or 16 rows
+//! side by side (as the float32 kernel does) leaves 8-16 interleaved streams that the
+//! hardware does not follow; software prefetch of the next block recovers only part of
+//! it (measured on this AMD EPYC, one thread, the 0.1B LM head: 19-20 GB/s side by
+//! side, 26-28 GB/s in order, a plain sequential read 27-31 GB/s; benches/RESULTS.md,
+//! "Issue 22: bfloat16 GEMV bandwidth"). Either way each output is one accumulator
+//! over the keys in the same order, summed across lanes the same way, so a row's
+//! result does not depend on how many rows share the call.
 
 use crate::bf16::{from_f32, to_f32, Isa};
 use crate::pool::for_each_task;
@@ -25,11 +37,13 @@ const NR: usize = 4;
 /// Weight rows per task: enough work to pay for claiming a task, small enough to
 /// balance two or more threads on the narrowest projection of a model.
 const ROWS_PER_TASK: usize = 32;
-/// Weight rows per task for one or two rows of `x`: a task's first block has no
-/// prefetch of its own (the block before it went to whichever thread claimed it), so
-/// tasks span more blocks; 6 tasks still split the narrowest projection (768 outputs).
+/// Weight rows per task for one or two rows of `x`: long sequential runs for the
+/// stream prefetcher (and, on AVX2, a task's first block has no prefetch of its own),
+/// while 6 tasks still split the narrowest projection (768 outputs). 256 and 512
+/// measured no better at one thread.
 const ROWS_PER_TASK_FEW: usize = 128;
-/// How many blocks of weight rows ahead a block prefetches (into L2).
+/// How many blocks of weight rows ahead a block prefetches (into L2) where the weight
+/// rows are read side by side.
 const PREFETCH_BLOCKS: usize = 1;
 
 /// Where the products go: float32, or bfloat16 bits rounded to nearest even.
@@ -113,11 +127,11 @@ pub fn matmul_bf16_with(
 }
 
 /// Output columns `j0..j1` of every row: blocks of [`NR`] weight rows x [`MR`] rows,
-/// or, for one or two rows (a lone sequence's decode, memory-bound), of `4 NR` / `2 NR`
-/// weight rows: more independent loads and accumulators in flight per step, and a
-/// longer contiguous run per block (16 rows: 24 KiB at `K = 768`; measured 1.1-1.3x
-/// over 8 rows at the 0.1B shapes' one-row GEMMs, even at 0.8B's; benches/gemv.py).
-/// Two rows, and AVX2's 16 registers, keep 8 (16 accumulators per row would spill).
+/// or, for one or two rows (a lone sequence's decode, memory-bound), of `2 NR` weight
+/// rows: with AVX-512 BF16 read in order (the block only sets how many lane sums are
+/// done together; 16 measured no faster and spills at two rows), on AVX2 side by side
+/// with the next block prefetched (8 loads and accumulators in flight per step; AVX2's
+/// 16 registers hold no more).
 unsafe fn columns(
     isa: Isa,
     x: &Rows<'_, u16>,
@@ -128,7 +142,6 @@ unsafe fn columns(
     ldo: usize,
 ) {
     match x.rows {
-        1 if isa == Isa::Avx512Bf16 => columns_of::<{ 4 * NR }>(isa, x, w, j0, j1, out, ldo),
         1 | 2 => columns_of::<{ 2 * NR }>(isa, x, w, j0, j1, out, ldo),
         _ => columns_of::<NR>(isa, x, w, j0, j1, out, ldo),
     }
@@ -149,14 +162,20 @@ unsafe fn columns_of<const C: usize>(
         let nc = (j1 - j).min(C);
         // A partial block repeats its last weight row (computed, not stored).
         let ws: [*const u16; C] = std::array::from_fn(|c| w.as_ptr().add((j + c.min(nc - 1)) * k));
-        // The next block's `C K` values follow this block's in memory: the first row
-        // block prefetches them into L2 as it goes (see `crate::matmul_rows`).
+        // The next block's `C K` values follow this block's in memory: a tile that
+        // reads the weight rows side by side prefetches them into L2 as it goes, from
+        // its first row block (see `crate::matmul_rows`).
         let mut next = w.as_ptr().wrapping_add((j + PREFETCH_BLOCKS * C) * k);
         let mut r = 0;
         while r < x.rows {
             let mr = (x.rows - r).min(MR);
             let xs: [*const u16; MR] = std::array::from_fn(|i| x.row(r + i.min(mr - 1)).as_ptr());
             let tile: Tile<C> = match isa {
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512Bf16 if x.rows <= 2 => match mr {
+                    1 => avx512::in_order::<1, C>(&xs, &ws, k),
+                    _ => avx512::in_order::<2, C>(&xs, &ws, k),
+                },
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx512Bf16 => match mr {
                     1 => avx512::tile::<1, C>(&xs, &ws, k, next),
@@ -273,6 +292,46 @@ mod avx512 {
         }
         lane_sums(&acc)
     }
+
+    /// What [`tile`] computes, for `R` (1 or 2) rows of `x`, reading the `C` weight
+    /// rows one after another: each weight row's keys in order, 32 per step, the
+    /// last partial step masked, into `R` accumulators that then wait in registers
+    /// for the lane sums. The same accumulators and additions as [`tile`] (so the
+    /// same bits); only the order of the loads differs: one sequential read of the
+    /// block instead of `C` interleaved ones, which the hardware prefetcher follows
+    /// without software prefetch (the out-of-order core overlaps one row's chain of
+    /// `K / 32` dependent `vdpbf16ps` with the next row's).
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    pub(super) unsafe fn in_order<const R: usize, const C: usize>(
+        xs: &[*const u16; MR],
+        ws: &[*const u16; C],
+        k: usize,
+    ) -> Tile<C> {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        for c in 0..C {
+            let w = ws[c];
+            let mut a = [_mm512_setzero_ps(); R];
+            let mut kk = 0;
+            while kk + 32 <= k {
+                let wv = load(w.add(kk));
+                for i in 0..R {
+                    a[i] = _mm512_dpbf16_ps(a[i], load(xs[i].add(kk)), wv);
+                }
+                kk += 32;
+            }
+            if kk < k {
+                let mask: __mmask32 = (1u32 << (k - kk)) - 1;
+                let wv = load_tail(w.add(kk), mask);
+                for i in 0..R {
+                    a[i] = _mm512_dpbf16_ps(a[i], load_tail(xs[i].add(kk), mask), wv);
+                }
+            }
+            for i in 0..R {
+                acc[i][c] = a[i];
+            }
+        }
+        lane_sums(&acc)
+    }
 }
 
 #[cfg(test)]
@@ -292,7 +351,9 @@ mod tests {
         for (m, k, n) in [
             (1usize, 7usize, 1usize),
             (1, 64, 16),
+            (1, 768, 299),
             (2, 70, 19),
+            (2, 1031, 133),
             (3, 33, 5),
             (5, 100, 37),
             (9, 512, 70),
@@ -325,6 +386,36 @@ mod tests {
                         assert_eq!(o16[r * n + c], from_f32(o32[r * n + c]), "{isa:?} bf16 out");
                     }
                 }
+            }
+        }
+    }
+
+    /// A sequence's products must not depend on what it is batched with: one and two
+    /// rows (read in memory order with AVX-512 BF16) give the bits that the same rows
+    /// get inside a block of 16, on every path; `K` with a partial 32-key step, `N`
+    /// over several tasks with a partial block.
+    #[test]
+    fn a_row_gets_the_same_bits_alone_in_a_pair_or_in_a_block() {
+        let (k, n) = (300usize, 2_101usize);
+        let x: Vec<u16> = (0..16 * k)
+            .map(|i| bf(((i * 7 % 29) as f32 - 14.0) / 9.0))
+            .collect();
+        let w: Vec<u16> = (0..n * k)
+            .map(|i| bf(((i * 11 % 31) as f32 - 15.0) / 13.0))
+            .collect();
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Avx512Bf16] {
+            if !isa.supported() {
+                continue;
+            }
+            let mut all = vec![0.0f32; 16 * n];
+            let xr = Rows::dense(&x, k).unwrap();
+            matmul_bf16_with(isa, xr, &w, n, Out::F32(&mut all)).unwrap();
+            for m in [1usize, 2, 3, 5] {
+                let mut few = vec![0.0f32; m * n];
+                let xr = Rows::dense(&x[..m * k], k).unwrap();
+                matmul_bf16_with(isa, xr, &w, n, Out::F32(&mut few)).unwrap();
+                let same = few.iter().zip(&all).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{isa:?}: {m} rows differ from the same rows in a block of 16");
             }
         }
     }

@@ -14,6 +14,11 @@
 //! one row and 2 threads (benches/gemv.py): about 2x the column-major kernel's GB/s,
 //! at the rate of a plain streaming sum.
 //!
+//! With AVX-512, one or two rows whose `x` fits a quarter of L1 read the weight rows
+//! one after another instead ([`IN_ORDER_MAX_X`]): a single sequential read, which the
+//! core's stream prefetcher follows better than 8 interleaved ones (the bfloat16
+//! kernel's finding, `crate::matmul_bf16`).
+//!
 //! Each output is its own accumulator (lanes summed once at the end, in a fixed
 //! order), so a row's results do not depend on how many rows share the call.
 
@@ -31,6 +36,14 @@ const NR_FEW: usize = 8;
 /// weight vectors and one `x` vector, fit in AVX-512's 32 registers: 10 loads per 24
 /// FMAs).
 const NR: usize = 4;
+/// One or two rows of `x` read the weight rows one after another (memory order, which
+/// the hardware prefetcher follows) while the `x` rows take at most this many floats
+/// (8 KiB, a quarter of L1): each `x` element is then loaded once per weight row
+/// instead of once per 8, and longer rows fall out of L1 under the weight's stream.
+/// Measured at one thread (benches/gemv.py against the side-by-side tile): `K = 768`
+/// 1.1-1.3x, `K = 1,024` 1.0-1.2x, `K = 2,048` at one row 0.95-1.05x, but two rows
+/// at `K = 2,048` 0.8-0.85x and `K = 3,584` 0.5-0.85x.
+const IN_ORDER_MAX_X: usize = 2048;
 /// Weight rows per task: balances 2+ threads on the narrowest projection of a model
 /// while keeping the per-task cost small.
 const ROWS_PER_TASK: usize = 64;
@@ -159,6 +172,11 @@ unsafe fn columns<const C: usize>(
             let xs: [*const f32; MR] = std::array::from_fn(|i| x.row(r + i.min(mr - 1)).as_ptr());
             let tile: Tile<C> = match simd {
                 #[cfg(target_arch = "x86_64")]
+                Simd::Avx512 if x.rows <= 2 && x.rows * k <= IN_ORDER_MAX_X => match mr {
+                    1 => avx512::in_order::<1, C>(&xs, &ws, k),
+                    _ => avx512::in_order::<2, C>(&xs, &ws, k),
+                },
+                #[cfg(target_arch = "x86_64")]
                 Simd::Avx512 => match mr {
                     1 => avx512::tile::<1, C>(&xs, &ws, k, next),
                     2 => avx512::tile::<2, C>(&xs, &ws, k, next),
@@ -259,6 +277,42 @@ mod avx512 {
         }
         lane_sums(&acc)
     }
+
+    /// What [`tile`] computes, for `R` (1 or 2) rows of `x`, reading the `C` weight
+    /// rows one after another (memory order): the same accumulators and additions,
+    /// one sequential read of the block that the hardware prefetcher follows without
+    /// software prefetch (see `crate::matmul_bf16`).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn in_order<const R: usize, const C: usize>(
+        xs: &[*const f32; MR],
+        ws: &[*const f32; C],
+        k: usize,
+    ) -> Tile<C> {
+        let mut acc = [[_mm512_setzero_ps(); C]; R];
+        for c in 0..C {
+            let w = ws[c];
+            let mut a = [_mm512_setzero_ps(); R];
+            let mut kk = 0;
+            while kk + 16 <= k {
+                let wv = _mm512_loadu_ps(w.add(kk));
+                for i in 0..R {
+                    a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xs[i].add(kk)), wv, a[i]);
+                }
+                kk += 16;
+            }
+            if kk < k {
+                let mask: __mmask16 = (1u32 << (k - kk)) as u16 - 1;
+                let wv = _mm512_maskz_loadu_ps(mask, w.add(kk));
+                for i in 0..R {
+                    a[i] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, xs[i].add(kk)), wv, a[i]);
+                }
+            }
+            for i in 0..R {
+                acc[i][c] = a[i];
+            }
+        }
+        lane_sums(&acc)
+    }
 }
 
 #[cfg(test)]
@@ -275,6 +329,7 @@ mod tests {
             (1, 64, 16),
             (1, 768, 200),
             (2, 70, 19),
+            (2, 1100, 50),
             (3, 33, 5),
             (5, 100, 37),
             (9, 512, 70),
