@@ -4,6 +4,11 @@ the tied LM head too, transposed into huge-page memory, run on the column-major 
 kernel) against the layout the loader keeps now (``[out, in]``, the row-major
 dot-product kernel), and the bfloat16 model, on the same checkpoint, in one process.
 
+Variants: ``f32_colmajor``, ``f32_rows``, ``bf16``; ``f32_modules`` / ``bf16_modules``
+are ``f32_rows`` / ``bf16`` with the native decode step off
+(``Qwen3_5ForServing.native_decode = False``: every decode through the module path,
+the step before hybridserve.model.native_decode), for its side-by-side.
+
 Each variant is an :class:`hybridserve.LLM` on the checkpoint; rounds alternate them.
 A round generates ``--tokens`` greedy tokens from ``--seqs`` 64-token prompts at once
 and times every decode-only forward (every sequence one token); medians over all
@@ -11,6 +16,7 @@ rounds are printed with the thread count and the load average.
 
     python benches/decode_one.py --checkpoint ~/.cache/hybridserve/llamacpp/11434.0.0/work/peer-0.1b/hf --threads 2
     python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --seqs 16
+    python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --variants bf16,bf16_modules,f32_rows,f32_modules
 """
 
 from __future__ import annotations
@@ -49,11 +55,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     llms, times = {}, {}
     for v in args.variants.split(","):
-        llm = LLM(args.checkpoint, dtype="bfloat16" if v == "bf16" else "float32", max_num_seqs=args.seqs,
+        llm = LLM(args.checkpoint, dtype="bfloat16" if v.startswith("bf16") else "float32", max_num_seqs=args.seqs,
                   cpu_threads=args.threads, kv_cache_memory_bytes=1 << 30)
         if v == "f32_colmajor":
             transpose_dense(llm.engine.runner.model)
         model = llm.engine.runner.model
+        if v.endswith("_modules"):
+            model.native_decode = False
         inner = model.forward
         rec: list[float] = []
 
@@ -82,6 +90,10 @@ def main() -> None:
               f"({len(ts)} steps)")
     if "f32_colmajor" in outs and "f32_rows" in outs:
         print("float32 greedy tokens equal across layouts:", list(outs["f32_colmajor"]) == list(outs["f32_rows"]))
+    for fast, slow in (("f32_rows", "f32_modules"), ("bf16", "bf16_modules")):
+        if fast in times and slow in times:
+            print(f"{fast} / {slow}: step time {statistics.median(times[fast]) / statistics.median(times[slow]):.3f}x, "
+                  f"greedy tokens equal: {list(outs[fast]) == list(outs[slow])}")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

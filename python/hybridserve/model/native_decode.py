@@ -148,8 +148,8 @@ class NativeDecodeStep:
             yield layer.mlp.down_proj
         yield m.lm_head
 
-    def _weights_fingerprint(self) -> tuple:
-        return tuple(w.data_ptr() for w in self._weights)
+    def _weights_fingerprint(self) -> list[int]:
+        return list(map(torch.Tensor.data_ptr, self._weights))
 
     def current(self) -> bool:
         """The views still describe the model's weights (none was moved or re-laid out)."""

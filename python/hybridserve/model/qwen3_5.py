@@ -557,12 +557,16 @@ class Qwen3_5ForServing(nn.Module):
 
     def _native_decode_for(self, batch: ForwardBatch):
         """The :class:`NativeDecodeStep` that runs this step, or None (module path)."""
-        from hybridserve.model.native_decode import NativeDecodeStep
-
-        if not self.native_decode or not NativeDecodeStep.applies_to(self):
+        if not self.native_decode:
             return None
         step = self.__dict__.get("_native_step")
         if step is None or not step.current():
+            # (Re)built when the weights moved: a dtype or device change moves them too.
+            from hybridserve.model.native_decode import NativeDecodeStep
+
+            if not NativeDecodeStep.applies_to(self):
+                self.__dict__["_native_step"] = None
+                return None
             step = self.__dict__["_native_step"] = NativeDecodeStep(self)
         return step if step.ok and step.takes(batch) else None
 
