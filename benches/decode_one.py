@@ -40,6 +40,23 @@ def transpose_dense(model) -> None:
                 m.weight.data = _transposed_copy(m.weight.data)
 
 
+def skip_gemms() -> None:
+    """No native GEMM runs (``--outside-gemms``): the module path's Projection gets an
+    empty output of the right shape, the native decode step's GEMM does nothing."""
+    from hybridserve.kernels import native
+    from hybridserve.model import native_decode
+
+    native.linear_bf16 = lambda x, w, out_dtype=torch.bfloat16: torch.empty(x.shape[0], w.shape[0], dtype=out_dtype)
+    native.linear_rows = lambda x, w: torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    init = native_decode.NativeDecodeStep.__init__
+
+    def no_gemm_init(self, model):
+        init(self, model)
+        self.k_gemm = lambda x, w, out: None
+
+    native_decode.NativeDecodeStep.__init__ = no_gemm_init
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True)
@@ -48,7 +65,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--variants", default="f32_colmajor,f32_rows,bf16")
     ap.add_argument("--seqs", type=int, default=1, help="sequences decoding together (16: the batched row)")
+    ap.add_argument("--outside-gemms", action="store_true",
+                    help="time everything but the GEMMs: every native GEMM call skipped (its output left "
+                         "uninitialised, so the tokens are meaningless)")
     args = ap.parse_args()
+    if args.outside_gemms:
+        skip_gemms()
     from hybridserve import LLM
     from hybridserve.sampling import SamplingParams
 

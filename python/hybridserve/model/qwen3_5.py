@@ -15,6 +15,8 @@ fused module maps every HF name to a row range of its weight
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -552,8 +554,9 @@ class Qwen3_5ForServing(nn.Module):
         return {name: tuple(t.shape) for name, t in self.checkpoint_tensors().items()}
 
     # Decode steps on the CPU's native kernels without the module path's per-op Python
-    # (see hybridserve.model.native_decode); False turns it off (side-by-side benches).
-    native_decode = True
+    # (see hybridserve.model.native_decode); False turns it off (side-by-side benches;
+    # HYBRIDSERVE_NO_NATIVE_DECODE=1 for a whole process, e.g. a server).
+    native_decode = os.environ.get("HYBRIDSERVE_NO_NATIVE_DECODE", "") not in ("1", "true", "yes")
 
     def _native_decode_for(self, batch: ForwardBatch):
         """The :class:`NativeDecodeStep` that runs this step, or None (module path)."""
