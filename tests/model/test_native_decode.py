@@ -102,3 +102,28 @@ def test_prefill_and_re_laid_out_weights_take_the_module_path(tiny_dirs, make_bo
     (want, _), (got, _) = _both_paths(model, cache, batch)
     assert runs["native"] == 1
     assert torch.equal(got, want)
+
+
+def test_a_forward_hook_sends_decode_steps_to_the_module_path(tiny_dirs, make_book, runs):
+    """Tensor parallelism sums each mixer's and MLP's output in forward hooks; the native
+    step would skip them, so a hooked model decodes through its modules (hook included)."""
+    model, _ = load_model(tiny_dirs["test-b"], dtype="bfloat16", progress=False)
+    cache = model.new_cache(64, 16)
+    book = make_book(cache, seed=3)
+    seq = book.new_seq([3, 1, 4, 1, 5])
+    model(book.step([(seq, 5)])[0], cache)
+    seq.tokens.append(9)
+    batch, _ = book.step([(seq, 1)])
+    before = cache.arena.clone()
+    plain = model(batch, cache)
+    assert runs["native"] == 1
+    handle = model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * 2)
+    try:
+        cache.arena.copy_(before)
+        hooked = model(batch, cache)
+    finally:
+        handle.remove()
+    assert runs["native"] == 1
+    assert not torch.equal(hooked, plain)  # the hook ran
+    cache.arena.copy_(before)
+    assert torch.equal(model(batch, cache), plain) and runs["native"] == 2  # and without it, native again

@@ -27,10 +27,21 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch import nn
 
 from hybridserve.kernels import native
 
 _BF16 = torch.bfloat16
+
+
+def _hooked(modules) -> bool:
+    """Any forward (pre-)hook on these modules or on every module: the module path
+    would run it, this path cannot."""
+    from torch.nn.modules import module as mm
+
+    if mm._global_forward_hooks or mm._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 def _view(t: torch.Tensor) -> np.ndarray:
@@ -117,6 +128,7 @@ class NativeDecodeStep:
         self._cache = None
         # The GEMM weights (Parameters) and where their memory was when the views were
         # made: a re-layout (``weight.data = ...``) moves it, and :meth:`current` sees that.
+        self._modules = list(model.modules())
         owners = list(self._weight_owners())
         self._weights = [p.weight for p in owners]
         self._fingerprint = self._weights_fingerprint()
@@ -129,11 +141,21 @@ class NativeDecodeStep:
     @staticmethod
     def applies_to(model) -> bool:
         """Whether this path can serve the model at all (CPU, float32 or bfloat16, dense,
-        no attention biases, the native kernels loaded)."""
+        no attention biases, the native kernels loaded, the model's own module classes
+        and no forward hooks: tensor parallelism swaps in vocabulary-parallel embedding
+        and LM head classes and sums each mixer's and MLP's output in hooks, none of
+        which this path would run)."""
+        from hybridserve.model.qwen3_5 import Projection
+
+        if type(model.embed_tokens) is not nn.Embedding or type(model.lm_head) is not Projection:
+            return False
+        if _hooked(model.modules()):
+            return False
         c = model.config
         if not native.available() or model.device.type != "cpu" or model.dtype not in (torch.float32, _BF16):
             return False
-        return not c.is_moe and not bool(c.raw.get("attention_bias", False))
+        # (A model without layers has no residual stream to add: the module path's case.)
+        return not c.is_moe and not bool(c.raw.get("attention_bias", False)) and len(model.layers) > 0
 
     def _weight_owners(self):
         m = self.model
@@ -152,8 +174,10 @@ class NativeDecodeStep:
         return list(map(torch.Tensor.data_ptr, self._weights))
 
     def current(self) -> bool:
-        """The views still describe the model's weights (none was moved or re-laid out)."""
-        return self._fingerprint == self._weights_fingerprint() and self.model.lm_head.weight is self._weights[-1]
+        """The views still describe the model's weights (none was moved or re-laid out)
+        and no module got a forward hook since they were made."""
+        return (self._fingerprint == self._weights_fingerprint() and self.model.lm_head.weight is self._weights[-1]
+                and not _hooked(self._modules))
 
     def _build_layers(self) -> list[dict]:
         m = self.model
