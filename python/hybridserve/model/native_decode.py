@@ -19,8 +19,8 @@ once per step, and each layer is a straight run of native calls.
 It takes pure-decode steps (every scheduled sequence one token) of a dense model on
 the CPU in float32 or bfloat16, up to the row count where :class:`Projection` still
 uses the native GEMM (so the GEMM choice is the module path's); everything else
-(prefill, mixed steps, MoE, biases, a weight not in the row-major layout,
-``HYBRIDSERVE_NO_NATIVE``) takes the module path.
+(prefill, mixed steps, MoE, biases, a weight not in the row-major layout, tensor
+parallelism or any forward hook, ``HYBRIDSERVE_NO_NATIVE``) takes the module path.
 """
 
 from __future__ import annotations
