@@ -4,6 +4,11 @@ the tied LM head too, transposed into huge-page memory, run on the column-major 
 kernel) against the layout the loader keeps now (``[out, in]``, the row-major
 dot-product kernel), and the bfloat16 model, on the same checkpoint, in one process.
 
+Variants: ``f32_colmajor``, ``f32_rows``, ``bf16``; ``f32_modules`` / ``bf16_modules``
+are ``f32_rows`` / ``bf16`` with the native decode step off
+(``Qwen3_5ForServing.native_decode = False``: every decode through the module path,
+the step before hybridserve.model.native_decode), for its side-by-side.
+
 Each variant is an :class:`hybridserve.LLM` on the checkpoint; rounds alternate them.
 A round generates ``--tokens`` greedy tokens from ``--seqs`` 64-token prompts at once
 and times every decode-only forward (every sequence one token); medians over all
@@ -11,13 +16,14 @@ rounds are printed with the thread count and the load average.
 
     python benches/decode_one.py --checkpoint ~/.cache/hybridserve/llamacpp/11434.0.0/work/peer-0.1b/hf --threads 2
     python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --seqs 16
+    python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --variants bf16,bf16_modules,f32_rows,f32_modules
     python benches/decode_one.py --checkpoint .../peer-0.1b/hf --threads 2 --variants bf16,bf16_before \
         --baseline-core /tmp/base_bf16/target/release/lib_core.so
 
 ``bf16_before`` (needs ``--baseline-core``, another build's ``_core``, see
 ``benches/bf16_kernels.py``): the bfloat16 model with that build's few-row bfloat16
-GEMM (``native.linear_bf16`` swapped in during its rounds only), to compare two GEMM
-builds within the whole step.
+GEMM (``native.linear_bf16`` and the native decode step's GEMM swapped in during its
+rounds only), to compare two GEMM builds within the whole step.
 """
 
 from __future__ import annotations
@@ -42,7 +48,8 @@ def transpose_dense(model) -> None:
 
 
 def baseline_linear_bf16(core_path: str | None):
-    """``native.linear_bf16`` on another build's kernel."""
+    """``native.linear_bf16`` on another build's kernel, and that build's raw
+    ``matmul_bf16`` (what the native decode step calls)."""
     if core_path is None:
         raise SystemExit("the bf16_before variant needs --baseline-core")
     from bf16_kernels import load_baseline  # benches/ is the script's folder
@@ -57,7 +64,22 @@ def baseline_linear_bf16(core_path: str | None):
                          native._bits(out) if out_dtype == torch.bfloat16 else native._np(out))
         return out
 
-    return linear_bf16
+    return linear_bf16, base.matmul_bf16
+def skip_gemms() -> None:
+    """No native GEMM runs (``--outside-gemms``): the module path's Projection gets an
+    empty output of the right shape, the native decode step's GEMM does nothing."""
+    from hybridserve.kernels import native
+    from hybridserve.model import native_decode
+
+    native.linear_bf16 = lambda x, w, out_dtype=torch.bfloat16: torch.empty(x.shape[0], w.shape[0], dtype=out_dtype)
+    native.linear_rows = lambda x, w: torch.empty(x.shape[0], w.shape[0], dtype=torch.float32)
+    init = native_decode.NativeDecodeStep.__init__
+
+    def no_gemm_init(self, model):
+        init(self, model)
+        self.k_gemm = lambda x, w, out: None
+
+    native_decode.NativeDecodeStep.__init__ = no_gemm_init
 
 
 def main() -> None:
@@ -69,7 +91,12 @@ def main() -> None:
     ap.add_argument("--variants", default="f32_colmajor,f32_rows,bf16")
     ap.add_argument("--seqs", type=int, default=1, help="sequences decoding together (16: the batched row)")
     ap.add_argument("--baseline-core", default=None, help="another build's _core (the bf16_before variant)")
+    ap.add_argument("--outside-gemms", action="store_true",
+                    help="time everything but the GEMMs: every native GEMM call skipped (its output left "
+                         "uninitialised, so the tokens are meaningless)")
     args = ap.parse_args()
+    if args.outside_gemms:
+        skip_gemms()
     from hybridserve import LLM
     from hybridserve.sampling import SamplingParams
 
@@ -81,6 +108,8 @@ def main() -> None:
         if v == "f32_colmajor":
             transpose_dense(llm.engine.runner.model)
         model = llm.engine.runner.model
+        if v.endswith("_modules"):
+            model.native_decode = False
         inner = model.forward
         rec: list[float] = []
 
@@ -96,7 +125,17 @@ def main() -> None:
     swaps = {}
     if "bf16_before" in llms:
         # Loaded after the engines, so that it takes the kernel thread count they set.
-        swaps["bf16_before"] = baseline_linear_bf16(args.baseline_core)
+        swaps["bf16_before"], base_gemm = baseline_linear_bf16(args.baseline_core)
+        before = llms["bf16_before"].engine.runner.model
+        build = before._native_decode_for
+
+        def with_base_gemm(batch, build=build):
+            step = build(batch)
+            if step is not None:
+                step.k_gemm = base_gemm
+            return step
+
+        before._native_decode_for = with_base_gemm
     print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}", flush=True)
     gen = torch.Generator().manual_seed(0)
     prompts = [[int(t) for t in torch.randint(100, 5000, (64,), generator=gen)] for _ in range(args.seqs)]
@@ -122,6 +161,10 @@ def main() -> None:
         print("float32 greedy tokens equal across layouts:", list(outs["f32_colmajor"]) == list(outs["f32_rows"]))
     if "bf16" in outs and "bf16_before" in outs:
         print("bfloat16 greedy tokens equal across GEMM builds:", list(outs["bf16"]) == list(outs["bf16_before"]))
+    for fast, slow in (("f32_rows", "f32_modules"), ("bf16", "bf16_modules")):
+        if fast in times and slow in times:
+            print(f"{fast} / {slow}: step time {statistics.median(times[fast]) / statistics.median(times[slow]):.3f}x, "
+                  f"greedy tokens equal: {list(outs[fast]) == list(outs[slow])}")
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 
 

@@ -15,6 +15,8 @@ fused module maps every HF name to a row range of its weight
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -551,6 +553,26 @@ class Qwen3_5ForServing(nn.Module):
         """Every tensor a checkpoint must provide (local HF names), with its shape."""
         return {name: tuple(t.shape) for name, t in self.checkpoint_tensors().items()}
 
+    # Decode steps on the CPU's native kernels without the module path's per-op Python
+    # (see hybridserve.model.native_decode); False turns it off (side-by-side benches;
+    # HYBRIDSERVE_NO_NATIVE_DECODE=1 for a whole process, e.g. a server).
+    native_decode = os.environ.get("HYBRIDSERVE_NO_NATIVE_DECODE", "") not in ("1", "true", "yes")
+
+    def _native_decode_for(self, batch: ForwardBatch):
+        """The :class:`NativeDecodeStep` that runs this step, or None (module path)."""
+        if not self.native_decode:
+            return None
+        step = self.__dict__.get("_native_step")
+        if step is None or not step.current():
+            # (Re)built when the weights moved: a dtype or device change moves them too.
+            from hybridserve.model.native_decode import NativeDecodeStep
+
+            if not NativeDecodeStep.applies_to(self):
+                self.__dict__["_native_step"] = None
+                return None
+            step = self.__dict__["_native_step"] = NativeDecodeStep(self)
+        return step if step.ok and step.takes(batch) else None
+
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
         """Run one step; returns float32 logits ``[S, vocab]`` for ``batch.logits_indices``.
@@ -560,6 +582,11 @@ class Qwen3_5ForServing(nn.Module):
         advanced past the scheduled tokens, so the next step continues with
         ``has_initial_state=True``; requested checkpoints go to their pages.
         """
+        fast = self._native_decode_for(batch)
+        if fast is not None:
+            logits = fast.run(batch, cache)
+            if logits is not None:
+                return logits
         x = self.embed_tokens(batch.input_ids)
         self._moe_rows = x.shape[0]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)

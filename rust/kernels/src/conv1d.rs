@@ -23,7 +23,12 @@ use crate::math::{dispatch, silu};
 use crate::pool::for_each_task;
 use crate::{KernelError, PagedState, Rows, SharedMut, Varlen};
 
+mod decode;
+
 const CHANNEL_BLOCK: usize = 256;
+
+/// A (sequence, channel block) task of the general path, compiled per element type and ISA.
+type TaskFn<T> = fn(&Ctx<'_, T>, usize, usize);
 
 struct Ctx<'a, T = f32> {
     x: Rows<'a, T>,
@@ -57,7 +62,17 @@ pub fn causal_conv1d(
     varlen: Varlen<'_>,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
-    conv_with(x, weight, bias, silu, state, paged, varlen, out, run_task_f32)
+    conv_with(
+        x,
+        weight,
+        bias,
+        silu,
+        state,
+        paged,
+        varlen,
+        out,
+        (run_task_f32, decode::seq_f32),
+    )
 }
 
 /// [`causal_conv1d`] for a bfloat16 model, every tensor bfloat16 bits: `x` `[T, C]`
@@ -74,7 +89,17 @@ pub fn causal_conv1d_bf16(
     varlen: Varlen<'_>,
     out: &mut [u16],
 ) -> Result<(), KernelError> {
-    conv_with(x, weight, bias, silu, state, paged, varlen, out, run_task_bf16)
+    conv_with(
+        x,
+        weight,
+        bias,
+        silu,
+        state,
+        paged,
+        varlen,
+        out,
+        (run_task_bf16, decode::seq_bf16),
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -87,7 +112,7 @@ fn conv_with<T: Elem>(
     paged: PagedState<'_>,
     varlen: Varlen<'_>,
     out: &mut [T],
-    run_task: fn(&Ctx<'_, T>, usize, usize),
+    (run_task, decode_seq): (TaskFn<T>, decode::SeqFn<T>),
 ) -> Result<(), KernelError> {
     let (t, c) = (x.rows, x.width);
     if c == 0 || weight.len() % c != 0 || weight.len() / c < 2 {
@@ -112,13 +137,33 @@ fn conv_with<T: Elem>(
     }
     varlen.validate(t)?;
     paged.validate(&varlen, 1, state.len())?;
+    let runs: Vec<usize> = (0..varlen.num_seqs())
+        .filter(|&b| {
+            let (s, e) = varlen.run(b);
+            e > s
+        })
+        .collect();
+    let mut wide_bias = T::scratch(c);
+    if runs.len() == t {
+        // One row per sequence (a decode step): no transposed weight, no history buffer.
+        let d = decode::Decode {
+            x,
+            weight,
+            bias: bias.map(|b| T::widen(b, &mut wide_bias)),
+            silu,
+            width: w,
+            varlen,
+            paged,
+        };
+        decode::run(&d, &runs, state, out, decode_seq);
+        return Ok(());
+    }
     let mut wt = vec![0.0f32; w * c];
     for ch in 0..c {
         for j in 0..w {
             wt[j * c + ch] = weight[ch * w + j].get();
         }
     }
-    let mut wide_bias = T::scratch(c);
     let ctx = Ctx {
         x,
         wt,
@@ -130,12 +175,6 @@ fn conv_with<T: Elem>(
         state: SharedMut::new(state),
         out: SharedMut::new(out),
     };
-    let runs: Vec<usize> = (0..varlen.num_seqs())
-        .filter(|&b| {
-            let (s, e) = varlen.run(b);
-            e > s
-        })
-        .collect();
     let blocks = c.div_ceil(CHANNEL_BLOCK);
     for_each_task(runs.len() * blocks, (t + runs.len() * w) * c * w, |i| {
         run_task(&ctx, runs[i / blocks], (i % blocks) * CHANNEL_BLOCK)
@@ -159,7 +198,12 @@ fn body_bf16(ctx: &Ctx<'_, u16>, b: usize, c0: usize) {
 /// Input at position `p` of a sequence starting at row `start` (negative: the stored
 /// history `hist`, `[hw, n]`), channels `c0..c1`.
 #[inline(always)]
-fn input_at<'s, T>(hist: &'s [T], x: &Rows<'s, T>, (start, c0, c1, hw): (usize, usize, usize, usize), p: isize) -> &'s [T] {
+fn input_at<'s, T>(
+    hist: &'s [T],
+    x: &Rows<'s, T>,
+    (start, c0, c1, hw): (usize, usize, usize, usize),
+    p: isize,
+) -> &'s [T] {
     let n = c1 - c0;
     if p < 0 {
         let i = (p + hw as isize) as usize;

@@ -1,0 +1,328 @@
+"""A decode step of the dense model on the CPU's native kernels, without per-op Python.
+
+At one sequence the model's decode step is a few dozen small kernel calls per layer,
+and before this path most of the time outside the GEMMs was the Python around them,
+not the kernels: module calls, dtype checks, ``torch.split``/``torch.empty`` and a
+fresh numpy view of every tensor for every call (about 450 views per step at the
+0.1B bench shape), some 5 ms of a ~27 ms bfloat16 step against well under 1 ms of
+kernel work (benches/RESULTS.md, issue 22's one-sequence section).
+
+:class:`NativeDecodeStep` runs the same kernels in the same order on the same
+tensors as :meth:`Qwen3_5ForServing.forward`'s module path, so its logits and the
+state it leaves are bit-identical to that path's (``tests/model/test_native_decode.py``
+checks both, and the HF fidelity tests run through it on every decode step). What it
+saves is the glue: every weight's, parameter's and cache pool's numpy view is made
+once, the activations live in buffers allocated once per row count with their views
+(column ranges of the fused projections included), the per-step host arrays are built
+once per step, and each layer is a straight run of native calls.
+
+It takes pure-decode steps (every scheduled sequence one token) of a dense model on
+the CPU in float32 or bfloat16, up to the row count where :class:`Projection` still
+uses the native GEMM (so the GEMM choice is the module path's); everything else
+(prefill, mixed steps, MoE, biases, a weight not in the row-major layout, tensor
+parallelism or any forward hook, ``HYBRIDSERVE_NO_NATIVE``) takes the module path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from hybridserve.kernels import native
+
+_BF16 = torch.bfloat16
+
+
+def _hooked(modules) -> bool:
+    """Any forward (pre-)hook on these modules or on every module: the module path
+    would run it, this path cannot."""
+    from torch.nn.modules import module as mm
+
+    if mm._global_forward_hooks or mm._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+def _view(t: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as numpy, no copy (bfloat16 as uint16 bits)."""
+    t = t.detach()
+    return t.view(torch.uint16).numpy() if t.dtype == _BF16 else t.numpy()
+
+
+class _Buffers:
+    """The activations of a ``rows``-row step, allocated once, with their numpy views."""
+
+    def __init__(self, model, rows: int):
+        c, dt = model.config, model.dtype
+
+        def buf(width: int) -> tuple[torch.Tensor, np.ndarray]:
+            t = torch.empty(rows, width, dtype=dt)
+            return t, _view(t)
+
+        h = c.hidden_size
+        self.residual, self.residual_np = buf(h)
+        self.normed, self.normed_np = buf(h)
+        self.mixer_out, self.mixer_out_np = buf(h)
+        self.mlp_out, self.mlp_out_np = buf(h)
+        self.gate_up, self.gate_up_np = buf(2 * c.intermediate_size)
+        self.act_np = self.gate_up_np[:, : c.intermediate_size]
+        if c.linear_attention_layers:
+            kd, vd, hv = c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
+            cd = c.linear_conv_dim
+            _, p = buf(cd + vd + 2 * hv)
+            self.proj_np = p
+            # in_proj's rows: [conv input | z | b | a] (see GatedDeltaNet.forward's split).
+            self.mixed_np, self.z_np = p[:, :cd], p[:, cd:cd + vd]
+            self.b_np, self.a_np = p[:, cd + vd:cd + vd + hv], p[:, cd + vd + hv:]
+            _, conv = buf(cd)
+            self.conv_np = conv
+            self.q_np, self.k_np, self.v_np = conv[:, :kd], conv[:, kd:2 * kd], conv[:, 2 * kd:]
+            self.rule_out, self.rule_out_np = buf(vd)
+        if c.full_attention_layers:
+            nh, nkv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            qr, kvr = nh * d * 2, nkv * d
+            self.qkv, qkv = buf(qr + 2 * kvr)
+            self.qkv_np = qkv
+            self.qg_np, self.kx_np, self.vx_np = qkv[:, :qr], qkv[:, qr:qr + kvr], qkv[:, qr + kvr:]
+            # The output gate: the second half of each head's [q_h | gate_h] rows.
+            self.gate = self.qkv[:, :qr].view(rows, nh, 2 * d)[..., d:]
+            self.rq_np = _view(torch.empty(rows, nh * d, dtype=dt))
+            self.rk_np = _view(torch.empty(rows, kvr, dtype=dt))
+            self.attn, self.attn_np = buf(nh * d)
+            self.attn3 = self.attn.view(rows, nh, d)
+            self.sig = torch.empty(rows, nh, d, dtype=dt)
+            self.gated, self.gated_np = buf(nh * d)
+            self.gated3 = self.gated.view(rows, nh, d)
+        # bfloat16: the LM head's output, widened to float32 for the caller (a new tensor
+        # each step: the engine may still read the last step's logits).
+        self.logits = torch.empty(rows, c.vocab_size, dtype=dt) if dt == _BF16 else None
+        self.logits_np = _view(self.logits) if self.logits is not None else None
+
+
+class NativeDecodeStep:
+    """The decode step of one :class:`Qwen3_5ForServing` over one cache (see the module
+    docstring). Built lazily by the model, which asks :meth:`takes` before each step
+    and rebuilds it when it is no longer :meth:`current`; :attr:`ok` False (a weight
+    the native GEMM does not read in place) sends every step to the module path."""
+
+    def __init__(self, model):
+        self.model = model
+        c = model.config
+        self.bf16 = model.dtype == _BF16
+        k = native._k
+        sfx = "_bf16" if self.bf16 else ""
+        self.k_norm, self.k_conv = getattr(k, "rms_norm" + sfx), getattr(k, "causal_conv1d" + sfx)
+        self.k_rule, self.k_rope = getattr(k, "gated_delta_rule" + sfx), getattr(k, "qk_norm_rope" + sfx)
+        self.k_attn = getattr(k, "paged_attention_decode" + sfx)
+        self.k_gemm = k.matmul_bf16 if self.bf16 else k.matmul_rows
+        self.k_silu_mul, self.k_write_kv = k.silu_mul, k.write_kv
+        from hybridserve.model.qwen3_5 import Projection
+
+        self.max_rows = Projection.NATIVE_MAX_ROWS_BF16 if self.bf16 else Projection.NATIVE_MAX_ROWS
+        self.eps = c.rms_norm_eps
+        self.inter = c.intermediate_size
+        self._buffers: dict[int, _Buffers] = {}
+        self._aranges: dict[int, torch.Tensor] = {}
+        self._qsls: dict[int, np.ndarray] = {}
+        self._cache = None
+        # The GEMM weights (Parameters) and where their memory was when the views were
+        # made: a re-layout (``weight.data = ...``) moves it, and :meth:`current` sees that.
+        self._modules = list(model.modules())
+        owners = list(self._weight_owners())
+        self._weights = [p.weight for p in owners]
+        self._fingerprint = self._weights_fingerprint()
+        # Every GEMM weight [out, in] row-major in the model's dtype, no bias: the
+        # module path's Projection runs the same native kernel on it.
+        self.ok = all(p.bias is None and p.weight.dtype == model.dtype and p.weight.is_contiguous()
+                      for p in owners)
+        self._layers = self._build_layers() if self.ok else []
+
+    @staticmethod
+    def applies_to(model) -> bool:
+        """Whether this path can serve the model at all (CPU, float32 or bfloat16, dense,
+        no attention biases, the native kernels loaded, the model's own module classes
+        and no forward hooks: tensor parallelism swaps in vocabulary-parallel embedding
+        and LM head classes and sums each mixer's and MLP's output in hooks, none of
+        which this path would run)."""
+        from hybridserve.model.qwen3_5 import Projection
+
+        if type(model.embed_tokens) is not nn.Embedding or type(model.lm_head) is not Projection:
+            return False
+        if _hooked(model.modules()):
+            return False
+        c = model.config
+        if not native.available() or model.device.type != "cpu" or model.dtype not in (torch.float32, _BF16):
+            return False
+        # (A model without layers has no residual stream to add: the module path's case.)
+        return not c.is_moe and not bool(c.raw.get("attention_bias", False)) and len(model.layers) > 0
+
+    def _weight_owners(self):
+        m = self.model
+        for layer in m.layers:
+            if layer.is_attention:
+                yield layer.self_attn.qkv_proj
+                yield layer.self_attn.o_proj
+            else:
+                yield layer.linear_attn.in_proj
+                yield layer.linear_attn.out_proj
+            yield layer.mlp.gate_up_proj
+            yield layer.mlp.down_proj
+        yield m.lm_head
+
+    def _weights_fingerprint(self) -> list[int]:
+        return list(map(torch.Tensor.data_ptr, self._weights))
+
+    def current(self) -> bool:
+        """The views still describe the model's weights (none was moved or re-laid out)
+        and no module got a forward hook since they were made."""
+        return (self._fingerprint == self._weights_fingerprint() and self.model.lm_head.weight is self._weights[-1]
+                and not _hooked(self._modules))
+
+    def _build_layers(self) -> list[dict]:
+        m = self.model
+        layers = []
+        for layer in m.layers:
+            e = {"attn": layer.is_attention,
+                 "in_norm": _view(layer.input_layernorm.weight),
+                 "post_norm": _view(layer.post_attention_layernorm.weight),
+                 "gate_up": _view(layer.mlp.gate_up_proj.weight), "down": _view(layer.mlp.down_proj.weight)}
+            if layer.is_attention:
+                a = layer.self_attn
+                e.update(idx=a.layer_idx, qkv_w=_view(a.qkv_proj.weight), o_w=_view(a.o_proj.weight),
+                         heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim, scale=a.scale,
+                         q_norm=_view(a.q_norm.weight), k_norm=_view(a.k_norm.weight),
+                         q_eps=a.q_norm.eps, k_eps=a.k_norm.eps)
+            else:
+                d = layer.linear_attn
+                e.update(idx=d.layer_idx, in_w=_view(d.in_proj.weight), out_w=_view(d.out_proj.weight),
+                         conv_w=_view(d.conv1d.weight[:, 0, :]), a_log=_view(d.A_log), dt_bias=_view(d.dt_bias),
+                         norm_w=_view(d.norm.weight), norm_eps=d.norm.eps, key_heads=d.num_k_heads,
+                         value_heads=d.num_v_heads, scale=d.head_k_dim ** -0.5)
+            layers.append(e)
+        self.final_norm = _view(m.norm.weight)
+        self.lm_head = _view(m.lm_head.weight)
+        self.embed = m.embed_tokens.weight
+        return layers
+
+    def _bind_cache(self, cache) -> None:
+        if self._cache is cache:
+            return
+        for e in self._layers:
+            if e["attn"]:
+                kc, vc = cache.kv(e["idx"])
+                e["kc"], e["vc"] = _view(kc), _view(vc)
+            else:
+                st = cache.state(e["idx"])
+                e["conv_pool"], e["conv_base"] = _view(st.conv_pool), int(st.conv_item_base)
+                e["rec_pool"], e["rec_base"] = _view(st.recurrent_pool), int(st.recurrent_item_base)
+        self._cache = cache
+
+    def takes(self, batch) -> bool:
+        """A pure-decode step (every sequence one token) of at most :attr:`max_rows` rows."""
+        t = batch.input_ids.shape[0]
+        return 0 < t <= self.max_rows and batch.seq_lens.shape[0] == t and batch.input_ids.device.type == "cpu"
+
+    def run(self, batch, cache) -> torch.Tensor | None:
+        """The step's float32 logits ``[S, vocab]`` for ``batch.logits_indices``; the
+        caches and states advance as the module path leaves them. ``None`` (nothing
+        run) when a sequence schedules other than one token: the module path's step."""
+        t = int(batch.input_ids.shape[0])
+        varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
+                               batch.checkpoint_positions, batch.checkpoint_pages)
+        if not np.array_equal(varlen.qsl, self._qsl(t)):
+            return None
+        self._bind_cache(cache)
+        b = self._buffers.get(t)
+        if b is None:
+            # Normal tensors, not inference tensors: the runner steps under inference
+            # mode, other callers under no_grad only, and both write these buffers.
+            with torch.inference_mode(False):
+                b = self._buffers[t] = _Buffers(self.model, t)
+        ck = varlen.checkpoints
+        qsl, table, init = varlen.qsl, varlen.table, varlen.init
+        eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
+        torch.index_select(self.embed, 0, batch.input_ids, out=b.residual)
+        res, normed = b.residual_np, b.normed_np
+        attn_args = None
+        first = True
+        for e in self._layers:
+            if first:
+                norm(res, e["in_norm"], eps, normed, None, True)
+                first = False
+            else:
+                norm(b.mlp_out_np, e["in_norm"], eps, normed, res, True)
+            if e["attn"]:
+                if attn_args is None:
+                    attn_args = self._attention_inputs(batch, b)
+                self._attention(e, b, attn_args)
+            else:
+                gemm(normed, e["in_w"], b.proj_np)
+                self.k_conv(b.mixed_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, b.conv_np,
+                            item_base=e["conv_base"], silu=True, **ck)
+                self.k_rule(b.q_np, b.k_np, b.v_np, e["rec_pool"], qsl, table, init, b.rule_out_np,
+                            item_base=e["rec_base"], key_heads=e["key_heads"], value_heads=e["value_heads"],
+                            scale=e["scale"], l2norm=True, norm_eps=e["norm_eps"], a=b.a_np, b=b.b_np,
+                            a_log=e["a_log"], dt_bias=e["dt_bias"], z=b.z_np, norm_weight=e["norm_w"], **ck)
+                gemm(b.rule_out_np, e["out_w"], b.mixer_out_np)
+            norm(b.mixer_out_np, e["post_norm"], eps, normed, res, True)
+            gemm(normed, e["gate_up"], b.gate_up_np)
+            self.k_silu_mul(b.gate_up_np, self.inter)
+            gemm(b.act_np, e["down"], b.mlp_out_np)
+        # The last residual add and the final norm, row-wise (so every row, then the
+        # sampled ones: the same values as selecting first), then the LM head.
+        norm(b.mlp_out_np, self.final_norm, eps, normed, res, True)
+        rows = batch.logits_indices
+        if rows.shape[0] == t and bool((rows == self._arange(t)).all()):
+            sel, sel_np = b.normed, b.normed_np
+        else:
+            sel = b.normed.index_select(0, rows)
+            sel_np = _view(sel)
+        if self.bf16:
+            if sel is b.normed:
+                gemm(sel_np, self.lm_head, b.logits_np)
+                return b.logits.float()
+            logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=_BF16)
+            gemm(sel_np, self.lm_head, _view(logits))
+            return logits.float()
+        logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=torch.float32)
+        gemm(sel_np, self.lm_head, logits.numpy())
+        return logits
+
+    def _qsl(self, t: int) -> np.ndarray:
+        """``query_start_loc`` of ``t`` one-token sequences."""
+        a = self._qsls.get(t)
+        if a is None:
+            a = self._qsls[t] = np.arange(t + 1, dtype=np.int64)
+        return a
+
+    def _arange(self, t: int) -> torch.Tensor:
+        a = self._aranges.get(t)
+        if a is None:
+            a = self._aranges[t] = torch.arange(t)
+        return a
+
+    def _attention_inputs(self, batch, b: _Buffers):
+        """What every attention layer of the step shares: rope's cos/sin, the cache
+        slots, and the decode kernel's rows, lengths and block tables."""
+        t = b.residual.shape[0]
+        cos, sin = self.model.rotary.cos_sin(batch.positions, self.model.dtype)
+        tables = batch.block_tables
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            tables = tables.to(torch.int32).contiguous()
+        return (_view(cos), _view(sin), batch.slot_mapping.numpy().astype(np.int64, copy=False),
+                self._qsl(t)[:t], batch.seq_lens.numpy().astype(np.int64), tables.numpy(),
+                (cos, sin, tables))
+
+    def _attention(self, e: dict, b: _Buffers, args) -> None:
+        cos, sin, slots, rows, lens, tables, _keep = args
+        d = e["head_dim"]
+        self.k_gemm(b.normed_np, e["qkv_w"], b.qkv_np)
+        self.k_rope(b.qg_np, e["heads"], 2 * d, e["q_norm"], e["q_eps"], cos, sin, b.rq_np)
+        self.k_rope(b.kx_np, e["kv_heads"], d, e["k_norm"], e["k_eps"], cos, sin, b.rk_np)
+        self.k_write_kv(b.rk_np, b.vx_np, slots, e["kc"], e["vc"])
+        self.k_attn(b.rq_np, e["kc"], e["vc"], rows, lens, tables, e["scale"], b.attn_np)
+        # The sigmoid output gate, rounded as the module path's torch ops round it.
+        torch.sigmoid(b.gate, out=b.sig)
+        torch.mul(b.attn3, b.sig, out=b.gated3)
+        self.k_gemm(b.gated_np, e["o_w"], b.mixer_out_np)

@@ -1,0 +1,129 @@
+"""The native decode step (hybridserve.model.native_decode) against the module path.
+
+The module path is the oracle here (it is checked against HF transformers in
+test_model_fidelity.py / test_model_bf16.py, whose decode steps now run through the
+native step too): the same decode batch from the same cache state must give
+bit-identical logits and leave a bit-identical arena (KV, conv and recurrent state,
+checkpoints), in float32 and bfloat16, at one and several sequences, with a
+checkpoint request and with logits for only some rows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridserve.kernels import native
+from hybridserve.model import load_model
+from hybridserve.model.native_decode import NativeDecodeStep
+from hybridserve.model.qwen3_5 import _transposed_copy
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
+
+
+@pytest.fixture
+def runs(monkeypatch):
+    """Counts the steps the native decode path ran (returned logits for)."""
+    seen = {"native": 0}
+    real = NativeDecodeStep.run
+
+    def run(self, batch, cache):
+        out = real(self, batch, cache)
+        seen["native"] += out is not None
+        return out
+
+    monkeypatch.setattr(NativeDecodeStep, "run", run)
+    return seen
+
+
+def _both_paths(model, cache, batch):
+    """(module-path logits, arena after), (native logits, arena after), from one state."""
+    before = cache.arena.clone()
+    model.native_decode = False
+    try:
+        want = model(batch, cache)
+    finally:
+        model.native_decode = True
+    want_arena = cache.arena.clone()
+    cache.arena.copy_(before)
+    got = model(batch, cache)
+    return (want, want_arena), (got, cache.arena.clone())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", ["test-a", "test-b"])
+def test_decode_steps_equal_the_module_path_bit_for_bit(preset, dtype, tiny_dirs, make_book, runs):
+    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
+    cache = model.new_cache(96, 16)
+    book = make_book(cache, seed=1)
+    rng = random.Random(5)
+    seqs = [book.new_seq([rng.randrange(259) for _ in range(n)]) for n in (9, 17, 3)]
+    batch, _ = book.step([(s, len(s.tokens)) for s in seqs])  # prefill: the module path
+    model(batch, cache)
+    assert runs["native"] == 0
+    steps = 0
+    for i in range(6):
+        live = seqs if i != 2 else seqs[1:2]  # one sequence alone too
+        for s in live:
+            s.tokens.append(rng.randrange(259))
+        if i == 3:  # a checkpoint of the state after this token
+            seqs[0].checkpoint = (1, book.alloc_state())
+        if i == 4:  # a sequence one token behind: it decodes but does not sample
+            seqs[2].tokens.append(rng.randrange(259))
+        batch, _ = book.step([(s, 1) for s in live])
+        if i == 4:
+            assert batch.logits_indices.tolist() == [0, 1]
+        (want, want_arena), (got, got_arena) = _both_paths(model, cache, batch)
+        steps += 1
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.equal(got, want), f"step {i}: logits differ by {(got - want).abs().max().item()}"
+        assert torch.equal(got_arena, want_arena), f"step {i}: the cache state differs"
+    assert runs["native"] == steps
+
+
+def test_prefill_and_re_laid_out_weights_take_the_module_path(tiny_dirs, make_book, runs):
+    model, _ = load_model(tiny_dirs["test-a"], dtype="float32", progress=False)
+    cache = model.new_cache(64, 16)
+    book = make_book(cache, seed=2)
+    seq = book.new_seq([5, 7, 11, 13])
+    batch, _ = book.step([(seq, 4)])
+    model(batch, cache)
+    seq.tokens.append(17)
+    batch, _ = book.step([(seq, 1)])
+    model(batch, cache)
+    assert runs["native"] == 1
+    # A projection stored transposed (the column-major layout): the native step's views
+    # are stale and its GEMM would not read it; the model notices and steps the module way.
+    mlp = model.layers[0].mlp.down_proj
+    mlp.weight.data = _transposed_copy(mlp.weight.data)
+    seq.tokens.append(19)
+    batch, _ = book.step([(seq, 1)])
+    (want, _), (got, _) = _both_paths(model, cache, batch)
+    assert runs["native"] == 1
+    assert torch.equal(got, want)
+
+
+def test_a_forward_hook_sends_decode_steps_to_the_module_path(tiny_dirs, make_book, runs):
+    """Tensor parallelism sums each mixer's and MLP's output in forward hooks; the native
+    step would skip them, so a hooked model decodes through its modules (hook included)."""
+    model, _ = load_model(tiny_dirs["test-b"], dtype="bfloat16", progress=False)
+    cache = model.new_cache(64, 16)
+    book = make_book(cache, seed=3)
+    seq = book.new_seq([3, 1, 4, 1, 5])
+    model(book.step([(seq, 5)])[0], cache)
+    seq.tokens.append(9)
+    batch, _ = book.step([(seq, 1)])
+    before = cache.arena.clone()
+    plain = model(batch, cache)
+    assert runs["native"] == 1
+    handle = model.layers[0].mlp.register_forward_hook(lambda mod, args, out: out * 2)
+    try:
+        cache.arena.copy_(before)
+        hooked = model(batch, cache)
+    finally:
+        handle.remove()
+    assert runs["native"] == 1
+    assert not torch.equal(hooked, plain)  # the hook ran
+    cache.arena.copy_(before)
+    assert torch.equal(model(batch, cache), plain) and runs["native"] == 2  # and without it, native again
