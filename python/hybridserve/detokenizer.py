@@ -74,18 +74,19 @@ def _byte_level_chars() -> dict[str, int]:
     return chars
 
 
-# Per byte-level tokenizer: token id -> the bytes the ByteLevel decoder turns it into,
-# None for an added token (special or not, the tokenizer decodes those its own way)
-# and for a token with a character outside the byte alphabet. Keyed by id() with the
-# tokenizer held, as _TOKEN_TEXT.
-_TOKEN_BYTES: dict[int, tuple[Any, list[bytes | None]]] = {}
+# Per byte-level tokenizer and skip_special_tokens: token id -> the bytes the ByteLevel
+# decoder turns it into; b"" for a special token that is skipped (the tokenizer drops
+# it before decoding); None for any other added token (the tokenizer decodes those its
+# own way) and for a token with a character outside the byte alphabet. Keyed by id()
+# with the tokenizer held, as _TOKEN_TEXT.
+_TOKEN_BYTES: dict[tuple[int, bool], tuple[Any, list[bytes | None]]] = {}
 
 
-def _token_bytes(backend: Any) -> list[bytes | None]:
-    entry = _TOKEN_BYTES.get(id(backend))
+def _token_bytes(backend: Any, skip_special_tokens: bool) -> list[bytes | None]:
+    entry = _TOKEN_BYTES.get((id(backend), skip_special_tokens))
     if entry is None:
         chars = _byte_level_chars()
-        added = set(backend.get_added_tokens_decoder())
+        added = backend.get_added_tokens_decoder()
         table: list[bytes | None] = [None] * backend.get_vocab_size(with_added_tokens=True)
         for token, i in backend.get_vocab(with_added_tokens=False).items():
             if i in added or i >= len(table):
@@ -94,7 +95,11 @@ def _token_bytes(backend: Any) -> list[bytes | None]:
                 table[i] = bytes([chars[c] for c in token])
             except KeyError:  # not a byte-level token: left to the tokenizer
                 pass
-        entry = _TOKEN_BYTES[id(backend)] = (backend, table)
+        if skip_special_tokens:
+            for i, tok in added.items():
+                if tok.special and i < len(table):
+                    table[i] = b""
+        entry = _TOKEN_BYTES[(id(backend), skip_special_tokens)] = (backend, table)
     return entry[1]
 
 
@@ -107,6 +112,9 @@ class IncrementalDetokenizer:
     deltas plus ``flush()`` equals ``tokenizer.decode(output_ids)`` for text that is
     valid UTF-8; a delta never ends in half a character while more tokens may complete it.
     """
+
+    __slots__ = ("tokenizer", "skip_special_tokens", "_decode_fn", "_ids", "_prefix_offset", "_read_offset",
+                 "_emitted", "_texts", "_bytes", "_prefix_text")
 
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
@@ -139,8 +147,9 @@ class IncrementalDetokenizer:
         # U+FFFD for each maximal invalid subsequence (Rust's from_utf8_lossy; Python's
         # "replace" handler follows the same Unicode rule), of their bytes joined: done
         # here from a per-token byte table, a few times cheaper than a call into the
-        # tokenizer. A window holding an added token goes to the tokenizer.
-        self._bytes = _token_bytes(byte_level) if byte_level is not None else None
+        # tokenizer. A window holding an added token that is not skipped goes to the
+        # tokenizer.
+        self._bytes = _token_bytes(byte_level, skip_special_tokens) if byte_level is not None else None
         # The text of the window before the read offset while the offsets stay put
         # (tokens pending: an incomplete character), so a pending step decodes once.
         self._prefix_text: str | None = None
@@ -230,6 +239,8 @@ class StopChecker:
     new characters (``check`` to look for stop strings, ``skip`` to read without
     matching, as before ``min_tokens``).
     """
+
+    __slots__ = ("stop", "include", "automaton", "max_len", "_state", "_read")
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False,
                  automaton: StopAutomaton | None = None) -> None:
@@ -326,6 +337,9 @@ class CompletionText:
     tokens), and the holdback is the automaton's pending prefix: only a tail that could
     still become a stop string waits.
     """
+
+    __slots__ = ("detokenizer", "stops", "min_tokens", "num_tokens", "_parts", "_len", "_streamed", "_unstreamed",
+                 "stop_string")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
