@@ -91,3 +91,56 @@ def test_prompt_logprobs_and_large_vocabularies_keep_the_engines_threads(tiny_di
         assert _engine(tiny_dirs, max_num_seqs=big)._forward_threads is None
     finally:
         torch.set_num_threads(torch_threads)
+
+
+def test_a_steady_batch_reuses_its_sampler_rows_and_only_then(tiny_dirs):
+    """The rows of a steady decode batch are the last step's list; every step's rows
+    must be the rows the per-request lookup gives (the oracle, run with the cache
+    cleared) while requests are added, aborted and finished, and n > 1 requests
+    fork."""
+    import random
+
+    engine = _engine(tiny_dirs)
+    rng = random.Random(3)
+    hits = [0]
+    inner = engine._sampling_rows
+
+    def checked(plan, batch_index, num_samples):
+        cache_before = engine._rows_cache
+        got = inner(plan, batch_index, num_samples)
+        if cache_before is not None and got is cache_before[3]:
+            hits[0] += 1
+        saved, engine._rows_cache = engine._rows_cache, None
+        want = inner(plan, batch_index, num_samples)
+        engine._rows_cache = saved
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            if b.num_samples > 1:  # fork rows are made fresh each step: compare their fields
+                assert (a.params, a.keys) == (b.params, b.keys)
+            else:
+                assert a is b
+        return got
+
+    engine._sampling_rows = checked
+    n = 0
+    for step in range(60):
+        if step % 7 == 0 and n < 12:
+            for _ in range(2):
+                engine.add_request(f"r{n}", list(range(3 + n, 20 + n)),
+                                   SamplingParams(max_tokens=rng.randrange(3, 20), temperature=0.8, seed=n,
+                                                  n=2 if n % 5 == 4 else 1))
+                n += 1
+        if step % 11 == 5 and engine.requests:
+            engine.abort_request(rng.choice(sorted(engine.requests)))
+        if not engine.has_unfinished_requests():
+            break
+        engine.step()
+    assert hits[0] > 10
+    # The same id aborted and added again between two steps: the same plan, other rows.
+    while engine.has_unfinished_requests():
+        engine.step()
+    for _ in range(2):
+        engine.add_request("solo", list(range(5, 30)), SamplingParams(max_tokens=30, temperature=0.8, seed=1))
+        for _ in range(3):
+            engine.step()
+        engine.abort_request("solo")

@@ -253,6 +253,10 @@ class LLMEngine:
                 and args.max_num_seqs * config.vocab_size < HOST_PARALLEL_MIN_ELEMENTS):
             self._forward_threads = self.cpu_threads
         self.requests: dict[str, RequestState] = {}
+        # Counts every change to `requests` (add, abort, finish): the last step's
+        # sampler rows are reused while it and the batch stay the same.
+        self._requests_epoch = 0
+        self._rows_cache: tuple | None = None
         # request id -> (k, per-prompt-token logprobs) for requests that asked for
         # prompt logprobs; empty in the common case, so steps pay nothing for it.
         self._prompt_logprobs: dict[str, logprobs.PromptLogprobs] = {}
@@ -395,6 +399,7 @@ class LLMEngine:
             **extra,
         )
         self.requests[request_id] = state
+        self._requests_epoch += 1
         if prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = (prompt_logprobs, [None] * len(ids))
         return request_id
@@ -438,6 +443,7 @@ class LLMEngine:
             request_class=request_class, beam_search=True,
         )
         self.requests[request_id] = state
+        self._requests_epoch += 1
         self._beams[request_id] = BeamSearch(
             width, params.max_tokens, list(self.eos_token_ids), params.length_penalty, params.ignore_eos
         )
@@ -495,6 +501,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Cancel a request in any state; its blocks and slot return to the pools."""
         state = self.requests.pop(request_id, None)
+        self._requests_epoch += 1
         if state is None:
             raise UnknownRequest(f"no request with id {request_id!r}")
         self._beams.pop(request_id, None)
@@ -518,8 +525,17 @@ class LLMEngine:
         """The sampler's rows of a step. A sample's row is made once and kept on its
         SampleState (its fields are the same objects every step: the params, the
         growing token list, the stream), so a decode step costs a lookup per row."""
-        rows = []
         req_ids = plan.request_ids
+        # A steady decode batch: the same requests (none added, aborted or finished
+        # since), the same samples, one row each, in the same order: the same rows.
+        steady = len(batch_index) == len(req_ids) and not self._beams and bool((num_samples == 1).all())
+        if steady:
+            cache = self._rows_cache
+            if (cache is not None and cache[0] == self._requests_epoch and cache[1] == req_ids
+                    and np.array_equal(cache[2], plan.sample_indices)):
+                return cache[3]
+        self._rows_cache = None
+        rows = []
         sample_indices = np.asarray(plan.sample_indices).tolist()  # a list: numpy item reads are slow
         requests = self.requests
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
@@ -549,6 +565,8 @@ class LLMEngine:
                     eos_token_id=eos,
                 )
             rows.append(row)
+        if steady:
+            self._rows_cache = (self._requests_epoch, list(req_ids), np.array(plan.sample_indices), rows)
         return rows
 
     def step(self) -> list[RequestOutput]:
@@ -750,6 +768,7 @@ class LLMEngine:
             if finished:
                 state.metrics.finished_time = now
                 del requests[rid]
+                self._requests_epoch += 1
                 self._release_sampler_rows(rid, state)
             elif not emit or rid in beams:
                 continue  # beams are reported once, finished (their order changes every step)
