@@ -46,7 +46,7 @@ def test_host_work_on_one_thread_the_model_on_the_engines(tiny_dirs):
     torch_threads = torch.get_num_threads()
     try:
         engine = _engine(tiny_dirs)
-        assert engine.cpu_threads == 2 and engine._forward_threads == 2
+        assert engine.cpu_threads == 2 and engine._host_one_thread
         model = engine.runner.model = _ThreadsSeen(engine.runner.model)
         seen: list[tuple[str, int]] = []
         _watch_sampler(engine, seen)
@@ -88,7 +88,7 @@ def test_prompt_logprobs_and_large_vocabularies_keep_the_engines_threads(tiny_di
         import hybridserve.engine.llm_engine as llm_engine
 
         big = llm_engine.HOST_PARALLEL_MIN_ELEMENTS // vocab + 1
-        assert _engine(tiny_dirs, max_num_seqs=big)._forward_threads is None
+        assert not _engine(tiny_dirs, max_num_seqs=big)._host_one_thread
     finally:
         torch.set_num_threads(torch_threads)
 

@@ -246,12 +246,10 @@ class LLMEngine:
                 " and graph capture" if self.use_cuda_graphs else "", free / 2**20, total / 2**20,
             )
         self.sampler = Sampler()
-        # The thread count the model call runs with while the step's host work runs on
-        # one thread (see HOST_PARALLEL_MIN_ELEMENTS); None: the host work keeps it.
-        self._forward_threads: int | None = None
-        if (self.device.type == "cpu" and self.cpu_threads > 1
-                and args.max_num_seqs * config.vocab_size < HOST_PARALLEL_MIN_ELEMENTS):
-            self._forward_threads = self.cpu_threads
+        # The step's host work after the model call runs torch on one thread (see
+        # HOST_PARALLEL_MIN_ELEMENTS); the thread count is given back after it.
+        self._host_one_thread = (self.device.type == "cpu" and self.cpu_threads > 1
+                                 and args.max_num_seqs * config.vocab_size < HOST_PARALLEL_MIN_ELEMENTS)
         self.requests: dict[str, RequestState] = {}
         # Counts every change to `requests` (add, abort, finish): the last step's
         # sampler rows are reused while it and the batch stay the same.
@@ -630,7 +628,7 @@ class LLMEngine:
         t_fwd = time.perf_counter()
         # The model call is over: the rest of the step (sampling, outputs) runs its
         # torch ops on one thread (not with prompt logprobs: [tokens, vocab] ops).
-        threads = self._forward_threads if not want else None
+        threads = torch.get_num_threads() if self._host_one_thread and not want else None
         if threads is not None:
             torch.set_num_threads(1)
         try:
