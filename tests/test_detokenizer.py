@@ -319,6 +319,43 @@ def test_completion_text_stops_and_streams(hf_tokenizer, include):
         ct.append(out[0])
 
 
+@pytest.mark.parametrize("stop", [[], ["END", "é"], ["the"]])
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_append_streaming_is_append_then_take_delta(hf_tokenizer, stop, min_tokens):
+    """The engine's one call per running row gives what ``append`` followed by
+    ``take_delta(False)`` gives (the two-call path is the oracle): the same text at
+    every token, None exactly where a stop string ends the completion, and the same
+    state after it (text, what a later take_delta and the final flush return). Some
+    tokens are appended without taking (an engine that does not emit every step), so
+    text waits unstreamed; random ids include split characters and invalid bytes."""
+    rng = random.Random(len(stop) * 10 + min_tokens)
+    vocab = hf_tokenizer.backend_tokenizer.get_vocab_size()
+    params = SamplingParams(stop=stop, min_tokens=min_tokens)
+    sequences = [hf_tokenizer.encode(t) for t in TEXTS + CORPUS]
+    sequences += [[rng.randrange(vocab) for _ in range(rng.randrange(1, 30))] for _ in range(40)]
+    hits = 0
+    for ids in sequences:
+        one = CompletionText(hf_tokenizer, [5, 6], params)
+        two = CompletionText(hf_tokenizer, [5, 6], params)
+        for t in ids:
+            if rng.random() < 0.2:  # not emitted this step
+                assert one.append(t) == two.append(t)
+            else:
+                got = one.append_streaming(t)
+                hit = two.append(t)
+                assert got == (None if hit is not None else two.take_delta(False))
+            assert one.text == two.text and one.stop_string == two.stop_string
+            if one.stop_string is not None:
+                hits += 1
+                break
+        one.finish()
+        two.finish()
+        assert one.take_delta(True) == two.take_delta(True)
+        assert one.text == two.text
+    if stop:
+        assert hits > 0
+
+
 def test_completion_text_min_tokens_defers_stop_strings(hf_tokenizer):
     out = hf_tokenizer.encode("END then END")
     first_end_tokens = len(hf_tokenizer.encode("END"))
@@ -400,7 +437,8 @@ def test_byte_level_fast_path_gives_the_two_decode_deltas(which, skip, request):
         fast = IncrementalDetokenizer(tok, prompt, skip)
         slow = IncrementalDetokenizer(tok, prompt, skip)
         assert fast._texts is not None
-        slow._texts = None  # the two-decode path only
+        slow._texts = None  # the two-decode path only,
+        slow._bytes = None  # each decode by the tokenizer itself
         for t in ids:
             before = fast._read_offset == len(fast._ids)
             slow._prefix_text = None  # and both decodes every time: the plain algorithm
@@ -409,6 +447,42 @@ def test_byte_level_fast_path_gives_the_two_decode_deltas(which, skip, request):
         assert fast.flush() == slow.flush()
         assert fast.output_text == slow.output_text
     assert fast_hits > 100
+
+
+@pytest.mark.parametrize("which", ["hf", "raw", "bench"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_table_decode_equals_the_tokenizers_decode(which, skip, request, tmp_path):
+    """The detokenizer decodes a byte-level window from its per-token byte table
+    (bytes joined, decoded with U+FFFD for invalid sequences); the tokenizer's own
+    decode is the oracle. The bench checkpoint's tokenizer has one token per byte, so
+    its random ids are arbitrary byte strings: lone continuation bytes, truncated and
+    overlong sequences, surrogates, bytes F5-FF, and special tokens among them."""
+    if which == "bench":
+        from hybridserve.model.tiny import write_tokenizer
+        from hybridserve.tokenizer import load_tokenizer
+
+        write_tokenizer(str(tmp_path), 272)
+        tok = load_tokenizer(str(tmp_path))
+    else:
+        tok = request.getfixturevalue("hf_tokenizer" if which == "hf" else "raw_tokenizer")
+    raw = tok if isinstance(tok, Tokenizer) else tok.backend_tokenizer
+    vocab = raw.get_vocab_size()
+    d = IncrementalDetokenizer(tok, [], skip)
+    assert d._bytes is not None
+    rng = random.Random(11)
+    tricky = [0xC0, 0xC1, 0xC2, 0xE0, 0xED, 0xA0, 0xBF, 0x80, 0xF0, 0xF4, 0x90, 0x8F, 0xF5, 0xFF, 0x41]
+    by_byte = {b[0]: i for i, b in enumerate(d._bytes) if b is not None and len(b) == 1}
+    tried = 0
+    for n in range(3000):
+        if n % 2:
+            ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 12))]
+        else:  # runs of the bytes where UTF-8's rules have their edges
+            ids = [by_byte[rng.choice(tricky)] if rng.random() < 0.8 else rng.randrange(vocab)
+                   for _ in range(rng.randrange(1, 9))]
+        want = raw.decode(ids, skip_special_tokens=skip)
+        assert d._decode(ids) == want, (ids, want)
+        tried += "\ufffd" in want
+    assert tried > 500  # invalid sequences were really among them
 
 
 def test_tokenizers_without_a_byte_level_decoder_take_the_two_decode_path():

@@ -59,6 +59,50 @@ def _token_texts(backend: Any, skip_special_tokens: bool) -> dict[int, str | Non
     return entry[1]
 
 
+def _byte_level_chars() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's): printable character -> the byte it stands for.
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes are shifted to
+    U+0100 and up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    chars = {chr(b): b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars.values():
+            chars[chr(256 + shifted)] = b
+            shifted += 1
+    return chars
+
+
+# Per byte-level tokenizer and skip_special_tokens: token id -> the bytes the ByteLevel
+# decoder turns it into; b"" for a special token that is skipped (the tokenizer drops
+# it before decoding); None for any other added token (the tokenizer decodes those its
+# own way) and for a token with a character outside the byte alphabet. Keyed by id()
+# with the tokenizer held, as _TOKEN_TEXT.
+_TOKEN_BYTES: dict[tuple[int, bool], tuple[Any, list[bytes | None]]] = {}
+
+
+def _token_bytes(backend: Any, skip_special_tokens: bool) -> list[bytes | None]:
+    entry = _TOKEN_BYTES.get((id(backend), skip_special_tokens))
+    if entry is None:
+        chars = _byte_level_chars()
+        added = backend.get_added_tokens_decoder()
+        table: list[bytes | None] = [None] * backend.get_vocab_size(with_added_tokens=True)
+        for token, i in backend.get_vocab(with_added_tokens=False).items():
+            if i in added or i >= len(table):
+                continue
+            try:
+                table[i] = bytes([chars[c] for c in token])
+            except KeyError:  # not a byte-level token: left to the tokenizer
+                pass
+        if skip_special_tokens:
+            for i, tok in added.items():
+                if tok.special and i < len(table):
+                    table[i] = b""
+        entry = _TOKEN_BYTES[(id(backend), skip_special_tokens)] = (backend, table)
+    return entry[1]
+
+
 class IncrementalDetokenizer:
     """Turns one sample's token ids into text, one token at a time.
 
@@ -68,6 +112,9 @@ class IncrementalDetokenizer:
     deltas plus ``flush()`` equals ``tokenizer.decode(output_ids)`` for text that is
     valid UTF-8; a delta never ends in half a character while more tokens may complete it.
     """
+
+    __slots__ = ("tokenizer", "skip_special_tokens", "_decode_fn", "_ids", "_prefix_offset", "_read_offset",
+                 "_emitted", "_texts", "_bytes", "_prefix_text")
 
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
@@ -96,6 +143,13 @@ class IncrementalDetokenizer:
         # decodes); anything else takes the two-decode path below.
         byte_level = _byte_level_backend(tokenizer)
         self._texts = _token_texts(byte_level, skip_special_tokens) if byte_level is not None else None
+        # The same tokenizers' decode of a window of tokens is the UTF-8 decoding, with
+        # U+FFFD for each maximal invalid subsequence (Rust's from_utf8_lossy; Python's
+        # "replace" handler follows the same Unicode rule), of their bytes joined: done
+        # here from a per-token byte table, a few times cheaper than a call into the
+        # tokenizer. A window holding an added token that is not skipped goes to the
+        # tokenizer.
+        self._bytes = _token_bytes(byte_level, skip_special_tokens) if byte_level is not None else None
         # The text of the window before the read offset while the offsets stay put
         # (tokens pending: an incomplete character), so a pending step decodes once.
         self._prefix_text: str | None = None
@@ -108,6 +162,12 @@ class IncrementalDetokenizer:
         return self._emitted[0] if self._emitted else ""
 
     def _decode(self, ids: list[int]) -> str:
+        table = self._bytes
+        if table is not None:
+            try:
+                return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+            except (TypeError, IndexError):  # an added token (None) or an id past the table
+                pass
         return self._decode_fn(ids, skip_special_tokens=self.skip_special_tokens)
 
     def append(self, token_id: int) -> str:
@@ -179,6 +239,8 @@ class StopChecker:
     new characters (``check`` to look for stop strings, ``skip`` to read without
     matching, as before ``min_tokens``).
     """
+
+    __slots__ = ("stop", "include", "automaton", "max_len", "_state", "_read")
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False,
                  automaton: StopAutomaton | None = None) -> None:
@@ -276,6 +338,9 @@ class CompletionText:
     still become a stop string waits.
     """
 
+    __slots__ = ("detokenizer", "stops", "min_tokens", "num_tokens", "_parts", "_len", "_streamed", "_unstreamed",
+                 "stop_string")
+
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
         self.stops = StopChecker(params.stop, params.include_stop_str_in_output, params.stop_automaton)
@@ -321,6 +386,37 @@ class CompletionText:
         self._unstreamed = full[self._streamed:]
         self.stop_string = match.text
         return match.text
+
+    def append_streaming(self, token_id: int) -> str | None:
+        """``append(token_id)`` then ``take_delta(False)``, for a completion that keeps
+        running (the engine's common row, once per step): the text that is safe to
+        stream now, or None when a stop string ended the completion (nothing is taken
+        then: the finished output takes the rest)."""
+        stops = self.stops
+        if stops.stop or self.stop_string is not None:
+            if self.append(token_id) is not None:
+                return None
+            return self.take_delta(False)
+        # No stop strings: nothing is looked for and nothing is held back, so the new
+        # text streams at once (append, _add, the checker's read count and take_delta
+        # in one call).
+        self.num_tokens += 1
+        delta = self.detokenizer.append(token_id)
+        unstreamed = self._unstreamed
+        if delta:
+            self._parts.append(delta)
+            self._len += len(delta)
+            stops._read += len(delta)
+            if unstreamed:
+                delta = unstreamed + delta
+                self._unstreamed = ""
+        elif unstreamed:
+            delta = unstreamed
+            self._unstreamed = ""
+        else:
+            return ""
+        self._streamed += len(delta)
+        return delta
 
     def finish(self) -> None:
         """Emit held-back bytes of an incomplete final character (no stop check)."""

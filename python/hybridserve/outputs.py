@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """One token's log-probability as reported to the user.
 
@@ -37,12 +37,13 @@ class Logprob:
 SampleLogprobs = list[dict[int, Logprob]]
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion (sample) of a request.
 
     (The engine's per-step path builds it with positional arguments: keep the field
-    order.)
+    order. Slots, no ``__dict__``: one is made per running sample per step, and a
+    slotted instance is made and filled without a dictionary.)
 
     finish_reason: None while running; "stop" (EOS, a stop token or a stop string) or
       "length" (max_tokens reached) once finished; "abort" when cancelled.
@@ -64,7 +65,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """All completions of one request, plus its prompt.
 

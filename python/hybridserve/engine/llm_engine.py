@@ -95,6 +95,17 @@ def _rows(t: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return t.index_select(0, torch.tensor(rows, device=t.device))
 
 
+# A CPU engine's host work (the sampler's ops, the staging copy) runs its torch ops on
+# one thread when the largest of them, the [max_num_seqs, vocab] logits, has fewer
+# elements than this; the model call keeps the engine's thread count. Torch forks its
+# intra-op pool for any op past 32K elements: for an op of a few hundred microseconds
+# at most, the fork and join cost more than they save, and on a loaded machine the
+# op waits for the second thread to get a core (the bench model's seeded sampler:
+# 10 -> 100 us per sequence with 2 threads while another process held one of the
+# two cores), while the workers' spin after the region takes the core the engine's
+# Python (and the event loop's) would use.
+HOST_PARALLEL_MIN_ELEMENTS = 1 << 18
+
 # The phases of one step, in order: the scheduler's plan; the runner's staging copy,
 # table updates and batch; the model; sampling (rows, sampler, beams, logprobs); and
 # the scheduler's update, detokenization, stop strings and the outputs handed back.
@@ -235,7 +246,15 @@ class LLMEngine:
                 " and graph capture" if self.use_cuda_graphs else "", free / 2**20, total / 2**20,
             )
         self.sampler = Sampler()
+        # The step's host work after the model call runs torch on one thread (see
+        # HOST_PARALLEL_MIN_ELEMENTS); the thread count is given back after it.
+        self._host_one_thread = (self.device.type == "cpu" and self.cpu_threads > 1
+                                 and args.max_num_seqs * config.vocab_size < HOST_PARALLEL_MIN_ELEMENTS)
         self.requests: dict[str, RequestState] = {}
+        # Counts every change to `requests` (add, abort, finish): the last step's
+        # sampler rows are reused while it and the batch stay the same.
+        self._requests_epoch = 0
+        self._rows_cache: tuple | None = None
         # request id -> (k, per-prompt-token logprobs) for requests that asked for
         # prompt logprobs; empty in the common case, so steps pay nothing for it.
         self._prompt_logprobs: dict[str, logprobs.PromptLogprobs] = {}
@@ -378,6 +397,7 @@ class LLMEngine:
             **extra,
         )
         self.requests[request_id] = state
+        self._requests_epoch += 1
         if prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = (prompt_logprobs, [None] * len(ids))
         return request_id
@@ -421,6 +441,7 @@ class LLMEngine:
             request_class=request_class, beam_search=True,
         )
         self.requests[request_id] = state
+        self._requests_epoch += 1
         self._beams[request_id] = BeamSearch(
             width, params.max_tokens, list(self.eos_token_ids), params.length_penalty, params.ignore_eos
         )
@@ -478,6 +499,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Cancel a request in any state; its blocks and slot return to the pools."""
         state = self.requests.pop(request_id, None)
+        self._requests_epoch += 1
         if state is None:
             raise UnknownRequest(f"no request with id {request_id!r}")
         self._beams.pop(request_id, None)
@@ -501,8 +523,17 @@ class LLMEngine:
         """The sampler's rows of a step. A sample's row is made once and kept on its
         SampleState (its fields are the same objects every step: the params, the
         growing token list, the stream), so a decode step costs a lookup per row."""
-        rows = []
         req_ids = plan.request_ids
+        # A steady decode batch: the same requests (none added, aborted or finished
+        # since), the same samples, one row each, in the same order: the same rows.
+        steady = len(batch_index) == len(req_ids) and not self._beams and bool((num_samples == 1).all())
+        if steady:
+            cache = self._rows_cache
+            if (cache is not None and cache[0] == self._requests_epoch and cache[1] == req_ids
+                    and np.array_equal(cache[2], plan.sample_indices)):
+                return cache[3]
+        self._rows_cache = None
+        rows = []
         sample_indices = np.asarray(plan.sample_indices).tolist()  # a list: numpy item reads are slow
         requests = self.requests
         eos = self.eos_token_ids[0] if self.eos_token_ids else None
@@ -532,6 +563,8 @@ class LLMEngine:
                     eos_token_id=eos,
                 )
             rows.append(row)
+        if steady:
+            self._rows_cache = (self._requests_epoch, list(req_ids), np.array(plan.sample_indices), rows)
         return rows
 
     def step(self) -> list[RequestOutput]:
@@ -593,6 +626,22 @@ class LLMEngine:
             runner.extra_segments = None
             runner.before_forward = None
         t_fwd = time.perf_counter()
+        # The model call is over: the rest of the step (sampling, outputs) runs its
+        # torch ops on one thread (not with prompt logprobs: [tokens, vocab] ops).
+        threads = torch.get_num_threads() if self._host_one_thread and not want else None
+        if threads is not None:
+            torch.set_num_threads(1)
+        try:
+            return self._after_forward(plan, step, prep, want, t0, t_sched, t_fwd, changed, now)
+        finally:
+            if threads is not None:
+                torch.set_num_threads(threads)
+
+    def _after_forward(self, plan: Any, step: Any, prep: Any, want: Any, t0: float, t_sched: float,
+                       t_fwd: float, changed: dict[str, set[int]], now: float) -> list[RequestOutput]:
+        """The rest of :meth:`step` after the model call: sampling, the scheduler's
+        update, detokenization, stop strings and the outputs."""
+        runner = self.runner
         # The runner stamps the end of its input preparation; a wrapper that did not
         # run the real runner leaves no stamp and the whole call counts as forward.
         t_prep = getattr(self.runner, "inputs_ready_at", None)
@@ -639,21 +688,39 @@ class LLMEngine:
                 continue
             samples = state.samples
             sample = samples[si]
-            sample.token_ids.append(tok)
+            token_ids = sample.token_ids
+            token_ids.append(tok)
             m = state.metrics
             if m.first_token_time is None:
                 m.first_token_time = now
             m.last_token_time = now
             completion = sample.completion
-            if completion is not None and sample.finish_reason is None:
-                hit = completion.append(tok)
+            if sample.finish_reason is None:
+                if (fast and len(samples) == 1 and rid not in finishing and not (beams and rid in beams)
+                        and not (plp and rid in plp)):
+                    # The common row: the text to stream and the delta output in one
+                    # pass (SampleState.delta_output's fields, built here).
+                    text = completion.append_streaming(tok) if completion is not None else ""
+                    if text is not None:
+                        n0 = sample.streamed_tokens
+                        n = len(token_ids)
+                        sample.streamed_tokens = n
+                        lps = sample.logprobs
+                        outputs.append(RequestOutput(
+                            rid, state.prompt, state.prompt_token_ids,
+                            [CompletionOutput(sample.index, text, [tok] if n0 == n - 1 else token_ids[n0:],
+                                              sample.cumulative_logprob,
+                                              lps[n0:] if lps is not None else None, None, None)],
+                            False, m, None, True))
+                        continue
+                    hit = completion.stop_string
+                elif completion is not None:
+                    hit = completion.append(tok)
+                else:
+                    hit = None
                 if hit is not None:
                     sample.finish_reason, sample.stop_reason = "stop", hit
                     self.scheduler.finish(rid, si, "stop")
-            if (fast and len(samples) == 1 and sample.finish_reason is None and rid not in finishing
-                    and not (beams and rid in beams) and not (plp and rid in plp)):
-                outputs.append(state.single_delta_output())
-                continue
             got = changed.get(rid)
             if got is None:
                 changed[rid] = {si}
@@ -699,6 +766,7 @@ class LLMEngine:
             if finished:
                 state.metrics.finished_time = now
                 del requests[rid]
+                self._requests_epoch += 1
                 self._release_sampler_rows(rid, state)
             elif not emit or rid in beams:
                 continue  # beams are reported once, finished (their order changes every step)
