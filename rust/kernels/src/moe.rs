@@ -392,8 +392,10 @@ fn tasks(
 }
 
 /// Groups of at most this many rows (most experts at decode sizes) take
-/// [`wide_rows`] instead of the strip kernel.
-const FEW_ROWS: usize = 4;
+/// [`wide_rows`] instead of the strip kernel. 8, not 4: at 64 tokens of `moe-bench`
+/// (4 rows per expert on average) a third of the experts had 5-8 rows and read their
+/// weight through the strip kernel's strided pieces.
+const FEW_ROWS: usize = 8;
 /// Columns [`wide_rows`] computes per call: an expert's whole gate+up row up to an
 /// intermediate size of 512 (35B-A3B's), its whole down row up to 1,024.
 const WIDE_COLS: usize = 1024;
@@ -412,11 +414,27 @@ dispatch!(fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) 
 /// over all strips (3.6 ms). The accumulators stay in L1.
 #[inline(always)]
 fn wide_rows_body(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
+    #[cfg(target_arch = "x86_64")]
+    if crate::matmul::has_avx512() {
+        // SAFETY: AVX-512F is present; the caller's task owns these output columns.
+        unsafe { avx512::wide_rows(ctx, m, c0, w, oc) };
+        return;
+    }
+    portable_rows(ctx, m, c0, w, oc);
+}
+
+/// [`wide_rows_body`] without AVX-512: the compiler vectorises [`wide_rows_m`].
+#[inline(always)]
+fn portable_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
     match m {
         1 => wide_rows_m::<1, STREAMS>(ctx, c0, w, oc),
         2 => wide_rows_m::<2, STREAMS>(ctx, c0, w, oc),
         3 => wide_rows_m::<3, STREAMS>(ctx, c0, w, oc),
-        _ => wide_rows_m::<4, STREAMS>(ctx, c0, w, oc),
+        4 => wide_rows_m::<4, STREAMS>(ctx, c0, w, oc),
+        5 => wide_rows_m::<5, STREAMS>(ctx, c0, w, oc),
+        6 => wide_rows_m::<6, STREAMS>(ctx, c0, w, oc),
+        7 => wide_rows_m::<7, STREAMS>(ctx, c0, w, oc),
+        _ => wide_rows_m::<8, STREAMS>(ctx, c0, w, oc),
     }
 }
 
@@ -475,6 +493,80 @@ fn wide_rows_m<const M: usize, const S: usize>(ctx: &Ctx<'_>, c0: usize, w: usiz
     for (r, a) in acc.iter().enumerate() {
         // SAFETY: the caller's task owns these output columns of these rows.
         unsafe { ctx.out.slice(r * ctx.ldo + oc, w) }.copy_from_slice(&a[..w]);
+    }
+}
+
+/// [`wide_rows`] with explicit AVX-512 fused multiply-adds: the same walk as
+/// [`wide_rows_m`] (the key range in [`STREAMS`] parts read in lock-step, one
+/// sequential stream each, accumulators in L1), 16 columns per vector. Rust never
+/// contracts `a += x * w` into an FMA, so the portable body pays a multiply and an add
+/// per element and row. (Accumulators in registers over a 32-column block, walking
+/// every key a weight row apart, ran 2x slower: the weight is then read in 128-byte
+/// pieces a row stride apart, which the prefetcher does not follow.)
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Ctx, FEW_ROWS};
+    use std::arch::x86_64::*;
+
+    /// # Safety
+    /// AVX-512F must be present; the caller owns the output columns `oc..oc + w` of
+    /// every row.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
+        match m {
+            1 => rows::<1>(ctx, c0, w, oc),
+            2 => rows::<2>(ctx, c0, w, oc),
+            3 => rows::<3>(ctx, c0, w, oc),
+            4 => rows::<4>(ctx, c0, w, oc),
+            5 => rows::<5>(ctx, c0, w, oc),
+            6 => rows::<6>(ctx, c0, w, oc),
+            7 => rows::<7>(ctx, c0, w, oc),
+            _ => rows::<FEW_ROWS>(ctx, c0, w, oc),
+        }
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn rows<const M: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
+        const S: usize = super::STREAMS;
+        let w = w.min(super::WIDE_COLS);
+        let k = ctx.x.width;
+        let part = k / S;
+        let xs: [*const f32; M] = std::array::from_fn(|r| ctx.x.row(r).as_ptr());
+        let wt = ctx.wt.as_ptr();
+        let mut acc = [[0.0f32; super::WIDE_COLS]; M];
+        let vecs = w / 16;
+        let tail = w % 16;
+        let mt: __mmask16 = ((1u32 << tail) - 1) as u16;
+        // One pass over the columns per group of S keys (the S key ranges walked in
+        // lock-step, one sequential stream each), accumulators in L1.
+        let pass = |acc: &mut [[f32; super::WIDE_COLS]; M], keys: [usize; S], ns: usize| {
+            let ws: [*const f32; S] = std::array::from_fn(|s| wt.add(keys[s] * ctx.n + c0));
+            let xv: [[__m512; M]; S] =
+                std::array::from_fn(|s| std::array::from_fn(|r| _mm512_set1_ps(*xs[r].add(keys[s]))));
+            for v in 0..vecs + (tail > 0) as usize {
+                let mask = if v < vecs { 0xffff } else { mt };
+                let wv: [__m512; S] = std::array::from_fn(|s| {
+                    if s < ns { _mm512_maskz_loadu_ps(mask, ws[s].add(v * 16)) } else { _mm512_setzero_ps() }
+                });
+                for r in 0..M {
+                    let a = acc[r].as_mut_ptr().add(v * 16);
+                    let mut t = _mm512_loadu_ps(a);
+                    for s in 0..ns {
+                        t = _mm512_fmadd_ps(xv[s][r], wv[s], t);
+                    }
+                    _mm512_storeu_ps(a, t);
+                }
+            }
+        };
+        for kk in 0..part {
+            pass(&mut acc, std::array::from_fn(|s| kk + s * part), S);
+        }
+        for kk in S * part..k {
+            pass(&mut acc, [kk; S], 1);
+        }
+        for (r, a) in acc.iter().enumerate() {
+            ctx.out.slice(r * ctx.ldo + oc, w).copy_from_slice(&a[..w]);
+        }
     }
 }
 
@@ -600,12 +692,57 @@ mod tests {
         v / (1.0 + (-v).exp())
     }
 
+    type FewRows = fn(&Ctx<'_>, usize, usize, usize, usize);
+
+    /// Both few-row paths against an f64 sum, for every row count they take, a key
+    /// count that is not a multiple of the streams and a column range with a tail.
+    #[test]
+    fn few_row_paths_match_f64() {
+        let (k, n, c0, w) = (37usize, 70usize, 3usize, 45usize);
+        let val = |i: usize, s: usize| (((i * 2654435761 + s * 40503) % 1000) as f32 / 1000.0) - 0.5;
+        let wt: Vec<f32> = (0..k * n).map(|i| val(i, 1)).collect();
+        for m in 1..=FEW_ROWS {
+            let x: Vec<f32> = (0..m * k).map(|i| val(i, 2 + m)).collect();
+            let want: Vec<f64> = (0..m * w)
+                .map(|i| {
+                    let (r, c) = (i / w, i % w);
+                    (0..k).map(|kk| x[r * k + kk] as f64 * wt[kk * n + c0 + c] as f64).sum()
+                })
+                .collect();
+            let mut paths: Vec<(&str, FewRows)> = vec![("portable", portable_rows)];
+            #[cfg(target_arch = "x86_64")]
+            if crate::matmul::has_avx512() {
+                // SAFETY (of the call below): AVX-512F is present.
+                paths.push(("avx512", |c, m, c0, w, oc| unsafe { avx512::wide_rows(c, m, c0, w, oc) }));
+            }
+            for (name, f) in paths {
+                let ldo = w + 5;
+                let mut out = vec![f32::NAN; m * ldo];
+                let ctx = Ctx {
+                    x: Rows::dense(&x, k).unwrap(),
+                    wt: &wt,
+                    n,
+                    out: SharedMut::new(&mut out),
+                    ldo,
+                };
+                f(&ctx, m, c0, w, 2);
+                for r in 0..m {
+                    for c in 0..w {
+                        let (got, exp) = (out[r * ldo + 2 + c] as f64, want[r * w + c]);
+                        assert!((got - exp).abs() <= 1e-5 * (1.0 + exp.abs()), "{name} m={m} r={r} c={c}: {got} vs {exp}");
+                    }
+                    assert!(out[r * ldo..r * ldo + 2].iter().all(|v| v.is_nan()), "{name} wrote before its columns");
+                }
+            }
+        }
+    }
+
     /// The block in f64 with plain loops, routing on the same expert choice. 37 tokens
-    /// take the strip kernel, 5 and 2 the few-row one (2 also for the shared expert);
+    /// take the strip kernel, 12 both, 5 and 2 the few-row one (also for the shared expert);
     /// H and I are not multiples of its weight streams.
     #[test]
     fn matches_a_scalar_transcription() {
-        for t in [37usize, 5, 2] {
+        for t in [37usize, 12, 5, 2] {
             check_against_scalar(t);
         }
     }
