@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from hybridserve import LLM
-    from hybridserve.engine.llm_engine import set_cpu_threads
+    from hybridserve.engine.device import set_cpu_threads
     from hybridserve.model.tiny import write_tiny_checkpoint
 
     tmp = tempfile.mkdtemp(prefix="tp-bench-")

@@ -310,7 +310,7 @@ def _run_scenario(args: argparse.Namespace, model: str, engine_kwargs: dict[str,
                   progress: bool) -> int:
     from hybridserve.bench.scenario import render_scenario, run_seed_scenario
     from hybridserve.config import ModelConfig
-    from hybridserve.engine.llm_engine import _resolve_device, _resolve_model_dtype
+    from hybridserve.engine.device import _resolve_device, _resolve_model_dtype
 
     if args.compare_hf:
         raise ConfigError("--seed-scenario and --compare-hf are separate runs; give one")

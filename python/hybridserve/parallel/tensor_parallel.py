@@ -121,7 +121,7 @@ class TensorParallel:
         between the ranks on it (N ranks each taking every core would oversubscribe)."""
         if requested or self.device.type != "cpu":
             return requested
-        from hybridserve.engine.llm_engine import physical_cores
+        from hybridserve.engine.device import physical_cores
 
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.group.world_size))
         return max(1, physical_cores() // max(1, local))
