@@ -1,0 +1,174 @@
+use super::*;
+
+fn silu64(v: f64) -> f64 {
+    v / (1.0 + (-v).exp())
+}
+
+type FewRows = fn(&Ctx<'_>, usize, usize, usize, usize);
+
+/// Both few-row paths against an f64 sum, for every row count they take, a key
+/// count that is not a multiple of the streams and a column range with a tail.
+#[test]
+fn few_row_paths_match_f64() {
+    let (k, n, c0, w) = (37usize, 70usize, 3usize, 45usize);
+    let val = |i: usize, s: usize| (((i * 2654435761 + s * 40503) % 1000) as f32 / 1000.0) - 0.5;
+    let wt: Vec<f32> = (0..k * n).map(|i| val(i, 1)).collect();
+    for m in 1..=FEW_ROWS {
+        let x: Vec<f32> = (0..m * k).map(|i| val(i, 2 + m)).collect();
+        let want: Vec<f64> = (0..m * w)
+            .map(|i| {
+                let (r, c) = (i / w, i % w);
+                (0..k)
+                    .map(|kk| x[r * k + kk] as f64 * wt[kk * n + c0 + c] as f64)
+                    .sum()
+            })
+            .collect();
+        let mut paths: Vec<(&str, FewRows)> = vec![("portable", portable_rows)];
+        #[cfg(target_arch = "x86_64")]
+        if crate::matmul::has_avx512() {
+            // SAFETY (of the call below): AVX-512F is present.
+            paths.push(("avx512", |c, m, c0, w, oc| unsafe {
+                avx512::wide_rows(c, m, c0, w, oc)
+            }));
+        }
+        for (name, f) in paths {
+            let ldo = w + 5;
+            let mut out = vec![f32::NAN; m * ldo];
+            let ctx = Ctx {
+                x: Rows::dense(&x, k).unwrap(),
+                wt: &wt,
+                n,
+                out: SharedMut::new(&mut out),
+                ldo,
+            };
+            f(&ctx, m, c0, w, 2);
+            for r in 0..m {
+                for c in 0..w {
+                    let (got, exp) = (out[r * ldo + 2 + c] as f64, want[r * w + c]);
+                    assert!(
+                        (got - exp).abs() <= 1e-5 * (1.0 + exp.abs()),
+                        "{name} m={m} r={r} c={c}: {got} vs {exp}"
+                    );
+                }
+                assert!(
+                    out[r * ldo..r * ldo + 2].iter().all(|v| v.is_nan()),
+                    "{name} wrote before its columns"
+                );
+            }
+        }
+    }
+}
+
+/// The block in f64 with plain loops, routing on the same expert choice. 37 tokens
+/// take the strip kernel, 12 both, 5 and 2 the few-row one (also for the shared expert);
+/// H and I are not multiples of its weight streams.
+#[test]
+fn matches_a_scalar_transcription() {
+    for t in [37usize, 12, 5, 2] {
+        check_against_scalar(t);
+    }
+}
+
+fn check_against_scalar(t: usize) {
+    let (h, e, k, i, si) = (26usize, 7usize, 3usize, 21usize, 36usize);
+    // A small LCG: values without the exact ties a periodic pattern would give.
+    let gen = |n: usize, s: u64| -> Vec<f32> {
+        let mut st = s.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        (0..n)
+            .map(|_| {
+                st = st
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((st >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1.5
+            })
+            .collect()
+    };
+    let x = gen(t * h, 11);
+    let wr = gen(h * e, 13);
+    let w13 = gen(e * h * 2 * i, 17);
+    let w2 = gen(e * i * h, 19);
+    let s13 = gen(h * 2 * si, 23);
+    let s2 = gen(si * h, 29);
+    let sg = gen(h, 31);
+    let mut out = vec![0.0f32; t * h];
+    let (mut ids, mut ws) = (vec![0i64; t * k], vec![0.0f32; t * k]);
+    let max = moe_block(
+        Rows::dense(&x, h).unwrap(),
+        Router {
+            weight_t: &wr,
+            num_experts: e,
+            top_k: k,
+        },
+        Experts {
+            w13: &w13,
+            w2: &w2,
+            inter: i,
+        },
+        Some(SharedExpert {
+            w13: &s13,
+            w2: &s2,
+            inter: si,
+            gate: &sg,
+        }),
+        &mut out,
+        Routing {
+            ids: &mut ids,
+            weights: &mut ws,
+        },
+    )
+    .unwrap();
+    let mut counts = vec![0usize; e];
+    let ffn = |xr: &[f32], w13: &[f32], w2: &[f32], inter: usize| -> Vec<f64> {
+        let a: Vec<f64> = (0..inter)
+            .map(|c| {
+                let g: f64 = (0..h)
+                    .map(|kk| xr[kk] as f64 * w13[kk * 2 * inter + c] as f64)
+                    .sum();
+                let u: f64 = (0..h)
+                    .map(|kk| xr[kk] as f64 * w13[kk * 2 * inter + inter + c] as f64)
+                    .sum();
+                silu64(g) * u
+            })
+            .collect();
+        (0..h)
+            .map(|c| (0..inter).map(|j| a[j] * w2[j * h + c] as f64).sum())
+            .collect()
+    };
+    for tok in 0..t {
+        let xr = &x[tok * h..(tok + 1) * h];
+        let logits: Vec<f64> = (0..e)
+            .map(|j| (0..h).map(|kk| xr[kk] as f64 * wr[kk * e + j] as f64).sum())
+            .collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        let mut order: Vec<usize> = (0..e).collect();
+        order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap());
+        let chosen = &order[..k];
+        let ids_row: Vec<usize> = ids[tok * k..(tok + 1) * k]
+            .iter()
+            .map(|&v| v as usize)
+            .collect();
+        assert_eq!(ids_row, chosen, "token {tok} routed differently");
+        let tot: f64 = chosen.iter().map(|&j| (logits[j] - m).exp() / z).sum();
+        let mut want = vec![0.0f64; h];
+        for (jj, &j) in chosen.iter().enumerate() {
+            counts[j] += 1;
+            let wj = (logits[j] - m).exp() / z / tot;
+            assert!((ws[tok * k + jj] as f64 - wj).abs() < 1e-5);
+            let y = ffn(xr, &w13[j * h * 2 * i..], &w2[j * i * h..], i);
+            for c in 0..h {
+                want[c] += wj * y[c];
+            }
+        }
+        let g: f64 = (0..h).map(|kk| xr[kk] as f64 * sg[kk] as f64).sum();
+        let y = ffn(xr, &s13, &s2, si);
+        for c in 0..h {
+            want[c] += y[c] / (1.0 + (-g).exp());
+            assert!(
+                (out[tok * h + c] as f64 - want[c]).abs() < 1e-4,
+                "token {tok} col {c}"
+            );
+        }
+    }
+    assert_eq!(max, counts.into_iter().max().unwrap());
+}
