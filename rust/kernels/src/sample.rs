@@ -314,8 +314,9 @@ fn penalise(x: &mut [f32], counts: &[f32], prompt: &[u8], rep: f32, freq: f32, p
         let in_output = if c > 0.0 { 1.0f32 } else { 0.0 };
         let seen = if p != 0 { 1.0f32 } else { in_output };
         let factor = seen * rep + (-seen + 1.0);
-        let neg = v.min(0.0) * factor;
-        let pos = v.max(0.0) / factor + neg;
+        // torch's clamps: a NaN stays NaN (f32::min/max would give 0).
+        let neg = if *v > 0.0 { 0.0 } else { *v } * factor;
+        let pos = if *v < 0.0 { 0.0 } else { *v } / factor + neg;
         *v = pos - c * freq - in_output * pres;
     }
 }
