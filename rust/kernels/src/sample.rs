@@ -34,7 +34,7 @@ mod tests;
 
 use crate::bf16::Elem;
 use crate::{KernelError, Rows};
-use select::{at_least_kth, sort_descending, Entry};
+use select::{at_least_kth, sort_descending, Entry, Select};
 
 /// Columns of the float parameter table (`rows.F_*`).
 pub const F_TEMP: usize = 0;
@@ -225,6 +225,8 @@ fn validate(
 struct Work {
     x: Vec<f32>,
     list: Vec<Entry>,
+    select: Select,
+    packed: Vec<u64>,
 }
 
 /// Draws one token per sample (see the module docs): `logits` `[rows, vocab]`
@@ -240,13 +242,28 @@ pub fn sample_rows<T: Elem>(
     let mut w = Work {
         x: vec![0.0; vocab],
         list: Vec::new(),
+        select: Select::default(),
+        packed: Vec::new(),
     };
+    let mut wide = T::scratch(vocab);
     let mut ban = 0usize;
     for i in 0..samples.slots.len() {
         let slot = samples.slots[i] as usize;
         let kind = Kind::from_code(samples.kinds[i]).expect("validated");
         let pslot = samples.pslots[i];
         let src = logits.row(samples.row_of[i] as usize);
+        let has_ban = ban < samples.ban_samples.len() && samples.ban_samples[ban] as usize == i;
+        if kind == Kind::Greedy
+            && pslot < 0
+            && samples.biased[i] == 0
+            && !has_ban
+            && out.processed.is_none()
+        {
+            // Nothing changes a plain greedy row: the argmax of the logits as they are.
+            let token = first_argmax(T::widen(src, &mut wide));
+            out.tokens[i] = token as i64;
+            continue;
+        }
         for (d, &v) in w.x.iter_mut().zip(src) {
             *d = v.get();
         }
@@ -284,7 +301,15 @@ pub fn sample_rows<T: Elem>(
                 Kind::Seeded => stream::row_state(ip[I_KEY] as u64, ip[I_OFF] as u64),
                 _ => stream::row_state(stream::unseeded_key(samples.unseeded_key, i), 0),
             };
-            draw(x, fp, ip[I_TOPK], state, &mut w.list)
+            draw(
+                x,
+                fp,
+                ip[I_TOPK],
+                state,
+                &mut w.list,
+                &mut w.select,
+                &mut w.packed,
+            )
         };
         out.tokens[i] = token as i64;
         if let Some(p) = out.processed.as_deref_mut() {
@@ -310,6 +335,23 @@ pub fn sample_rows<T: Elem>(
 /// the factor is `seen * rep + (1 - seen)`, a positive logit is divided by it and a
 /// negative one multiplied, then `count * freq` and `in_output * pres` are subtracted.
 fn penalise(x: &mut [f32], counts: &[f32], prompt: &[u8], rep: f32, freq: f32, pres: f32) {
+    // A token neither in the prompt nor in the output is left exactly as it is by the
+    // arithmetic below (factor 1, nothing subtracted): chunks of such tokens (most of
+    // a large vocabulary) are skipped after a vectorised check.
+    for ((xs, cs), ps) in x
+        .chunks_mut(16)
+        .zip(counts.chunks(16))
+        .zip(prompt.chunks(16))
+    {
+        let seen = cs.iter().fold(0u32, |a, &c| a | (c != 0.0) as u32)
+            | ps.iter().fold(0u8, |a, &p| a | p) as u32;
+        if seen != 0 {
+            penalise_chunk(xs, cs, ps, rep, freq, pres);
+        }
+    }
+}
+
+fn penalise_chunk(x: &mut [f32], counts: &[f32], prompt: &[u8], rep: f32, freq: f32, pres: f32) {
     for ((v, &c), &p) in x.iter_mut().zip(counts).zip(prompt) {
         let in_output = if c > 0.0 { 1.0f32 } else { 0.0 };
         let seen = if p != 0 { 1.0f32 } else { in_output };
@@ -323,18 +365,29 @@ fn penalise(x: &mut [f32], counts: &[f32], prompt: &[u8], rep: f32, freq: f32, p
 
 /// The first maximum; a NaN counts as the maximum (numpy's `argmax`, the torch path's).
 fn first_argmax(x: &[f32]) -> usize {
-    let mut best = 0usize;
-    let mut best_v = f32::NEG_INFINITY;
-    for (j, &v) in x.iter().enumerate() {
-        if v.is_nan() {
-            return j;
-        }
-        if v > best_v || j == 0 {
-            best_v = v;
-            best = j;
+    // Per-lane maxima over 16 lanes (vectorises), then the first position holding it.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let mut nan = 0u32;
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..16 {
+            lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
+            nan |= (c[l] != c[l]) as u32;
         }
     }
-    best
+    let mut m = lanes
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
+    for &v in tail {
+        m = if v > m { v } else { m };
+        nan |= (v != v) as u32;
+    }
+    if nan != 0 {
+        return x.iter().position(|v| v.is_nan()).expect("a NaN was seen");
+    }
+    // All -inf (or empty): the first element, numpy's answer.
+    x.iter().position(|&v| v == m).unwrap_or(0)
 }
 
 fn row_max(x: &[f32]) -> f32 {
@@ -352,7 +405,15 @@ fn logsumexp(values: impl Iterator<Item = f32>, m: f32) -> f32 {
 
 /// Temperature, min-p, top-k, top-p and the race of a sampled row, in place on `x`;
 /// returns the token and the cut (tokens below it are dropped).
-fn draw(x: &mut [f32], fp: &[f32], top_k: i64, state: u64, list: &mut Vec<Entry>) -> (usize, f32) {
+fn draw(
+    x: &mut [f32],
+    fp: &[f32],
+    top_k: i64,
+    state: u64,
+    list: &mut Vec<Entry>,
+    select: &mut Select,
+    packed: &mut Vec<u64>,
+) -> (usize, f32) {
     let vocab = x.len();
     let temp = fp[F_TEMP];
     if temp != 1.0 {
@@ -380,7 +441,7 @@ fn draw(x: &mut [f32], fp: &[f32], top_k: i64, state: u64, list: &mut Vec<Entry>
     let mut cut = f32::NEG_INFINITY;
     let mut listed = false;
     if k > 0 {
-        cut = at_least_kth(x, k, list);
+        cut = at_least_kth(x, k, list, select);
         listed = true;
     }
     if top_p < 1.0 {
@@ -396,9 +457,9 @@ fn draw(x: &mut [f32], fp: &[f32], top_k: i64, state: u64, list: &mut Vec<Entry>
         };
         loop {
             if k == 0 {
-                at_least_kth(x, kk, list);
+                at_least_kth(x, kk, list, select);
             }
-            sort_descending(list);
+            sort_descending(list, packed);
             let (last_kept, decided) = nucleus(list, lse, top_p);
             if decided || k > 0 || kk >= vocab {
                 cut = cut.max(last_kept);

@@ -1,7 +1,7 @@
 //! The kernel's parts against brute force (whole sorts, direct formulas); the whole
 //! kernel is held to the torch sampler (the oracle) from Python, `tests/sampler/`.
 
-use super::select::at_least_kth;
+use super::select::{at_least_kth, sort_descending, Select};
 use super::*;
 
 fn lcg(seed: u64) -> impl FnMut() -> f32 {
@@ -16,7 +16,14 @@ fn lcg(seed: u64) -> impl FnMut() -> f32 {
 
 #[test]
 fn at_least_kth_keeps_exactly_the_values_a_sort_keeps() {
-    for (vocab, grid) in [(272usize, false), (1000, true), (5000, false), (33, true)] {
+    for (vocab, grid) in [
+        (272usize, false),
+        (1000, true),
+        (5000, false),
+        (33, true),
+        (70000, false),
+        (20000, true),
+    ] {
         let mut r = lcg(vocab as u64);
         // On a coarse grid (`grid`) many values tie, the k-th's ties included.
         let x: Vec<f32> = (0..vocab)
@@ -29,7 +36,7 @@ fn at_least_kth_keeps_exactly_the_values_a_sort_keeps() {
             .filter(|&k| k <= vocab)
         {
             let mut list = Vec::new();
-            let kth = at_least_kth(&x, k, &mut list);
+            let kth = at_least_kth(&x, k, &mut list, &mut Select::default());
             assert_eq!(kth, sorted[k - 1], "vocab {vocab} k {k}");
             let mut got: Vec<u32> = list.iter().map(|e| e.1).collect();
             got.sort_unstable();
@@ -37,6 +44,12 @@ fn at_least_kth_keeps_exactly_the_values_a_sort_keeps() {
                 .filter(|&j| x[j as usize] >= kth)
                 .collect();
             assert_eq!(got, want, "vocab {vocab} k {k}");
+            // And sorted: descending values, ties in column order.
+            let mut packed = Vec::new();
+            sort_descending(&mut list, &mut packed);
+            let mut by_sort: Vec<(f32, u32)> = want.iter().map(|&j| (x[j as usize], j)).collect();
+            by_sort.sort_by(|a, b| b.0.partial_cmp(&a.0).unwrap().then(a.1.cmp(&b.1)));
+            assert_eq!(list, by_sort, "vocab {vocab} k {k}");
         }
     }
 }
