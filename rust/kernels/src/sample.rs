@@ -227,6 +227,7 @@ struct Work {
     list: Vec<Entry>,
     select: Select,
     packed: Vec<u64>,
+    exps: Vec<f32>,
 }
 
 /// Draws one token per sample (see the module docs): `logits` `[rows, vocab]`
@@ -244,6 +245,7 @@ pub fn sample_rows<T: Elem>(
         list: Vec::new(),
         select: Select::default(),
         packed: Vec::new(),
+        exps: Vec::new(),
     };
     let mut wide = T::scratch(vocab);
     let mut ban = 0usize;
@@ -309,6 +311,7 @@ pub fn sample_rows<T: Elem>(
                 &mut w.list,
                 &mut w.select,
                 &mut w.packed,
+                &mut w.exps,
             )
         };
         out.tokens[i] = token as i64;
@@ -373,7 +376,7 @@ fn first_argmax(x: &[f32]) -> usize {
     for c in chunks {
         for l in 0..16 {
             lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
-            nan |= (c[l] != c[l]) as u32;
+            nan |= c[l].is_nan() as u32;
         }
     }
     let mut m = lanes
@@ -381,7 +384,7 @@ fn first_argmax(x: &[f32]) -> usize {
         .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
     for &v in tail {
         m = if v > m { v } else { m };
-        nan |= (v != v) as u32;
+        nan |= v.is_nan() as u32;
     }
     if nan != 0 {
         return x.iter().position(|v| v.is_nan()).expect("a NaN was seen");
@@ -405,6 +408,7 @@ fn logsumexp(values: impl Iterator<Item = f32>, m: f32) -> f32 {
 
 /// Temperature, min-p, top-k, top-p and the race of a sampled row, in place on `x`;
 /// returns the token and the cut (tokens below it are dropped).
+#[allow(clippy::too_many_arguments)]
 fn draw(
     x: &mut [f32],
     fp: &[f32],
@@ -413,6 +417,7 @@ fn draw(
     list: &mut Vec<Entry>,
     select: &mut Select,
     packed: &mut Vec<u64>,
+    exps: &mut Vec<f32>,
 ) -> (usize, f32) {
     let vocab = x.len();
     let temp = fp[F_TEMP];
@@ -444,22 +449,28 @@ fn draw(
         cut = at_least_kth(x, k, list, select);
         listed = true;
     }
+    // exp(v - max) of the sorted list's entries, when top-p's normaliser made them:
+    // the race's numerators are the same numbers.
+    let mut exps_ready = false;
     if top_p < 1.0 {
-        let mut kk = if k > 0 { k } else { TOP_P_FIRST_K.min(vocab) };
         let lse = if k > 0 {
             // Normalised over what top-k keeps (the torch path normalises the cut row).
-            let m = list
-                .iter()
-                .fold(f32::NEG_INFINITY, |a, e| if e.0 > a { e.0 } else { a });
-            logsumexp(list.iter().map(|e| e.0), m)
+            sort_descending(list, packed);
+            let m = list[0].0;
+            let shift = if m.is_finite() { m } else { 0.0 };
+            exps.clear();
+            exps.extend(list.iter().map(|e| (e.0 - shift).exp()));
+            exps_ready = m.is_finite();
+            shift + (exps.iter().map(|&e| e as f64).sum::<f64>() as f32).ln()
         } else {
             logsumexp(x.iter().copied(), row_max(x))
         };
+        let mut kk = if k > 0 { k } else { TOP_P_FIRST_K.min(vocab) };
         loop {
             if k == 0 {
                 at_least_kth(x, kk, list, select);
+                sort_descending(list, packed);
             }
-            sort_descending(list, packed);
             let (last_kept, decided) = nucleus(list, lse, top_p);
             if decided || k > 0 || kk >= vocab {
                 cut = cut.max(last_kept);
@@ -469,25 +480,33 @@ fn draw(
         }
         listed = true;
     }
-    let m = row_max(x);
     let mut best = (-1.0f32, vocab);
-    let mut consider = |j: usize, v: f32| {
-        if v < cut || v == f32::NEG_INFINITY {
-            return;
-        }
+    // The race: the highest exp(v - max) / q wins, the lowest column on a tie.
+    let mut consider = |j: usize, e: f32| {
         let q = (-stream::uniform(state, j).ln()).max(f32::MIN_POSITIVE);
-        let score = (v - m).exp() / q;
+        let score = e / q;
         if score > best.0 || (score == best.0 && j < best.1) {
             best = (score, j);
         }
     };
     if listed {
-        for &(v, j) in list.iter() {
-            consider(j as usize, v);
+        let m = list
+            .iter()
+            .fold(f32::NEG_INFINITY, |a, e| if e.0 > a { e.0 } else { a });
+        for (i, &(v, j)) in list.iter().enumerate() {
+            if v < cut || v == f32::NEG_INFINITY {
+                continue;
+            }
+            let e = if exps_ready { exps[i] } else { (v - m).exp() };
+            consider(j as usize, e);
         }
     } else {
+        let m = row_max(x);
         for (j, &v) in x.iter().enumerate() {
-            consider(j, v);
+            if v < cut || v == f32::NEG_INFINITY {
+                continue;
+            }
+            consider(j, (v - m).exp());
         }
     }
     // A row with nothing to draw from (all -inf) gets its first maximum.
