@@ -279,8 +279,16 @@ class Sampler:
         x = None
         native_tokens = None
         if self._goes_native(logits, prep):
-            native_tokens = native_draw.draw(logits, prep, self._tables)
-            tokens = torch.from_numpy(native_tokens)
+            if prep.all_greedy and prep.untouched and logits.dtype == torch.float32:
+                # numpy's SIMD argmax of the logits as they are (several times the
+                # kernel's portable scan at a large vocabulary); nothing to advance.
+                tokens = _argmax_rows(logits)
+                if prep.expand:
+                    tokens = tokens.index_select(0, torch.from_numpy(prep.native.row_of))
+                native_tokens = tokens.numpy()
+            else:
+                native_tokens = native_draw.draw(logits, prep, self._tables)
+                tokens = torch.from_numpy(native_tokens)
         else:
             tokens, x = self._draw_torch(logits, prep)
 

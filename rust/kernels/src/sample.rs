@@ -368,29 +368,41 @@ fn penalise_chunk(x: &mut [f32], counts: &[f32], prompt: &[u8], rep: f32, freq: 
 
 /// The first maximum; a NaN counts as the maximum (numpy's `argmax`, the torch path's).
 fn first_argmax(x: &[f32]) -> usize {
-    // Per-lane maxima over 16 lanes (vectorises), then the first position holding it.
-    let mut lanes = [f32::NEG_INFINITY; 16];
+    // One pass of 16 lanes, each keeping its first maximum and where it was
+    // (vectorises), then the lowest position among the lanes holding the maximum.
+    let mut lm = [f32::NEG_INFINITY; 16];
+    let mut li = [0u32; 16];
     let mut nan = 0u32;
     let chunks = x.chunks_exact(16);
     let tail = chunks.remainder();
-    for c in chunks {
+    for (c, chunk) in chunks.enumerate() {
+        let base = (c * 16) as u32;
         for l in 0..16 {
-            lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
-            nan |= c[l].is_nan() as u32;
+            let v = chunk[l];
+            let gt = v > lm[l];
+            lm[l] = if gt { v } else { lm[l] };
+            li[l] = if gt { base + l as u32 } else { li[l] };
+            nan |= v.is_nan() as u32;
         }
     }
-    let mut m = lanes
-        .iter()
-        .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a });
-    for &v in tail {
-        m = if v > m { v } else { m };
+    let (mut m, mut at) = (f32::NEG_INFINITY, 0usize);
+    for l in 0..16 {
+        if lm[l] > m || (lm[l] == m && m > f32::NEG_INFINITY && (li[l] as usize) < at) {
+            (m, at) = (lm[l], li[l] as usize);
+        }
+    }
+    let base = x.len() - tail.len();
+    for (j, &v) in tail.iter().enumerate() {
         nan |= v.is_nan() as u32;
+        if v > m {
+            (m, at) = (v, base + j);
+        }
     }
     if nan != 0 {
         return x.iter().position(|v| v.is_nan()).expect("a NaN was seen");
     }
-    // All -inf (or empty): the first element, numpy's answer.
-    x.iter().position(|&v| v == m).unwrap_or(0)
+    // All -inf (or empty): 0, the first element, numpy's answer.
+    at
 }
 
 fn row_max(x: &[f32]) -> f32 {

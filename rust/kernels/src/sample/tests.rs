@@ -138,3 +138,22 @@ fn bad_indices_are_errors_and_change_nothing() {
         assert_eq!(ip[I_OFF], 5, "nothing advanced");
     }
 }
+
+#[test]
+fn first_argmax_agrees_with_a_scan_on_rows_with_ties_and_tails() {
+    for vocab in [1usize, 15, 16, 17, 40, 272, 1000] {
+        let mut r = lcg(vocab as u64 + 9);
+        for grid in [false, true] {
+            let x: Vec<f32> = (0..vocab)
+                .map(|_| if grid { r().round() } else { r() })
+                .collect();
+            let mut want = 0;
+            for j in 0..vocab {
+                if x[j] > x[want] {
+                    want = j;
+                }
+            }
+            assert_eq!(first_argmax(&x), want, "vocab {vocab} grid {grid}");
+        }
+    }
+}
