@@ -198,7 +198,9 @@ class LLMEngine:
                 "device memory after pools%s: %.1f MiB free of %.1f MiB",
                 " and graph capture" if self.use_cuda_graphs else "", free / 2**20, total / 2**20,
             )
-        self.sampler = Sampler()
+        # On the CPU the sampler draws with its native kernel, and a steady batch (the
+        # same rows list again: see _sampling_rows) reuses its plan with no per-row work.
+        self.sampler = Sampler(native=self.device.type == "cpu", steady_rows=True)
         # The step's host work after the model call runs torch on one thread (see
         # HOST_PARALLEL_MIN_ELEMENTS); the thread count is given back after it.
         self._host_one_thread = (self.device.type == "cpu" and self.cpu_threads > 1

@@ -6,6 +6,8 @@
 * :mod:`~hybridserve.sampler.processors` - logit processors (bias, min_tokens bans,
   penalties, temperature, min-p, top-k, top-p) in place on one work buffer;
 * :mod:`~hybridserve.sampler.draw` - the draw (exponential race) and logprobs;
+* :mod:`~hybridserve.sampler.native` - on the CPU, processors and draw as one native
+  kernel call per step (``Sampler(native=True)``; the torch path is its oracle);
 * :mod:`~hybridserve.sampler.batch_sampler` - :class:`Sampler`, which ties them together.
 """
 

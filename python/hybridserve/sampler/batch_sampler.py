@@ -16,6 +16,12 @@ runner's copy of the step carries it: :meth:`Sampler.plan` then
 :meth:`Sampler.sample_planned`); device->host: one copy of the tokens (and the
 logprobs when asked).
 
+On the CPU a sampler made with ``native=True`` (the engine's, on a CPU device) draws
+with one native call per step instead (:mod:`~hybridserve.sampler.native`: the same
+tokens for the same seeds, the torch path being its oracle); with ``steady_rows=True``
+a steady decode batch's step also skips every per-row host step (see
+:class:`Sampler`).
+
 Logprobs: by default (``logprobs_mode="raw"``, vLLM v1's default) the reported numbers
 are ``log_softmax`` of the model's logits before any processing; ``"processed"``
 reports ``log_softmax`` of the logits after processing (for greedy rows, after
@@ -30,6 +36,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
+from hybridserve.sampler import native as native_draw
 from hybridserve.sampler.draw import logprob_parts, race, race_top_k
 from hybridserve.sampler.processors import cut_top_k_top_p, process
 from hybridserve.sampler.rows import Prepared, RowTables, SamplingRow, check_logits
@@ -63,13 +70,38 @@ class SamplerOutput:
 
 class Sampler:
     """Draws one token per sample from a step's logits, keeping per-row state on the
-    device across steps (see :mod:`hybridserve.sampler.rows`)."""
+    device across steps (see :mod:`hybridserve.sampler.rows`).
 
-    def __init__(self, logprobs_mode: str = "raw") -> None:
+    ``native``: logits on the CPU are drawn by the native kernel
+    (:mod:`~hybridserve.sampler.native`) unless the call wants ``"processed"``
+    logprobs; the torch path otherwise. ``steady_rows`` (with ``native``) is a
+    caller's promise, the engine's: when :meth:`plan` gets the very list object of
+    the previous plan again, and that plan was sampled, the rows are the same rows
+    with nothing changed except that each row's ``output_token_ids`` grew by the
+    token drawn for it. Such a call reuses the plan as it is: no per-row host work,
+    nothing staged, and the per-row host records settled only when the batch
+    changes (:class:`~hybridserve.sampler.native.PendingMirrors`).
+    """
+
+    def __init__(self, logprobs_mode: str = "raw", native: bool = False, steady_rows: bool = False) -> None:
         if logprobs_mode not in ("raw", "processed"):
             raise ValueError(f"logprobs_mode must be 'raw' or 'processed', got {logprobs_mode!r}")
         self.logprobs_mode = logprobs_mode
         self._tables = RowTables()
+        self.native = native
+        self.steady_rows = steady_rows and native
+        # (rows list, prep, device) of the plan a steady caller may pass again.
+        self._steady: tuple | None = None
+        # (rows list, prep) of the last plan, until it is sampled or discarded.
+        self._planned: tuple | None = None
+        self._pending = native_draw.PendingMirrors()
+
+    def _settle(self) -> None:
+        """Ends any steady run: the host records brought up to date, the plan dropped."""
+        self._pending.settle()
+        if self._steady is not None:
+            self._steady[1].steady = False
+            self._steady = None
 
     @property
     def num_recounts(self) -> int:
@@ -80,12 +112,36 @@ class Sampler:
     def release(self, key: Hashable) -> None:
         """Forget the row ``key`` (its request finished or was aborted); unknown keys are
         ignored, so releasing twice is harmless."""
+        self._settle()
         self._tables.release(key)
 
     @property
     def num_tracked_rows(self) -> int:
         """Rows with a slot kept across steps (for tests and leak checks)."""
         return len(self._tables.slots)
+
+    # ------------------------------------------------------------------ preparing
+    def _plan(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device | str) -> Prepared:
+        prep = self._tables.plan(rows, vocab, device)
+        if self.native and prep.native is None and self._tables.device.type == "cpu":
+            prep.native = native_draw.native_rows(prep)
+        return prep
+
+    def _prepare(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Prepared:
+        """:meth:`_plan` and the tables' bind with this call's own staging copy."""
+        self._settle()
+        check_logits(logits, len(rows))
+        prep = self._plan(rows, logits.shape[1], logits.device)
+        try:
+            self._tables.bind(prep, self._tables.stage.stage(prep.segments))
+        except BaseException:
+            self._tables.finish(prep)
+            raise
+        return prep
+
+    def _goes_native(self, logits: torch.Tensor, prep: Prepared) -> bool:
+        return (prep.native is not None and logits.device.type == "cpu"
+                and not (prep.want_logprobs and self.logprobs_mode == "processed"))
 
     # ------------------------------------------------------------------ processing
     def _work_buffer(self, logits: torch.Tensor, prep: Prepared) -> torch.Tensor:
@@ -99,10 +155,14 @@ class Sampler:
         Greedy samples get bias, bans and penalties (their argmax is the token); the
         others every step of :mod:`~hybridserve.sampler.processors` (dropped tokens are
         -inf). ``logits`` is ``[len(rows), V]`` and is not modified; no stream or count
-        advances.
+        advances. A native sampler computes them with its kernel.
         """
-        prep = self._tables.prepare(logits, rows)
+        prep = self._prepare(logits, rows)
         try:
+            if self._goes_native(logits, prep):
+                out = np.empty((len(prep.samples), logits.shape[1]), dtype=np.float32)
+                native_draw.draw(logits, prep, self._tables, processed=out, advance=False)
+                return torch.from_numpy(out)
             x = self._work_buffer(logits, prep)
             process(x, prep, self._tables)
             return x
@@ -112,24 +172,46 @@ class Sampler:
     # ------------------------------------------------------------------ sampling
     def plan(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device | str) -> Prepared:
         """The host side of a call, before the logits exist: ``prep.segments`` are the
-        index lists to send to the device. The engine stages them with the runner's
-        inputs (one host->device copy per step) and passes the views to
-        :meth:`sample_planned`."""
-        return self._tables.plan(rows, vocab, device)
+        index lists to send to the device (None: nothing to send). The engine stages
+        them with the runner's inputs (one host->device copy per step) and passes the
+        views to :meth:`sample_planned`."""
+        if self._planned is not None:
+            self._settle()  # the last plan was neither sampled nor discarded: no reuse
+        st = self._steady
+        if st is not None and st[0] is rows and st[1].vocab == vocab and st[2] == device:
+            self._planned = st
+            return st[1]  # a steady batch's step (see steady_rows)
+        self._settle()
+        prep = self._plan(rows, vocab, device)
+        self._planned = (rows, prep, device) if self.steady_rows else None
+        return prep
 
     def sample_planned(self, logits: torch.Tensor, prep: Prepared,
                        views: Sequence[torch.Tensor] | None = None) -> SamplerOutput:
         """Draws for a :meth:`plan`: ``views`` are the device views of its segments
         (None: this call stages them itself)."""
+        planned, self._planned = self._planned, None
         try:
             check_logits(logits, prep.num_rows, prep.vocab)
-            self._tables.bind(prep, views if views is not None else self._tables.stage.stage(prep.segments))
-            return self._sample(logits, prep)
+            if not prep.steady:
+                self._tables.bind(prep, views if views is not None else self._tables.stage.stage(prep.segments))
+            out = self._sample(logits, prep)
+        except BaseException:
+            self._settle()
+            raise
         finally:
             self._tables.finish(prep)
+        if (planned is not None and planned[1] is prep and not prep.steady and prep.native is not None
+                and self._goes_native(logits, prep) and not (prep.ephemeral or prep.bans or prep.expand)):
+            # The next step of a steady caller may pass the same rows again.
+            prep.steady = True
+            self._steady = planned
+        return out
 
     def discard(self, prep: Prepared) -> None:
         """Releases a :meth:`plan` that will not be sampled (its one-call slots)."""
+        self._planned = None
+        self._settle()
         self._tables.finish(prep)
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -140,7 +222,7 @@ class Sampler:
         """
         if not rows:
             return SamplerOutput(token_ids=[])
-        prep = self._tables.prepare(logits, rows)
+        prep = self._prepare(logits, rows)
         try:
             return self._sample(logits, prep)
         finally:
@@ -156,7 +238,9 @@ class Sampler:
         return (prep.all_top_k and x.device.type == "cpu" and max(prep.top_ks) <= x.shape[1] // 4
                 and not (prep.want_logprobs and self.logprobs_mode == "processed"))
 
-    def _sample(self, logits: torch.Tensor, prep: Prepared) -> SamplerOutput:
+    def _draw_torch(self, logits: torch.Tensor, prep: Prepared) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The torch path's tokens (int64 ``[samples]``) and its work buffer (None for an
+        argmax of the logits themselves); counts and streams advanced on the device."""
         t = self._tables
         v = prep.v
         x = None
@@ -189,6 +273,24 @@ class Sampler:
                 torch.ones(len(prep.pen), dtype=torch.float32, device=tokens.device),
                 accumulate=True,
             )
+        return tokens, x
+
+    def _sample(self, logits: torch.Tensor, prep: Prepared) -> SamplerOutput:
+        x = None
+        native_tokens = None
+        if self._goes_native(logits, prep):
+            if prep.all_greedy and prep.untouched and logits.dtype == torch.float32:
+                # numpy's SIMD argmax of the logits as they are (several times the
+                # kernel's portable scan at a large vocabulary); nothing to advance.
+                tokens = _argmax_rows(logits)
+                if prep.expand:
+                    tokens = tokens.index_select(0, torch.from_numpy(prep.native.row_of))
+                native_tokens = tokens.numpy()
+            else:
+                native_tokens = native_draw.draw(logits, prep, self._tables)
+                tokens = torch.from_numpy(native_tokens)
+        else:
+            tokens, x = self._draw_torch(logits, prep)
 
         samples = prep.samples
         if not prep.want_logprobs:
@@ -197,7 +299,11 @@ class Sampler:
             # Raw logprobs read the logits rows themselves (a fork row's samples
             # share one: no [samples, vocab] copy); processed ones the work buffer.
             raw = self.logprobs_mode == "raw" or x is None
-            source, row_of = (logits, v["row_of"] if prep.expand else None) if raw else (x, None)
+            if raw and prep.expand:
+                row_of = prep.v["row_of"] if native_tokens is None else torch.from_numpy(prep.native.row_of)
+            else:
+                row_of = None
+            source = logits if raw else x
             ks = [smp.params.logprobs or 0 for smp in samples]
             kmax = max(ks)
             # One device->host transfer for everything the step returns.
@@ -213,8 +319,20 @@ class Sampler:
                 for s, k in enumerate(ks):
                     top[s] = [(int(ti[s * kmax + j]), tv[s * kmax + j]) for j in range(k)]
 
-        # Host mirrors of what the device just did (one pass when every sample is a
-        # seeded penalty row, the usual sampled batch).
+        if prep.steady:
+            # A steady step: the host records wait (see PendingMirrors).
+            self._pending.add(prep, native_tokens)
+        else:
+            self._mirror(prep, token_ids)
+        if not prep.want_logprobs:
+            return SamplerOutput(token_ids=token_ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen_l, ranks=ranks_l, top_logprobs=top)
+
+    @staticmethod
+    def _mirror(prep: Prepared, token_ids: list[int]) -> None:
+        """Host mirrors of what the device just did (one pass when every sample is a
+        seeded penalty row, the usual sampled batch)."""
+        samples = prep.samples
         n = len(samples)
         if len(prep.seeded) == n and len(prep.pen) == n:
             for smp, tok in zip(samples, token_ids):
@@ -232,9 +350,6 @@ class Sampler:
                 slot = samples[s].slot
                 slot.counted += 1
                 slot.last_tok = token_ids[s]
-        if not prep.want_logprobs:
-            return SamplerOutput(token_ids=token_ids)
-        return SamplerOutput(token_ids=token_ids, logprobs=chosen_l, ranks=ranks_l, top_logprobs=top)
 
 
 __all__ = ["Sampler", "SamplerOutput"]

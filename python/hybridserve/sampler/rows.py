@@ -179,6 +179,12 @@ class Prepared:
     # The steady batch's index lists as int64 arrays, made at its first reuse and
     # passed on (a list of 256 ints costs ~10 us to convert for the staging copy).
     steady_arrays: list | None = None
+    # The native kernel's per-sample arrays (:class:`~hybridserve.sampler.native.NativeRows`),
+    # made once per plan on a native sampler and passed on with the plan.
+    native: object = None
+    # Reused as is by a steady caller (no staging, no table writes, host mirrors
+    # settled later: see Sampler's ``steady_rows``).
+    steady: bool = False
 
     @property
     def all_greedy(self) -> bool:
@@ -335,6 +341,7 @@ class RowTables:
         prep.num_rows, prep.vocab = lp.num_rows, lp.vocab
         prep.all_top_k, prep.pen_span = lp.all_top_k, lp.pen_span
         prep.slot_ids, prep.pen_pslots = lp.slot_ids, lp.pen_pslots
+        prep.native = lp.native
         self._last = (last_rows, prep)
         return prep
 

@@ -23,6 +23,8 @@
 //!   weighted scatter back), the shared expert fused in.
 //! * [`rope`]: attention's per-head q/k norm and rotary embedding in one pass.
 //! * [`norm`]: RMSNorm with the residual add fused in.
+//! * [`sample`]: a whole sampling step (processors, top-k/top-p/min-p, the seeded
+//!   draw) per row in one reused buffer, the torch sampler's numbers.
 //! * [`attention`]: decode attention (one query per sequence) straight from the paged
 //!   KV pool through the block table, every query head of a KV group at once.
 //!
@@ -55,6 +57,7 @@ pub mod norm;
 mod pool;
 pub mod rope;
 mod row_tiles;
+pub mod sample;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 
