@@ -114,7 +114,7 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = ("tokenizer", "skip_special_tokens", "_decode_fn", "_ids", "_prefix_offset", "_read_offset",
-                 "_emitted", "_texts", "_bytes", "_prefix_text")
+                 "_emitted", "_texts", "_bytes", "_prefix_text", "_pending")
 
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
@@ -153,6 +153,25 @@ class IncrementalDetokenizer:
         # The text of the window before the read offset while the offsets stay put
         # (tokens pending: an incomplete character), so a pending step decodes once.
         self._prefix_text: str | None = None
+        # Byte-level windows whose left context is whole UTF-8 text: the bytes of the
+        # pending tokens (b"" when none), else None. There the window's text is the
+        # context's text followed by the pending bytes' text (a decoder at a character
+        # boundary starts afresh), so the difference the two decodes below compute is
+        # the pending bytes decoded alone: one small decode per token, no window join
+        # (the common case for a split character). None: the two-decode path.
+        self._pending: bytes | None = self._clean_pending(context)
+
+    def _clean_pending(self, window: list[int]) -> bytes | None:
+        """b"" when ``window`` (the left context, nothing pending) is whole, valid
+        UTF-8 in the byte table, else None."""
+        table = self._bytes
+        if table is None:
+            return None
+        try:
+            b"".join([table[i] for i in window]).decode("utf-8")
+        except (TypeError, IndexError, UnicodeDecodeError):
+            return None
+        return b""
 
     @property
     def output_text(self) -> str:
@@ -188,8 +207,15 @@ class IncrementalDetokenizer:
                 ids.append(token_id)
                 self._prefix_offset, self._read_offset = 0, 1
                 self._prefix_text = None
+                self._pending = b""  # the token's bytes are whole characters
                 self._emitted.append(text)
                 return text
+        pending, table = self._pending, self._bytes
+        if pending is not None and table is not None:
+            piece = table[token_id] if 0 <= token_id < len(table) else None
+            if piece is not None:
+                return self._append_pending(token_id, pending + piece)
+            self._pending = None  # an added token: the tokenizer decodes this window
         self._ids.append(token_id)
         prefix_text = self._prefix_text
         if prefix_text is None:
@@ -210,8 +236,31 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
+        self._pending = self._clean_pending(self._ids)
         self._emitted.append(delta)
         return delta
+
+    def _append_pending(self, token_id: int, pending: bytes) -> str:
+        """:meth:`append`'s two-decode step for a window whose left context is whole
+        text (see ``_pending``): the same delta, from the pending bytes alone."""
+        ids = self._ids
+        ids.append(token_id)
+        text = pending.decode("utf-8", "replace")
+        self._prefix_text = None
+        if not text or (text[-1] == REPLACEMENT_CHAR and len(ids) - self._read_offset < _MAX_PENDING_TOKENS):
+            self._pending = pending
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        if self._prefix_offset > 0:
+            del ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        # The emitted bytes are the next left context: whole text unless the decode
+        # replaced something (or the text holds U+FFFD itself: checked the long way).
+        self._pending = b"" if REPLACEMENT_CHAR not in text else None
+        self._emitted.append(text)
+        return text
 
     def flush(self) -> str:
         """Text of tokens still held back (an incomplete character at the end of the
@@ -222,6 +271,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         self._prefix_text = None
+        self._pending = b"" if self._bytes is not None else None  # an empty left context
         delta = new_text[len(prefix_text) :]
         self._emitted.append(delta)
         return delta
