@@ -501,7 +501,7 @@ def test_pending_bytes_path_gives_the_two_decode_deltas(which, skip, request, tm
     algorithm's (the tokenizer's own decode of both windows, no tables). Runs of the
     bytes at UTF-8's edges (truncated and overlong sequences, surrogates, lone
     continuations, F5-FF), special tokens among them, from prompts that end
-    mid-character or not."""
+    mid-character or not, and characters cut by special tokens."""
     if which == "bench":
         from hybridserve.model.tiny import write_tokenizer
         from hybridserve.tokenizer import load_tokenizer
@@ -519,7 +519,13 @@ def test_pending_bytes_path_gives_the_two_decode_deltas(which, skip, request, tm
               0x41, 0x20, 0xEF, 0xBD]
     rng = random.Random(23)
     pending_steps = 0
-    for n in range(400):
+    # Directed: a character cut by skipped special tokens (four pending tokens emit
+    # its first bytes as U+FFFD) and completed after, so the next left context starts
+    # with continuation bytes.
+    directed = [[by_byte[lead]] + [sp] * 3 + [by_byte[c] for c in conts] + [by_byte[0x41]]
+                for sp in specials[:2] for lead, conts in ((0xE4, (0xB8, 0xAD)), (0xF0, (0x9F, 0x98, 0x80)),
+                                                           (0xC3, (0xA9,)))]
+    for n in range(400 + len(directed)):
         def draw():
             r = rng.random()
             if r < 0.75:
@@ -528,7 +534,7 @@ def test_pending_bytes_path_gives_the_two_decode_deltas(which, skip, request, tm
                 return rng.choice(specials)
             return rng.randrange(vocab)
         prompt = [draw() for _ in range(rng.randrange(0, 7))]
-        ids = [draw() for _ in range(rng.randrange(1, 30))]
+        ids = directed[n - 400] if n >= 400 else [draw() for _ in range(rng.randrange(1, 30))]
         fast = IncrementalDetokenizer(tok, prompt, skip)
         slow = IncrementalDetokenizer(tok, prompt, skip)
         slow._texts = slow._bytes = slow._pending = None

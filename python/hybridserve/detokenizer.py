@@ -25,6 +25,10 @@ REPLACEMENT_CHAR = "\ufffd"
 # rule and for byte-level merges across the prompt/output boundary.
 _CONTEXT_TOKENS = 5
 
+# The longest left-context tail the pending-bytes path decodes with each token (a
+# context ending in more continuation bytes than this takes the two-decode path).
+_MAX_TAIL_BYTES = 8
+
 # One character is at most 4 UTF-8 bytes, so at most 4 byte-level tokens. When more
 # pending tokens still decode to a trailing U+FFFD, the model produced invalid UTF-8
 # (or U+FFFD itself): emit it rather than stall the stream forever.
@@ -114,7 +118,7 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = ("tokenizer", "skip_special_tokens", "_decode_fn", "_ids", "_prefix_offset", "_read_offset",
-                 "_emitted", "_texts", "_bytes", "_prefix_text", "_pending")
+                 "_emitted", "_texts", "_bytes", "_prefix_text", "_pending", "_tail", "_skip")
 
     def __init__(
         self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
@@ -153,25 +157,45 @@ class IncrementalDetokenizer:
         # The text of the window before the read offset while the offsets stay put
         # (tokens pending: an incomplete character), so a pending step decodes once.
         self._prefix_text: str | None = None
-        # Byte-level windows whose left context is whole UTF-8 text: the bytes of the
-        # pending tokens (b"" when none), else None. There the window's text is the
-        # context's text followed by the pending bytes' text (a decoder at a character
-        # boundary starts afresh), so the difference the two decodes below compute is
-        # the pending bytes decoded alone: one small decode per token, no window join
-        # (the common case for a split character). None: the two-decode path.
-        self._pending: bytes | None = self._clean_pending(context)
+        # Byte-level windows (the window's text is its tokens' bytes decoded with
+        # U+FFFD for each maximal invalid subpart): the decoder is back at a character
+        # boundary before any byte that is not a continuation byte, so the window's
+        # text is the text of its bytes up to the left context's last such byte
+        # followed by the text of the rest. The rest is ``_pending``: that tail of the
+        # left context (``_tail`` bytes, ``_skip`` characters of text alone) and the
+        # pending tokens' bytes; the difference of the two decodes below is then the
+        # rest's text past ``_skip`` characters: one decode of a few bytes per token
+        # instead of two window joins and decodes (a split character's every byte).
+        # None: the two-decode path (a token outside the table, a long tail).
+        self._pending: bytes | None = None
+        self._tail = self._skip = 0
+        self._set_context(context)
 
-    def _clean_pending(self, window: list[int]) -> bytes | None:
-        """b"" when ``window`` (the left context, nothing pending) is whole, valid
-        UTF-8 in the byte table, else None."""
+    def _set_context(self, window: list[int] | None, context: bytes | None = None) -> None:
+        """The left context is now ``window``'s tokens (or the bytes ``context``) and
+        nothing is pending: set ``_pending``, ``_tail`` and ``_skip`` for it."""
         table = self._bytes
-        if table is None:
-            return None
-        try:
-            b"".join([table[i] for i in window]).decode("utf-8")
-        except (TypeError, IndexError, UnicodeDecodeError):
-            return None
-        return b""
+        if context is None:
+            if table is None:
+                self._pending = None
+                return
+            try:
+                context = b"".join([table[i] for i in window])
+            except (TypeError, IndexError):  # an added token in the window
+                self._pending = None
+                return
+        for k in range(1, min(len(context), _MAX_TAIL_BYTES) + 1):
+            if context[-k] & 0xC0 != 0x80:  # not a continuation byte: a boundary before it
+                tail = context[-k:]
+                break
+        else:
+            if len(context) > _MAX_TAIL_BYTES:
+                self._pending = None
+                return
+            tail = context  # short and all continuation bytes: the whole context
+        self._pending = tail
+        self._tail = len(tail)
+        self._skip = len(tail.decode("utf-8", "replace"))
 
     @property
     def output_text(self) -> str:
@@ -207,7 +231,8 @@ class IncrementalDetokenizer:
                 ids.append(token_id)
                 self._prefix_offset, self._read_offset = 0, 1
                 self._prefix_text = None
-                self._pending = b""  # the token's bytes are whole characters
+                # The token's bytes are whole characters: a boundary at their end.
+                self._pending, self._tail, self._skip = b"", 0, 0
                 self._emitted.append(text)
                 return text
         pending, table = self._pending, self._bytes
@@ -236,18 +261,19 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        self._pending = self._clean_pending(self._ids)
+        self._set_context(self._ids)
         self._emitted.append(delta)
         return delta
 
     def _append_pending(self, token_id: int, pending: bytes) -> str:
-        """:meth:`append`'s two-decode step for a window whose left context is whole
-        text (see ``_pending``): the same delta, from the pending bytes alone."""
+        """:meth:`append`'s two-decode step from the context's tail and the pending
+        bytes alone (see ``_pending``): the same delta."""
         ids = self._ids
         ids.append(token_id)
         text = pending.decode("utf-8", "replace")
         self._prefix_text = None
-        if not text or (text[-1] == REPLACEMENT_CHAR and len(ids) - self._read_offset < _MAX_PENDING_TOKENS):
+        skip = self._skip
+        if len(text) <= skip or (text[-1] == REPLACEMENT_CHAR and len(ids) - self._read_offset < _MAX_PENDING_TOKENS):
             self._pending = pending
             return ""
         self._prefix_offset = self._read_offset
@@ -256,11 +282,11 @@ class IncrementalDetokenizer:
             del ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        # The emitted bytes are the next left context: whole text unless the decode
-        # replaced something (or the text holds U+FFFD itself: checked the long way).
-        self._pending = b"" if REPLACEMENT_CHAR not in text else None
-        self._emitted.append(text)
-        return text
+        # The pending tokens are the next left context.
+        self._set_context(None, pending[self._tail:])
+        delta = text[skip:]
+        self._emitted.append(delta)
+        return delta
 
     def flush(self) -> str:
         """Text of tokens still held back (an incomplete character at the end of the
@@ -271,7 +297,7 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         self._prefix_text = None
-        self._pending = b"" if self._bytes is not None else None  # an empty left context
+        self._set_context(None, b"")  # an empty left context
         delta = new_text[len(prefix_text) :]
         self._emitted.append(delta)
         return delta
