@@ -501,7 +501,8 @@ def test_pending_bytes_path_gives_the_two_decode_deltas(which, skip, request, tm
     algorithm's (the tokenizer's own decode of both windows, no tables). Runs of the
     bytes at UTF-8's edges (truncated and overlong sequences, surrogates, lone
     continuations, F5-FF), special tokens among them, from prompts that end
-    mid-character or not, and characters cut by special tokens."""
+    mid-character or not, characters cut by special tokens, and ids past the
+    tokenizer's vocabulary (which its decode leaves out)."""
     if which == "bench":
         from hybridserve.model.tiny import write_tokenizer
         from hybridserve.tokenizer import load_tokenizer
@@ -532,6 +533,8 @@ def test_pending_bytes_path_gives_the_two_decode_deltas(which, skip, request, tm
                 return by_byte[rng.choice(tricky)]
             if r < 0.8 and specials:
                 return rng.choice(specials)
+            if r < 0.85:  # past the vocabulary (a padded model vocabulary): no token
+                return vocab + rng.randrange(20)
             return rng.randrange(vocab)
         prompt = [draw() for _ in range(rng.randrange(0, 7))]
         ids = directed[n - 400] if n >= 400 else [draw() for _ in range(rng.randrange(1, 30))]
