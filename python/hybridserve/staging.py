@@ -53,6 +53,7 @@ class StagingBuffer:
         # once a forward has evicted their code and data).
         self._views_for: tuple[int, ...] | None = None
         self._views: list[torch.Tensor] = []
+        self._whole: tuple[torch.Tensor, torch.Tensor] | None = None
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -66,31 +67,34 @@ class StagingBuffer:
         """Copy the concatenated ``segments`` to the device in one transfer; return one
         int64 device view per segment (valid until the next ``stage``; a stage of the
         same segment lengths returns the same view objects)."""
-        arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in segments]
-        lens = [a.size for a in arrays]
+        # The segments as they come (int32 plan arrays, bools, int64): np.concatenate
+        # casts them into the int64 buffer in one pass, no converted copy each.
+        arrays = [a if a.ndim == 1 else a.reshape(-1)
+                  for a in (s if isinstance(s, np.ndarray) else np.asarray(s, dtype=np.int64) for s in segments)]
+        lens = tuple(a.size for a in arrays)
         total = sum(lens)
         if self._event is not None:
             self._event.synchronize()
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
+        same = lens == self._views_for
+        if not same:
+            views, at = [], 0
+            for n in lens:
+                views.append(self.dev[at : at + n])
+                at += n
+            self._views_for, self._views = lens, views
+            self._whole = (self.dev[:total], self.host[:total])
         if total:
-            np.concatenate(arrays, out=self._host_np[:total])
-            h2d_copy(self.dev[:total], self.host[:total])
+            np.concatenate(arrays, out=self._host_np[:total], casting="same_kind")
+            h2d_copy(*self._whole)
             if self._pin:
                 # One event, re-recorded each time (an event per step is an allocation
                 # and a driver call for nothing).
                 if self._event is None:
                     self._event = torch.cuda.Event()
                 self._event.record()
-        key = tuple(lens)
-        if key == self._views_for:
-            return list(self._views)
-        views, at = [], 0
-        for n in lens:
-            views.append(self.dev[at : at + n])
-            at += n
-        self._views_for, self._views = key, views
-        return list(views)
+        return list(self._views)
 
 
 __all__ = ["StagingBuffer", "h2d_copy", "float_bits", "bits_float"]
