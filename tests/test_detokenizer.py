@@ -491,3 +491,60 @@ def test_tokenizers_without_a_byte_level_decoder_take_the_two_decode_path():
     tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.decoder = decoders.Metaspace()
     assert IncrementalDetokenizer(tok, [], True)._texts is None
+
+
+@pytest.mark.parametrize("which", ["hf", "raw", "bench"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_pending_bytes_path_gives_the_two_decode_deltas(which, skip, request, tmp_path):
+    """A split character whose left context is whole text is decoded from the pending
+    tokens' bytes alone; every delta and the flush must be the plain two-decode
+    algorithm's (the tokenizer's own decode of both windows, no tables). Runs of the
+    bytes at UTF-8's edges (truncated and overlong sequences, surrogates, lone
+    continuations, F5-FF), special tokens among them, from prompts that end
+    mid-character or not, characters cut by special tokens, and ids past the
+    tokenizer's vocabulary (which its decode leaves out)."""
+    if which == "bench":
+        from hybridserve.model.tiny import write_tokenizer
+        from hybridserve.tokenizer import load_tokenizer
+
+        write_tokenizer(str(tmp_path), 272)
+        tok = load_tokenizer(str(tmp_path))
+    else:
+        tok = request.getfixturevalue("hf_tokenizer" if which == "hf" else "raw_tokenizer")
+    raw = tok if isinstance(tok, Tokenizer) else tok.backend_tokenizer
+    vocab = raw.get_vocab_size(with_added_tokens=True)
+    probe = IncrementalDetokenizer(tok, [], skip)
+    by_byte = {b[0]: i for i, b in enumerate(probe._bytes) if b is not None and len(b) == 1}
+    specials = [i for i in range(vocab) if probe._bytes[i] is None or probe._bytes[i] == b""]
+    tricky = [0xC0, 0xC2, 0xE0, 0xE4, 0xED, 0xA0, 0xB8, 0xBF, 0x80, 0xF0, 0xF4, 0x90, 0x8F, 0xF5, 0xFF,
+              0x41, 0x20, 0xEF, 0xBD]
+    rng = random.Random(23)
+    pending_steps = 0
+    # Directed: a character cut by skipped special tokens (four pending tokens emit
+    # its first bytes as U+FFFD) and completed after, so the next left context starts
+    # with continuation bytes.
+    directed = [[by_byte[lead]] + [sp] * 3 + [by_byte[c] for c in conts] + [by_byte[0x41]]
+                for sp in specials[:2] for lead, conts in ((0xE4, (0xB8, 0xAD)), (0xF0, (0x9F, 0x98, 0x80)),
+                                                           (0xC3, (0xA9,)))]
+    for n in range(400 + len(directed)):
+        def draw():
+            r = rng.random()
+            if r < 0.75:
+                return by_byte[rng.choice(tricky)]
+            if r < 0.8 and specials:
+                return rng.choice(specials)
+            if r < 0.85:  # past the vocabulary (a padded model vocabulary): no token
+                return vocab + rng.randrange(20)
+            return rng.randrange(vocab)
+        prompt = [draw() for _ in range(rng.randrange(0, 7))]
+        ids = directed[n - 400] if n >= 400 else [draw() for _ in range(rng.randrange(1, 30))]
+        fast = IncrementalDetokenizer(tok, prompt, skip)
+        slow = IncrementalDetokenizer(tok, prompt, skip)
+        slow._texts = slow._bytes = slow._pending = None
+        for t in ids:
+            pending_steps += fast._pending is not None and fast._read_offset < len(fast._ids)
+            slow._prefix_text = None
+            assert fast.append(t) == slow.append(t), (prompt, ids)
+        assert fast.flush() == slow.flush()
+        assert fast.output_text == slow.output_text
+    assert pending_steps > 500  # the path was really taken

@@ -25,6 +25,10 @@ REPLACEMENT_CHAR = "\ufffd"
 # rule and for byte-level merges across the prompt/output boundary.
 _CONTEXT_TOKENS = 5
 
+# The longest left-context tail the pending-bytes path decodes with each token (a
+# context ending in more continuation bytes than this takes the two-decode path).
+_MAX_TAIL_BYTES = 8
+
 # One character is at most 4 UTF-8 bytes, so at most 4 byte-level tokens. When more
 # pending tokens still decode to a trailing U+FFFD, the model produced invalid UTF-8
 # (or U+FFFD itself): emit it rather than stall the stream forever.
@@ -114,10 +118,11 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = ("tokenizer", "skip_special_tokens", "_decode_fn", "_ids", "_prefix_offset", "_read_offset",
-                 "_emitted", "_texts", "_bytes", "_prefix_text")
+                 "_emitted", "_texts", "_bytes", "_prefix_text", "_pending", "_tail", "_skip")
 
     def __init__(
-        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True
+        self, tokenizer: Any, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True,
+        keep_text: bool = True,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -136,8 +141,10 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0          # start of the left-context window in _ids
         self._read_offset = len(context)  # first token whose text is not emitted yet
         # Emitted text as pieces: `str +=` on an attribute copies the whole string,
-        # O(generated) per token; joined only when read.
-        self._emitted: list[str] = []
+        # O(generated) per token; joined only when read. None (keep_text=False) when
+        # the caller keeps the text itself (CompletionText: one list per sample to
+        # grow and to touch each step, not two).
+        self._emitted: list[str] | None = [] if keep_text else None
         # Byte-level BPE (Qwen's): a token that is whole text on its own, arriving when
         # nothing is pending, is its own delta (one dictionary lookup instead of two
         # decodes); anything else takes the two-decode path below.
@@ -153,10 +160,52 @@ class IncrementalDetokenizer:
         # The text of the window before the read offset while the offsets stay put
         # (tokens pending: an incomplete character), so a pending step decodes once.
         self._prefix_text: str | None = None
+        # Byte-level windows (the window's text is its tokens' bytes decoded with
+        # U+FFFD for each maximal invalid subpart): the decoder is back at a character
+        # boundary before any byte that is not a continuation byte, so the window's
+        # text is the text of its bytes up to the left context's last such byte
+        # followed by the text of the rest. The rest is ``_pending``: that tail of the
+        # left context (``_tail`` bytes, ``_skip`` characters of text alone) and the
+        # pending tokens' bytes; the difference of the two decodes below is then the
+        # rest's text past ``_skip`` characters: one decode of a few bytes per token
+        # instead of two window joins and decodes (a split character's every byte).
+        # None: the two-decode path (a token outside the table, a long tail).
+        self._pending: bytes | None = None
+        self._tail = self._skip = 0
+        self._set_context(context)
+
+    def _set_context(self, window: list[int] | None, context: bytes | None = None) -> None:
+        """The left context is now ``window``'s tokens (or the bytes ``context``) and
+        nothing is pending: set ``_pending``, ``_tail`` and ``_skip`` for it."""
+        table = self._bytes
+        if context is None:
+            if table is None:
+                self._pending = None
+                return
+            n = len(table)
+            try:
+                context = b"".join([table[i] if i < n else b"" for i in window])
+            except TypeError:  # an added token in the window
+                self._pending = None
+                return
+        for k in range(1, min(len(context), _MAX_TAIL_BYTES) + 1):
+            if context[-k] & 0xC0 != 0x80:  # not a continuation byte: a boundary before it
+                tail = context[-k:]
+                break
+        else:
+            if len(context) > _MAX_TAIL_BYTES:
+                self._pending = None
+                return
+            tail = context  # short and all continuation bytes: the whole context
+        self._pending = tail
+        self._tail = len(tail)
+        self._skip = len(tail.decode("utf-8", "replace"))
 
     @property
     def output_text(self) -> str:
         """All text emitted so far (the deltas joined)."""
+        if self._emitted is None:
+            raise RuntimeError("this detokenizer was made with keep_text=False: its caller keeps the text")
         if len(self._emitted) > 1:
             self._emitted[:] = ["".join(self._emitted)]
         return self._emitted[0] if self._emitted else ""
@@ -188,8 +237,19 @@ class IncrementalDetokenizer:
                 ids.append(token_id)
                 self._prefix_offset, self._read_offset = 0, 1
                 self._prefix_text = None
-                self._emitted.append(text)
+                # The token's bytes are whole characters: a boundary at their end.
+                self._pending, self._tail, self._skip = b"", 0, 0
+                if self._emitted is not None:
+                    self._emitted.append(text)
                 return text
+        pending, table = self._pending, self._bytes
+        if pending is not None and table is not None:
+            # An id past the tokenizer's vocabulary (a model's padded vocabulary) has
+            # no token: the tokenizer's decode leaves it out, as its bytes b"" do.
+            piece = table[token_id] if token_id < len(table) else b""
+            if piece is not None:
+                return self._append_pending(token_id, pending + piece)
+            self._pending = None  # an added token: the tokenizer decodes this window
         self._ids.append(token_id)
         prefix_text = self._prefix_text
         if prefix_text is None:
@@ -210,7 +270,33 @@ class IncrementalDetokenizer:
             del self._ids[: self._prefix_offset]
             self._read_offset -= self._prefix_offset
             self._prefix_offset = 0
-        self._emitted.append(delta)
+        self._set_context(self._ids)
+        if self._emitted is not None:
+            self._emitted.append(delta)
+        return delta
+
+    def _append_pending(self, token_id: int, pending: bytes) -> str:
+        """:meth:`append`'s two-decode step from the context's tail and the pending
+        bytes alone (see ``_pending``): the same delta."""
+        ids = self._ids
+        ids.append(token_id)
+        text = pending.decode("utf-8", "replace")
+        self._prefix_text = None
+        skip = self._skip
+        if len(text) <= skip or (text[-1] == REPLACEMENT_CHAR and len(ids) - self._read_offset < _MAX_PENDING_TOKENS):
+            self._pending = pending
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(ids)
+        if self._prefix_offset > 0:
+            del ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+        # The pending tokens are the next left context.
+        self._set_context(None, pending[self._tail:])
+        delta = text[skip:]
+        if self._emitted is not None:
+            self._emitted.append(delta)
         return delta
 
     def flush(self) -> str:
@@ -222,8 +308,10 @@ class IncrementalDetokenizer:
         new_text = self._decode(self._ids[self._prefix_offset :])
         self._prefix_offset = self._read_offset = len(self._ids)
         self._prefix_text = None
+        self._set_context(None, b"")  # an empty left context
         delta = new_text[len(prefix_text) :]
-        self._emitted.append(delta)
+        if self._emitted is not None:
+            self._emitted.append(delta)
         return delta
 
 
@@ -338,16 +426,19 @@ class CompletionText:
     still become a stop string waits.
     """
 
-    __slots__ = ("detokenizer", "stops", "min_tokens", "num_tokens", "_parts", "_len", "_streamed", "_unstreamed",
-                 "stop_string")
+    __slots__ = ("detokenizer", "stops", "min_tokens", "num_tokens", "_parts", "_streamed", "_unstreamed",
+                 "stop_string", "_plain")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                  keep_text=False)
         self.stops = StopChecker(params.stop, params.include_stop_str_in_output, params.stop_automaton)
+        # No stop strings: append_streaming neither looks for one nor holds text back,
+        # and leaves the checker (whose read count only serves stop strings) alone.
+        self._plain = not self.stops.stop
         self.min_tokens = params.min_tokens
         self.num_tokens = 0
         self._parts: list[str] = []
-        self._len = 0
         self._streamed = 0     # characters handed out by take_delta
         self._unstreamed = ""  # text[_streamed:] (bounded by the holdback + one step's text)
         self.stop_string: str | None = None
@@ -360,7 +451,6 @@ class CompletionText:
 
     def _add(self, delta: str) -> None:
         self._parts.append(delta)
-        self._len += len(delta)
         self._unstreamed += delta
 
     def append(self, token_id: int) -> str | None:
@@ -382,7 +472,6 @@ class CompletionText:
         end = match.start + (len(match.text) if self.stops.include else 0)
         full = self.text[:end]
         self._parts[:] = [full] if full else []
-        self._len = len(full)
         self._unstreamed = full[self._streamed:]
         self.stop_string = match.text
         return match.text
@@ -392,21 +481,17 @@ class CompletionText:
         running (the engine's common row, once per step): the text that is safe to
         stream now, or None when a stop string ended the completion (nothing is taken
         then: the finished output takes the rest)."""
-        stops = self.stops
-        if stops.stop or self.stop_string is not None:
+        if not self._plain or self.stop_string is not None:
             if self.append(token_id) is not None:
                 return None
             return self.take_delta(False)
         # No stop strings: nothing is looked for and nothing is held back, so the new
-        # text streams at once (append, _add, the checker's read count and take_delta
-        # in one call).
+        # text streams at once (append, _add and take_delta in one call).
         self.num_tokens += 1
         delta = self.detokenizer.append(token_id)
         unstreamed = self._unstreamed
         if delta:
             self._parts.append(delta)
-            self._len += len(delta)
-            stops._read += len(delta)
             if unstreamed:
                 delta = unstreamed + delta
                 self._unstreamed = ""

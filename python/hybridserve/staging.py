@@ -46,6 +46,14 @@ class StagingBuffer:
         self.device = torch.device(device)
         self._pin = self.device.type == "cuda"
         self._event = None
+        # The last stage's segment lengths and views: a steady decode batch stages
+        # segments of the same lengths every step, and its views (the same slices of
+        # the same buffer) are handed out again instead of being made anew (a tensor
+        # per segment per step is a dozen-odd torch calls, each a few microseconds
+        # once a forward has evicted their code and data).
+        self._views_for: tuple[int, ...] | None = None
+        self._views: list[torch.Tensor] = []
+        self._whole: tuple[torch.Tensor, torch.Tensor] | None = None
         self._alloc(capacity)
 
     def _alloc(self, capacity: int) -> None:
@@ -53,31 +61,40 @@ class StagingBuffer:
         self.host = torch.empty(capacity, dtype=torch.int64, pin_memory=self._pin)
         self.dev = torch.empty(capacity, dtype=torch.int64, device=self.device)
         self._host_np = self.host.numpy()
+        self._views_for = None
 
     def stage(self, segments: Sequence[Sequence[int] | np.ndarray]) -> list[torch.Tensor]:
         """Copy the concatenated ``segments`` to the device in one transfer; return one
-        int64 device view per segment (valid until the next ``stage``)."""
-        arrays = [np.asarray(s, dtype=np.int64).reshape(-1) for s in segments]
-        lens = [a.size for a in arrays]
+        int64 device view per segment (valid until the next ``stage``; a stage of the
+        same segment lengths returns the same view objects)."""
+        # The segments as they come (int32 plan arrays, bools, int64): np.concatenate
+        # casts them into the int64 buffer in one pass, no converted copy each.
+        arrays = [a if a.ndim == 1 else a.reshape(-1)
+                  for a in (s if isinstance(s, np.ndarray) else np.asarray(s, dtype=np.int64) for s in segments)]
+        lens = tuple(a.size for a in arrays)
         total = sum(lens)
         if self._event is not None:
             self._event.synchronize()
         if total > self.capacity:
             self._alloc(max(total, 2 * self.capacity))
+        same = lens == self._views_for
+        if not same:
+            views, at = [], 0
+            for n in lens:
+                views.append(self.dev[at : at + n])
+                at += n
+            self._views_for, self._views = lens, views
+            self._whole = (self.dev[:total], self.host[:total])
         if total:
-            np.concatenate(arrays, out=self._host_np[:total])
-            h2d_copy(self.dev[:total], self.host[:total])
+            np.concatenate(arrays, out=self._host_np[:total], casting="same_kind")
+            h2d_copy(*self._whole)
             if self._pin:
                 # One event, re-recorded each time (an event per step is an allocation
                 # and a driver call for nothing).
                 if self._event is None:
                     self._event = torch.cuda.Event()
                 self._event.record()
-        views, at = [], 0
-        for n in lens:
-            views.append(self.dev[at : at + n])
-            at += n
-        return views
+        return list(self._views)
 
 
 __all__ = ["StagingBuffer", "h2d_copy", "float_bits", "bits_float"]

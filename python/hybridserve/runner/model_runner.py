@@ -81,6 +81,20 @@ class ModelRunner:
             (max_num_seqs, self.state_pages), dtype=torch.int32, device=self.device
         )
         self.staging = StagingBuffer(self.device)
+        # On the CPU the batch's int32 and bool fields are written by numpy, straight
+        # from the plan's int32 arrays, into persistent buffers whose views are reused
+        # while the batch size stays (no int64 -> int32 conversion op per field and
+        # step; the staged int64 copies are what a device converts). On a device they
+        # are converted there from the staged views.
+        self._host_fields = None
+        if self.device.type == "cpu":
+            self._host_fields = (torch.zeros(max_num_seqs + 1, dtype=torch.int32),
+                                 torch.zeros(max_num_seqs, dtype=torch.int32),
+                                 torch.zeros(max_num_seqs, dtype=torch.bool))
+        self._host_field_views: tuple = (None, ())
+        # The last batch's table views, (key, view) per table: a steady batch reads the
+        # same rows and columns of the persistent tables step after step.
+        self._table_views: dict[str, tuple] = {}
         # A DecodeGraphs (CUDA only, set by the engine); None runs every step eagerly.
         self.graphs: Any = None
         self._staged: dict[str, torch.Tensor] = {}
@@ -189,32 +203,58 @@ class ModelRunner:
         if self._has_checkpoints:
             ck = dict(checkpoint_positions=s["checkpoint_positions"].to(torch.int32),
                       checkpoint_pages=s["checkpoint_pages"].to(torch.int32).view(-1, self.state_pages))
+        if self._host_fields is not None:
+            qsl32, seq_lens32, has_initial = self._host_views(plan, seq_lens)
+        else:
+            qsl32 = s["query_start_loc"].to(torch.int32)
+            seq_lens32 = s["seq_lens"].to(torch.int32)
+            has_initial = s["has_initial_state"].to(torch.bool)
         batch = ForwardBatch(
             input_ids=s["input_ids"],
             positions=s["positions"],
             slot_mapping=s["slot_mapping"],
-            query_start_loc=s["query_start_loc"].to(torch.int32),
-            seq_lens=s["seq_lens"].to(torch.int32),
-            block_tables=self._batch_rows(self.block_table_buf[:, :width], host_rows, rows),
-            state_pages=self._batch_rows(self.state_table_buf, host_rows, rows),
-            has_initial_state=s["has_initial_state"].to(torch.bool),
+            query_start_loc=qsl32,
+            seq_lens=seq_lens32,
+            block_tables=self._table_rows("block", self.block_table_buf, width, host_rows, rows),
+            state_pages=self._table_rows("state", self.state_table_buf, None, host_rows, rows),
+            has_initial_state=has_initial,
             logits_indices=s["logits_indices"],
             **ck,
         )
         return batch, sampling, num_samples
 
-    @staticmethod
-    def _batch_rows(buf: torch.Tensor, host_rows: np.ndarray, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``host_rows`` of a persistent table (``rows``: the same on the device):
-        a view when they are consecutive (the steady state: the scheduler hands rows
-        out in admission order), so a decode step copies nothing that grows with
-        context (the block table at 16,000 tokens is about 1,000 columns a row);
+    def _host_views(self, plan: Any, seq_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """CPU: ``query_start_loc``, ``seq_lens`` and ``has_initial_state`` of the batch,
+        written into the persistent host buffers (views valid until the next step)."""
+        n = len(seq_lens)
+        if self._host_field_views[0] != n:
+            views = tuple(t[: n + 1] if i == 0 else t[:n] for i, t in enumerate(self._host_fields))
+            self._host_field_views = (n, views, tuple(v.numpy() for v in views))
+        _, views, arrays = self._host_field_views
+        np.copyto(arrays[0], plan.query_start_loc, casting="unsafe")
+        np.copyto(arrays[1], seq_lens, casting="unsafe")
+        np.greater(plan.num_computed_tokens, 0, out=arrays[2])
+        return views
+
+    def _table_rows(self, name: str, buf: torch.Tensor, width: int | None, host_rows: np.ndarray,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``host_rows`` of a persistent table (its first ``width`` columns;
+        ``rows``: the same on the device): a view when they are consecutive (the steady
+        state: the scheduler hands rows out in admission order), so a decode step copies
+        nothing that grows with context (the block table at 16,000 tokens is about
+        1,000 columns a row), reused while the batch reads the same rows and columns;
         otherwise a gather."""
         n = len(host_rows)
         if n and (n == 1 or bool((np.diff(host_rows) == 1).all())):
-            r0 = int(host_rows[0])
-            return buf[r0:r0 + n]
-        return buf.index_select(0, rows)
+            key = (int(host_rows[0]), n, width)
+            last = self._table_views.get(name)
+            if last is not None and last[0] == key:
+                return last[1]
+            r0 = key[0]
+            view = (buf if width is None else buf[:, :width])[r0:r0 + n]
+            self._table_views[name] = (key, view)
+            return view
+        return (buf if width is None else buf[:, :width]).index_select(0, rows)
 
     @torch.inference_mode()
     def execute(self, plan: Any, all_positions: Any = ()) -> StepLogits | None:
