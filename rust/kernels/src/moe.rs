@@ -417,13 +417,15 @@ fn row_tile(g: &Group<'_>) -> usize {
 /// (both kernels are at the FMA rate).
 const FEW_ROUTED_ROWS: usize = 8;
 /// The shared expert (all `T` rows) takes [`wide_rows`] in blocks of 16 rows up to
-/// this many rows (the model hands it to BLAS past 128). Its gate+up weight rows are
-/// 4 KiB apart at `moe-bench` (1,024 floats), so the strip kernel's 64-byte pieces of
-/// one strip all fall in one L1 set and a few L2 sets: at 32-64 tokens it ran at about
-/// half the FMA rate, re-reading each strip from further out for every 16-row block.
-/// Streaming whole rows per 16-row block reads the weight once from memory and then
-/// from L2/L3, in memory order (MoE layer, 64 tokens: see RESULTS.md).
-const SHARED_STREAM_ROWS: usize = 64;
+/// this many rows (past it, the strip kernel; the model hands it to BLAS past 128).
+/// Its gate+up weight rows are 4 KiB apart at `moe-bench` (1,024 floats), so the strip
+/// kernel's 64-byte pieces of one strip all fall in one L1 set and a few L2 sets.
+/// Streaming whole rows per 16-row block reads the weight in memory order, once per
+/// block: one process, MoE layer, thread CPU ms, streaming up to 16 / 32 / 64 rows:
+/// 24 tokens 2.97 / 2.72 / 2.71, 32 tokens 2.88 / 2.70 / 2.75, 48 tokens 3.54 / 3.57 /
+/// 3.67, 64 tokens 4.13 / 4.20 / 4.11 (load 5): it pays for one or two blocks, not for
+/// three or four re-reads of the 1.5 MB.
+const SHARED_STREAM_ROWS: usize = 32;
 /// Strip units per task of a few-row group: first GEMM (gate and up halves), second.
 const FEW_UP_UNITS: usize = WIDE_COLS / 2 / STRIP;
 const FEW_DOWN_UNITS: usize = WIDE_COLS / STRIP;

@@ -68,11 +68,12 @@ fn few_row_paths_match_f64() {
 }
 
 /// The block in f64 with plain loops, routing on the same expert choice. 37 tokens
-/// take the strip kernel, 12 both, 5 and 2 the few-row one (also for the shared expert);
-/// H and I are not multiples of its weight streams.
+/// take the strip kernel (also for the shared expert), 21 the shared expert's 16-row
+/// streaming blocks (16 + 5), 12 both kernels, 5 and 2 the few-row one (also for the
+/// shared expert); H and I are not multiples of its weight streams.
 #[test]
 fn matches_a_scalar_transcription() {
-    for t in [37usize, 12, 5, 2] {
+    for t in [37usize, 21, 12, 5, 2] {
         check_against_scalar(t);
     }
 }
