@@ -413,8 +413,9 @@ fn row_tile(g: &Group<'_>) -> usize {
 /// Routed experts of at most this many rows (most experts at decode sizes) take
 /// [`wide_rows`] instead of the strip kernel: at 64 tokens of `moe-bench` (4 rows per
 /// expert on average) a third of the experts had 5-8 rows and read their weight
-/// through the strip kernel's strided pieces. 9-16 rows measured no better there
-/// (both kernels are at the FMA rate).
+/// through the strip kernel's strided pieces. Taking 9-16 rows too measured slower
+/// (64 tokens 4.25 -> 5.06 ms, one process; alone, both kernels run 9-16 rows at about
+/// the FMA rate).
 const FEW_ROUTED_ROWS: usize = 8;
 /// The shared expert (all `T` rows) takes [`wide_rows`] in blocks of 16 rows up to
 /// this many rows (past it, the strip kernel; the model hands it to BLAS past 128).
