@@ -36,11 +36,12 @@ pub(super) const WIDE_COLS: usize = 1024;
 /// 26-34 us per `moe-bench` expert against 28-42 for the streaming walk, at 2-3 rows
 /// it lost: 34-42 against 21-25).
 const BLOCKED_MIN_ROWS: usize = 4;
-/// Keys per register pass of the blocked walk: 16 measured ahead of 8 and 4 at 8 rows
-/// (30 vs 38 vs 75 us per expert; 2 keys per pass pays the accumulator traffic again).
+/// Keys per register pass of the blocked walk: at 8 rows 16 keys measured 30 us per
+/// expert, 8 keys 32-38, 4 keys 35-38, 2 keys 42 (each pass pays an accumulator load
+/// and store per row and vector); 2 keys was best at 4 rows (26 against 30-34).
 const KEY_BLOCK: usize = 16;
 /// How far ahead (in keys) the blocked walk requests each weight piece: 32-64 measured
-/// alike, 128 slower (the lines are evicted before use), 0 (no request) 2x slower.
+/// alike, 128 slower, none 1.5-2x slower.
 const PREFETCH_KEYS: usize = 32;
 
 crate::math::dispatch!(pub(super) fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) => wide_rows_body);
