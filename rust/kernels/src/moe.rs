@@ -21,14 +21,16 @@
 //! [`ROW_TILE`] rows by a few 16-column strips, so a large group's tile of `x` stays
 //! in L2 while the strips pass over it and a small group still splits over threads.
 //! Groups of more than 6 rows take the 16-row AVX-512 blocks of `strip16`
-//! where the CPU has them; groups of at most [`FEW_ROWS`] rows stream their weight
-//! whole ([`wide_rows`]).
+//! where the CPU has them. A routed expert of at most [`FEW_ROUTED_ROWS`] rows, and
+//! the shared expert up to [`SHARED_STREAM_ROWS`] rows (16 at a time), take the
+//! few-row kernel instead ([`few_rows`]: whole weight rows in memory order).
 
-use crate::math::{dispatch, sigmoid, silu};
+use crate::math::{sigmoid, silu};
+use crate::matmul::run_strip16;
 use crate::matmul::{run_strip, Ctx};
 use crate::pool::for_each_task;
-use crate::matmul::run_strip16;
 use crate::{KernelError, Rows, SharedMut};
+use few_rows::{wide_rows, FEW_ROWS, WIDE_COLS};
 
 const STRIP: usize = 16;
 /// Rows per task: a multiple of the micro-kernel's 6-row blocks.
@@ -377,12 +379,12 @@ fn tasks(
     let mut out = Vec::new();
     for (gi, g) in groups.iter().enumerate() {
         let units = width(g).div_ceil(STRIP);
-        let step = if g.x.rows <= FEW_ROWS {
-            few_units
+        let (tile, step) = if streamed(g) {
+            (FEW_ROWS, few_units)
         } else {
-            STRIPS_PER_TASK
+            (ROW_TILE, STRIPS_PER_TASK)
         };
-        for r0 in (0..g.x.rows).step_by(ROW_TILE) {
+        for r0 in (0..g.x.rows).step_by(tile) {
             for u0 in (0..units).step_by(step) {
                 out.push((gi, r0, u0));
             }
@@ -391,183 +393,48 @@ fn tasks(
     out
 }
 
-/// Groups of at most this many rows (most experts at decode sizes) take
-/// [`wide_rows`] instead of the strip kernel. 8, not 4: at 64 tokens of `moe-bench`
-/// (4 rows per expert on average) a third of the experts had 5-8 rows and read their
-/// weight through the strip kernel's strided pieces.
-const FEW_ROWS: usize = 8;
-/// Columns [`wide_rows`] computes per call: an expert's whole gate+up row up to an
-/// intermediate size of 512 (35B-A3B's), its whole down row up to 1,024.
-const WIDE_COLS: usize = 1024;
+/// True when a group's rows take the few-row kernel ([`wide_rows`], in row blocks of
+/// up to [`FEW_ROWS`]): a routed expert of at most [`FEW_ROUTED_ROWS`] rows, or, with
+/// AVX-512, the shared expert up to [`SHARED_STREAM_ROWS`] rows.
+fn streamed(g: &Group<'_>) -> bool {
+    g.x.rows <= FEW_ROUTED_ROWS
+        || (g.shared && g.x.rows <= SHARED_STREAM_ROWS && crate::matmul::has_avx512())
+}
+
+/// The row block of one task of `g`.
+fn row_tile(g: &Group<'_>) -> usize {
+    if streamed(g) {
+        FEW_ROWS
+    } else {
+        ROW_TILE
+    }
+}
+
+/// Routed experts of at most this many rows (most experts at decode sizes) take
+/// [`wide_rows`] instead of the strip kernel: at 64 tokens of `moe-bench` (4 rows per
+/// expert on average) a third of the experts had 5-8 rows and read their weight
+/// through the strip kernel's strided pieces. Taking 9-16 rows too measured slower
+/// (64 tokens 4.25 -> 5.06 ms, one process; alone, both kernels run 9-16 rows at about
+/// the FMA rate).
+const FEW_ROUTED_ROWS: usize = 8;
+/// The shared expert (all `T` rows) takes [`wide_rows`] in blocks of 16 rows up to
+/// this many rows (past it, the strip kernel; the model hands it to BLAS past 128).
+/// Its gate+up weight rows are 4 KiB apart at `moe-bench` (1,024 floats), so the strip
+/// kernel's 64-byte pieces of one strip all fall in one L1 set and a few L2 sets.
+/// Streaming whole rows per 16-row block reads the weight in memory order, once per
+/// block: one process, MoE layer, thread CPU ms, streaming up to 16 / 32 / 64 rows:
+/// 24 tokens 2.97 / 2.72 / 2.71, 32 tokens 2.88 / 2.70 / 2.75, 48 tokens 3.54 / 3.57 /
+/// 3.67, 64 tokens 4.13 / 4.20 / 4.11 (load 5): it pays for one or two blocks, not for
+/// three or four re-reads of the 1.5 MB.
+const SHARED_STREAM_ROWS: usize = 32;
 /// Strip units per task of a few-row group: first GEMM (gate and up halves), second.
 const FEW_UP_UNITS: usize = WIDE_COLS / 2 / STRIP;
 const FEW_DOWN_UNITS: usize = WIDE_COLS / STRIP;
 
-dispatch!(fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) => wide_rows_body);
-
-/// `out[r, oc..oc + w] = x[r] wt[:, c0..c0 + w]` for `m <= FEW_ROWS` rows and
-/// `w <= WIDE_COLS`, reading the weight key by key as contiguous runs of `w` floats
-/// (for a whole row, one sequential stream). An expert with a row or two is bound by
-/// reading its weight once from memory: the strip kernel's 64-byte pieces a row
-/// stride apart ran 3x slower (6.9 vs 2.3 ms at 16 tokens x 64 experts whose weights
-/// do not fit in cache; MKL 9.5 ms), and so did register-blocked passes of 16 keys
-/// over all strips (3.6 ms). The accumulators stay in L1.
-#[inline(always)]
-fn wide_rows_body(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
-    #[cfg(target_arch = "x86_64")]
-    if crate::matmul::has_avx512() {
-        // SAFETY: AVX-512F is present; the caller's task owns these output columns.
-        unsafe { avx512::wide_rows(ctx, m, c0, w, oc) };
-        return;
-    }
-    portable_rows(ctx, m, c0, w, oc);
-}
-
-/// [`wide_rows_body`] without AVX-512: the compiler vectorises [`wide_rows_m`].
-#[inline(always)]
-fn portable_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
-    match m {
-        1 => wide_rows_m::<1, STREAMS>(ctx, c0, w, oc),
-        2 => wide_rows_m::<2, STREAMS>(ctx, c0, w, oc),
-        3 => wide_rows_m::<3, STREAMS>(ctx, c0, w, oc),
-        4 => wide_rows_m::<4, STREAMS>(ctx, c0, w, oc),
-        5 => wide_rows_m::<5, STREAMS>(ctx, c0, w, oc),
-        6 => wide_rows_m::<6, STREAMS>(ctx, c0, w, oc),
-        7 => wide_rows_m::<7, STREAMS>(ctx, c0, w, oc),
-        _ => wide_rows_m::<8, STREAMS>(ctx, c0, w, oc),
-    }
-}
-
-/// Weight streams [`wide_rows_m`] reads at once: the key range cut in this many parts
-/// walked in lockstep, so more memory requests are in flight than one sequential
-/// stream's hardware prefetcher keeps (measured at 16 tokens x 64 experts, thread CPU
-/// time, one process: the MoE layer 1.71 ms with one stream, 1.65 with two, 1.62 with
-/// four; at 4 tokens 0.66 -> 0.56 ms).
-const STREAMS: usize = 4;
-
-/// [`wide_rows_body`] for `M` rows and `S` weight streams ([`STREAMS`]): each weight
-/// element is loaded once for all `M` rows (a row-at-a-time pass would load it `M`
-/// times from L1).
-#[inline(always)]
-fn wide_rows_m<const M: usize, const S: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
-    let mut acc = [[0.0f32; WIDE_COLS]; M];
-    let w = w.min(WIDE_COLS);
-    let k = ctx.x.width;
-    let part = k / S;
-    let step = |acc: &mut [[f32; WIDE_COLS]; M], kk: usize| {
-        let wr = &ctx.wt[kk * ctx.n + c0..][..w];
-        let xv: [f32; M] = std::array::from_fn(|r| ctx.x.row(r)[kk]);
-        let rows = acc.each_mut().map(|a| &mut a[..w]);
-        for (c, &wv) in wr.iter().enumerate() {
-            for r in 0..M {
-                // SAFETY: c < w, the length of every row slice.
-                unsafe {
-                    let a = rows[r].get_unchecked_mut(c);
-                    *a += xv[r] * wv;
-                }
-            }
-        }
-    };
-    for kk in 0..part {
-        let wr: [&[f32]; S] = std::array::from_fn(|s| &ctx.wt[(kk + s * part) * ctx.n + c0..][..w]);
-        let xv: [[f32; M]; S] =
-            std::array::from_fn(|s| std::array::from_fn(|r| ctx.x.row(r)[kk + s * part]));
-        let rows = acc.each_mut().map(|a| &mut a[..w]);
-        for c in 0..w {
-            for r in 0..M {
-                // SAFETY: c < w, the length of every row and weight slice.
-                unsafe {
-                    let a = rows[r].get_unchecked_mut(c);
-                    let mut v = *a;
-                    for s in 0..S {
-                        v += xv[s][r] * *wr[s].get_unchecked(c);
-                    }
-                    *a = v;
-                }
-            }
-        }
-    }
-    for kk in S * part..k {
-        step(&mut acc, kk);
-    }
-    for (r, a) in acc.iter().enumerate() {
-        // SAFETY: the caller's task owns these output columns of these rows.
-        unsafe { ctx.out.slice(r * ctx.ldo + oc, w) }.copy_from_slice(&a[..w]);
-    }
-}
-
-/// [`wide_rows`] with explicit AVX-512 fused multiply-adds: the same walk as
-/// [`wide_rows_m`] (the key range in [`STREAMS`] parts read in lock-step, one
-/// sequential stream each, accumulators in L1), 16 columns per vector. Rust never
-/// contracts `a += x * w` into an FMA, so the portable body pays a multiply and an add
-/// per element and row. (Accumulators in registers over a 32-column block, walking
-/// every key a weight row apart, ran 2x slower: the weight is then read in 128-byte
-/// pieces a row stride apart, which the prefetcher does not follow.)
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
-    use super::{Ctx, FEW_ROWS};
-    use std::arch::x86_64::*;
-
-    /// # Safety
-    /// AVX-512F must be present; the caller owns the output columns `oc..oc + w` of
-    /// every row.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn wide_rows(ctx: &Ctx<'_>, m: usize, c0: usize, w: usize, oc: usize) {
-        match m {
-            1 => rows::<1>(ctx, c0, w, oc),
-            2 => rows::<2>(ctx, c0, w, oc),
-            3 => rows::<3>(ctx, c0, w, oc),
-            4 => rows::<4>(ctx, c0, w, oc),
-            5 => rows::<5>(ctx, c0, w, oc),
-            6 => rows::<6>(ctx, c0, w, oc),
-            7 => rows::<7>(ctx, c0, w, oc),
-            _ => rows::<FEW_ROWS>(ctx, c0, w, oc),
-        }
-    }
-
-    #[target_feature(enable = "avx512f")]
-    unsafe fn rows<const M: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
-        const S: usize = super::STREAMS;
-        let w = w.min(super::WIDE_COLS);
-        let k = ctx.x.width;
-        let part = k / S;
-        let xs: [*const f32; M] = std::array::from_fn(|r| ctx.x.row(r).as_ptr());
-        let wt = ctx.wt.as_ptr();
-        let mut acc = [[0.0f32; super::WIDE_COLS]; M];
-        let vecs = w / 16;
-        let tail = w % 16;
-        let mt: __mmask16 = ((1u32 << tail) - 1) as u16;
-        // One pass over the columns per group of S keys (the S key ranges walked in
-        // lock-step, one sequential stream each), accumulators in L1.
-        let pass = |acc: &mut [[f32; super::WIDE_COLS]; M], keys: [usize; S], ns: usize| {
-            let ws: [*const f32; S] = std::array::from_fn(|s| wt.add(keys[s] * ctx.n + c0));
-            let xv: [[__m512; M]; S] =
-                std::array::from_fn(|s| std::array::from_fn(|r| _mm512_set1_ps(*xs[r].add(keys[s]))));
-            for v in 0..vecs + (tail > 0) as usize {
-                let mask = if v < vecs { 0xffff } else { mt };
-                let wv: [__m512; S] = std::array::from_fn(|s| {
-                    if s < ns { _mm512_maskz_loadu_ps(mask, ws[s].add(v * 16)) } else { _mm512_setzero_ps() }
-                });
-                for r in 0..M {
-                    let a = acc[r].as_mut_ptr().add(v * 16);
-                    let mut t = _mm512_loadu_ps(a);
-                    for s in 0..ns {
-                        t = _mm512_fmadd_ps(xv[s][r], wv[s], t);
-                    }
-                    _mm512_storeu_ps(a, t);
-                }
-            }
-        };
-        for kk in 0..part {
-            pass(&mut acc, std::array::from_fn(|s| kk + s * part), S);
-        }
-        for kk in S * part..k {
-            pass(&mut acc, [kk; S], 1);
-        }
-        for (r, a) in acc.iter().enumerate() {
-            ctx.out.slice(r * ctx.ldo + oc, w).copy_from_slice(&a[..w]);
-        }
-    }
+thread_local! {
+    /// The few-row path's gate+up outputs before `silu(gate) * up` (reused: zeroing a
+    /// fresh buffer per task cost as much as a small expert's arithmetic).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// First GEMM of a task's rows and strip pairs, with `silu(gate) * up` into `act`.
@@ -577,7 +444,7 @@ mod avx512 {
 /// its own.
 unsafe fn up_task(g: &Group<'_>, act: SharedMut, r0: usize, u0: usize) {
     let i = g.inter;
-    let r1 = (r0 + ROW_TILE).min(g.x.rows);
+    let r1 = (r0 + row_tile(g)).min(g.x.rows);
     let n = r1 - r0;
     let x = Rows {
         data: &g.x.data[r0 * g.x.stride..],
@@ -585,34 +452,42 @@ unsafe fn up_task(g: &Group<'_>, act: SharedMut, r0: usize, u0: usize) {
         width: g.x.width,
         stride: g.x.stride,
     };
-    if n <= FEW_ROWS {
+    if streamed(g) {
         let c0 = u0 * STRIP;
         let w = (FEW_UP_UNITS * STRIP).min(i - c0);
-        let mut scratch = [0.0f32; FEW_ROWS * WIDE_COLS + STRIP];
-        let ctx = Ctx {
-            x,
-            wt: g.w13,
-            n: 2 * i,
-            out: SharedMut::new(&mut scratch),
-            ldo: WIDE_COLS,
-        };
-        // Gate columns at 0, up columns at `half`: the whole row in one stream when
-        // the task covers all of the intermediate size.
-        let half = if w == i {
-            wide_rows(&ctx, n, 0, 2 * i, 0);
-            i
-        } else {
-            wide_rows(&ctx, n, c0, w, 0);
-            wide_rows(&ctx, n, i + c0, w, WIDE_COLS / 2);
-            WIDE_COLS / 2
-        };
-        for r in 0..n {
-            let s = &scratch[r * WIDE_COLS..];
-            let dst = act.slice((g.at + r0 + r) * i + c0, w);
-            for (c, d) in dst.iter_mut().enumerate() {
-                *d = silu(s[c]) * s[half + c];
+        // Rows a 16-float vector more than the gate+up width apart: at a width that is
+        // a multiple of 1 KiB (e.g. 1,024 floats) every row's same column would fall in
+        // one L1 set, and 9-16 rows of accumulators would not fit its 8 ways.
+        let ldo = (2 * w).next_multiple_of(STRIP) + STRIP;
+        SCRATCH.with_borrow_mut(|scratch| {
+            if scratch.len() < n * ldo {
+                scratch.resize(n * ldo, 0.0);
             }
-        }
+            let ctx = Ctx {
+                x,
+                wt: g.w13,
+                n: 2 * i,
+                out: SharedMut::new(scratch),
+                ldo,
+            };
+            // Gate columns at 0, up columns at `half`: the whole row in one stream when
+            // the task covers all of the intermediate size.
+            let half = if w == i {
+                wide_rows(&ctx, n, 0, 2 * i, 0);
+                i
+            } else {
+                wide_rows(&ctx, n, c0, w, 0);
+                wide_rows(&ctx, n, i + c0, w, w);
+                w
+            };
+            for r in 0..n {
+                let s = &scratch[r * ldo..];
+                let dst = act.slice((g.at + r0 + r) * i + c0, w);
+                for (c, d) in dst.iter_mut().enumerate() {
+                    *d = silu(s[c]) * s[half + c];
+                }
+            }
+        });
         return;
     }
     // Gate strip in columns 0..16, up strip in 16..32.
@@ -646,7 +521,7 @@ unsafe fn up_task(g: &Group<'_>, act: SharedMut, r0: usize, u0: usize) {
 /// The task's rows x strips of `y` must be its own.
 unsafe fn down_task(g: &Group<'_>, act: &[f32], h: usize, y: SharedMut, r0: usize, u0: usize) {
     let i = g.inter;
-    let r1 = (r0 + ROW_TILE).min(g.x.rows);
+    let r1 = (r0 + row_tile(g)).min(g.x.rows);
     let x = Rows {
         data: &act[(g.at + r0) * i..(g.at + r1) * i],
         rows: r1 - r0,
@@ -660,7 +535,7 @@ unsafe fn down_task(g: &Group<'_>, act: &[f32], h: usize, y: SharedMut, r0: usiz
         out: y.add((g.at + r0) * h),
         ldo: h,
     };
-    if r1 - r0 <= FEW_ROWS {
+    if streamed(g) {
         let c0 = u0 * STRIP;
         wide_rows(&ctx, r1 - r0, c0, (FEW_DOWN_UNITS * STRIP).min(h - c0), c0);
         return;
@@ -683,6 +558,8 @@ impl SharedI64 {
         std::slice::from_raw_parts_mut(self.0.add(at), len)
     }
 }
+
+mod few_rows;
 
 #[cfg(test)]
 mod tests;

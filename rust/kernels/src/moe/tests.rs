@@ -1,4 +1,5 @@
 use super::*;
+use crate::matmul::run_strip16;
 
 fn silu64(v: f64) -> f64 {
     v / (1.0 + (-v).exp())
@@ -6,8 +7,9 @@ fn silu64(v: f64) -> f64 {
 
 type FewRows = fn(&Ctx<'_>, usize, usize, usize, usize);
 
-/// Both few-row paths against an f64 sum, for every row count they take, a key
-/// count that is not a multiple of the streams and a column range with a tail.
+/// Every few-row walk (portable, and with AVX-512 the streaming and the blocked walk)
+/// against an f64 sum, for every row count 1-16, a key count that is not a multiple of
+/// the streams or of the blocked walk's key block, and a column range with a tail.
 #[test]
 fn few_row_paths_match_f64() {
     let (k, n, c0, w) = (37usize, 70usize, 3usize, 45usize);
@@ -23,12 +25,15 @@ fn few_row_paths_match_f64() {
                     .sum()
             })
             .collect();
-        let mut paths: Vec<(&str, FewRows)> = vec![("portable", portable_rows)];
+        let mut paths: Vec<(&str, FewRows)> = vec![("portable", few_rows::portable_rows)];
         #[cfg(target_arch = "x86_64")]
         if crate::matmul::has_avx512() {
-            // SAFETY (of the call below): AVX-512F is present.
-            paths.push(("avx512", |c, m, c0, w, oc| unsafe {
-                avx512::wide_rows(c, m, c0, w, oc)
+            // SAFETY (of the calls below): AVX-512F is present.
+            paths.push(("stream", |c, m, c0, w, oc| unsafe {
+                few_rows::avx512::stream_rows(c, m, c0, w, oc)
+            }));
+            paths.push(("blocked", |c, m, c0, w, oc| unsafe {
+                few_rows::avx512::blocked_rows(c, m, c0, w, oc)
             }));
         }
         for (name, f) in paths {
@@ -51,8 +56,11 @@ fn few_row_paths_match_f64() {
                     );
                 }
                 assert!(
-                    out[r * ldo..r * ldo + 2].iter().all(|v| v.is_nan()),
-                    "{name} wrote before its columns"
+                    out[r * ldo..r * ldo + 2].iter().all(|v| v.is_nan())
+                        && out[r * ldo + 2 + w..(r + 1) * ldo]
+                            .iter()
+                            .all(|v| v.is_nan()),
+                    "{name} wrote outside its columns"
                 );
             }
         }
@@ -60,11 +68,12 @@ fn few_row_paths_match_f64() {
 }
 
 /// The block in f64 with plain loops, routing on the same expert choice. 37 tokens
-/// take the strip kernel, 12 both, 5 and 2 the few-row one (also for the shared expert);
-/// H and I are not multiples of its weight streams.
+/// take the strip kernel (also for the shared expert), 21 the shared expert's 16-row
+/// streaming blocks (16 + 5), 12 both kernels, 5 and 2 the few-row one (also for the
+/// shared expert); H and I are not multiples of its weight streams.
 #[test]
 fn matches_a_scalar_transcription() {
-    for t in [37usize, 12, 5, 2] {
+    for t in [37usize, 21, 12, 5, 2] {
         check_against_scalar(t);
     }
 }
@@ -171,4 +180,47 @@ fn check_against_scalar(t: usize) {
         }
     }
     assert_eq!(max, counts.into_iter().max().unwrap());
+}
+
+/// The blocked walk sums over the keys in order with one FMA per key, as the strip
+/// kernels do: a row gets the same bits whichever kernel its group size picks.
+#[test]
+fn blocked_walk_matches_the_strip_kernel_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    if crate::matmul::has_avx512() {
+        let (k, n) = (300usize, 48usize);
+        let val =
+            |i: usize, s: usize| (((i * 2654435761 + s * 40503) % 1000) as f32 / 1000.0) - 0.5;
+        let wt: Vec<f32> = (0..k * n).map(|i| val(i, 7)).collect();
+        for m in [4usize, 7, 8, 12, 16] {
+            let x: Vec<f32> = (0..m * k).map(|i| val(i, 9 + m)).collect();
+            let run = |f: &dyn Fn(&Ctx<'_>)| {
+                let mut out = vec![0.0f32; m * n];
+                let ctx = Ctx {
+                    x: Rows::dense(&x, k).unwrap(),
+                    wt: &wt,
+                    n,
+                    out: SharedMut::new(&mut out),
+                    ldo: n,
+                };
+                f(&ctx);
+                out
+            };
+            // SAFETY: AVX-512F is present; each call owns all of `out`.
+            let blocked = run(&|c| unsafe { few_rows::avx512::blocked_rows(c, m, 0, n, 0) });
+            let strips = run(&|c| unsafe {
+                for s in 0..n / 16 {
+                    run_strip16(c, s * 16, 0, m, s * 16);
+                }
+            });
+            let same = blocked
+                .iter()
+                .zip(&strips)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{m} rows: the blocked walk and the strip kernel differ"
+            );
+        }
+    }
 }
