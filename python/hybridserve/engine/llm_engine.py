@@ -210,6 +210,9 @@ class LLMEngine:
         # sampler rows are reused while it and the batch stay the same.
         self._requests_epoch = 0
         self._rows_cache: tuple | None = None
+        # The last step's common output rows (see _after_forward): (epoch, the update's
+        # request ids, per row its request's objects), reused while the batch stays.
+        self._steady_rows: tuple | None = None
         # request id -> (k, per-prompt-token logprobs) for requests that asked for
         # prompt logprobs; empty in the common case, so steps pay nothing for it.
         self._prompt_logprobs: dict[str, logprobs.PromptLogprobs] = {}
@@ -636,8 +639,23 @@ class LLMEngine:
         fast = self.emit_unfinished
         finishing = set(update.finished_request_ids) if len(update.finished_request_ids) else ()
         beams, plp = self._beams, self._prompt_logprobs
-        for rid, si, tok in zip(update.request_ids, np.asarray(update.sample_indices).tolist(),
-                                np.asarray(update.token_ids).tolist()):
+        ids = update.request_ids
+        tokens = np.asarray(update.token_ids).tolist()
+        steady, self._steady_rows = self._steady_rows, None
+        rows: list[tuple] | None = None
+        if (steady is not None and fast and not finishing and steady[0] == self._requests_epoch
+                and steady[1] == ids):
+            # The same common rows as the last step (no request added, aborted or
+            # finished since, the same batch in the same order): their objects are
+            # known, so the rows need no lookups and no checks of what kind they are.
+            if self._steady_row_outputs(steady[2], tokens, now, outputs, changed):
+                rows = steady[2]
+            general: Any = ()
+        else:
+            # This step's common rows, kept for the next step if every row is one.
+            rows = [] if fast and not finishing and not beams and not plp else None
+            general = zip(ids, np.asarray(update.sample_indices).tolist(), tokens)
+        for rid, si, tok in general:
             state = requests.get(rid)
             if state is None:
                 continue
@@ -667,6 +685,9 @@ class LLMEngine:
                                               sample.cumulative_logprob,
                                               lps[n0:] if lps is not None else None, None, None)],
                             False, m, None, True))
+                        if rows is not None:
+                            rows.append((rid, sample, token_ids, m, completion, state.prompt,
+                                         state.prompt_token_ids))
                         continue
                     hit = completion.stop_string
                 elif completion is not None:
@@ -735,6 +756,8 @@ class LLMEngine:
                 if finished:
                     del self._prompt_logprobs[rid]
             outputs.append(out_)
+        if rows and len(rows) == len(ids):
+            self._steady_rows = (self._requests_epoch, ids, rows)
         self.step_count += 1
         t_end = time.perf_counter()
         phases = (t_sched - t0, t_prep - t_sched - handoff, t_fwd - t_prep, t_sample - t_fwd,
@@ -749,6 +772,40 @@ class LLMEngine:
             "phase_seconds": dict(zip(STEP_PHASES, phases)),
         }
         return outputs
+
+    def _steady_row_outputs(self, rows: list[tuple], tokens: list[int], now: float,
+                            outputs: list[RequestOutput], changed: dict[str, set[int]]) -> bool:
+        """The common-row pass of :meth:`_after_forward` over a batch of known common
+        rows (each a running one-sample request that is not a beam and wants no prompt
+        logprobs; each has had a token before, so its first-token time is set). True
+        when every row is still one after this step (none hit a stop string)."""
+        all_common = True
+        for (rid, sample, token_ids, m, completion, prompt, prompt_ids), tok in zip(rows, tokens):
+            token_ids.append(tok)
+            m.last_token_time = now
+            if sample.finish_reason is None:
+                text = completion.append_streaming(tok) if completion is not None else ""
+                if text is not None:
+                    n0 = sample.streamed_tokens
+                    n = len(token_ids)
+                    sample.streamed_tokens = n
+                    lps = sample.logprobs
+                    outputs.append(RequestOutput(
+                        rid, prompt, prompt_ids,
+                        [CompletionOutput(sample.index, text, [tok] if n0 == n - 1 else token_ids[n0:],
+                                          sample.cumulative_logprob,
+                                          lps[n0:] if lps is not None else None, None, None)],
+                        False, m, None, True))
+                    continue
+                sample.finish_reason, sample.stop_reason = "stop", completion.stop_string
+                self.scheduler.finish(rid, sample.index, "stop")
+            all_common = False
+            got = changed.get(rid)
+            if got is None:
+                changed[rid] = {sample.index}
+            else:
+                got.add(sample.index)
+        return all_common
 
     def _run_before_forward(self) -> None:
         t0 = time.perf_counter()
