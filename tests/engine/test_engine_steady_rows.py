@@ -1,4 +1,4 @@
-"""The steady-batch pass over a step's common rows (``LLMEngine._steady_row_outputs``):
+"""The steady-batch pass over a step's common rows (``engine.common_rows.steady_row_outputs``):
 a decode batch that repeats reuses the last step's per-row objects instead of looking
 each request up. Checked under churn that could leave those objects stale: a request
 aborted and re-added under the same id (the same string object, so the batch's id list
@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from hybridserve.engine.args import EngineArgs
+from hybridserve.engine import llm_engine
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.sampler import SamplerOutput
 from hybridserve.sampling import SamplingParams
@@ -46,19 +47,19 @@ def _expected(text: str) -> str:
     return text.split("STOP")[0]
 
 
-def test_steady_rows_stay_right_under_churn(tiny_dirs):
+def test_steady_rows_stay_right_under_churn(tiny_dirs, monkeypatch):
     engine = LLMEngine(EngineArgs(model=str(tiny_dirs["test-a"]), dtype="float32", device="cpu",
                                   num_gpu_blocks=256, num_state_slots=16, max_num_seqs=8,
                                   max_num_batched_tokens=64, max_model_len=512))
     sampler = engine.sampler = _Scripted()
     steady_calls = [0]
-    inner = engine._steady_row_outputs
+    inner = llm_engine.steady_row_outputs
 
     def counted(*a):
         steady_calls[0] += 1
         return inner(*a)
 
-    engine._steady_row_outputs = counted
+    monkeypatch.setattr(llm_engine, "steady_row_outputs", counted)
     # Per incarnation (request id, n-th add): its outputs; which incarnation an id is.
     got: dict[tuple[str, int], list] = defaultdict(list)
     incarnation: dict[str, int] = defaultdict(int)

@@ -31,6 +31,7 @@ from hybridserve.beam_search import BeamSearch, BeamSearchParams, candidates_to_
 from hybridserve.config import ModelConfig
 from hybridserve.engine import logprobs
 from hybridserve.engine.args import EngineArgs
+from hybridserve.engine.common_rows import common_row_output, steady_row_outputs
 from hybridserve.engine.device import (
     HOST_PARALLEL_MIN_ELEMENTS,
     _resolve_device,
@@ -648,7 +649,7 @@ class LLMEngine:
             # The same common rows as the last step (no request added, aborted or
             # finished since, the same batch in the same order): their objects are
             # known, so the rows need no lookups and no checks of what kind they are.
-            if self._steady_row_outputs(steady[2], tokens, now, outputs, changed):
+            if steady_row_outputs(self.scheduler, steady[2], tokens, now, outputs, changed):
                 rows = steady[2]
             general: Any = ()
         else:
@@ -675,16 +676,8 @@ class LLMEngine:
                     # pass (SampleState.delta_output's fields, built here).
                     text = completion.append_streaming(tok) if completion is not None else ""
                     if text is not None:
-                        n0 = sample.streamed_tokens
-                        n = len(token_ids)
-                        sample.streamed_tokens = n
-                        lps = sample.logprobs
-                        outputs.append(RequestOutput(
-                            rid, state.prompt, state.prompt_token_ids,
-                            [CompletionOutput(sample.index, text, [tok] if n0 == n - 1 else token_ids[n0:],
-                                              sample.cumulative_logprob,
-                                              lps[n0:] if lps is not None else None, None, None)],
-                            False, m, None, True))
+                        outputs.append(common_row_output(rid, state.prompt, state.prompt_token_ids, sample,
+                                                         token_ids, tok, text, m))
                         if rows is not None:
                             rows.append((rid, sample, token_ids, m, completion, state.prompt,
                                          state.prompt_token_ids))
@@ -772,40 +765,6 @@ class LLMEngine:
             "phase_seconds": dict(zip(STEP_PHASES, phases)),
         }
         return outputs
-
-    def _steady_row_outputs(self, rows: list[tuple], tokens: list[int], now: float,
-                            outputs: list[RequestOutput], changed: dict[str, set[int]]) -> bool:
-        """The common-row pass of :meth:`_after_forward` over a batch of known common
-        rows (each a running one-sample request that is not a beam and wants no prompt
-        logprobs; each has had a token before, so its first-token time is set). True
-        when every row is still one after this step (none hit a stop string)."""
-        all_common = True
-        for (rid, sample, token_ids, m, completion, prompt, prompt_ids), tok in zip(rows, tokens):
-            token_ids.append(tok)
-            m.last_token_time = now
-            if sample.finish_reason is None:
-                text = completion.append_streaming(tok) if completion is not None else ""
-                if text is not None:
-                    n0 = sample.streamed_tokens
-                    n = len(token_ids)
-                    sample.streamed_tokens = n
-                    lps = sample.logprobs
-                    outputs.append(RequestOutput(
-                        rid, prompt, prompt_ids,
-                        [CompletionOutput(sample.index, text, [tok] if n0 == n - 1 else token_ids[n0:],
-                                          sample.cumulative_logprob,
-                                          lps[n0:] if lps is not None else None, None, None)],
-                        False, m, None, True))
-                    continue
-                sample.finish_reason, sample.stop_reason = "stop", completion.stop_string
-                self.scheduler.finish(rid, sample.index, "stop")
-            all_common = False
-            got = changed.get(rid)
-            if got is None:
-                changed[rid] = {sample.index}
-            else:
-                got.add(sample.index)
-        return all_common
 
     def _run_before_forward(self) -> None:
         t0 = time.perf_counter()
