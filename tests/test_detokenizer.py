@@ -449,14 +449,9 @@ def test_byte_level_fast_path_gives_the_two_decode_deltas(which, skip, request):
     assert fast_hits > 100
 
 
-@pytest.mark.parametrize("which", ["hf", "raw", "bench"])
-@pytest.mark.parametrize("skip", [True, False])
-def test_byte_table_decode_equals_the_tokenizers_decode(which, skip, request, tmp_path):
-    """The detokenizer decodes a byte-level window from its per-token byte table
-    (bytes joined, decoded with U+FFFD for invalid sequences); the tokenizer's own
-    decode is the oracle. The bench checkpoint's tokenizer has one token per byte, so
-    its random ids are arbitrary byte strings: lone continuation bytes, truncated and
-    overlong sequences, surrogates, bytes F5-FF, and special tokens among them."""
+def _tokenizer(which, request, tmp_path):
+    """The tokenizer under test and its backend ``tokenizers.Tokenizer``: the HF one, the
+    raw one, or the bench checkpoint's byte-level one (one token per byte)."""
     if which == "bench":
         from hybridserve.model.tiny import write_tokenizer
         from hybridserve.tokenizer import load_tokenizer
@@ -465,7 +460,18 @@ def test_byte_table_decode_equals_the_tokenizers_decode(which, skip, request, tm
         tok = load_tokenizer(str(tmp_path))
     else:
         tok = request.getfixturevalue("hf_tokenizer" if which == "hf" else "raw_tokenizer")
-    raw = tok if isinstance(tok, Tokenizer) else tok.backend_tokenizer
+    return tok, (tok if isinstance(tok, Tokenizer) else tok.backend_tokenizer)
+
+
+@pytest.mark.parametrize("which", ["hf", "raw", "bench"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_table_decode_equals_the_tokenizers_decode(which, skip, request, tmp_path):
+    """The detokenizer decodes a byte-level window from its per-token byte table
+    (bytes joined, decoded with U+FFFD for invalid sequences); the tokenizer's own
+    decode is the oracle. The bench checkpoint's tokenizer has one token per byte, so
+    its random ids are arbitrary byte strings: lone continuation bytes, truncated and
+    overlong sequences, surrogates, bytes F5-FF, and special tokens among them."""
+    tok, raw = _tokenizer(which, request, tmp_path)
     vocab = raw.get_vocab_size()
     d = IncrementalDetokenizer(tok, [], skip)
     assert d._bytes is not None
@@ -503,15 +509,7 @@ def test_pending_bytes_path_gives_the_two_decode_deltas(which, skip, request, tm
     continuations, F5-FF), special tokens among them, from prompts that end
     mid-character or not, characters cut by special tokens, and ids past the
     tokenizer's vocabulary (which its decode leaves out)."""
-    if which == "bench":
-        from hybridserve.model.tiny import write_tokenizer
-        from hybridserve.tokenizer import load_tokenizer
-
-        write_tokenizer(str(tmp_path), 272)
-        tok = load_tokenizer(str(tmp_path))
-    else:
-        tok = request.getfixturevalue("hf_tokenizer" if which == "hf" else "raw_tokenizer")
-    raw = tok if isinstance(tok, Tokenizer) else tok.backend_tokenizer
+    tok, raw = _tokenizer(which, request, tmp_path)
     vocab = raw.get_vocab_size(with_added_tokens=True)
     probe = IncrementalDetokenizer(tok, [], skip)
     by_byte = {b[0]: i for i, b in enumerate(probe._bytes) if b is not None and len(b) == 1}
