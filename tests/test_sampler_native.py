@@ -217,21 +217,12 @@ def test_bad_parameters_give_the_torch_paths_errors():
                             z(1, np.int64))
 
 
-def test_steady_rows_reuse_the_plan_without_per_row_work_and_draw_the_same_tokens(monkeypatch):
+def test_steady_rows_reuse_the_plan_without_per_row_work_and_draw_the_same_tokens(plan_sizes):
     """The engine's contract: the same list object again = the same rows, each grown by
     its drawn token. Such steps must not plan (no per-row host work); a new list (the
     batch changed) and a released row are noticed; every step's tokens are the torch
     sampler's, which plans every row every step (fresh lists)."""
-    import hybridserve.sampler.rows as rows_mod
-
-    plans = []
-    real = rows_mod.RowTables.plan
-
-    def spy(self, rows, vocab, device):
-        plans.append(len(rows))
-        return real(self, rows, vocab, device)
-
-    monkeypatch.setattr(rows_mod.RowTables, "plan", spy)
+    plans = plan_sizes
     vocab, n = 272, 16
     kinds = [dict(temperature=0.8, top_p=0.9, top_k=50, presence_penalty=0.3, frequency_penalty=0.2,
                   repetition_penalty=1.1), dict(temperature=0.0, repetition_penalty=1.3),

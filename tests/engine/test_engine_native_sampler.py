@@ -10,7 +10,6 @@ import random
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.sampler import Sampler
-import hybridserve.sampler.rows as rows_mod
 from hybridserve.sampling import SamplingParams
 
 
@@ -42,15 +41,8 @@ def _run(engine, plans):
     return tokens
 
 
-def test_native_engine_draws_the_torch_samplers_tokens(tiny_dirs, monkeypatch):
-    plans = []
-    real = rows_mod.RowTables.plan
-
-    def spy(self, rows, vocab, device):
-        plans.append(len(rows))
-        return real(self, rows, vocab, device)
-
-    monkeypatch.setattr(rows_mod.RowTables, "plan", spy)
+def test_native_engine_draws_the_torch_samplers_tokens(tiny_dirs, plan_sizes):
+    plans = plan_sizes
     native = _engine(tiny_dirs)
     assert native.sampler.native and native.sampler.steady_rows
     got = _run(native, plans)
