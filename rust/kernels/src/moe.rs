@@ -26,8 +26,7 @@
 //! few-row kernel instead ([`few_rows`]: whole weight rows in memory order).
 
 use crate::math::{sigmoid, silu};
-use crate::matmul::run_strip16;
-use crate::matmul::{run_strip, Ctx};
+use crate::matmul::{run_strip16, Ctx};
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
 use few_rows::{wide_rows, FEW_ROWS, WIDE_COLS};
@@ -285,6 +284,9 @@ pub fn moe_block(
 
 /// `out[M, N] = x wt` split into row-tile x strip tasks (unlike `matmul`, whose tasks
 /// are strips of all rows: the router has few columns and, at prefill, many rows).
+/// Past 6 rows a tile takes the 16-row AVX-512 blocks (the same bits as the AVX2
+/// blocks: sums over the keys in order), which read each weight line once per 16 rows
+/// instead of once per 6.
 fn run_gemm(x: Rows<'_>, wt: &[f32], n: usize, out: &mut [f32]) {
     let ctx = Ctx {
         x,
@@ -302,7 +304,7 @@ fn run_gemm(x: Rows<'_>, wt: &[f32], n: usize, out: &mut [f32]) {
         let (r0, r1) = (tile * ROW_TILE, ((tile + 1) * ROW_TILE).min(x.rows));
         for st in s * per..((s + 1) * per).min(strips) {
             // SAFETY: rows r0..r1 x strip st are this task's.
-            unsafe { run_strip(&ctx, st * STRIP, r0, r1, st * STRIP) };
+            unsafe { run_strip16(&ctx, st * STRIP, r0, r1, st * STRIP) };
         }
     });
 }
@@ -326,13 +328,18 @@ fn route(
     let chunk = 32;
     for_each_task(t.div_ceil(chunk), t * e * 8, |c| {
         let mut probs = vec![0.0f32; e];
+        let mut best = vec![0usize; k];
         for tok in c * chunk..((c + 1) * chunk).min(t) {
             let l = &logits[tok * e..(tok + 1) * e];
             let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
+            // The exponentials in a loop of their own (it vectorises), then their sum
+            // in index order (the same float32 sum as one loop doing both).
             for (p, &v) in probs.iter_mut().zip(l) {
                 *p = crate::math::exp(v - max);
-                sum += *p;
+            }
+            let mut sum = 0.0f32;
+            for &p in probs.iter() {
+                sum += p;
             }
             let inv = 1.0 / sum;
             for p in probs.iter_mut() {
@@ -340,20 +347,12 @@ fn route(
             }
             // SAFETY: token tok's k entries belong to this task alone.
             let (id_row, w_row) = unsafe { (ids_p.slice(tok * k, k), w_p.slice(tok * k, k)) };
+            let found = top_k(&probs, &mut best);
             for j in 0..k {
-                // The largest remaining probability; ties to the lower index.
-                let mut best = usize::MAX;
-                for (cand, &p) in probs.iter().enumerate() {
-                    if p.is_nan() || id_row[..j].contains(&(cand as i64)) {
-                        continue;
-                    }
-                    if best == usize::MAX || p > probs[best] {
-                        best = cand;
-                    }
-                }
-                let best = if best == usize::MAX { j } else { best };
-                id_row[j] = best as i64;
-                w_row[j] = probs[best];
+                // Fewer than k numbers (NaN logits): the slot's own index, as before.
+                let id = if j < found { best[j] } else { j };
+                id_row[j] = id as i64;
+                w_row[j] = probs[id];
             }
             let total: f32 = w_row.iter().sum();
             for w in w_row.iter_mut() {
@@ -366,6 +365,31 @@ fn route(
             }
         }
     });
+}
+
+/// The indices of the `best.len()` largest of `probs` into `best`, largest first, ties
+/// to the lower index and NaN skipped (what `best.len()` rounds of "the largest
+/// remaining, ties to the lower index" give, as `torch.topk` orders them), in one pass:
+/// a candidate enters the sorted list only if it beats its last entry. Returns how many
+/// were found (fewer than `best.len()` only when fewer numbers than that are not NaN).
+fn top_k(probs: &[f32], best: &mut [usize]) -> usize {
+    let k = best.len();
+    let mut n = 0;
+    for (cand, &p) in probs.iter().enumerate() {
+        if p.is_nan() || (n == k && p <= probs[best[k - 1]]) {
+            continue;
+        }
+        // After every entry at least as large: a later index loses ties.
+        let mut pos = n.min(k - 1);
+        while pos > 0 && probs[best[pos - 1]] < p {
+            pos -= 1;
+        }
+        let end = n.min(k - 1);
+        best.copy_within(pos..end, pos + 1);
+        best[pos] = cand;
+        n = (n + 1).min(k);
+    }
+    n
 }
 
 /// Tasks `(group, first row, first strip unit)` over every group's rows x `width(g)`

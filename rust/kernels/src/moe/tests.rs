@@ -224,3 +224,47 @@ fn blocked_walk_matches_the_strip_kernel_bit_for_bit() {
         }
     }
 }
+
+/// The one-pass top-k against k rounds of "the largest remaining, ties to the lower
+/// index, NaN skipped" (the routing's definition), on rows full of ties, NaNs and
+/// zeros, for every k up to the row length.
+#[test]
+fn top_k_matches_repeated_argmax() {
+    let brute = |p: &[f32], k: usize| -> Vec<usize> {
+        let mut chosen: Vec<usize> = Vec::new();
+        for j in 0..k {
+            let mut best = usize::MAX;
+            for (c, &v) in p.iter().enumerate() {
+                if v.is_nan() || chosen.contains(&c) {
+                    continue;
+                }
+                if best == usize::MAX || v > p[best] {
+                    best = c;
+                }
+            }
+            chosen.push(if best == usize::MAX { j } else { best });
+        }
+        chosen
+    };
+    let mut st = 0x1234_5678_u64;
+    for case in 0..2_000usize {
+        let e = 1 + case % 13;
+        let row: Vec<f32> = (0..e)
+            .map(|_| {
+                st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                match (st >> 33) % 9 {
+                    0 => f32::NAN,
+                    1 => 0.0,
+                    // A few distinct values: many exact ties.
+                    v => (v % 4) as f32 * 0.25,
+                }
+            })
+            .collect();
+        for k in 1..=e {
+            let mut best = vec![0usize; k];
+            let found = top_k(&row, &mut best);
+            let got: Vec<usize> = (0..k).map(|j| if j < found { best[j] } else { j }).collect();
+            assert_eq!(got, brute(&row, k), "row {row:?}, k {k}");
+        }
+    }
+}
