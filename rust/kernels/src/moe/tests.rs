@@ -251,7 +251,9 @@ fn top_k_matches_repeated_argmax() {
         let e = 1 + case % 13;
         let row: Vec<f32> = (0..e)
             .map(|_| {
-                st = st.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                st = st
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
                 match (st >> 33) % 9 {
                     0 => f32::NAN,
                     1 => 0.0,
@@ -263,8 +265,67 @@ fn top_k_matches_repeated_argmax() {
         for k in 1..=e {
             let mut best = vec![0usize; k];
             let found = top_k(&row, &mut best);
-            let got: Vec<usize> = (0..k).map(|j| if j < found { best[j] } else { j }).collect();
+            let got: Vec<usize> = (0..k)
+                .map(|j| if j < found { best[j] } else { j })
+                .collect();
             assert_eq!(got, brute(&row, k), "row {row:?}, k {k}");
+        }
+    }
+}
+
+/// One row whose output fits in registers takes `one_row`: the same bits as the
+/// streaming walk it replaces (whose order the 2-3-row groups keep), at every width it
+/// takes (1-24 vectors), key counts that are and are not multiples of the streams, and
+/// a column range that starts inside the weight; and near the f64 sum.
+#[test]
+fn one_row_matches_the_streaming_walk_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    if crate::matmul::has_avx512() {
+        let val =
+            |i: usize, s: usize| (((i * 2654435761 + s * 40503) % 1000) as f32 / 1000.0) - 0.5;
+        for (k, w, c0) in [
+            (256usize, 384usize, 0usize),
+            (37, 16, 5),
+            (3, 48, 0),
+            (192, 256, 16),
+            (70, 368, 32),
+        ] {
+            let n = c0 + w + 9;
+            let wt: Vec<f32> = (0..k * n).map(|i| val(i, 3)).collect();
+            let x: Vec<f32> = (0..k).map(|i| val(i, 5)).collect();
+            let run = |f: &dyn Fn(&Ctx<'_>)| {
+                let mut out = vec![f32::NAN; w + 4];
+                let ctx = Ctx {
+                    x: Rows::dense(&x, k).unwrap(),
+                    wt: &wt,
+                    n,
+                    out: SharedMut::new(&mut out),
+                    ldo: w + 4,
+                };
+                f(&ctx);
+                out
+            };
+            // SAFETY: AVX-512F is present; each call owns all of `out`.
+            let fast = run(&|c| unsafe { few_rows::avx512::stream_rows(c, 1, c0, w, 2) });
+            let walk = run(&|c| unsafe { few_rows::avx512::stream::<1>(c, c0, w, 2) });
+            let same = fast
+                .iter()
+                .zip(&walk)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "k={k} w={w}: one_row and the streaming walk differ");
+            for c in 0..w {
+                let want: f64 = (0..k)
+                    .map(|kk| x[kk] as f64 * wt[kk * n + c0 + c] as f64)
+                    .sum();
+                assert!(
+                    (fast[2 + c] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "k={k} w={w} c={c}"
+                );
+            }
+            assert!(
+                fast[..2].iter().chain(&fast[2 + w..]).all(|v| v.is_nan()),
+                "wrote outside its columns"
+            );
         }
     }
 }
