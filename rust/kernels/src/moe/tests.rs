@@ -329,3 +329,76 @@ fn one_row_matches_the_streaming_walk_bit_for_bit() {
         }
     }
 }
+
+/// The block's buffers outlive a call (see `Buffers`): a call on a thread whose buffers
+/// an earlier, larger call left full of NaN gives the same bits as on a fresh thread.
+#[test]
+fn a_call_reads_nothing_an_earlier_call_left() {
+    let (h, e, k, i, si, t) = (24usize, 6usize, 2usize, 20usize, 36usize, 9usize);
+    let mut st = 77u64;
+    let mut gen = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                st = st
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((st >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1.5
+            })
+            .collect()
+    };
+    let (x, wr, w13, w2) = (gen(t * h), gen(h * e), gen(e * h * 2 * i), gen(e * i * h));
+    let (s13, s2, sg) = (gen(h * 2 * si), gen(si * h), gen(h));
+    let run = || {
+        let mut out = vec![0.0f32; t * h];
+        let (mut ids, mut ws) = (vec![0i64; t * k], vec![0.0f32; t * k]);
+        moe_block(
+            Rows::dense(&x, h).unwrap(),
+            Router {
+                weight_t: &wr,
+                num_experts: e,
+                top_k: k,
+            },
+            Experts {
+                w13: &w13,
+                w2: &w2,
+                inter: i,
+            },
+            Some(SharedExpert {
+                w13: &s13,
+                w2: &s2,
+                inter: si,
+                gate: &sg,
+            }),
+            &mut out,
+            Routing {
+                ids: &mut ids,
+                weights: &mut ws,
+            },
+        )
+        .unwrap();
+        out
+    };
+    let fresh = std::thread::scope(|s| s.spawn(run).join().unwrap());
+    BUFFERS.with_borrow_mut(|b| {
+        for v in [
+            &mut b.logits,
+            &mut b.xs,
+            &mut b.act,
+            &mut b.act_s,
+            &mut b.ys,
+            &mut b.ys_s,
+        ] {
+            v.clear();
+            v.resize(100_000, f32::NAN);
+        }
+    });
+    let reused = run();
+    assert!(fresh.iter().all(|v| v.is_finite()));
+    assert!(
+        fresh
+            .iter()
+            .zip(&reused)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "a call read what an earlier call left in its buffers"
+    );
+}
