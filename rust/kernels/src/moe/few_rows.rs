@@ -11,6 +11,9 @@
 //!   the memory: 27-28 GB/s at 1-2 rows on `moe-bench` experts from DRAM, the rate of a
 //!   plain streaming sum. Every FMA group pays an accumulator load and store per row,
 //!   so from 4 rows on it is bound by those instead (4 rows 14-21 GB/s, 8 rows 7-8).
+//!   One row whose output fits in 24 registers (an expert's gate+up or down up to 384
+//!   columns) takes [`avx512::one_row`]: the same loads and fused multiply-adds in the
+//!   same order, accumulators in registers (1-7 % off the MoE layer at 8-32 tokens).
 //! - **4-16 rows: [`avx512::blocked`]**, accumulators of `M` rows x `C` vectors in
 //!   registers over blocks of [`KEY_BLOCK`] keys (a load and store per row and vector
 //!   per 16 keys instead of per 4), the columns walked a register block at a time
@@ -157,6 +160,17 @@ pub(super) mod avx512 {
         w: usize,
         oc: usize,
     ) {
+        if m == 1 && w % 16 == 0 && w / 16 <= ONE_ROW_VECS {
+            macro_rules! one {
+                ($($v:literal)*) => {
+                    match w / 16 {
+                        $($v => return one_row::<$v>(ctx, c0, oc),)*
+                        _ => {}
+                    }
+                };
+            }
+            one!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24);
+        }
         macro_rules! go {
             ($($n:literal)*) => {
                 match m {
@@ -166,6 +180,50 @@ pub(super) mod avx512 {
             };
         }
         go!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+    }
+
+    /// Widest output (in vectors) [`one_row`] holds in registers: 24 accumulators, the
+    /// 4 streams' broadcasts and a weight vector in the 32 registers.
+    const ONE_ROW_VECS: usize = 24;
+
+    /// The streaming walk for one row whose `NV` output vectors fit in registers (an
+    /// expert's gate+up of up to 384 columns, its down of up to 384): the same loads
+    /// and the same fused multiply-adds in the same order as [`stream`]`::<1>` (so the
+    /// same bits), without [`stream`]'s accumulator load and store per vector and key
+    /// group. One row is the most common routed group at decode sizes (at 8-16 tokens
+    /// of `moe-bench`, 60-80 % of the active experts).
+    #[target_feature(enable = "avx512f")]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn one_row<const NV: usize>(ctx: &Ctx<'_>, c0: usize, oc: usize) {
+        const S: usize = super::STREAMS;
+        let k = ctx.x.width;
+        let part = k / S;
+        let x = ctx.x.row(0).as_ptr();
+        let wt = ctx.wt.as_ptr().add(c0);
+        let n = ctx.n;
+        let mut acc = [_mm512_setzero_ps(); NV];
+        for kk in 0..part {
+            let xb: [__m512; S] = std::array::from_fn(|s| _mm512_set1_ps(*x.add(kk + s * part)));
+            let ws: [*const f32; S] = std::array::from_fn(|s| wt.add((kk + s * part) * n));
+            for v in 0..NV {
+                let mut t = acc[v];
+                for s in 0..S {
+                    t = _mm512_fmadd_ps(xb[s], _mm512_loadu_ps(ws[s].add(16 * v)), t);
+                }
+                acc[v] = t;
+            }
+        }
+        for kk in S * part..k {
+            let xb = _mm512_set1_ps(*x.add(kk));
+            let wp = wt.add(kk * n);
+            for v in 0..NV {
+                acc[v] = _mm512_fmadd_ps(xb, _mm512_loadu_ps(wp.add(16 * v)), acc[v]);
+            }
+        }
+        let out = ctx.out.slice(oc, 16 * NV).as_mut_ptr();
+        for v in 0..NV {
+            _mm512_storeu_ps(out.add(16 * v), acc[v]);
+        }
     }
 
     /// The blocked walk, `m` rows, in register blocks of `m` rows x `C` vectors with
@@ -293,7 +351,12 @@ pub(super) mod avx512 {
     /// The streaming walk for `M` rows: the key range in [`super::STREAMS`] parts read
     /// in lock-step, accumulators in L1.
     #[target_feature(enable = "avx512f")]
-    unsafe fn stream<const M: usize>(ctx: &Ctx<'_>, c0: usize, w: usize, oc: usize) {
+    pub(in crate::moe) unsafe fn stream<const M: usize>(
+        ctx: &Ctx<'_>,
+        c0: usize,
+        w: usize,
+        oc: usize,
+    ) {
         const S: usize = super::STREAMS;
         let w = w.min(super::WIDE_COLS);
         let k = ctx.x.width;

@@ -224,3 +224,181 @@ fn blocked_walk_matches_the_strip_kernel_bit_for_bit() {
         }
     }
 }
+
+/// The one-pass top-k against k rounds of "the largest remaining, ties to the lower
+/// index, NaN skipped" (the routing's definition), on rows full of ties, NaNs and
+/// zeros, for every k up to the row length.
+#[test]
+fn top_k_matches_repeated_argmax() {
+    let brute = |p: &[f32], k: usize| -> Vec<usize> {
+        let mut chosen: Vec<usize> = Vec::new();
+        for j in 0..k {
+            let mut best = usize::MAX;
+            for (c, &v) in p.iter().enumerate() {
+                if v.is_nan() || chosen.contains(&c) {
+                    continue;
+                }
+                if best == usize::MAX || v > p[best] {
+                    best = c;
+                }
+            }
+            chosen.push(if best == usize::MAX { j } else { best });
+        }
+        chosen
+    };
+    let mut st = 0x1234_5678_u64;
+    for case in 0..2_000usize {
+        let e = 1 + case % 13;
+        let row: Vec<f32> = (0..e)
+            .map(|_| {
+                st = st
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                match (st >> 33) % 9 {
+                    0 => f32::NAN,
+                    1 => 0.0,
+                    // A few distinct values: many exact ties.
+                    v => (v % 4) as f32 * 0.25,
+                }
+            })
+            .collect();
+        for k in 1..=e {
+            let mut best = vec![0usize; k];
+            let found = top_k(&row, &mut best);
+            let got: Vec<usize> = (0..k)
+                .map(|j| if j < found { best[j] } else { j })
+                .collect();
+            assert_eq!(got, brute(&row, k), "row {row:?}, k {k}");
+        }
+    }
+}
+
+/// One row whose output fits in registers takes `one_row`: the same bits as the
+/// streaming walk it replaces (whose order the 2-3-row groups keep), at every width it
+/// takes (1-24 vectors), key counts that are and are not multiples of the streams, and
+/// a column range that starts inside the weight; and near the f64 sum.
+#[test]
+fn one_row_matches_the_streaming_walk_bit_for_bit() {
+    #[cfg(target_arch = "x86_64")]
+    if crate::matmul::has_avx512() {
+        let val =
+            |i: usize, s: usize| (((i * 2654435761 + s * 40503) % 1000) as f32 / 1000.0) - 0.5;
+        for (k, w, c0) in [
+            (256usize, 384usize, 0usize),
+            (37, 16, 5),
+            (3, 48, 0),
+            (192, 256, 16),
+            (70, 368, 32),
+        ] {
+            let n = c0 + w + 9;
+            let wt: Vec<f32> = (0..k * n).map(|i| val(i, 3)).collect();
+            let x: Vec<f32> = (0..k).map(|i| val(i, 5)).collect();
+            let run = |f: &dyn Fn(&Ctx<'_>)| {
+                let mut out = vec![f32::NAN; w + 4];
+                let ctx = Ctx {
+                    x: Rows::dense(&x, k).unwrap(),
+                    wt: &wt,
+                    n,
+                    out: SharedMut::new(&mut out),
+                    ldo: w + 4,
+                };
+                f(&ctx);
+                out
+            };
+            // SAFETY: AVX-512F is present; each call owns all of `out`.
+            let fast = run(&|c| unsafe { few_rows::avx512::stream_rows(c, 1, c0, w, 2) });
+            let walk = run(&|c| unsafe { few_rows::avx512::stream::<1>(c, c0, w, 2) });
+            let same = fast
+                .iter()
+                .zip(&walk)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "k={k} w={w}: one_row and the streaming walk differ");
+            for c in 0..w {
+                let want: f64 = (0..k)
+                    .map(|kk| x[kk] as f64 * wt[kk * n + c0 + c] as f64)
+                    .sum();
+                assert!(
+                    (fast[2 + c] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "k={k} w={w} c={c}"
+                );
+            }
+            assert!(
+                fast[..2].iter().chain(&fast[2 + w..]).all(|v| v.is_nan()),
+                "wrote outside its columns"
+            );
+        }
+    }
+}
+
+/// The block's buffers outlive a call (see `Buffers`): a call on a thread whose buffers
+/// an earlier, larger call left full of NaN gives the same bits as on a fresh thread.
+#[test]
+fn a_call_reads_nothing_an_earlier_call_left() {
+    let (h, e, k, i, si, t) = (24usize, 6usize, 2usize, 20usize, 36usize, 9usize);
+    let mut st = 77u64;
+    let mut gen = |n: usize| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                st = st
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((st >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 1.5
+            })
+            .collect()
+    };
+    let (x, wr, w13, w2) = (gen(t * h), gen(h * e), gen(e * h * 2 * i), gen(e * i * h));
+    let (s13, s2, sg) = (gen(h * 2 * si), gen(si * h), gen(h));
+    let run = || {
+        let mut out = vec![0.0f32; t * h];
+        let (mut ids, mut ws) = (vec![0i64; t * k], vec![0.0f32; t * k]);
+        moe_block(
+            Rows::dense(&x, h).unwrap(),
+            Router {
+                weight_t: &wr,
+                num_experts: e,
+                top_k: k,
+            },
+            Experts {
+                w13: &w13,
+                w2: &w2,
+                inter: i,
+            },
+            Some(SharedExpert {
+                w13: &s13,
+                w2: &s2,
+                inter: si,
+                gate: &sg,
+            }),
+            &mut out,
+            Routing {
+                ids: &mut ids,
+                weights: &mut ws,
+            },
+        )
+        .unwrap();
+        out
+    };
+    let fresh = std::thread::scope(|s| s.spawn(run).join().unwrap());
+    BUFFERS.with_borrow_mut(|b| {
+        for v in [
+            &mut b.logits,
+            &mut b.xs,
+            &mut b.act,
+            &mut b.act_s,
+            &mut b.ys,
+            &mut b.ys_s,
+        ] {
+            v.clear();
+            v.resize(100_000, f32::NAN);
+        }
+    });
+    let reused = run();
+    assert!(fresh.iter().all(|v| v.is_finite()));
+    assert!(
+        fresh
+            .iter()
+            .zip(&reused)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "a call read what an earlier call left in its buffers"
+    );
+}
