@@ -53,6 +53,7 @@ pub mod matmul;
 pub mod matmul_bf16;
 pub mod matmul_rows;
 pub mod moe;
+pub mod moe_bf16;
 pub mod norm;
 mod pool;
 pub mod rope;
