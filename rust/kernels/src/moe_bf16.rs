@@ -12,8 +12,9 @@
 //! Per call:
 //!
 //! 1. Router logits (bfloat16, as HF's bfloat16 `F.linear` returns them), then per
-//!    token HF's routing in float32: softmax, top-k (ties to the lower expert index,
-//!    as `torch.topk`), the k weights divided by their sum, then rounded to bfloat16
+//!    token HF's routing in float32: softmax, top-k (equal probabilities chosen and
+//!    ordered as `torch.topk` does, [`crate::topk`]), the k weights divided by their
+//!    sum, then rounded to bfloat16
 //!    (HF casts them back to the logits' dtype); the shared gate
 //!    `sigmoid(x . wg)`, its logit and its sigmoid each rounded to bfloat16.
 //! 2. One counting pass groups the `T x k` (token, slot) pairs by expert (stable) and
@@ -44,6 +45,7 @@ use crate::math::{exp, sigmoid, silu};
 use crate::matmul_bf16::{columns, matmul_bf16, Out, OutPtr};
 use crate::moe::Routing;
 use crate::pool::for_each_task;
+use crate::topk::topk;
 use crate::{KernelError, Rows, SharedMut};
 
 /// The router's weight `[E, H]` (HF's `mlp.gate.weight`).
@@ -318,6 +320,7 @@ fn route(
     let chunk = 32;
     for_each_task(t.div_ceil(chunk), t * e * 8, |c| {
         let mut probs = vec![0.0f32; e];
+        let (mut queue, mut top) = (Vec::with_capacity(e), vec![(0.0f32, 0usize); k]);
         for tok in c * chunk..((c + 1) * chunk).min(t) {
             let l = &logits[tok * e..(tok + 1) * e];
             let max = l.iter().map(|&v| to_f32(v)).fold(f32::NEG_INFINITY, f32::max);
@@ -332,20 +335,11 @@ fn route(
             }
             // SAFETY: token tok's k entries belong to this task alone.
             let (id_row, w_row) = unsafe { (ids_p.slice(tok * k, k), w_p.slice(tok * k, k)) };
-            for j in 0..k {
-                // The largest remaining probability; ties to the lower index.
-                let mut best = usize::MAX;
-                for (cand, &p) in probs.iter().enumerate() {
-                    if p.is_nan() || id_row[..j].contains(&(cand as i64)) {
-                        continue;
-                    }
-                    if best == usize::MAX || p > probs[best] {
-                        best = cand;
-                    }
-                }
-                let best = if best == usize::MAX { j } else { best };
-                id_row[j] = best as i64;
-                w_row[j] = probs[best];
+            // torch.topk's choice and order, equal probabilities included.
+            topk(&probs, k, &mut queue, &mut top);
+            for (j, &(p, id)) in top.iter().enumerate() {
+                id_row[j] = id as i64;
+                w_row[j] = p;
             }
             let total: f32 = w_row.iter().sum();
             for w in w_row.iter_mut() {
