@@ -178,10 +178,12 @@ class SparseMoeBlock(nn.Module):
 
     # bfloat16 on the CPU: the native block up to this many tokens; past it the routed
     # experts run as one pair of torch grouped GEMMs (oneDNN) and the shared expert as
-    # a dense MLP, which at 2,048 tokens beat the native few-row kernel (its dot
-    # products reduce across lanes per output); benches/moe_layer.py --dtype bfloat16,
-    # RESULTS.md's "Issue 18: the bfloat16 MoE block".
-    NATIVE_MAX_TOKENS_BF16 = 512
+    # a dense MLP, which beat the native few-row kernel on long chunks (its dot products
+    # reduce across lanes per output). moe-bench layer, one thread, thread CPU ms,
+    # native / grouped: 256 tokens 8.9 / 14.1, 512 16.0 / 18.7, 768 23.8 / 26.1, 1,024
+    # 33.4 / 30.0, 2,048 65.3 / 51.3 (load 2.2; RESULTS.md, "Issue 18: the bfloat16
+    # MoE block").
+    NATIVE_MAX_TOKENS_BF16 = 768
 
     def _native_bf16_ok(self, x: torch.Tensor) -> bool:
         ex = self.experts
