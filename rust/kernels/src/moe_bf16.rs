@@ -323,7 +323,10 @@ fn route(
         let (mut queue, mut top) = (Vec::with_capacity(e), vec![(0.0f32, 0usize); k]);
         for tok in c * chunk..((c + 1) * chunk).min(t) {
             let l = &logits[tok * e..(tok + 1) * e];
-            let max = l.iter().map(|&v| to_f32(v)).fold(f32::NEG_INFINITY, f32::max);
+            let max = l
+                .iter()
+                .map(|&v| to_f32(v))
+                .fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0.0f32;
             for (p, &v) in probs.iter_mut().zip(l) {
                 *p = exp(to_f32(v) - max);

@@ -84,16 +84,25 @@ fn run(c: &Case, w: &Weights, t: usize, x: &[u16]) -> (Vec<u16>, Vec<i64>, usize
 /// the final add. Returns (out as f64, ids, the k-th - (k+1)-th probability margin).
 fn reference(c: &Case, w: &Weights, tok: usize) -> (Vec<f64>, Vec<usize>, f64) {
     let (h, e, k, i) = (c.h, c.e, c.k, c.i);
-    let x: Vec<f64> = w.x[tok * h..(tok + 1) * h].iter().map(|&v| to_f32(v) as f64).collect();
+    let x: Vec<f64> = w.x[tok * h..(tok + 1) * h]
+        .iter()
+        .map(|&v| to_f32(v) as f64)
+        .collect();
     let dot = |wr: &[u16]| -> f64 { x.iter().zip(wr).map(|(a, &b)| a * to_f32(b) as f64).sum() };
-    let logits: Vec<f64> = (0..e).map(|j| r(dot(&w.router[j * h..(j + 1) * h]))).collect();
+    let logits: Vec<f64> = (0..e)
+        .map(|j| r(dot(&w.router[j * h..(j + 1) * h])))
+        .collect();
     let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
     let ex: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
     let sum: f64 = ex.iter().sum();
     let mut order: Vec<usize> = (0..e).collect();
     order.sort_by(|&a, &b| ex[b].partial_cmp(&ex[a]).unwrap().then(a.cmp(&b)));
     let ids = order[..k].to_vec();
-    let margin = if k < e { (ex[order[k - 1]] - ex[order[k]]) / sum } else { 1.0 };
+    let margin = if k < e {
+        (ex[order[k - 1]] - ex[order[k]]) / sum
+    } else {
+        1.0
+    };
     let total: f64 = ids.iter().map(|&j| ex[j]).sum();
     let swiglu = |gu: &[u16], down: &[u16], inter: usize| -> Vec<f64> {
         let act: Vec<f64> = (0..inter)
@@ -104,13 +113,23 @@ fn reference(c: &Case, w: &Weights, tok: usize) -> (Vec<f64>, Vec<usize>, f64) {
             })
             .collect();
         (0..h)
-            .map(|o| r(act.iter().zip(&down[o * inter..(o + 1) * inter]).map(|(a, &b)| a * to_f32(b) as f64).sum()))
+            .map(|o| {
+                r(act
+                    .iter()
+                    .zip(&down[o * inter..(o + 1) * inter])
+                    .map(|(a, &b)| a * to_f32(b) as f64)
+                    .sum())
+            })
             .collect()
     };
     let mut acc = vec![0.0f64; h];
     for &j in &ids {
         let wj = r(ex[j] / total);
-        let y = swiglu(&w.gate_up[j * 2 * i * h..(j + 1) * 2 * i * h], &w.down[j * h * i..(j + 1) * h * i], i);
+        let y = swiglu(
+            &w.gate_up[j * 2 * i * h..(j + 1) * 2 * i * h],
+            &w.down[j * h * i..(j + 1) * h * i],
+            i,
+        );
         for (a, v) in acc.iter_mut().zip(y) {
             *a += r(v * wj);
         }
@@ -134,18 +153,56 @@ fn reference(c: &Case, w: &Weights, tok: usize) -> (Vec<f64>, Vec<usize>, f64) {
 #[test]
 fn matches_the_f64_transcription_of_hf_bf16() {
     for c in [
-        Case { t: 1, h: 64, e: 7, k: 3, i: 40, si: 48 },
-        Case { t: 2, h: 48, e: 5, k: 1, i: 150, si: 0 },
-        Case { t: 19, h: 96, e: 13, k: 4, i: 72, si: 80 },
-        Case { t: 70, h: 64, e: 3, k: 2, i: 200, si: 16 },
-        Case { t: 300, h: 33, e: 6, k: 6, i: 17, si: 20 },
+        Case {
+            t: 1,
+            h: 64,
+            e: 7,
+            k: 3,
+            i: 40,
+            si: 48,
+        },
+        Case {
+            t: 2,
+            h: 48,
+            e: 5,
+            k: 1,
+            i: 150,
+            si: 0,
+        },
+        Case {
+            t: 19,
+            h: 96,
+            e: 13,
+            k: 4,
+            i: 72,
+            si: 80,
+        },
+        Case {
+            t: 70,
+            h: 64,
+            e: 3,
+            k: 2,
+            i: 200,
+            si: 16,
+        },
+        Case {
+            t: 300,
+            h: 33,
+            e: 6,
+            k: 6,
+            i: 17,
+            si: 20,
+        },
     ] {
         let w = weights(&c, c.t);
         let (out, ids, busiest) = run(&c, &w, c.t, &w.x);
         let mut counts = vec![0usize; c.e];
         for tok in 0..c.t {
             let (want, want_ids, margin) = reference(&c, &w, tok);
-            let mut got_ids: Vec<usize> = ids[tok * c.k..(tok + 1) * c.k].iter().map(|&v| v as usize).collect();
+            let mut got_ids: Vec<usize> = ids[tok * c.k..(tok + 1) * c.k]
+                .iter()
+                .map(|&v| v as usize)
+                .collect();
             for &j in &got_ids {
                 counts[j] += 1;
             }
@@ -157,7 +214,11 @@ fn matches_the_f64_transcription_of_hf_bf16() {
             got_ids.sort();
             assert_eq!(got_ids, want_sorted, "t={} tok={tok}", c.t);
             let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
-            for (o, (&g, &wv)) in out[tok * c.h..(tok + 1) * c.h].iter().zip(&want).enumerate() {
+            for (o, (&g, &wv)) in out[tok * c.h..(tok + 1) * c.h]
+                .iter()
+                .zip(&want)
+                .enumerate()
+            {
                 let got = to_f32(g) as f64;
                 assert!(
                     (got - wv).abs() <= 2e-2 * scale,
@@ -175,7 +236,14 @@ fn matches_the_f64_transcription_of_hf_bf16() {
 /// depend on the rows sharing a call, and the weighted sum is per token).
 #[test]
 fn a_token_gets_the_same_bits_alone_and_in_a_batch() {
-    let c = Case { t: 40, h: 80, e: 9, k: 3, i: 56, si: 64 };
+    let c = Case {
+        t: 40,
+        h: 80,
+        e: 9,
+        k: 3,
+        i: 56,
+        si: 64,
+    };
     let w = weights(&c, 7);
     let (all, all_ids, _) = run(&c, &w, c.t, &w.x);
     for tok in [0usize, 13, 39] {
@@ -192,7 +260,14 @@ fn routing_ties_are_chosen_as_torch_topk_chooses() {
     // Every router row equal: all six logits tie; torch.topk(k=2) of six equal values
     // returns indices 3 and 5 (libstdc++'s nth_element; checked against torch itself in
     // tests/kernels/test_native_moe_bf16.py).
-    let c = Case { t: 3, h: 16, e: 6, k: 2, i: 8, si: 0 };
+    let c = Case {
+        t: 3,
+        h: 16,
+        e: 6,
+        k: 2,
+        i: 8,
+        si: 0,
+    };
     let mut w = weights(&c, 3);
     let row = w.router[..c.h].to_vec();
     for j in 0..c.e {
@@ -202,11 +277,22 @@ fn routing_ties_are_chosen_as_torch_topk_chooses() {
     let (mut ids, mut rw) = (vec![0i64; c.t * c.k], vec![0f32; c.t * c.k]);
     moe_block_bf16(
         Rows::dense(&w.x, c.h).unwrap(),
-        Router { weight: &w.router, num_experts: c.e, top_k: c.k },
-        Experts { gate_up: &w.gate_up, down: &w.down, inter: c.i },
+        Router {
+            weight: &w.router,
+            num_experts: c.e,
+            top_k: c.k,
+        },
+        Experts {
+            gate_up: &w.gate_up,
+            down: &w.down,
+            inter: c.i,
+        },
         None,
         &mut out,
-        Routing { ids: &mut ids, weights: &mut rw },
+        Routing {
+            ids: &mut ids,
+            weights: &mut rw,
+        },
     )
     .unwrap();
     assert_eq!(ids, [3, 5, 3, 5, 3, 5]);
@@ -215,27 +301,60 @@ fn routing_ties_are_chosen_as_torch_topk_chooses() {
 
 #[test]
 fn wrong_shapes_are_errors_naming_the_argument() {
-    let c = Case { t: 2, h: 16, e: 4, k: 2, i: 8, si: 8 };
+    let c = Case {
+        t: 2,
+        h: 16,
+        e: 4,
+        k: 2,
+        i: 8,
+        si: 8,
+    };
     let w = weights(&c, 1);
     let call = |router: &[u16], gu: &[u16], s_gate: &[u16], k: usize, out_len: usize| {
         let mut out = vec![0u16; out_len];
         let (mut ids, mut rw) = (vec![0i64; c.t * k], vec![0f32; c.t * k]);
         moe_block_bf16(
             Rows::dense(&w.x, c.h).unwrap(),
-            Router { weight: router, num_experts: c.e, top_k: k },
-            Experts { gate_up: gu, down: &w.down, inter: c.i },
-            Some(SharedExpert { gate_up: &w.s_gate_up, down: &w.s_down, inter: c.si, gate: s_gate }),
+            Router {
+                weight: router,
+                num_experts: c.e,
+                top_k: k,
+            },
+            Experts {
+                gate_up: gu,
+                down: &w.down,
+                inter: c.i,
+            },
+            Some(SharedExpert {
+                gate_up: &w.s_gate_up,
+                down: &w.s_down,
+                inter: c.si,
+                gate: s_gate,
+            }),
             &mut out,
-            Routing { ids: &mut ids, weights: &mut rw },
+            Routing {
+                ids: &mut ids,
+                weights: &mut rw,
+            },
         )
         .map(|_| ())
         .map_err(|e| e.0)
     };
     let n = c.t * c.h;
     assert!(call(&w.router, &w.gate_up, &w.s_gate, 2, n).is_ok());
-    assert!(call(&w.router[1..], &w.gate_up, &w.s_gate, 2, n).unwrap_err().contains("router weight"));
-    assert!(call(&w.router, &w.gate_up[1..], &w.s_gate, 2, n).unwrap_err().contains("gate_up"));
-    assert!(call(&w.router, &w.gate_up, &w.s_gate[1..], 2, n).unwrap_err().contains("shared expert"));
-    assert!(call(&w.router, &w.gate_up, &w.s_gate, 5, n).unwrap_err().contains("top_k"));
-    assert!(call(&w.router, &w.gate_up, &w.s_gate, 2, n - 1).unwrap_err().contains("out must be"));
+    assert!(call(&w.router[1..], &w.gate_up, &w.s_gate, 2, n)
+        .unwrap_err()
+        .contains("router weight"));
+    assert!(call(&w.router, &w.gate_up[1..], &w.s_gate, 2, n)
+        .unwrap_err()
+        .contains("gate_up"));
+    assert!(call(&w.router, &w.gate_up, &w.s_gate[1..], 2, n)
+        .unwrap_err()
+        .contains("shared expert"));
+    assert!(call(&w.router, &w.gate_up, &w.s_gate, 5, n)
+        .unwrap_err()
+        .contains("top_k"));
+    assert!(call(&w.router, &w.gate_up, &w.s_gate, 2, n - 1)
+        .unwrap_err()
+        .contains("out must be"));
 }

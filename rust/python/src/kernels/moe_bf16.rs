@@ -18,11 +18,14 @@ fn weight<'a>(
             a.shape()
         )));
     }
-    a.as_slice().ok().filter(|_| a.is_c_contiguous()).ok_or_else(|| {
-        PyValueError::new_err(format!(
-            "{name} must be a C-contiguous {layout} array of bfloat16 bits (uint16 view)"
-        ))
-    })
+    a.as_slice()
+        .ok()
+        .filter(|_| a.is_c_contiguous())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{name} must be a C-contiguous {layout} array of bfloat16 bits (uint16 view)"
+            ))
+        })
 }
 
 /// A whole bfloat16 sparse MoE block (see `hybridserve_cpu_kernels::moe_bf16`): `x`
@@ -50,7 +53,9 @@ fn moe_block_bf16(
     shared_gate: Option<PyReadonlyArrayDyn<'_, u16>>,
 ) -> PyResult<usize> {
     use hybridserve_cpu_kernels::moe::Routing;
-    use hybridserve_cpu_kernels::moe_bf16::{moe_block_bf16 as block, Experts, Router, SharedExpert};
+    use hybridserve_cpu_kernels::moe_bf16::{
+        moe_block_bf16 as block, Experts, Router, SharedExpert,
+    };
     let x = rows("x", &x)?;
     let h = x.width;
     let (e, inter) = match (router.shape(), down.shape()) {
