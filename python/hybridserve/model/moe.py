@@ -184,6 +184,11 @@ class SparseMoeBlock(nn.Module):
     # 33.4 / 30.0, 2,048 65.3 / 51.3 (load 2.2; RESULTS.md, "Issue 18: the bfloat16
     # MoE block").
     NATIVE_MAX_TOKENS_BF16 = 768
+    # The shared expert (all T rows, a dense MLP) joins the native call up to this many
+    # rows; past it the MLP module runs it (oneDNN past 16 rows). moe-bench layer, one
+    # thread, thread CPU ms, fused / oneDNN: 24 tokens 1.87 / 2.20, 32 2.40 / 2.63, 64
+    # 3.70 / 3.88, 96-192 within the noise, 256 8.43 / 7.65, 768 22.2 / 20.4 (load 2.1).
+    SHARED_NATIVE_MAX_ROWS_BF16 = 128
 
     def _native_bf16_ok(self, x: torch.Tensor) -> bool:
         ex = self.experts
@@ -200,13 +205,18 @@ class SparseMoeBlock(nn.Module):
     def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 CPU block, HF's bfloat16 rounding points either way."""
         ex = self.experts
-        if x.shape[0] <= self.NATIVE_MAX_TOKENS_BF16:
+        t = x.shape[0]
+        if t <= self.NATIVE_MAX_TOKENS_BF16:
+            fused = self.shared_expert is not None and t <= self.SHARED_NATIVE_MAX_ROWS_BF16
             shared = None
-            if self.shared_expert is not None:
+            if fused:
                 shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
                           self.shared_expert_gate.weight)
             out, _, self.last_max_load = native.moe_block_bf16(
                 x, self.gate.weight, ex.gate_up_proj, ex.down_proj, self.top_k, shared)
+            if self.shared_expert is not None and not fused:
+                # HF's ops in bfloat16: the gate's sigmoid, times the shared output, plus.
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
             return out
         weights, ids = route_ref(self.gate(x), self.top_k)
         out, counts = grouped_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids)

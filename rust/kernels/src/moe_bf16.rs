@@ -41,7 +41,7 @@
 //! tests hold the model to (tokens equal to HF bfloat16's).
 
 use crate::bf16::{from_f32, to_f32, Isa};
-use crate::math::{exp, sigmoid, silu};
+use crate::math::{dispatch, exp, sigmoid, silu};
 use crate::matmul_bf16::{columns, matmul_bf16, Out, OutPtr};
 use crate::moe::Routing;
 use crate::pool::for_each_task;
@@ -393,6 +393,21 @@ fn task_shape(g: &Group<'_>, few_cols: usize, cols: usize) -> (usize, usize) {
     }
 }
 
+dispatch!(
+    /// `dst = silu(gate) * up` from a row's float32 gate and up sums, with each op's
+    /// bfloat16 result as HF's tensors hold them: gate and up (the GEMM's output),
+    /// `silu(gate)`, the product. Compiled for AVX2 too (the loop vectorises).
+    fn activate(gate: &[f32], up: &[f32], dst: &mut [u16]) => activate_body
+);
+
+#[inline(always)]
+fn activate_body(gate: &[f32], up: &[f32], dst: &mut [u16]) {
+    for ((d, &g), &u) in dst.iter_mut().zip(gate).zip(up) {
+        let (g, u) = (to_f32(from_f32(g)), to_f32(from_f32(u)));
+        *d = from_f32(to_f32(from_f32(silu(g))) * u);
+    }
+}
+
 thread_local! {
     /// A task's gate+up sums before `silu(gate) * up` (reused across tasks).
     static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
@@ -432,13 +447,7 @@ unsafe fn up_task(isa: Isa, g: &Group<'_>, act: SharedMut<u16>, r0: usize, c0: u
         }
         for r in 0..n {
             let s = &scratch[r * ldo..(r + 1) * ldo];
-            let dst = act.slice((g.at + r0 + r) * i + c0, w);
-            for (c, d) in dst.iter_mut().enumerate() {
-                // Each op's bfloat16 result, as HF's tensors hold them.
-                let gate = to_f32(from_f32(s[c]));
-                let up = to_f32(from_f32(s[w + c]));
-                *d = from_f32(to_f32(from_f32(silu(gate))) * up);
-            }
+            activate(&s[..w], &s[w..2 * w], act.slice((g.at + r0 + r) * i + c0, w));
         }
     });
 }
