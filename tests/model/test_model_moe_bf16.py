@@ -191,11 +191,13 @@ def test_bf16_moe_prefill_logits_within_tolerance(preset, moe_dirs, hf_bf16, hf_
 
 
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
-@pytest.mark.parametrize("rows", [1, 5, 64, SparseMoeBlock.NATIVE_MAX_TOKENS_BF16 + 37])
+@pytest.mark.parametrize("rows", [1, 5, 64, SparseMoeBlock.SHARED_NATIVE_MAX_ROWS_BF16 + 72,
+                                  SparseMoeBlock.NATIVE_MAX_TOKENS_BF16 + 37])
 def test_bf16_block_equals_hf_bf16_sparse_moe_block(preset, rows, moe_dirs, hf_bf16, native_moe_calls):
     """Each layer's block against HF's on the same bfloat16 input: equal but for the
     GEMMs' float32 summation order (an intermediate rounding the other way now and then),
-    on the native block and on the grouped-GEMM path past it."""
+    on each CPU path: the native block with the shared expert in it, the native block
+    with the shared expert on oneDNN beside it, the grouped GEMMs."""
     model, _ = load_model(moe_dirs[preset], dtype="bfloat16", progress=False)
     x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(BF16)
     for ours, theirs in zip(model.layers, _hf_layers(hf_bf16[preset])):
