@@ -447,7 +447,11 @@ unsafe fn up_task(isa: Isa, g: &Group<'_>, act: SharedMut<u16>, r0: usize, c0: u
         }
         for r in 0..n {
             let s = &scratch[r * ldo..(r + 1) * ldo];
-            activate(&s[..w], &s[w..2 * w], act.slice((g.at + r0 + r) * i + c0, w));
+            activate(
+                &s[..w],
+                &s[w..2 * w],
+                act.slice((g.at + r0 + r) * i + c0, w),
+            );
         }
     });
 }
