@@ -32,7 +32,17 @@ calls. With ``--threads 1`` the time is also taken as the calling thread's CPU t
 thread waits for a core on a shared machine but keeps its stalls on memory; on an
 oversubscribed machine that ratio is the steadier one.
 
+With ``--dtype bfloat16`` both sides are a bfloat16 model's: the MoE block's weights
+as the checkpoint stores them (``[N, K]`` per expert; the native bfloat16 block up to
+``SparseMoeBlock.NATIVE_MAX_TOKENS_BF16`` tokens, torch's grouped GEMMs past it), the
+dense MLP's projections ``[out, in]`` through ``Projection``'s native bfloat16 path
+(``native.linear_bf16`` up to ``NATIVE_MAX_ROWS_BF16`` rows, oneDNN past it), as a
+bfloat16 dense model runs them; the MB columns count bfloat16 bytes. ``--vs-ref`` adds
+the path a bfloat16 MoE block took before (``ops.fused_moe``'s reference: a Python
+loop over the experts with rows), timed in the same rounds.
+
     python benches/moe_layer.py --threads 1
+    python benches/moe_layer.py --threads 1 --dtype bfloat16 --tokens 1,8,16,32,64,256,2048
     python benches/moe_layer.py --threads 1 --tokens 16 --min-s 2   # the 16-token floor
     python benches/moe_layer.py --threads 2 --shape 35b   # the 35B-A3B's layer shape
 """
@@ -75,12 +85,28 @@ def _interleaved(fns, reps: int, min_s: float, rounds: int = 5) -> list[tuple[fl
     return [(1e3 * statistics.median(w), 1e3 * statistics.median(c)) for w, c in zip(wall, cpu)]
 
 
-def build(shape: str, layers: int = 1):
-    built = [_build_one(shape, seed) for seed in range(layers)]
+def build(shape: str, layers: int = 1, dtype: torch.dtype = torch.float32):
+    built = [_build_one(shape, seed, dtype) for seed in range(layers)]
     return [b[0] for b in built], [b[1] for b in built], built[0][2]
 
 
-def _build_one(shape: str, seed: int):
+def fallback(moe, x: torch.Tensor) -> torch.Tensor:
+    """The path a bfloat16 MoE block took before its native block: HF's routing, then
+    ``ops.fused_moe`` (on the CPU the reference's loop over experts) and the shared
+    expert."""
+    import torch.nn.functional as F
+
+    from hybridserve.kernels import ops
+    from hybridserve.kernels.moe import route_ref
+
+    w, ids = route_ref(F.linear(x, moe.gate.weight), moe.top_k)
+    out = ops.fused_moe(x, moe.experts.w13, moe.experts.w2, w, ids)
+    if moe.shared_expert is not None:
+        out = out + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
+    return out
+
+
+def _build_one(shape: str, seed: int, dtype: torch.dtype = torch.float32):
     from hybridserve.config import ModelConfig
     from hybridserve.model.moe import SparseMoeBlock
     from hybridserve.model.qwen3_5 import MLP
@@ -96,7 +122,12 @@ def _build_one(shape: str, seed: int):
         for m in (moe, dense):
             for p in m.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-            for sub in m.modules():  # the CPU layout the loader gives projections
+            if dtype == torch.bfloat16:
+                # The loader's bfloat16 CPU layout: projections [out, in] as stored, the
+                # experts as HF holds them (Experts re-lays them out on the cast).
+                m.to(dtype)
+                continue
+            for sub in m.modules():  # the CPU layout the loader gives float32 projections
                 if isinstance(sub, torch.nn.Linear):
                     sub.weight.data = sub.weight.data.t().contiguous().t()
     moe.requires_grad_(False)
@@ -112,25 +143,34 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=8, help="layers of weights cycled through (see above)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--min-s", type=float, default=1.0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--vs-ref", action="store_true", help="also time the pre-native fallback (see above)")
     a = ap.parse_args(argv)
+    dtype = getattr(torch, a.dtype)
     torch.set_num_threads(a.threads)
     from hybridserve.kernels import native
 
     native.set_threads(a.threads)
-    moes, denses, h = build(a.shape, a.layers)
+    moes, denses, h = build(a.shape, a.layers, dtype)
     nl = len(moes)
+    isa = f", bfloat16 ISA {native.bf16_isa()}" if dtype == torch.bfloat16 else ""
     print(f"torch threads {torch.get_num_threads()}, native kernel threads {native.threads()} "
           f"({native.pool()}), native kernels {'on' if native.available() else 'OFF'}; shape {a.shape} "
-          f"{SHAPES[a.shape]} (hidden, experts, top-k, expert inter, shared inter); {nl} layers cycled")
+          f"{SHAPES[a.shape]} (hidden, experts, top-k, expert inter, shared inter); {nl} layers cycled; "
+          f"{a.dtype}{isa}")
     _, e, k, i, si = SHAPES[a.shape]
-    expert_mb = 3 * h * i * 4 / 1e6
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    expert_mb = 3 * h * i * nbytes / 1e6
     cpu_clock = a.threads == 1
     print(f"load average {os.getloadavg()[0]:.1f} at start; times per layer, medians of interleaved rounds"
           + ("; 'cpu' = the thread's CPU time" if cpu_clock else ""))
     head = f"{'tokens':>7} {'dense ms':>9} {'MoE ms':>9} {'MoE/dense':>10}"
     if cpu_clock:
         head += f" {'dense cpu':>10} {'MoE cpu':>9} {'cpu ratio':>10}"
-    print(head + f" {'MoE MB read':>12} {'GB/s':>6} {'MoE floor':>10} {'floor/dense':>12}")
+    head += f" {'MoE MB read':>12} {'GB/s':>6} {'MoE floor':>10} {'floor/dense':>12}"
+    if a.vs_ref:
+        head += f" {'ref ms':>9} {'ref/MoE':>8}" + (f" {'ref cpu':>9} {'cpu x':>6}" if cpu_clock else "")
+    print(head)
     worst = worst_cpu = 0.0
 
     def stack(layers, x):
@@ -142,26 +182,37 @@ def main(argv=None) -> None:
             m.experts.w13.sum()
             m.experts.w2.sum()
 
-    stream_mb = 3 * e * h * i * 4 / 1e6
+    def stack_ref(x):
+        for m in moes:
+            fallback(m, x)
+
+    stream_mb = 3 * e * h * i * nbytes / 1e6
 
     for t in [int(v) for v in a.tokens.split(",")]:
-        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t))
+        x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype)
         with torch.no_grad():
-            (d, dc), (m, mc), (s, sc) = _interleaved(
-                [lambda: stack(denses, x), lambda: stack(moes, x), stream], a.reps, a.min_s)
+            fns = [lambda: stack(denses, x), lambda: stack(moes, x), stream]
+            if a.vs_ref:
+                fns.append(lambda: stack_ref(x))
+            timed = _interleaved(fns, a.reps, a.min_s)
+            (d, dc), (m, mc), (s, sc) = timed[:3]
             d, dc, m, mc = d / nl, dc / nl, m / nl, mc / nl
             gbs = stream_mb / ((sc if cpu_clock else s) / nl)  # MB per ms = GB/s
             active = sum(int((torch.bincount(
                 torch.topk(x @ moe.gate.weight.t(), k).indices.reshape(-1), minlength=e) > 0).sum())
                 for moe in moes) / nl
-        mb = active * expert_mb + 3 * h * si * 4 / 1e6
+        mb = active * expert_mb + 3 * h * si * nbytes / 1e6
         worst = max(worst, m / d)
         line = f"{t:>7} {d:>9.3f} {m:>9.3f} {m / d:>10.2f}"
         if cpu_clock:
             worst_cpu = max(worst_cpu, mc / dc)
             line += f" {dc:>10.3f} {mc:>9.3f} {mc / dc:>10.2f}"
         floor = mb / gbs
-        print(line + f" {mb:>12.1f} {gbs:>6.1f} {floor:>10.3f} {floor / (dc if cpu_clock else d):>12.2f}")
+        line += f" {mb:>12.1f} {gbs:>6.1f} {floor:>10.3f} {floor / (dc if cpu_clock else d):>12.2f}"
+        if a.vs_ref:
+            r, rc = timed[3][0] / nl, timed[3][1] / nl
+            line += f" {r:>9.3f} {r / m:>8.1f}" + (f" {rc:>9.3f} {rc / mc:>6.1f}" if cpu_clock else "")
+        print(line)
     print(f"worst ratio {worst:.2f}" + (f", by CPU time {worst_cpu:.2f}" if cpu_clock else "")
           + f" (target <= 1.5); load average {os.getloadavg()[0]:.1f} at the end")
 

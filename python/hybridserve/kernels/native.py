@@ -372,3 +372,38 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w
     busiest = _k.moe_block(_np(x), _weight_view(router_weight), _np(w13), _np(w2), int(top_k), _np(out),
                            ids.numpy(), _np(weights), **opt)
     return out, ids, busiest
+
+
+def _weight_bits(weight: torch.Tensor) -> np.ndarray:
+    """A bfloat16 weight's bits as numpy uint16, cached on the parameter as
+    :func:`_weight_view` caches its transpose (a decode step passes each MoE weight
+    once per layer: the view costs more than the lookup)."""
+    key = (weight.data_ptr(), tuple(weight.shape))
+    cached = getattr(weight, "_hybridserve_bits", None)
+    if cached is None or cached[0] != key:
+        cached = (key, _bits(weight))
+        weight._hybridserve_bits = cached
+    return cached[1]
+
+
+def moe_block_bf16(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   top_k: int, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A whole bfloat16 sparse MoE block in one native call, HF's bfloat16 block's
+    rounding points (see ``rust/kernels/src/moe_bf16.rs``). Every weight as the
+    checkpoint stores it, C-contiguous: ``router_weight`` ``[E, H]``, ``gate_up``
+    ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (HF's ``experts.gate_up_proj`` /
+    ``down_proj``), the shared expert's ``(gate_up [2Is, H], down [H, Is], gate [1, H])``.
+    Returns (output ``[T, H]`` bfloat16, expert ids ``[T, k]``, rows of the busiest
+    expert)."""
+    t = x.shape[0]
+    out = torch.empty(t, x.shape[1], dtype=_BF16)
+    ids = torch.empty(t, top_k, dtype=torch.int64)
+    weights = torch.empty(t, top_k, dtype=torch.float32)
+    opt = {}
+    if shared is not None:
+        s13, s2, sg = shared
+        opt = dict(shared_gate_up=_weight_bits(s13), shared_down=_weight_bits(s2), shared_gate=_weight_bits(sg))
+    busiest = _k.moe_block_bf16(_bits(x), _weight_bits(router_weight), _weight_bits(gate_up), _weight_bits(down),
+                                int(top_k), _bits(out), ids.numpy(), _np(weights), **opt)
+    return out, ids, busiest

@@ -7,10 +7,13 @@ SwiGLU experts' outputs weighted and summed; plus the shared expert scaled by
 ``sigmoid(shared_expert_gate(x))``.
 
 Expert weights live in one tensor per kind, with HF's in-memory shapes
-(``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``) but
-stored per expert transposed, i.e. ``[E, H, 2I]`` and ``[E, I, H]`` in memory: the
-layout of the dense path's projections on the CPU, which the native kernel's GEMMs
-and the Triton kernel read in place. Checkpoints store one tensor per expert and
+(``experts.gate_up_proj`` ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``). In
+float32 (and on the GPU) they are stored per expert transposed, i.e. ``[E, H, 2I]``
+and ``[E, I, H]`` in memory, which the float32 native kernel's GEMMs and the Triton
+kernel read in place; in bfloat16 on the CPU they are stored as HF holds them
+(``[N, K]`` row-major per expert, like every bfloat16 projection), which the bfloat16
+native block (``native.moe_block_bf16``) and torch's grouped GEMM read in place.
+Checkpoints store one tensor per expert and
 projection (``experts.{e}.gate_proj.weight`` ...) or HF's fused 3-D tensors; both are
 views of these two parameters (:meth:`Experts.hf_views`, :meth:`Experts.fused_views`),
 so the loader streams either straight into place.
@@ -71,22 +74,28 @@ class Experts(_Fused, nn.Module):
     HUGE_PAGE_MIN_BYTES = 4 << 20
 
     def _use_huge_pages(self) -> None:
-        """Move both expert tensors (CPU only) into huge-page memory, same values and
-        layout. One tensor at a time: never a second copy of more than one layer's
-        experts of one kind (the loader allocates layer by layer through ``to_empty``)."""
+        """Move both expert tensors (CPU only) into huge-page memory, same values, in
+        the CPU layout of their dtype (module docstring: transposed storage for
+        float32, HF's for bfloat16, whose kernels read ``[N, K]`` rows). One tensor at
+        a time: never a second copy of more than one layer's experts of one kind (the
+        loader allocates layer by layer through ``to_empty``)."""
         for name in ("gate_up_proj", "down_proj"):
             p = getattr(self, name)
-            if p.device.type != "cpu" or p.numel() * p.element_size() < self.HUGE_PAGE_MIN_BYTES:
+            if p.device.type != "cpu":
                 continue
-            stored = p.data.transpose(1, 2)  # the contiguous [E, H, 2I] / [E, I, H] storage
-            if not stored.is_contiguous():
-                continue
-            new = _huge_page_empty(tuple(stored.shape), stored.dtype)
+            hf_layout = p.dtype == torch.bfloat16
+            # The storage the kernels read: [E, 2I, H] / [E, H, I] (bfloat16) or
+            # [E, H, 2I] / [E, I, H] (float32), contiguous.
+            stored = p.data if hf_layout else p.data.transpose(1, 2)
+            big = p.numel() * p.element_size() >= self.HUGE_PAGE_MIN_BYTES
+            new = _huge_page_empty(tuple(stored.shape), stored.dtype) if big else None
             if new is None:
-                return
+                if stored.is_contiguous():
+                    continue
+                new = torch.empty(stored.shape, dtype=stored.dtype)
             with torch.no_grad():
                 new.copy_(stored)
-            p.data = new.transpose(1, 2)
+            p.data = new if hf_layout else new.transpose(1, 2)
 
     def _apply(self, fn, recurse=True):
         # to_empty / to / float on the module allocate new tensors: keep them in
@@ -100,12 +109,12 @@ class Experts(_Fused, nn.Module):
 
     @property
     def w13(self) -> torch.Tensor:
-        """``[E, H, 2I]`` contiguous: ``x @ w13[e]`` is expert e's gate then up."""
+        """``[E, H, 2I]`` (contiguous in float32): ``x @ w13[e]`` is expert e's gate then up."""
         return self.gate_up_proj.transpose(1, 2)
 
     @property
     def w2(self) -> torch.Tensor:
-        """``[E, I, H]`` contiguous."""
+        """``[E, I, H]`` (contiguous in float32)."""
         return self.down_proj.transpose(1, 2)
 
     def hf_views(self) -> dict[str, torch.Tensor]:
@@ -167,7 +176,58 @@ class SparseMoeBlock(nn.Module):
         # Qwen3_5ForServing.store_cpu_layout).
         return all(w.stride(0) == 1 for w in weights)
 
+    # bfloat16 on the CPU: the native block up to this many tokens; past it the routed
+    # experts run as one pair of torch grouped GEMMs (oneDNN) and the shared expert as
+    # a dense MLP, which beat the native few-row kernel on long chunks (its dot products
+    # reduce across lanes per output). moe-bench layer, one thread, thread CPU ms,
+    # native / grouped: 256 tokens 8.9 / 14.1, 512 16.0 / 18.7, 768 23.8 / 26.1, 1,024
+    # 33.4 / 30.0, 2,048 65.3 / 51.3 (load 2.2; RESULTS.md, "Issue 18: the bfloat16
+    # MoE block").
+    NATIVE_MAX_TOKENS_BF16 = 768
+    # The shared expert (all T rows, a dense MLP) joins the native call up to this many
+    # rows; past it the MLP module runs it (oneDNN past 16 rows). moe-bench layer, one
+    # thread, thread CPU ms, fused / oneDNN: 24 tokens 1.87 / 2.20, 32 2.40 / 2.63, 64
+    # 3.70 / 3.88, 96-192 within the noise, 256 8.43 / 7.65, 768 22.2 / 20.4 (load 2.1).
+    SHARED_NATIVE_MAX_ROWS_BF16 = 128
+
+    def _native_bf16_ok(self, x: torch.Tensor) -> bool:
+        ex = self.experts
+        if not (x.dim() == 2 and x.is_contiguous()
+                and native.usable_bf16(x, self.gate.weight, ex.gate_up_proj, ex.down_proj)):
+            return False
+        weights = [self.gate.weight, ex.gate_up_proj, ex.down_proj]
+        if self.shared_expert is not None:
+            weights += [self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
+                        self.shared_expert_gate.weight]
+        # Every weight as the checkpoint stores it ([N, K] row-major, Experts' bfloat16 layout).
+        return all(w.is_contiguous() for w in weights)
+
+    def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+        """The bfloat16 CPU block, HF's bfloat16 rounding points either way."""
+        ex = self.experts
+        t = x.shape[0]
+        if t <= self.NATIVE_MAX_TOKENS_BF16:
+            fused = self.shared_expert is not None and t <= self.SHARED_NATIVE_MAX_ROWS_BF16
+            shared = None
+            if fused:
+                shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
+                          self.shared_expert_gate.weight)
+            out, _, self.last_max_load = native.moe_block_bf16(
+                x, self.gate.weight, ex.gate_up_proj, ex.down_proj, self.top_k, shared)
+            if self.shared_expert is not None and not fused:
+                # HF's ops in bfloat16: the gate's sigmoid, times the shared output, plus.
+                out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            return out
+        weights, ids = route_ref(self.gate(x), self.top_k)
+        out, counts = grouped_experts(x, ex.gate_up_proj, ex.down_proj, weights, ids)
+        self.last_max_load = counts.max()
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self._native_bf16_ok(x):
+            return self._forward_bf16(x)
         if self._native_ok(x):
             # Few rows: the shared expert is one more group of the native call (its
             # GEMMs share the parallel regions of the routed ones). Many rows: it is a
@@ -190,3 +250,27 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+                    ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts as HF's default (``grouped_mm``) experts path runs them:
+    (token, slot) pairs sorted by expert, one grouped GEMM for every expert's gate+up
+    and one for its down projection (torch's ``grouped_mm``: no Python loop over
+    experts), ``silu(gate) * up``, each row times its routing weight, and the k rows of
+    a token summed (in float32 by torch, rounded once). ``gate_up`` ``[E, 2I, H]`` and
+    ``down`` ``[E, H, I]`` as HF holds them. Returns (output ``[T, H]``, rows per
+    expert)."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = expert_counts(flat, gate_up.shape[0])
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    h = F.grouped_mm(x[order // k], gate_up.transpose(-2, -1), offs=offs)
+    inter = down.shape[-1]
+    act = native.silu_mul(h, inter) if native.usable_bf16(h) else F.silu(h[:, :inter]) * h[:, inter:]
+    y = F.grouped_mm(act, down.transpose(-2, -1), offs=offs)
+    y = y * weights.reshape(-1)[order, None]
+    rows = torch.empty_like(y)
+    rows[order] = y
+    return rows.view(t, k, -1).sum(dim=1), counts

@@ -20,7 +20,8 @@
 //!   sequence's decode, bound by reading the weight) need.
 //! * [`moe`]: a whole sparse mixture-of-experts block (routing, tokens grouped by
 //!   expert in one counting pass, every expert's GEMM pair on the few-row GEMM, the
-//!   weighted scatter back), the shared expert fused in.
+//!   weighted scatter back), the shared expert fused in; [`moe_bf16`] the same for a
+//!   bfloat16 model, on [`matmul_bf16`]'s inner kernel over the weights as stored.
 //! * [`rope`]: attention's per-head q/k norm and rotary embedding in one pass.
 //! * [`norm`]: RMSNorm with the residual add fused in.
 //! * [`sample`]: a whole sampling step (processors, top-k/top-p/min-p, the seeded
@@ -53,11 +54,13 @@ pub mod matmul;
 pub mod matmul_bf16;
 pub mod matmul_rows;
 pub mod moe;
+pub mod moe_bf16;
 pub mod norm;
 mod pool;
 pub mod rope;
 mod row_tiles;
 pub mod sample;
+mod topk;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
 

@@ -61,9 +61,10 @@ impl Out<'_> {
     }
 }
 
-/// The output as a raw pointer that tasks share to write disjoint columns.
+/// The output as a raw pointer that tasks share to write disjoint columns (also the
+/// fused MoE block's, [`crate::moe_bf16`], which runs [`columns`] per expert).
 #[derive(Clone, Copy)]
-enum OutPtr {
+pub(crate) enum OutPtr {
     F32(*mut f32),
     Bf16(*mut u16),
 }
@@ -74,7 +75,7 @@ impl OutPtr {
     /// # Safety
     /// `at` must lie in the output, written by this task alone.
     #[inline(always)]
-    unsafe fn put(self, at: usize, v: f32) {
+    pub(crate) unsafe fn put(self, at: usize, v: f32) {
         match self {
             OutPtr::F32(p) => *p.add(at) = v,
             OutPtr::Bf16(p) => *p.add(at) = from_f32(v),
@@ -121,7 +122,7 @@ pub fn matmul_bf16_with(
         let (j0, j1) = (t * per_task, ((t + 1) * per_task).min(n));
         // SAFETY: output columns j0..j1 of every row belong to this task alone; the
         // ISA was checked above.
-        unsafe { columns(isa, &x, w, j0, j1, ptr, n) };
+        unsafe { columns(isa, &x, w, j0, j1, ptr, n, j0) };
     });
     Ok(())
 }
@@ -132,7 +133,13 @@ pub fn matmul_bf16_with(
 /// done together; 16 measured no faster and spills at two rows), on AVX2 side by side
 /// with the next block prefetched (8 loads and accumulators in flight per step; AVX2's
 /// 16 registers hold no more).
-unsafe fn columns(
+///
+/// # Safety
+/// `isa` must be supported; `w` must hold rows `j0..j1` of `x.width` values; `out` must
+/// hold `x.rows` rows of `ldo` values, of which columns `oc..oc + j1 - j0` (where
+/// weight rows `j0..j1` go: `oc = j0` for a full output) are this caller's alone.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn columns(
     isa: Isa,
     x: &Rows<'_, u16>,
     w: &[u16],
@@ -140,13 +147,15 @@ unsafe fn columns(
     j1: usize,
     out: OutPtr,
     ldo: usize,
+    oc: usize,
 ) {
     match x.rows {
-        1 | 2 => columns_of::<{ 2 * NR }>(isa, x, w, j0, j1, out, ldo),
-        _ => columns_of::<NR>(isa, x, w, j0, j1, out, ldo),
+        1 | 2 => columns_of::<{ 2 * NR }>(isa, x, w, j0, j1, out, ldo, oc),
+        _ => columns_of::<NR>(isa, x, w, j0, j1, out, ldo, oc),
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 unsafe fn columns_of<const C: usize>(
     isa: Isa,
     x: &Rows<'_, u16>,
@@ -155,6 +164,7 @@ unsafe fn columns_of<const C: usize>(
     j1: usize,
     out: OutPtr,
     ldo: usize,
+    oc: usize,
 ) {
     let k = x.width;
     let mut j = j0;
@@ -195,7 +205,7 @@ unsafe fn columns_of<const C: usize>(
             next = std::ptr::null();
             for (i, row) in tile.iter().enumerate().take(mr) {
                 for (c, &v) in row.iter().enumerate().take(nc) {
-                    out.put((r + i) * ldo + j + c, v);
+                    out.put((r + i) * ldo + oc + (j - j0) + c, v);
                 }
             }
             r += mr;

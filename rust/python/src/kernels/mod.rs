@@ -24,6 +24,7 @@ mod activation;
 mod bf16;
 mod cache_write;
 mod checks;
+mod moe_bf16;
 mod sample;
 use bf16::*;
 use checks::*;
@@ -403,6 +404,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(uses_openmp, m)?)?;
     activation::register(m)?;
     cache_write::register(m)?;
+    moe_bf16::register(m)?;
     sample::register(m)?;
     Ok(())
 }
