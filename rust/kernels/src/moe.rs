@@ -4,7 +4,7 @@
 //! Per call (one layer of one step):
 //!
 //! 1. Router logits `x Wr^T` and, per token, HF's routing in float32: softmax, top-k
-//!    (ties to the lower expert index, as `torch.topk`), the k weights divided by their
+//!    (equal probabilities chosen and ordered as `torch.topk` does, [`crate::topk`]), the k weights divided by their
 //!    sum; the shared expert's gate `sigmoid(x . wg)`.
 //! 2. One counting pass groups the `T x k` (token, expert) pairs by expert (stable:
 //!    token order within an expert) and gathers their rows of `x` contiguously.
@@ -385,6 +385,7 @@ fn route(
     for_each_task(t.div_ceil(chunk), t * e * 8, |c| {
         let mut probs = vec![0.0f32; e];
         let mut best = vec![0usize; k];
+        let (mut queue, mut picked) = (Vec::new(), vec![(0.0f32, 0usize); k]);
         for tok in c * chunk..((c + 1) * chunk).min(t) {
             let l = &logits[tok * e..(tok + 1) * e];
             let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -403,7 +404,16 @@ fn route(
             }
             // SAFETY: token tok's k entries belong to this task alone.
             let (id_row, w_row) = unsafe { (ids_p.slice(tok * k, k), w_p.slice(tok * k, k)) };
-            let found = top_k(&probs, &mut best);
+            let (mut found, tie) = top_k(&probs, &mut best);
+            if tie {
+                // Equal probabilities at or above the k-th (or a NaN): which of them
+                // torch takes, and in what order, is its selection algorithm's doing.
+                crate::topk::topk(&probs, k, &mut queue, &mut picked);
+                for (b, &(_, id)) in best.iter_mut().zip(picked.iter()) {
+                    *b = id;
+                }
+                found = k;
+            }
             for j in 0..k {
                 // Fewer than k numbers (NaN logits): the slot's own index, as before.
                 let id = if j < found { best[j] } else { j };
@@ -423,29 +433,40 @@ fn route(
     });
 }
 
-/// The indices of the `best.len()` largest of `probs` into `best`, largest first, ties
-/// to the lower index and NaN skipped (what `best.len()` rounds of "the largest
-/// remaining, ties to the lower index" give, as `torch.topk` orders them), in one pass:
-/// a candidate enters the sorted list only if it beats its last entry. Returns how many
-/// were found (fewer than `best.len()` only when fewer numbers than that are not NaN).
-fn top_k(probs: &[f32], best: &mut [usize]) -> usize {
+/// The indices of the `best.len()` largest of `probs` into `best`, largest first, in
+/// one pass: a candidate enters the sorted list only if it beats its last entry.
+/// Returns how many were found (fewer than `best.len()` only when fewer numbers than
+/// that are not NaN) and whether the choice met a tie: two equal probabilities of
+/// which at least one is kept, or a NaN. Without one the choice and its order are
+/// `torch.topk`'s; with one the caller asks [`crate::topk`], which follows torch's
+/// selection (torch does not simply prefer the lower index among equals).
+fn top_k(probs: &[f32], best: &mut [usize]) -> (usize, bool) {
     let k = best.len();
     let mut n = 0;
+    let mut tie = false;
     for (cand, &p) in probs.iter().enumerate() {
-        if p.is_nan() || (n == k && p <= probs[best[k - 1]]) {
+        if p.is_nan() {
+            tie = true;
             continue;
         }
-        // After every entry at least as large: a later index loses ties.
+        if n == k {
+            let last = probs[best[k - 1]];
+            if p <= last {
+                tie |= p == last;
+                continue;
+            }
+        }
         let mut pos = n.min(k - 1);
         while pos > 0 && probs[best[pos - 1]] < p {
             pos -= 1;
         }
+        tie |= pos > 0 && probs[best[pos - 1]] == p;
         let end = n.min(k - 1);
         best.copy_within(pos..end, pos + 1);
         best[pos] = cand;
         n = (n + 1).min(k);
     }
-    n
+    (n, tie)
 }
 
 /// Tasks `(group, first row, first strip unit)` over every group's rows x `width(g)`
