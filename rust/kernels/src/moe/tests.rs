@@ -5,6 +5,43 @@ fn silu64(v: f64) -> f64 {
     v / (1.0 + (-v).exp())
 }
 
+/// One `moe_block` call with a shared expert over dense `[T, H]` rows; returns the
+/// output, the routing (ids, weights) and the busiest expert's row count.
+#[allow(clippy::too_many_arguments)]
+fn block_with_shared(
+    x: &[f32],
+    h: usize,
+    (wr, e, k): (&[f32], usize, usize),
+    (w13, w2, i): (&[f32], &[f32], usize),
+    (s13, s2, sg, si): (&[f32], &[f32], &[f32], usize),
+) -> (Vec<f32>, Vec<i64>, Vec<f32>, usize) {
+    let t = x.len() / h;
+    let mut out = vec![0.0f32; t * h];
+    let (mut ids, mut ws) = (vec![0i64; t * k], vec![0.0f32; t * k]);
+    let max = moe_block(
+        Rows::dense(x, h).unwrap(),
+        Router {
+            weight_t: wr,
+            num_experts: e,
+            top_k: k,
+        },
+        Experts { w13, w2, inter: i },
+        Some(SharedExpert {
+            w13: s13,
+            w2: s2,
+            inter: si,
+            gate: sg,
+        }),
+        &mut out,
+        Routing {
+            ids: &mut ids,
+            weights: &mut ws,
+        },
+    )
+    .unwrap();
+    (out, ids, ws, max)
+}
+
 type FewRows = fn(&Ctx<'_>, usize, usize, usize, usize);
 
 /// Every few-row walk (portable, and with AVX-512 the streaming and the blocked walk)
@@ -99,33 +136,8 @@ fn check_against_scalar(t: usize) {
     let s13 = gen(h * 2 * si, 23);
     let s2 = gen(si * h, 29);
     let sg = gen(h, 31);
-    let mut out = vec![0.0f32; t * h];
-    let (mut ids, mut ws) = (vec![0i64; t * k], vec![0.0f32; t * k]);
-    let max = moe_block(
-        Rows::dense(&x, h).unwrap(),
-        Router {
-            weight_t: &wr,
-            num_experts: e,
-            top_k: k,
-        },
-        Experts {
-            w13: &w13,
-            w2: &w2,
-            inter: i,
-        },
-        Some(SharedExpert {
-            w13: &s13,
-            w2: &s2,
-            inter: si,
-            gate: &sg,
-        }),
-        &mut out,
-        Routing {
-            ids: &mut ids,
-            weights: &mut ws,
-        },
-    )
-    .unwrap();
+    let (out, ids, ws, max) =
+        block_with_shared(&x, h, (&wr, e, k), (&w13, &w2, i), (&s13, &s2, &sg, si));
     let mut counts = vec![0usize; e];
     let ffn = |xr: &[f32], w13: &[f32], w2: &[f32], inter: usize| -> Vec<f64> {
         let a: Vec<f64> = (0..inter)
@@ -357,36 +369,7 @@ fn a_call_reads_nothing_an_earlier_call_left() {
     };
     let (x, wr, w13, w2) = (gen(t * h), gen(h * e), gen(e * h * 2 * i), gen(e * i * h));
     let (s13, s2, sg) = (gen(h * 2 * si), gen(si * h), gen(h));
-    let run = || {
-        let mut out = vec![0.0f32; t * h];
-        let (mut ids, mut ws) = (vec![0i64; t * k], vec![0.0f32; t * k]);
-        moe_block(
-            Rows::dense(&x, h).unwrap(),
-            Router {
-                weight_t: &wr,
-                num_experts: e,
-                top_k: k,
-            },
-            Experts {
-                w13: &w13,
-                w2: &w2,
-                inter: i,
-            },
-            Some(SharedExpert {
-                w13: &s13,
-                w2: &s2,
-                inter: si,
-                gate: &sg,
-            }),
-            &mut out,
-            Routing {
-                ids: &mut ids,
-                weights: &mut ws,
-            },
-        )
-        .unwrap();
-        out
-    };
+    let run = || block_with_shared(&x, h, (&wr, e, k), (&w13, &w2, i), (&s13, &s2, &sg, si)).0;
     let fresh = std::thread::scope(|s| s.spawn(run).join().unwrap());
     BUFFERS.with_borrow_mut(|b| {
         for v in [
