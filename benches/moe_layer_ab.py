@@ -19,11 +19,7 @@ their outputs are checked to agree before timing.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import importlib.machinery
-import importlib.util
 import os
-import re
 import statistics
 import sys
 import time
@@ -32,25 +28,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe_layer  # noqa: E402  (this folder's bench: the layers and the dense side)
+from bf16_kernels import load_baseline  # noqa: E402  (another build's kernels beside this one)
 
 from hybridserve.kernels import native  # noqa: E402
 from hybridserve.kernels.native import _np, _weight_view  # noqa: E402
-
-
-def load_build(path: str):
-    """The ``kernels`` submodule of the extension at ``path``, as a module of its own
-    (its own statics: thread count, pool, buffers), on torch's OpenMP workers."""
-    loader = importlib.machinery.ExtensionFileLoader("hybridserve_before._core", path)
-    spec = importlib.util.spec_from_file_location("hybridserve_before._core", path, loader=loader)
-    mod = importlib.util.module_from_spec(spec)
-    loader.exec_module(mod)
-    k = mod.kernels
-    if native.pool() == "openmp":
-        with open("/proc/self/maps") as f:
-            lib = ctypes.CDLL(sorted(set(re.findall(r"(/\S*libgomp[^/\s]*\.so[^/\s]*)", f.read())))[0])
-        k._use_openmp(ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value,
-                      ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value)
-    return k
 
 
 def moe_call(k, m, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +59,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", default="1,8,16,32,64,256")
     ap.add_argument("--rounds", type=int, default=15)
     a = ap.parse_args(argv)
-    before, after = load_build(a.before), native._k
+    before, after = load_baseline(a.before), native._k
     torch.set_num_threads(1)
     native.set_threads(1)
     before.set_kernel_threads(1)
