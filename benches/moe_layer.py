@@ -100,7 +100,12 @@ def fallback(moe, x: torch.Tensor) -> torch.Tensor:
     from hybridserve.kernels.moe import route_ref
 
     w, ids = route_ref(F.linear(x, moe.gate.weight), moe.top_k)
-    out = ops.fused_moe(x, moe.experts.w13, moe.experts.w2, w, ids)
+    # HF's layout, copied once: the block's own tensors are packed for the native
+    # kernel after its first call, and reading them as HF's would unpack them.
+    ref = getattr(moe, "_bench_hf_experts", None)
+    if ref is None:
+        ref = moe._bench_hf_experts = (moe.experts.w13.clone(), moe.experts.w2.clone())
+    out = ops.fused_moe(x, ref[0], ref[1], w, ids)
     if moe.shared_expert is not None:
         out = out + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
     return out

@@ -47,6 +47,9 @@ use crate::moe::Routing;
 use crate::pool::for_each_task;
 use crate::topk::topk;
 use crate::{KernelError, Rows, SharedMut};
+use panels::panel_columns;
+
+pub mod panels;
 
 /// The router's weight `[E, H]` (HF's `mlp.gate.weight`).
 pub struct Router<'a> {
@@ -56,11 +59,46 @@ pub struct Router<'a> {
 }
 
 /// The routed experts: `gate_up` `[E, 2I, H]` (gate rows then up rows), `down`
-/// `[E, H, I]`: HF's `experts.gate_up_proj` / `experts.down_proj`.
+/// `[E, H, I]`: HF's `experts.gate_up_proj` / `experts.down_proj`; with `packed`, each
+/// expert's gate `[I, H]`, up `[I, H]` and down `[H, I]` in the panel layout of
+/// [`panels`] (what [`pack_experts`] makes of HF's).
 pub struct Experts<'a> {
     pub gate_up: &'a [u16],
     pub down: &'a [u16],
     pub inter: usize,
+    pub packed: bool,
+}
+
+/// HF's expert tensors (`gate_up` `[E, 2I, H]`, `down` `[E, H, I]`) rearranged in
+/// place into the panel layout [`Experts`] `packed` reads, one matrix of scratch at a
+/// time (no second copy of the weights); `unpack` the inverse.
+pub fn pack_experts(
+    gate_up: &mut [u16],
+    down: &mut [u16],
+    e: usize,
+    h: usize,
+    inter: usize,
+    unpack: bool,
+) -> Result<(), KernelError> {
+    if gate_up.len() != e * 2 * inter * h || down.len() != e * h * inter {
+        return Err(KernelError::new(format!(
+            "expert weights must be gate_up [E={e}, 2I={}, H={h}] and down [E, H, I={inter}]; got {} and {} elements",
+            2 * inter,
+            gate_up.len(),
+            down.len()
+        )));
+    }
+    let f = if unpack { panels::unpack } else { panels::pack };
+    let mut scratch = Vec::new();
+    if inter * h > 0 {
+        for m in gate_up.chunks_exact_mut(inter * h) {
+            f(m, inter, h, &mut scratch);
+        }
+        for m in down.chunks_exact_mut(h * inter) {
+            f(m, h, inter, &mut scratch);
+        }
+    }
+    Ok(())
 }
 
 /// The shared expert: `gate_up` `[2Is, H]`, `down` `[H, Is]`, its gate's weight `[H]`.
@@ -80,6 +118,8 @@ struct Group<'a> {
     /// First row of its `act` / `y` rows in its kind's buffers.
     at: usize,
     shared: bool,
+    /// Weights in the panel layout ([`panels`]).
+    packed: bool,
 }
 
 /// Rows per task of a group of more than [`FEW`] rows: a multiple of the register
@@ -95,6 +135,8 @@ const UP_COLS_FEW: usize = 64;
 const DOWN_COLS_FEW: usize = 128;
 const UP_COLS: usize = 16;
 const DOWN_COLS: usize = 32;
+/// Columns per task of a group of more than [`FEW`] rows on packed weights: one panel.
+const PACKED_COLS: usize = panels::PANEL;
 
 fn check(
     x: &Rows<'_, u16>,
@@ -220,6 +262,7 @@ pub fn moe_block_bf16(
                 inter,
                 at: start[j],
                 shared: false,
+                packed: experts.packed,
             });
         }
     }
@@ -231,6 +274,7 @@ pub fn moe_block_bf16(
             inter: s.inter,
             at: 0,
             shared: true,
+            packed: false,
         });
     }
     let s_inter = shared.as_ref().map_or(0, |s| s.inter);
@@ -384,10 +428,13 @@ fn tasks(
     out
 }
 
-/// (rows, columns) of one task of `g`.
+/// (rows, columns) of one task of `g` (whole panels on packed weights: `few_cols`
+/// is a multiple of one).
 fn task_shape(g: &Group<'_>, few_cols: usize, cols: usize) -> (usize, usize) {
     if g.x.rows <= FEW {
         (FEW, few_cols)
+    } else if g.packed {
+        (ROW_TILE, PACKED_COLS)
     } else {
         (ROW_TILE, cols)
     }
@@ -438,7 +485,12 @@ unsafe fn up_task(isa: Isa, g: &Group<'_>, act: SharedMut<u16>, r0: usize, c0: u
             scratch.resize(n * ldo, 0.0);
         }
         let out = OutPtr::F32(scratch.as_mut_ptr());
-        if w == i {
+        if g.packed {
+            // Gate then up, each an [I, H] matrix of panels.
+            let (gate, up) = g.gate_up.split_at(i * x.width);
+            panel_columns(isa, &x, gate, i, c0, c1, out, ldo, 0);
+            panel_columns(isa, &x, up, i, c0, c1, out, ldo, w);
+        } else if w == i {
             // The expert's whole gate+up: one run in memory order.
             columns(isa, &x, g.gate_up, 0, 2 * i, out, ldo, 0);
         } else {
@@ -481,7 +533,11 @@ unsafe fn down_task(
     };
     let c1 = (c0 + cols).min(h);
     let out = OutPtr::Bf16(y.add((g.at + r0) * h).0);
-    columns(isa, &x, g.down, c0, c1, out, h, c0);
+    if g.packed {
+        panel_columns(isa, &x, g.down, h, c0, c1, out, h, c0);
+    } else {
+        columns(isa, &x, g.down, c0, c1, out, h, c0);
+    }
 }
 
 #[cfg(test)]
