@@ -38,6 +38,14 @@ def _packed(gate_up, down):
     return gate_up, down
 
 
+def _packed_shared(shared):
+    """The shared expert's (gate_up, down) packed as one expert; its gate as it is."""
+    if shared is None:
+        return None
+    gu, dn = _packed(shared[0][None], shared[1][None])
+    return gu[0], dn[0], shared[2]
+
+
 def _reference(x, router, gate_up, down, k, shared):
     """float32 math on the bfloat16 values; the router's logits rounded to bfloat16 (HF's
     bfloat16 ``F.linear`` output) before HF's float32 softmax-topk-renormalise."""
@@ -63,7 +71,9 @@ def test_block_matches_the_float32_reference(t, h, e, k, i, si, packed):
     want, want_ids, logits = _reference(x, router, gate_up, down, k, shared)
     if packed:
         gate_up, down = _packed(gate_up, down)
-    got, ids, busiest = native.moe_block_bf16(x, router, gate_up, down, k, shared, packed=packed)
+        shared = _packed_shared(shared)
+    got, ids, busiest = native.moe_block_bf16(x, router, gate_up, down, k, shared, packed=packed,
+                                              shared_packed=packed)
     assert got.dtype == BF16 and got.shape == (t, h)
     # The same experts where the k-th logit is more than a bfloat16 step or two above
     # the next (the kernel's float32 logit sums, in another order, may round to the
@@ -138,9 +148,11 @@ def test_a_token_gets_the_same_output_alone_and_in_a_batch(packed):
     x, router, gate_up, down, shared = _weights(40, 64, 9, 32, 48, seed=11)
     if packed:
         gate_up, down = _packed(gate_up, down)
-    all_out, all_ids, _ = native.moe_block_bf16(x, router, gate_up, down, 3, shared, packed=packed)
+        shared = _packed_shared(shared)
+    opt = dict(packed=packed, shared_packed=packed)
+    all_out, all_ids, _ = native.moe_block_bf16(x, router, gate_up, down, 3, shared, **opt)
     for tok in (0, 17, 39):
-        one, ids, _ = native.moe_block_bf16(x[tok:tok + 1], router, gate_up, down, 3, shared, packed=packed)
+        one, ids, _ = native.moe_block_bf16(x[tok:tok + 1], router, gate_up, down, 3, shared, **opt)
         assert torch.equal(ids[0], all_ids[tok]) and torch.equal(one[0], all_out[tok])
 
 

@@ -251,3 +251,10 @@ def test_packed_experts_give_hfs_tensors_back(moe_dirs):
     with torch.no_grad():
         block(x)
     assert torch.equal(ex.w13[5].t(), torch.cat([gate, up])) and not ex.packed_bf16
+    # The shared expert runs on a packed copy, remade when its weights change in place.
+    s = block.shared_expert.gate_up_proj.weight
+    with torch.no_grad():
+        s.mul_(2)
+        assert not torch.equal(block(x), first)
+        s.div_(2)
+        assert torch.equal(block(x), first)

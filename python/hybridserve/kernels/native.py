@@ -388,7 +388,8 @@ def _weight_bits(weight: torch.Tensor) -> np.ndarray:
 
 def moe_block_bf16(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    top_k: int, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                   packed: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
+                   packed: bool = False, shared_packed: bool = False,
+                   ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A whole bfloat16 sparse MoE block in one native call, HF's bfloat16 block's
     rounding points (see ``rust/kernels/src/moe_bf16.rs``). Every weight as the
     checkpoint stores it, C-contiguous: ``router_weight`` ``[E, H]``, ``gate_up``
@@ -396,7 +397,9 @@ def moe_block_bf16(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.
     ``down_proj``), the shared expert's ``(gate_up [2Is, H], down [H, Is], gate [1, H])``.
     Returns (output ``[T, H]`` bfloat16, expert ids ``[T, k]``, rows of the busiest
     expert). ``packed``: ``gate_up`` and ``down`` hold the panel layout
-    :func:`pack_experts_bf16` makes (same shapes)."""
+    :func:`pack_experts_bf16` makes (same shapes); ``shared_packed``: the shared
+    expert's ``gate_up`` / ``down`` too (packed as one expert: ``[1, 2Is, H]`` /
+    ``[1, H, Is]`` through :func:`pack_experts_bf16`, passed as ``[2Is, H]`` / ``[H, Is]``)."""
     t = x.shape[0]
     out = torch.empty(t, x.shape[1], dtype=_BF16)
     ids = torch.empty(t, top_k, dtype=torch.int64)
@@ -406,7 +409,8 @@ def moe_block_bf16(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.
         s13, s2, sg = shared
         opt = dict(shared_gate_up=_weight_bits(s13), shared_down=_weight_bits(s2), shared_gate=_weight_bits(sg))
     busiest = _k.moe_block_bf16(_bits(x), _weight_bits(router_weight), _weight_bits(gate_up), _weight_bits(down),
-                                int(top_k), _bits(out), ids.numpy(), _np(weights), packed=bool(packed), **opt)
+                                int(top_k), _bits(out), ids.numpy(), _np(weights), packed=bool(packed),
+                                shared_packed=bool(shared_packed), **opt)
     return out, ids, busiest
 
 

@@ -205,6 +205,9 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = MLP(c.hidden_size, si) if si else None
         self.shared_expert_gate = Projection(c.hidden_size, 1, bias=False) if si else None
         self.last_max_load: torch.Tensor | int | None = None
+        # The shared expert's weights in the native block's panel layout (bfloat16 CPU):
+        # (key of the weights they were made from, gate_up, down); see _packed_shared.
+        self._shared_panels: tuple | None = None
 
     SHARED_NATIVE_MAX_ROWS = Projection.NATIVE_MAX_ROWS
 
@@ -229,8 +232,8 @@ class SparseMoeBlock(nn.Module):
     # the shared expert; "Issue 18: the bfloat16 MoE block").
     PACK_BF16 = True
     NATIVE_MAX_TOKENS_BF16 = 768
-    # The shared expert (all T rows, a dense MLP) joins the native call up to this many
-    # rows; past it the MLP module runs it (oneDNN past 16 rows). moe-bench layer, one
+    # On HF's layout (PACK_BF16 off), the shared expert (all T rows, a dense MLP) joins
+    # the native call up to this many rows; past it the MLP module runs it (oneDNN past 16 rows). moe-bench layer, one
     # thread, thread CPU ms, fused / oneDNN: 24 tokens 1.87 / 2.20, 32 2.40 / 2.63, 64
     # 3.70 / 3.88, 96-192 within the noise, 256 8.43 / 7.65, 768 22.2 / 20.4 (load 2.1).
     SHARED_NATIVE_MAX_ROWS_BF16 = 128
@@ -247,19 +250,40 @@ class SparseMoeBlock(nn.Module):
         # Every weight as the checkpoint stores it ([N, K] row-major, Experts' bfloat16 layout).
         return all(w.is_contiguous() for w in weights)
 
+    def _packed_shared(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared expert's gate_up / down in the native block's panel layout: a
+        packed copy, made once and remade when the weights change (another tensor or an
+        in-place write: torch's version counter). A copy, not the MLP's own tensors,
+        which oneDNN reads past SHARED_NATIVE_MAX_ROWS_BF16 rows: one expert's worth
+        (0.4 % of a 35B-A3B layer's expert weights, 4 % of moe-bench's)."""
+        gu, dn = self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight
+        key = (gu.data_ptr(), gu._version, dn.data_ptr(), dn._version)
+        if self._shared_panels is None or self._shared_panels[0] != key:
+            pgu, pdn = gu.detach().clone()[None], dn.detach().clone()[None]
+            native.pack_experts_bf16(pgu, pdn)
+            self._shared_panels = (key, pgu[0], pdn[0])
+        return self._shared_panels[1], self._shared_panels[2]
+
     def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
         """The bfloat16 CPU block, HF's bfloat16 rounding points either way."""
         ex = self.experts
         t = x.shape[0]
         packed = self.PACK_BF16 and ex.pack_bf16()
         if packed or t <= self.NATIVE_MAX_TOKENS_BF16:
-            fused = self.shared_expert is not None and t <= self.SHARED_NATIVE_MAX_ROWS_BF16
+            # Packed, the shared expert joins the call at every row count (moe-bench
+            # layer, thread CPU ms, in the call / on oneDNN: 768 tokens 13.8 / 14.8,
+            # 2,048 37.7 / 38.5; RESULTS.md, "... second round").
+            fused = self.shared_expert is not None and (packed or t <= self.SHARED_NATIVE_MAX_ROWS_BF16)
             shared = None
             if fused:
-                shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
-                          self.shared_expert_gate.weight)
+                if packed:
+                    shared = (*self._packed_shared(), self.shared_expert_gate.weight)
+                else:
+                    shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
+                              self.shared_expert_gate.weight)
             out, _, self.last_max_load = native.moe_block_bf16(
-                x, self.gate.weight, ex.gate_up_proj, ex.down_proj, self.top_k, shared, packed=packed)
+                x, self.gate.weight, ex.gate_up_proj, ex.down_proj, self.top_k, shared, packed=packed,
+                shared_packed=packed)
             if self.shared_expert is not None and not fused:
                 # HF's ops in bfloat16: the gate's sigmoid, times the shared output, plus.
                 out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -46,21 +46,24 @@ fn weights(c: &Case, seed: usize) -> Weights {
     }
 }
 
-/// The block on `w`'s experts as HF stores them, or (`packed`) on a copy rearranged by
-/// [`pack_experts`].
+/// The block on `w`'s experts as HF stores them, or (`packed`) on copies of the routed
+/// and shared experts rearranged by [`pack_experts`].
 fn run(c: &Case, w: &Weights, t: usize, x: &[u16], packed: bool) -> (Vec<u16>, Vec<i64>, usize) {
     let (mut gate_up, mut down) = (w.gate_up.clone(), w.down.clone());
+    let (mut s_gate_up, mut s_down) = (w.s_gate_up.clone(), w.s_down.clone());
     if packed {
         pack_experts(&mut gate_up, &mut down, c.e, c.h, c.i, false).unwrap();
+        pack_experts(&mut s_gate_up, &mut s_down, 1, c.h, c.si, false).unwrap();
     }
     let mut out = vec![0u16; t * c.h];
     let mut ids = vec![0i64; t * c.k];
     let mut rw = vec![0f32; t * c.k];
     let shared = (c.si > 0).then(|| SharedExpert {
-        gate_up: &w.s_gate_up,
-        down: &w.s_down,
+        gate_up: &s_gate_up,
+        down: &s_down,
         inter: c.si,
         gate: &w.s_gate,
+        packed,
     });
     let busiest = moe_block_bf16(
         Rows::dense(x, c.h).unwrap(),
@@ -347,6 +350,7 @@ fn wrong_shapes_are_errors_naming_the_argument() {
                 down: &w.s_down,
                 inter: c.si,
                 gate: s_gate,
+                packed: false,
             }),
             &mut out,
             Routing {

@@ -34,10 +34,12 @@ fn weight<'a>(
 /// `shared_gate` `[1, H]`, all bfloat16 bits; writes `out` `[T, H]` (bfloat16 bits),
 /// `topk_ids` (int64) and `topk_weights` (float32) `[T, top_k]`. Returns the most rows
 /// any one expert received. `packed`: `gate_up` and `down` are in the panel layout
-/// [`pack_experts_bf16`] makes (same shapes).
+/// [`pack_experts_bf16`] makes (same shapes); `shared_packed`: the shared expert's
+/// `shared_gate_up` / `shared_down` too (packed as one expert, `E = 1`).
 #[pyfunction]
 #[pyo3(signature = (x, router, gate_up, down, top_k, out, topk_ids, topk_weights,
-                    shared_gate_up=None, shared_down=None, shared_gate=None, packed=false))]
+                    shared_gate_up=None, shared_down=None, shared_gate=None, packed=false,
+                    shared_packed=false))]
 #[allow(clippy::too_many_arguments)]
 fn moe_block_bf16(
     py: Python<'_>,
@@ -53,6 +55,7 @@ fn moe_block_bf16(
     shared_down: Option<PyReadonlyArrayDyn<'_, u16>>,
     shared_gate: Option<PyReadonlyArrayDyn<'_, u16>>,
     packed: bool,
+    shared_packed: bool,
 ) -> PyResult<usize> {
     use hybridserve_cpu_kernels::moe::Routing;
     use hybridserve_cpu_kernels::moe_bf16::{
@@ -86,6 +89,7 @@ fn moe_block_bf16(
                 down: weight("shared_down", b, &[h, si], "[H, Is]")?,
                 gate: weight("shared_gate", g, &[1, h], "[1, H]")?,
                 inter: si,
+                packed: shared_packed,
             })
         }
         (None, None, None) => None,
