@@ -138,11 +138,13 @@ const UP_COLS_FEW: usize = 64;
 const DOWN_COLS_FEW: usize = 128;
 const UP_COLS: usize = 16;
 const DOWN_COLS: usize = 32;
-/// Columns per task on packed weights: for more than [`FEW`] rows one panel (its
-/// 32 KiB stay in L1/L2 while the task's row blocks pass over it); for one or two rows
-/// four panels, a whole expert of moe-bench in one task (each of gate, up and down one
-/// run in memory order: moe-bench layer at 8 tokens, thread CPU ms, 0.69 against 0.72
-/// with one or two panels per task).
+/// Columns per task on packed weights: for more rows than one register block
+/// ([`panels::MR`]) one panel (its 32 KiB stay in L1/L2 while the task's row blocks
+/// pass over it); for up to one block of rows four panels, a whole expert of moe-bench
+/// in one task (each of gate, up and down one run in memory order: moe-bench layer,
+/// one thread, thread CPU ms, 8 tokens 0.69 against 0.72 with one or two panels per
+/// task; 32 tokens 1.49 / 1.61, 64 tokens 2.20 / 2.35 with such tasks for up to 6
+/// rows against up to 2).
 const PACKED_COLS: usize = panels::PANEL;
 const PACKED_COLS_FEW: usize = 4 * panels::PANEL;
 
@@ -438,11 +440,11 @@ fn tasks(
 
 /// (rows, columns) of one task of `g` (whole panels on packed weights).
 fn task_shape(g: &Group<'_>, few_cols: usize, cols: usize) -> (usize, usize) {
-    match (g.x.rows <= FEW, g.packed) {
-        (true, false) => (FEW, few_cols),
-        (true, true) => (FEW, PACKED_COLS_FEW),
-        (false, false) => (ROW_TILE, cols),
-        (false, true) => (ROW_TILE, PACKED_COLS),
+    match (g.packed, g.x.rows) {
+        (false, r) if r <= FEW => (FEW, few_cols),
+        (false, _) => (ROW_TILE, cols),
+        (true, r) if r <= panels::MR => (panels::MR, PACKED_COLS_FEW),
+        (true, _) => (ROW_TILE, PACKED_COLS),
     }
 }
 

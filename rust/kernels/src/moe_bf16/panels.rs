@@ -30,7 +30,7 @@ use crate::Rows;
 pub const PANEL: usize = 64;
 /// Rows of `x` per register block: `6 x 4` accumulators, 4 weight vectors and a
 /// broadcast fit AVX-512's 32 registers.
-const MR: usize = 6;
+pub const MR: usize = 6;
 
 /// Element offset of `W[n, k]` in `W`'s panel layout (`N` = `n_total`).
 #[inline]
