@@ -32,9 +32,9 @@ calls. With ``--threads 1`` the time is also taken as the calling thread's CPU t
 thread waits for a core on a shared machine but keeps its stalls on memory; on an
 oversubscribed machine that ratio is the steadier one.
 
-With ``--dtype bfloat16`` both sides are a bfloat16 model's: the MoE block's weights
-as the checkpoint stores them (``[N, K]`` per expert; the native bfloat16 block up to
-``SparseMoeBlock.NATIVE_MAX_TOKENS_BF16`` tokens, torch's grouped GEMMs past it), the
+With ``--dtype bfloat16`` both sides are a bfloat16 model's: the MoE block's experts
+packed in place at its first call (``Experts.pack_bf16``) and the native bfloat16 block
+at every token count, the
 dense MLP's projections ``[out, in]`` through ``Projection``'s native bfloat16 path
 (``native.linear_bf16`` up to ``NATIVE_MAX_ROWS_BF16`` rows, oneDNN past it), as a
 bfloat16 dense model runs them; the MB columns count bfloat16 bytes. ``--vs-ref`` adds

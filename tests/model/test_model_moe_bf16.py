@@ -115,8 +115,9 @@ def native_moe_calls(monkeypatch):
 
 
 def test_experts_keep_hfs_layout_in_bfloat16(moe_dirs):
-    """No repack: in bfloat16 the expert tensors are HF's ``[E, 2I, H]`` / ``[E, H, I]``,
-    contiguous, equal to the checkpoint's per-expert tensors."""
+    """Loaded as HF holds them: in bfloat16 the expert tensors are HF's ``[E, 2I, H]`` /
+    ``[E, H, I]``, contiguous, equal to the checkpoint's per-expert tensors (the native
+    block packs them in place at its first call; see the test below)."""
     from safetensors.torch import load_file
 
     model, config = load_model(moe_dirs["test-a"], dtype="bfloat16", progress=False)

@@ -208,6 +208,8 @@ class SparseMoeBlock(nn.Module):
         # The shared expert's weights in the native block's panel layout (bfloat16 CPU):
         # (key of the weights they were made from, gate_up, down); see _packed_shared.
         self._shared_panels: tuple | None = None
+        # The bfloat16 native path's checked, packed and viewed weights (_bf16_plan).
+        self._plan: tuple | None = None
 
     SHARED_NATIVE_MAX_ROWS = Projection.NATIVE_MAX_ROWS
 
@@ -233,22 +235,52 @@ class SparseMoeBlock(nn.Module):
     PACK_BF16 = True
     NATIVE_MAX_TOKENS_BF16 = 768
     # On HF's layout (PACK_BF16 off), the shared expert (all T rows, a dense MLP) joins
-    # the native call up to this many rows; past it the MLP module runs it (oneDNN past 16 rows). moe-bench layer, one
-    # thread, thread CPU ms, fused / oneDNN: 24 tokens 1.87 / 2.20, 32 2.40 / 2.63, 64
+    # the native call up to this many rows; past it the MLP module runs it (oneDNN past
+    # 16 rows). moe-bench layer, one thread, thread CPU ms, fused / oneDNN: 24 tokens 1.87 / 2.20, 32 2.40 / 2.63, 64
     # 3.70 / 3.88, 96-192 within the noise, 256 8.43 / 7.65, 768 22.2 / 20.4 (load 2.1).
     SHARED_NATIVE_MAX_ROWS_BF16 = 128
 
-    def _native_bf16_ok(self, x: torch.Tensor) -> bool:
-        ex = self.experts
-        if not (x.dim() == 2 and x.is_contiguous()
-                and native.usable_bf16(x, self.gate.weight, ex.gate_up_proj, ex.down_proj)):
-            return False
-        weights = [self.gate.weight, ex.gate_up_proj, ex.down_proj]
+    def _bf16_weights(self) -> list[torch.Tensor]:
+        w = [self.gate.weight, self.experts.gate_up_proj, self.experts.down_proj]
         if self.shared_expert is not None:
-            weights += [self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
-                        self.shared_expert_gate.weight]
-        # Every weight as the checkpoint stores it ([N, K] row-major, Experts' bfloat16 layout).
-        return all(w.is_contiguous() for w in weights)
+            w += [self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
+                  self.shared_expert_gate.weight]
+        return w
+
+    def _bf16_plan(self) -> tuple | None:
+        """What the bfloat16 native path needs from the weights, made once per layer:
+        (key, weights, packed, prepared arrays with the shared expert, without it), or
+        None where the native kernels cannot run on them. Checking, packing and viewing
+        the weights cost about 60 µs of Python per call (RESULTS.md, "... second
+        round"), more than the kernel itself at one token in cache; the plan is rebuilt
+        when a weight moves (its data pointer), is written in place (its version
+        counter: a load, the shared copy's source) or the experts were unpacked."""
+        plan = self._plan
+        if plan is not None:
+            ws = plan[1]
+            key = (self.experts.packed_bf16, tuple(w.data_ptr() for w in ws), tuple(w._version for w in ws))
+            if key == plan[0]:
+                return plan
+        ws = self._bf16_weights()
+        # Every weight bfloat16 on the CPU as the checkpoint stores it ([N, K] row-major).
+        if not (native.usable_bf16(*ws) and all(w.is_contiguous() for w in ws)):
+            self._plan = None
+            return None
+        ex = self.experts
+        packed = self.PACK_BF16 and ex.pack_bf16()
+        args = (ws[0], ex.gate_up_proj, ex.down_proj)
+        with_shared = None
+        if self.shared_expert is not None:
+            shared = (*self._packed_shared(), ws[5]) if packed else (ws[3], ws[4], ws[5])
+            with_shared = native.moe_bf16_weights(*args, shared, packed=packed, shared_packed=packed)
+        alone = native.moe_bf16_weights(*args, None, packed=packed)
+        key = (ex.packed_bf16, tuple(w.data_ptr() for w in ws), tuple(w._version for w in ws))
+        self._plan = (key, ws, packed, with_shared, alone)
+        return self._plan
+
+    def _apply(self, fn, recurse=True):
+        self._plan = None
+        return super()._apply(fn, recurse)
 
     def _packed_shared(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The shared expert's gate_up / down in the native block's panel layout: a
@@ -264,11 +296,11 @@ class SparseMoeBlock(nn.Module):
             self._shared_panels = (key, pgu[0], pdn[0])
         return self._shared_panels[1], self._shared_panels[2]
 
-    def _forward_bf16(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_bf16(self, x: torch.Tensor, plan: tuple) -> torch.Tensor:
         """The bfloat16 CPU block, HF's bfloat16 rounding points either way."""
+        _, ws, packed, with_shared, alone = plan
         ex = self.experts
         t = x.shape[0]
-        packed = self.PACK_BF16 and ex.pack_bf16()
         if packed or t <= self.NATIVE_MAX_TOKENS_BF16:
             # Packed, the shared expert joins the call at every row count (moe-bench
             # layer, thread CPU ms, in the call / on oneDNN: 768 tokens 13.8 / 14.8,
@@ -276,14 +308,10 @@ class SparseMoeBlock(nn.Module):
             fused = self.shared_expert is not None and (packed or t <= self.SHARED_NATIVE_MAX_ROWS_BF16)
             shared = None
             if fused:
-                if packed:
-                    shared = (*self._packed_shared(), self.shared_expert_gate.weight)
-                else:
-                    shared = (self.shared_expert.gate_up_proj.weight, self.shared_expert.down_proj.weight,
-                              self.shared_expert_gate.weight)
+                shared = (*self._shared_panels[1:], ws[5]) if packed else (ws[3], ws[4], ws[5])
             out, _, self.last_max_load = native.moe_block_bf16(
-                x, self.gate.weight, ex.gate_up_proj, ex.down_proj, self.top_k, shared, packed=packed,
-                shared_packed=packed)
+                x, ws[0], ex.gate_up_proj, ex.down_proj, self.top_k, shared, packed=packed,
+                shared_packed=packed, prepared=with_shared if fused else alone)
             if self.shared_expert is not None and not fused:
                 # HF's ops in bfloat16: the gate's sigmoid, times the shared output, plus.
                 out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -296,8 +324,10 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and self._native_bf16_ok(x):
-            return self._forward_bf16(x)
+        if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu":
+            plan = self._bf16_plan()
+            if plan is not None:
+                return self._forward_bf16(x, plan)
         if self._native_ok(x):
             # Few rows: the shared expert is one more group of the native call (its
             # GEMMs share the parallel regions of the routed ones). Many rows: it is a

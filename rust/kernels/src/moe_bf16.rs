@@ -2,12 +2,19 @@
 //! the bfloat16 twin of [`crate::moe`]: routing, the routed experts' SwiGLU MLPs, the
 //! gated shared expert and the weighted sum, one call per layer and step.
 //!
-//! The weights stay as the checkpoints and HF's in-memory model hold them, no repack
-//! and no second copy: the router `[E, H]`, the experts' `gate_up_proj` `[E, 2I, H]`
+//! The weights come in one of two layouts. As the checkpoints and HF's in-memory
+//! model hold them: the router `[E, H]`, the experts' `gate_up_proj` `[E, 2I, H]`
 //! (gate rows, then up rows) and `down_proj` `[E, H, I]`, the shared expert's
 //! `[2Is, H]` / `[H, Is]` and its gate `[1, H]`: every one `[N, K]` row-major, what
 //! the bfloat16 few-row GEMM ([`crate::matmul_bf16`]) reads as dot products over
-//! contiguous weight rows. Its inner kernel ([`columns`]) is reused here per expert.
+//! contiguous weight rows (its inner kernel, [`columns`], runs per expert). Or, for
+//! the routed experts (`Experts::packed`) and the shared expert (`SharedExpert::packed`),
+//! each gate, up and down matrix rearranged in place into column panels of key pairs
+//! ([`panels`], [`pack_experts`]: same size, no second copy), which `vdpbf16ps`
+//! accumulates 16 outputs per register without lane sums and reads as one run per
+//! panel: the model packs its experts at the first call (`Experts.pack_bf16`), because
+//! the dot-product walk over HF's short expert rows (`K` = 192-256) reads them at
+//! 9-10 GB/s from memory on one or two rows and the panels at 24-30 GB/s.
 //!
 //! Per call:
 //!
@@ -23,9 +30,10 @@
 //!    task's columns while they are in cache; the shared expert is one more group (all
 //!    `T` rows), so routed and shared share one parallel region. Then every group's down
 //!    GEMM, likewise one region. Tasks are a tile of rows by a run of weight rows; for
-//!    one or two rows the run is long and read in memory order (what reaches the
-//!    stream rate, see [`crate::matmul_bf16`]): a whole expert's gate+up in one run
-//!    when one task covers it.
+//!    one or two rows (HF's layout) or one register block of rows (packed) the run is
+//!    long and read in memory order (what reaches the stream rate, see
+//!    [`crate::matmul_bf16`]): a whole expert's gate+up in one run when one task
+//!    covers it.
 //! 4. Per token, its k weighted rows summed plus the gated shared row: one pass.
 //!
 //! Where HF's bfloat16 model rounds, this rounds (HF's default `grouped_mm` experts
