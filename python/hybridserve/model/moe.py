@@ -236,8 +236,9 @@ class SparseMoeBlock(nn.Module):
     NATIVE_MAX_TOKENS_BF16 = 768
     # On HF's layout (PACK_BF16 off), the shared expert (all T rows, a dense MLP) joins
     # the native call up to this many rows; past it the MLP module runs it (oneDNN past
-    # 16 rows). moe-bench layer, one thread, thread CPU ms, fused / oneDNN: 24 tokens 1.87 / 2.20, 32 2.40 / 2.63, 64
-    # 3.70 / 3.88, 96-192 within the noise, 256 8.43 / 7.65, 768 22.2 / 20.4 (load 2.1).
+    # 16 rows). moe-bench layer, one thread, thread CPU ms, fused / oneDNN: 24 tokens
+    # 1.87 / 2.20, 32 2.40 / 2.63, 64 3.70 / 3.88, 96-192 within the noise, 256 8.43 /
+    # 7.65, 768 22.2 / 20.4 (load 2.1).
     SHARED_NATIVE_MAX_ROWS_BF16 = 128
 
     def _bf16_weights(self) -> list[torch.Tensor]:
