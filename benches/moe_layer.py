@@ -32,9 +32,9 @@ calls. With ``--threads 1`` the time is also taken as the calling thread's CPU t
 thread waits for a core on a shared machine but keeps its stalls on memory; on an
 oversubscribed machine that ratio is the steadier one.
 
-With ``--dtype bfloat16`` both sides are a bfloat16 model's: the MoE block's weights
-as the checkpoint stores them (``[N, K]`` per expert; the native bfloat16 block up to
-``SparseMoeBlock.NATIVE_MAX_TOKENS_BF16`` tokens, torch's grouped GEMMs past it), the
+With ``--dtype bfloat16`` both sides are a bfloat16 model's: the MoE block's experts
+packed in place at its first call (``Experts.pack_bf16``) and the native bfloat16 block
+at every token count, the
 dense MLP's projections ``[out, in]`` through ``Projection``'s native bfloat16 path
 (``native.linear_bf16`` up to ``NATIVE_MAX_ROWS_BF16`` rows, oneDNN past it), as a
 bfloat16 dense model runs them; the MB columns count bfloat16 bytes. ``--vs-ref`` adds
@@ -100,7 +100,12 @@ def fallback(moe, x: torch.Tensor) -> torch.Tensor:
     from hybridserve.kernels.moe import route_ref
 
     w, ids = route_ref(F.linear(x, moe.gate.weight), moe.top_k)
-    out = ops.fused_moe(x, moe.experts.w13, moe.experts.w2, w, ids)
+    # HF's layout, copied once: the block's own tensors are packed for the native
+    # kernel after its first call, and reading them as HF's would unpack them.
+    ref = getattr(moe, "_bench_hf_experts", None)
+    if ref is None:
+        ref = moe._bench_hf_experts = (moe.experts.w13.clone(), moe.experts.w2.clone())
+    out = ops.fused_moe(x, ref[0], ref[1], w, ids)
     if moe.shared_expert is not None:
         out = out + torch.sigmoid(moe.shared_expert_gate(x)) * moe.shared_expert(x)
     return out

@@ -31,6 +31,21 @@ def _weights(t, h, e, i, si, seed):
     return x, router, gate_up, down, shared
 
 
+def _packed(gate_up, down):
+    """Copies of the expert tensors in the native block's panel layout."""
+    gate_up, down = gate_up.clone(), down.clone()
+    native.pack_experts_bf16(gate_up, down)
+    return gate_up, down
+
+
+def _packed_shared(shared):
+    """The shared expert's (gate_up, down) packed as one expert; its gate as it is."""
+    if shared is None:
+        return None
+    gu, dn = _packed(shared[0][None], shared[1][None])
+    return gu[0], dn[0], shared[2]
+
+
 def _reference(x, router, gate_up, down, k, shared):
     """float32 math on the bfloat16 values; the router's logits rounded to bfloat16 (HF's
     bfloat16 ``F.linear`` output) before HF's float32 softmax-topk-renormalise."""
@@ -49,11 +64,16 @@ def _reference(x, router, gate_up, down, k, shared):
 # an intermediate size above a task's columns (both halves' runs) and one below.
 @pytest.mark.parametrize("t, h, e, k, i, si", [
     (1, 64, 7, 3, 40, 48), (2, 48, 5, 1, 150, 0), (3, 96, 13, 4, 72, 80), (17, 64, 64, 4, 24, 0),
-    (33, 80, 9, 2, 56, 64), (70, 64, 3, 2, 200, 16), (70, 40, 6, 6, 17, 20)])
-def test_block_matches_the_float32_reference(t, h, e, k, i, si):
+    (33, 80, 9, 2, 56, 64), (70, 64, 3, 2, 200, 16), (70, 40, 6, 6, 17, 20), (9, 33, 5, 2, 65, 0)])
+@pytest.mark.parametrize("packed", [False, True])
+def test_block_matches_the_float32_reference(t, h, e, k, i, si, packed):
     x, router, gate_up, down, shared = _weights(t, h, e, i, si, seed=t * 100 + e)
     want, want_ids, logits = _reference(x, router, gate_up, down, k, shared)
-    got, ids, busiest = native.moe_block_bf16(x, router, gate_up, down, k, shared)
+    if packed:
+        gate_up, down = _packed(gate_up, down)
+        shared = _packed_shared(shared)
+    got, ids, busiest = native.moe_block_bf16(x, router, gate_up, down, k, shared, packed=packed,
+                                              shared_packed=packed)
     assert got.dtype == BF16 and got.shape == (t, h)
     # The same experts where the k-th logit is more than a bfloat16 step or two above
     # the next (the kernel's float32 logit sums, in another order, may round to the
@@ -123,12 +143,34 @@ def test_near_ties_of_float32_logits_tie_after_bf16_rounding():
     assert torch.equal(ids, want_ids)
 
 
-def test_a_token_gets_the_same_output_alone_and_in_a_batch():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_token_gets_the_same_output_alone_and_in_a_batch(packed):
     x, router, gate_up, down, shared = _weights(40, 64, 9, 32, 48, seed=11)
-    all_out, all_ids, _ = native.moe_block_bf16(x, router, gate_up, down, 3, shared)
+    if packed:
+        gate_up, down = _packed(gate_up, down)
+        shared = _packed_shared(shared)
+    opt = dict(packed=packed, shared_packed=packed)
+    all_out, all_ids, _ = native.moe_block_bf16(x, router, gate_up, down, 3, shared, **opt)
     for tok in (0, 17, 39):
-        one, ids, _ = native.moe_block_bf16(x[tok:tok + 1], router, gate_up, down, 3, shared)
+        one, ids, _ = native.moe_block_bf16(x[tok:tok + 1], router, gate_up, down, 3, shared, **opt)
         assert torch.equal(ids[0], all_ids[tok]) and torch.equal(one[0], all_out[tok])
+
+
+def test_packing_is_in_place_and_unpacking_restores_hfs_layout():
+    _, _, gate_up, down, _ = _weights(1, 48, 5, 40, 0, seed=4)
+    gu, dn = gate_up.clone(), down.clone()
+    ptrs = (gu.data_ptr(), dn.data_ptr())
+    native.pack_experts_bf16(gu, dn)
+    assert (gu.data_ptr(), dn.data_ptr()) == ptrs
+    assert not torch.equal(gu, gate_up) and not torch.equal(dn, down)
+    # A permutation within each expert matrix: the same multiset of values.
+    assert torch.equal(gu[2, :40].flatten().sort().values, gate_up[2, :40].flatten().sort().values)
+    native.pack_experts_bf16(gu, dn, unpack=True)
+    assert torch.equal(gu, gate_up) and torch.equal(dn, down)
+    with pytest.raises(ValueError, match=r"gate_up must be \[E, 2I, H\] and down \[E, H, I\]"):
+        native.pack_experts_bf16(gu[:, :-1].contiguous(), dn)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        native.pack_experts_bf16(gu.transpose(1, 2), dn)
 
 
 def test_bad_shapes_and_layouts_are_clear_errors():

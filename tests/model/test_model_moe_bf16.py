@@ -115,8 +115,9 @@ def native_moe_calls(monkeypatch):
 
 
 def test_experts_keep_hfs_layout_in_bfloat16(moe_dirs):
-    """No repack: in bfloat16 the expert tensors are HF's ``[E, 2I, H]`` / ``[E, H, I]``,
-    contiguous, equal to the checkpoint's per-expert tensors."""
+    """Loaded as HF holds them: in bfloat16 the expert tensors are HF's ``[E, 2I, H]`` /
+    ``[E, H, I]``, contiguous, equal to the checkpoint's per-expert tensors (the native
+    block packs them in place at its first call; see the test below)."""
     from safetensors.torch import load_file
 
     model, config = load_model(moe_dirs["test-a"], dtype="bfloat16", progress=False)
@@ -193,11 +194,15 @@ def test_bf16_moe_prefill_logits_within_tolerance(preset, moe_dirs, hf_bf16, hf_
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
 @pytest.mark.parametrize("rows", [1, 5, 64, SparseMoeBlock.SHARED_NATIVE_MAX_ROWS_BF16 + 72,
                                   SparseMoeBlock.NATIVE_MAX_TOKENS_BF16 + 37])
-def test_bf16_block_equals_hf_bf16_sparse_moe_block(preset, rows, moe_dirs, hf_bf16, native_moe_calls):
+@pytest.mark.parametrize("pack", [True, False])
+def test_bf16_block_equals_hf_bf16_sparse_moe_block(preset, rows, pack, moe_dirs, hf_bf16, native_moe_calls,
+                                                   monkeypatch):
     """Each layer's block against HF's on the same bfloat16 input: equal but for the
     GEMMs' float32 summation order (an intermediate rounding the other way now and then),
     on each CPU path: the native block with the shared expert in it, the native block
-    with the shared expert on oneDNN beside it, the grouped GEMMs."""
+    with the shared expert on oneDNN beside it, on packed experts (every row count) and
+    on HF's layout, and the grouped GEMMs (HF's layout past NATIVE_MAX_TOKENS_BF16)."""
+    monkeypatch.setattr(SparseMoeBlock, "PACK_BF16", pack)
     model, _ = load_model(moe_dirs[preset], dtype="bfloat16", progress=False)
     x = torch.randn(rows, model.config.hidden_size, generator=torch.Generator().manual_seed(rows)).to(BF16)
     for ours, theirs in zip(model.layers, _hf_layers(hf_bf16[preset])):
@@ -208,5 +213,49 @@ def test_bf16_block_equals_hf_bf16_sparse_moe_block(preset, rows, moe_dirs, hf_b
         err = (got - want).abs()
         assert float(err.max()) <= 2e-2 * float(want.abs().max())
         assert float((err == 0).float().mean()) > 0.9  # the same rounding points as HF
-    native_rows = rows <= SparseMoeBlock.NATIVE_MAX_TOKENS_BF16
+    native_rows = pack or rows <= SparseMoeBlock.NATIVE_MAX_TOKENS_BF16
     assert native_moe_calls["calls"] == (len(model.layers) if native_rows else 0)
+    assert all(layer.mlp.experts.packed_bf16 == pack for layer in model.layers)
+
+
+def test_packed_experts_give_hfs_tensors_back(moe_dirs):
+    """After the first forward the experts hold the native block's panel layout; every
+    way out as HF's tensors (state_dict, hf_views, fused_views, w13) hands back the
+    checkpoint's values, and the next forward packs again and gives the same bits."""
+    from safetensors.torch import load_file
+
+    model, config = load_model(moe_dirs["test-a"], dtype="bfloat16", progress=False)
+    raw = {}
+    for f in sorted(os.listdir(moe_dirs["test-a"])):
+        if f.endswith(".safetensors"):
+            raw.update(load_file(os.path.join(moe_dirs["test-a"], f)))
+    i, p = config.moe_intermediate_size, "model.layers.1.mlp.experts.5."
+    gate, up, down = (raw[p + n + "_proj.weight"].to(BF16) for n in ("gate", "up", "down"))
+    block = model.layers[1].mlp
+    ex = block.experts
+    x = torch.randn(7, config.hidden_size, generator=torch.Generator().manual_seed(3)).to(BF16)
+    with torch.no_grad():
+        first = block(x)
+    assert ex.packed_bf16
+    assert not torch.equal(ex.gate_up_proj.data[5, :i], gate)  # the storage is the panel layout
+    sd = model.state_dict()
+    assert not ex.packed_bf16
+    key = next(k for k in sd if k.endswith("layers.1.mlp.experts.gate_up_proj"))
+    assert torch.equal(sd[key][5], torch.cat([gate, up]))
+    with torch.no_grad():
+        assert torch.equal(block(x), first) and ex.packed_bf16
+    views = ex.hf_views()
+    assert torch.equal(views["5.gate_proj.weight"], gate) and torch.equal(views["5.down_proj.weight"], down)
+    with torch.no_grad():
+        assert torch.equal(block(x), first) and ex.packed_bf16
+    assert torch.equal(ex.fused_views()["down_proj"][0][5], down)
+    with torch.no_grad():
+        block(x)
+    assert torch.equal(ex.w13[5].t(), torch.cat([gate, up])) and not ex.packed_bf16
+    # The shared expert runs on a packed copy, remade when its weights change in place.
+    s = block.shared_expert.gate_up_proj.weight
+    with torch.no_grad():
+        s.mul_(2)
+        assert not torch.equal(block(x), first)
+        s.div_(2)
+        assert torch.equal(block(x), first)

@@ -388,6 +388,7 @@ def _weight_bits(weight: torch.Tensor) -> np.ndarray:
 
 def moe_block_bf16(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                    top_k: int, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                   packed: bool = False, shared_packed: bool = False, prepared: tuple | None = None,
                    ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A whole bfloat16 sparse MoE block in one native call, HF's bfloat16 block's
     rounding points (see ``rust/kernels/src/moe_bf16.rs``). Every weight as the
@@ -395,15 +396,42 @@ def moe_block_bf16(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.
     ``[E, 2I, H]``, ``down`` ``[E, H, I]`` (HF's ``experts.gate_up_proj`` /
     ``down_proj``), the shared expert's ``(gate_up [2Is, H], down [H, Is], gate [1, H])``.
     Returns (output ``[T, H]`` bfloat16, expert ids ``[T, k]``, rows of the busiest
-    expert)."""
+    expert). ``packed``: ``gate_up`` and ``down`` hold the panel layout
+    :func:`pack_experts_bf16` makes (same shapes); ``shared_packed``: the shared
+    expert's ``gate_up`` / ``down`` too (packed as one expert: ``[1, 2Is, H]`` /
+    ``[1, H, Is]`` through :func:`pack_experts_bf16`, passed as ``[2Is, H]`` / ``[H, Is]``).
+    ``prepared``: these weight arguments as :func:`moe_bf16_weights` made them (the
+    tensors are then not read again)."""
+    if prepared is None:
+        prepared = moe_bf16_weights(router_weight, gate_up, down, shared, packed=packed, shared_packed=shared_packed)
+    arrays, opt = prepared
     t = x.shape[0]
     out = torch.empty(t, x.shape[1], dtype=_BF16)
     ids = torch.empty(t, top_k, dtype=torch.int64)
     weights = torch.empty(t, top_k, dtype=torch.float32)
-    opt = {}
+    busiest = _k.moe_block_bf16(_bits(x), *arrays, int(top_k), _bits(out), ids.numpy(), _np(weights), **opt)
+    return out, ids, busiest
+
+
+def moe_bf16_weights(router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                     shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                     packed: bool = False, shared_packed: bool = False) -> tuple[tuple, dict]:
+    """:func:`moe_block_bf16`'s weight arguments as the extension takes them (numpy
+    views, no copy), for a caller to make once and pass as ``prepared``: valid while
+    the tensors keep their memory and layout."""
+    opt = dict(packed=bool(packed), shared_packed=bool(shared_packed))
     if shared is not None:
         s13, s2, sg = shared
-        opt = dict(shared_gate_up=_weight_bits(s13), shared_down=_weight_bits(s2), shared_gate=_weight_bits(sg))
-    busiest = _k.moe_block_bf16(_bits(x), _weight_bits(router_weight), _weight_bits(gate_up), _weight_bits(down),
-                                int(top_k), _bits(out), ids.numpy(), _np(weights), **opt)
-    return out, ids, busiest
+        opt.update(shared_gate_up=_weight_bits(s13), shared_down=_weight_bits(s2), shared_gate=_weight_bits(sg))
+    return (_weight_bits(router_weight), _weight_bits(gate_up), _weight_bits(down)), opt
+
+
+def pack_experts_bf16(gate_up: torch.Tensor, down: torch.Tensor, unpack: bool = False) -> None:
+    """Rearrange bfloat16 expert tensors (HF's ``gate_up`` ``[E, 2I, H]`` and ``down``
+    ``[E, H, I]``, C-contiguous, CPU) in place into the panel layout that
+    ``moe_block_bf16(..., packed=True)`` reads (``rust/kernels/src/moe_bf16/panels.rs``:
+    each expert's gate, up and down matrix as column panels of key pairs), or back to
+    HF's (``unpack``). Same shapes and bytes; one expert matrix of scratch."""
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("pack_experts_bf16: gate_up and down must be C-contiguous")
+    _k.pack_experts_bf16(_bits(gate_up), _bits(down), unpack=bool(unpack))

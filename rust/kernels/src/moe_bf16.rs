@@ -2,12 +2,19 @@
 //! the bfloat16 twin of [`crate::moe`]: routing, the routed experts' SwiGLU MLPs, the
 //! gated shared expert and the weighted sum, one call per layer and step.
 //!
-//! The weights stay as the checkpoints and HF's in-memory model hold them, no repack
-//! and no second copy: the router `[E, H]`, the experts' `gate_up_proj` `[E, 2I, H]`
+//! The weights come in one of two layouts. As the checkpoints and HF's in-memory
+//! model hold them: the router `[E, H]`, the experts' `gate_up_proj` `[E, 2I, H]`
 //! (gate rows, then up rows) and `down_proj` `[E, H, I]`, the shared expert's
 //! `[2Is, H]` / `[H, Is]` and its gate `[1, H]`: every one `[N, K]` row-major, what
 //! the bfloat16 few-row GEMM ([`crate::matmul_bf16`]) reads as dot products over
-//! contiguous weight rows. Its inner kernel ([`columns`]) is reused here per expert.
+//! contiguous weight rows (its inner kernel, [`columns`], runs per expert). Or, for
+//! the routed experts (`Experts::packed`) and the shared expert (`SharedExpert::packed`),
+//! each gate, up and down matrix rearranged in place into column panels of key pairs
+//! ([`panels`], [`pack_experts`]: same size, no second copy), which `vdpbf16ps`
+//! accumulates 16 outputs per register without lane sums and reads as one run per
+//! panel: the model packs its experts at the first call (`Experts.pack_bf16`), because
+//! the dot-product walk over HF's short expert rows (`K` = 192-256) reads them at
+//! 9-10 GB/s from memory on one or two rows and the panels at 24-30 GB/s.
 //!
 //! Per call:
 //!
@@ -23,9 +30,10 @@
 //!    task's columns while they are in cache; the shared expert is one more group (all
 //!    `T` rows), so routed and shared share one parallel region. Then every group's down
 //!    GEMM, likewise one region. Tasks are a tile of rows by a run of weight rows; for
-//!    one or two rows the run is long and read in memory order (what reaches the
-//!    stream rate, see [`crate::matmul_bf16`]): a whole expert's gate+up in one run
-//!    when one task covers it.
+//!    one or two rows (HF's layout) or one register block of rows (packed) the run is
+//!    long and read in memory order (what reaches the stream rate, see
+//!    [`crate::matmul_bf16`]): a whole expert's gate+up in one run when one task
+//!    covers it.
 //! 4. Per token, its k weighted rows summed plus the gated shared row: one pass.
 //!
 //! Where HF's bfloat16 model rounds, this rounds (HF's default `grouped_mm` experts
@@ -47,6 +55,9 @@ use crate::moe::Routing;
 use crate::pool::for_each_task;
 use crate::topk::topk;
 use crate::{KernelError, Rows, SharedMut};
+use panels::panel_columns;
+
+pub mod panels;
 
 /// The router's weight `[E, H]` (HF's `mlp.gate.weight`).
 pub struct Router<'a> {
@@ -56,19 +67,57 @@ pub struct Router<'a> {
 }
 
 /// The routed experts: `gate_up` `[E, 2I, H]` (gate rows then up rows), `down`
-/// `[E, H, I]`: HF's `experts.gate_up_proj` / `experts.down_proj`.
+/// `[E, H, I]`: HF's `experts.gate_up_proj` / `experts.down_proj`; with `packed`, each
+/// expert's gate `[I, H]`, up `[I, H]` and down `[H, I]` in the panel layout of
+/// [`panels`] (what [`pack_experts`] makes of HF's).
 pub struct Experts<'a> {
     pub gate_up: &'a [u16],
     pub down: &'a [u16],
     pub inter: usize,
+    pub packed: bool,
 }
 
-/// The shared expert: `gate_up` `[2Is, H]`, `down` `[H, Is]`, its gate's weight `[H]`.
+/// HF's expert tensors (`gate_up` `[E, 2I, H]`, `down` `[E, H, I]`) rearranged in
+/// place into the panel layout [`Experts`] `packed` reads, one matrix of scratch at a
+/// time (no second copy of the weights); `unpack` the inverse.
+pub fn pack_experts(
+    gate_up: &mut [u16],
+    down: &mut [u16],
+    e: usize,
+    h: usize,
+    inter: usize,
+    unpack: bool,
+) -> Result<(), KernelError> {
+    if gate_up.len() != e * 2 * inter * h || down.len() != e * h * inter {
+        return Err(KernelError::new(format!(
+            "expert weights must be gate_up [E={e}, 2I={}, H={h}] and down [E, H, I={inter}]; got {} and {} elements",
+            2 * inter,
+            gate_up.len(),
+            down.len()
+        )));
+    }
+    let f = if unpack { panels::unpack } else { panels::pack };
+    let mut scratch = Vec::new();
+    if inter * h > 0 {
+        for m in gate_up.chunks_exact_mut(inter * h) {
+            f(m, inter, h, &mut scratch);
+        }
+        for m in down.chunks_exact_mut(h * inter) {
+            f(m, h, inter, &mut scratch);
+        }
+    }
+    Ok(())
+}
+
+/// The shared expert: `gate_up` `[2Is, H]`, `down` `[H, Is]`, its gate's weight `[H]`;
+/// with `packed`, `gate_up` and `down` in the panel layout (as one routed expert's,
+/// [`pack_experts`] with `E = 1`).
 pub struct SharedExpert<'a> {
     pub gate_up: &'a [u16],
     pub down: &'a [u16],
     pub inter: usize,
     pub gate: &'a [u16],
+    pub packed: bool,
 }
 
 /// One expert's (or the shared expert's) GEMM pair over a run of rows.
@@ -80,6 +129,8 @@ struct Group<'a> {
     /// First row of its `act` / `y` rows in its kind's buffers.
     at: usize,
     shared: bool,
+    /// Weights in the panel layout ([`panels`]).
+    packed: bool,
 }
 
 /// Rows per task of a group of more than [`FEW`] rows: a multiple of the register
@@ -95,6 +146,15 @@ const UP_COLS_FEW: usize = 64;
 const DOWN_COLS_FEW: usize = 128;
 const UP_COLS: usize = 16;
 const DOWN_COLS: usize = 32;
+/// Columns per task on packed weights: for more rows than one register block
+/// ([`panels::MR`]) one panel (its 32 KiB stay in L1/L2 while the task's row blocks
+/// pass over it); for up to one block of rows four panels, a whole expert of moe-bench
+/// in one task (each of gate, up and down one run in memory order: moe-bench layer,
+/// one thread, thread CPU ms, 8 tokens 0.69 against 0.72 with one or two panels per
+/// task; 32 tokens 1.49 / 1.61, 64 tokens 2.20 / 2.35 with such tasks for up to 6
+/// rows against up to 2).
+const PACKED_COLS: usize = panels::PANEL;
+const PACKED_COLS_FEW: usize = 4 * panels::PANEL;
 
 fn check(
     x: &Rows<'_, u16>,
@@ -220,6 +280,7 @@ pub fn moe_block_bf16(
                 inter,
                 at: start[j],
                 shared: false,
+                packed: experts.packed,
             });
         }
     }
@@ -231,6 +292,7 @@ pub fn moe_block_bf16(
             inter: s.inter,
             at: 0,
             shared: true,
+            packed: s.packed,
         });
     }
     let s_inter = shared.as_ref().map_or(0, |s| s.inter);
@@ -384,12 +446,13 @@ fn tasks(
     out
 }
 
-/// (rows, columns) of one task of `g`.
+/// (rows, columns) of one task of `g` (whole panels on packed weights).
 fn task_shape(g: &Group<'_>, few_cols: usize, cols: usize) -> (usize, usize) {
-    if g.x.rows <= FEW {
-        (FEW, few_cols)
-    } else {
-        (ROW_TILE, cols)
+    match (g.packed, g.x.rows) {
+        (false, r) if r <= FEW => (FEW, few_cols),
+        (false, _) => (ROW_TILE, cols),
+        (true, r) if r <= panels::MR => (panels::MR, PACKED_COLS_FEW),
+        (true, _) => (ROW_TILE, PACKED_COLS),
     }
 }
 
@@ -438,7 +501,12 @@ unsafe fn up_task(isa: Isa, g: &Group<'_>, act: SharedMut<u16>, r0: usize, c0: u
             scratch.resize(n * ldo, 0.0);
         }
         let out = OutPtr::F32(scratch.as_mut_ptr());
-        if w == i {
+        if g.packed {
+            // Gate then up, each an [I, H] matrix of panels.
+            let (gate, up) = g.gate_up.split_at(i * x.width);
+            panel_columns(isa, &x, gate, i, c0, c1, out, ldo, 0);
+            panel_columns(isa, &x, up, i, c0, c1, out, ldo, w);
+        } else if w == i {
             // The expert's whole gate+up: one run in memory order.
             columns(isa, &x, g.gate_up, 0, 2 * i, out, ldo, 0);
         } else {
@@ -481,7 +549,11 @@ unsafe fn down_task(
     };
     let c1 = (c0 + cols).min(h);
     let out = OutPtr::Bf16(y.add((g.at + r0) * h).0);
-    columns(isa, &x, g.down, c0, c1, out, h, c0);
+    if g.packed {
+        panel_columns(isa, &x, g.down, h, c0, c1, out, h, c0);
+    } else {
+        columns(isa, &x, g.down, c0, c1, out, h, c0);
+    }
 }
 
 #[cfg(test)]

@@ -46,15 +46,24 @@ fn weights(c: &Case, seed: usize) -> Weights {
     }
 }
 
-fn run(c: &Case, w: &Weights, t: usize, x: &[u16]) -> (Vec<u16>, Vec<i64>, usize) {
+/// The block on `w`'s experts as HF stores them, or (`packed`) on copies of the routed
+/// and shared experts rearranged by [`pack_experts`].
+fn run(c: &Case, w: &Weights, t: usize, x: &[u16], packed: bool) -> (Vec<u16>, Vec<i64>, usize) {
+    let (mut gate_up, mut down) = (w.gate_up.clone(), w.down.clone());
+    let (mut s_gate_up, mut s_down) = (w.s_gate_up.clone(), w.s_down.clone());
+    if packed {
+        pack_experts(&mut gate_up, &mut down, c.e, c.h, c.i, false).unwrap();
+        pack_experts(&mut s_gate_up, &mut s_down, 1, c.h, c.si, false).unwrap();
+    }
     let mut out = vec![0u16; t * c.h];
     let mut ids = vec![0i64; t * c.k];
     let mut rw = vec![0f32; t * c.k];
     let shared = (c.si > 0).then(|| SharedExpert {
-        gate_up: &w.s_gate_up,
-        down: &w.s_down,
+        gate_up: &s_gate_up,
+        down: &s_down,
         inter: c.si,
         gate: &w.s_gate,
+        packed,
     });
     let busiest = moe_block_bf16(
         Rows::dense(x, c.h).unwrap(),
@@ -64,9 +73,10 @@ fn run(c: &Case, w: &Weights, t: usize, x: &[u16]) -> (Vec<u16>, Vec<i64>, usize
             top_k: c.k,
         },
         Experts {
-            gate_up: &w.gate_up,
-            down: &w.down,
+            gate_up: &gate_up,
+            down: &down,
             inter: c.i,
+            packed,
         },
         shared,
         &mut out,
@@ -195,39 +205,41 @@ fn matches_the_f64_transcription_of_hf_bf16() {
         },
     ] {
         let w = weights(&c, c.t);
-        let (out, ids, busiest) = run(&c, &w, c.t, &w.x);
-        let mut counts = vec![0usize; c.e];
-        for tok in 0..c.t {
-            let (want, want_ids, margin) = reference(&c, &w, tok);
-            let mut got_ids: Vec<usize> = ids[tok * c.k..(tok + 1) * c.k]
-                .iter()
-                .map(|&v| v as usize)
-                .collect();
-            for &j in &got_ids {
-                counts[j] += 1;
+        for packed in [false, true] {
+            let (out, ids, busiest) = run(&c, &w, c.t, &w.x, packed);
+            let mut counts = vec![0usize; c.e];
+            for tok in 0..c.t {
+                let (want, want_ids, margin) = reference(&c, &w, tok);
+                let mut got_ids: Vec<usize> = ids[tok * c.k..(tok + 1) * c.k]
+                    .iter()
+                    .map(|&v| v as usize)
+                    .collect();
+                for &j in &got_ids {
+                    counts[j] += 1;
+                }
+                if margin < 1e-3 {
+                    continue;
+                }
+                let mut want_sorted = want_ids.clone();
+                want_sorted.sort();
+                got_ids.sort();
+                assert_eq!(got_ids, want_sorted, "t={} tok={tok} packed={packed}", c.t);
+                let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
+                for (o, (&g, &wv)) in out[tok * c.h..(tok + 1) * c.h]
+                    .iter()
+                    .zip(&want)
+                    .enumerate()
+                {
+                    let got = to_f32(g) as f64;
+                    assert!(
+                        (got - wv).abs() <= 2e-2 * scale,
+                        "t={} tok={tok} col {o} packed={packed}: {got} vs {wv} (scale {scale})",
+                        c.t
+                    );
+                }
             }
-            if margin < 1e-3 {
-                continue;
-            }
-            let mut want_sorted = want_ids.clone();
-            want_sorted.sort();
-            got_ids.sort();
-            assert_eq!(got_ids, want_sorted, "t={} tok={tok}", c.t);
-            let scale = want.iter().fold(0.0f64, |m, v| m.max(v.abs())).max(1e-3);
-            for (o, (&g, &wv)) in out[tok * c.h..(tok + 1) * c.h]
-                .iter()
-                .zip(&want)
-                .enumerate()
-            {
-                let got = to_f32(g) as f64;
-                assert!(
-                    (got - wv).abs() <= 2e-2 * scale,
-                    "t={} tok={tok} col {o}: {got} vs {wv} (scale {scale})",
-                    c.t
-                );
-            }
+            assert_eq!(busiest, counts.into_iter().max().unwrap());
         }
-        assert_eq!(busiest, counts.into_iter().max().unwrap());
     }
 }
 
@@ -245,13 +257,19 @@ fn a_token_gets_the_same_bits_alone_and_in_a_batch() {
         si: 64,
     };
     let w = weights(&c, 7);
-    let (all, all_ids, _) = run(&c, &w, c.t, &w.x);
-    for tok in [0usize, 13, 39] {
-        let x = &w.x[tok * c.h..(tok + 1) * c.h];
-        let (one, ids, busiest) = run(&c, &w, 1, x);
-        assert_eq!(busiest, 1);
-        assert_eq!(ids, all_ids[tok * c.k..(tok + 1) * c.k]);
-        assert_eq!(one, all[tok * c.h..(tok + 1) * c.h], "token {tok}");
+    for packed in [false, true] {
+        let (all, all_ids, _) = run(&c, &w, c.t, &w.x, packed);
+        for tok in [0usize, 13, 39] {
+            let x = &w.x[tok * c.h..(tok + 1) * c.h];
+            let (one, ids, busiest) = run(&c, &w, 1, x, packed);
+            assert_eq!(busiest, 1);
+            assert_eq!(ids, all_ids[tok * c.k..(tok + 1) * c.k]);
+            assert_eq!(
+                one,
+                all[tok * c.h..(tok + 1) * c.h],
+                "token {tok} packed={packed}"
+            );
+        }
     }
 }
 
@@ -286,6 +304,7 @@ fn routing_ties_are_chosen_as_torch_topk_chooses() {
             gate_up: &w.gate_up,
             down: &w.down,
             inter: c.i,
+            packed: false,
         },
         None,
         &mut out,
@@ -324,12 +343,14 @@ fn wrong_shapes_are_errors_naming_the_argument() {
                 gate_up: gu,
                 down: &w.down,
                 inter: c.i,
+                packed: false,
             },
             Some(SharedExpert {
                 gate_up: &w.s_gate_up,
                 down: &w.s_down,
                 inter: c.si,
                 gate: s_gate,
+                packed: false,
             }),
             &mut out,
             Routing {

@@ -33,10 +33,13 @@ fn weight<'a>(
 /// optional shared expert `shared_gate_up` `[2Is, H]`, `shared_down` `[H, Is]`,
 /// `shared_gate` `[1, H]`, all bfloat16 bits; writes `out` `[T, H]` (bfloat16 bits),
 /// `topk_ids` (int64) and `topk_weights` (float32) `[T, top_k]`. Returns the most rows
-/// any one expert received.
+/// any one expert received. `packed`: `gate_up` and `down` are in the panel layout
+/// [`pack_experts_bf16`] makes (same shapes); `shared_packed`: the shared expert's
+/// `shared_gate_up` / `shared_down` too (packed as one expert, `E = 1`).
 #[pyfunction]
 #[pyo3(signature = (x, router, gate_up, down, top_k, out, topk_ids, topk_weights,
-                    shared_gate_up=None, shared_down=None, shared_gate=None))]
+                    shared_gate_up=None, shared_down=None, shared_gate=None, packed=false,
+                    shared_packed=false))]
 #[allow(clippy::too_many_arguments)]
 fn moe_block_bf16(
     py: Python<'_>,
@@ -51,6 +54,8 @@ fn moe_block_bf16(
     shared_gate_up: Option<PyReadonlyArrayDyn<'_, u16>>,
     shared_down: Option<PyReadonlyArrayDyn<'_, u16>>,
     shared_gate: Option<PyReadonlyArrayDyn<'_, u16>>,
+    packed: bool,
+    shared_packed: bool,
 ) -> PyResult<usize> {
     use hybridserve_cpu_kernels::moe::Routing;
     use hybridserve_cpu_kernels::moe_bf16::{
@@ -84,6 +89,7 @@ fn moe_block_bf16(
                 down: weight("shared_down", b, &[h, si], "[H, Is]")?,
                 gate: weight("shared_gate", g, &[1, h], "[1, H]")?,
                 inter: si,
+                packed: shared_packed,
             })
         }
         (None, None, None) => None,
@@ -110,6 +116,7 @@ fn moe_block_bf16(
                 gate_up,
                 down,
                 inter,
+                packed,
             },
             shared,
             out,
@@ -119,6 +126,37 @@ fn moe_block_bf16(
     .map_err(err)
 }
 
+/// Rearranges HF's expert tensors `gate_up` `[E, 2I, H]` and `down` `[E, H, I]`
+/// (bfloat16 bits, C-contiguous) in place into the panel layout `moe_block_bf16(...,
+/// packed=True)` reads, or back (`unpack`); one expert matrix of scratch at a time.
+#[pyfunction]
+#[pyo3(signature = (gate_up, down, unpack=false))]
+fn pack_experts_bf16(
+    py: Python<'_>,
+    mut gate_up: PyReadwriteArrayDyn<'_, u16>,
+    mut down: PyReadwriteArrayDyn<'_, u16>,
+    unpack: bool,
+) -> PyResult<()> {
+    let (e, h, inter) = match (gate_up.shape(), down.shape()) {
+        ([e, i2, h], [e2, h2, i]) if e == e2 && h == h2 && *i2 == 2 * *i => (*e, *h, *i),
+        (g, d) => {
+            return Err(PyValueError::new_err(format!(
+                "gate_up must be [E, 2I, H] and down [E, H, I]; got shapes {g:?} and {d:?}"
+            )))
+        }
+    };
+    if !gate_up.is_c_contiguous() || !down.is_c_contiguous() {
+        return Err(PyValueError::new_err(
+            "gate_up and down must be C-contiguous bfloat16 bits (uint16 views)",
+        ));
+    }
+    let gu = contiguous_mut_of("gate_up", &mut gate_up)?;
+    let dn = contiguous_mut_of("down", &mut down)?;
+    py.detach(|| hybridserve_cpu_kernels::moe_bf16::pack_experts(gu, dn, e, h, inter, unpack))
+        .map_err(err)
+}
+
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(moe_block_bf16, m)?)
+    m.add_function(wrap_pyfunction!(moe_block_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(pack_experts_bf16, m)?)
 }
