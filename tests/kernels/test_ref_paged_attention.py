@@ -98,6 +98,42 @@ def test_cpu_path_matches_reference_on_random_mixed_batches(seed):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_path_never_lets_stale_slots_reach_the_output(dtype):
+    """Every cache slot that is not one of a sequence's own tokens holds NaN (what a page
+    last used for DeltaNet state can hold when read as bfloat16), in groups whose members
+    differ in length: the CPU path reads those slots for the shorter members but must give
+    them no part of the output, as the reference (which never reads them) does."""
+    from hybridserve.kernels.paged_attention import AttentionPlan, paged_attention_cpu
+
+    gen = torch.Generator().manual_seed(7)
+    block_size, hkv, group, d = 8, 2, 2, 8
+    q_lens, seq_lens = [12, 11, 10, 1, 1, 1], [12, 11, 10, 40, 37, 33]
+    nblocks = [-(-n // block_size) for n in seq_lens]
+    total = sum(nblocks) + 2
+    k_cache = torch.full((total, block_size, hkv, d), float("nan"))
+    v_cache = torch.full((total, block_size, hkv, d), float("nan"))
+    perm = torch.randperm(total, generator=gen).tolist()
+    tables = torch.zeros(len(seq_lens), max(nblocks), dtype=torch.int32)
+    for b, (nb, n) in enumerate(zip(nblocks, seq_lens)):
+        tables[b, :nb] = torch.tensor([perm.pop() for _ in range(nb)], dtype=torch.int32)
+        for pos in range(n):
+            blk, slot = int(tables[b, pos // block_size]), pos % block_size
+            k_cache[blk, slot] = torch.randn(hkv, d, generator=gen)
+            v_cache[blk, slot] = torch.randn(hkv, d, generator=gen)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
+    q = torch.randn(sum(q_lens), hkv * group, d, generator=gen).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    want = paged_attention_ref(q, k_cache, v_cache, qsl, lens, tables, 0.3)
+    plan = AttentionPlan(qsl, lens, tables, block_size)
+    assert any(g["pad"] is not None for g in plan.groups)  # members of unequal length share a group
+    got = paged_attention_cpu(q, k_cache, v_cache, qsl, lens, tables, 0.3, plan)
+    assert torch.isfinite(want.float()).all() and torch.isfinite(got.float()).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_cpu_path_groups_decodes_by_context_not_to_the_longest():
     """63 decodes at 256 and one at 8192: the short ones never read 8192 keys."""
     from hybridserve.kernels.paged_attention import AttentionPlan

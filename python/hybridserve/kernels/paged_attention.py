@@ -156,8 +156,15 @@ class AttentionPlan:
                 # key j is visible to query i of member b iff j <= offset_b + i
                 m = np.arange(lmax)[None, None, :] <= (offset[:, None] + np.arange(qmax)[None, :])[:, :, None]
                 mask = tt(m[:, None], torch.bool)
+            # Key slots past a member's own length: the tail of its last block and the
+            # block-0 entries past its blocks hold whatever those pages held before
+            # (another sequence's K/V, or DeltaNet state bytes read as this dtype, which
+            # in bfloat16 can be NaN or inf). The mask gives them weight 0, but 0 * NaN
+            # is NaN, so paged_attention_cpu zeroes them.
+            short = lens[mem] < lmax
+            pad = tt(np.arange(lmax)[None, :] >= lens[mem][:, None], torch.bool) if short.any() else None
             self.groups.append({
-                "n": n, "q": qmax, "len": lmax, "rows": tt(rows.ravel()),
+                "n": n, "q": qmax, "len": lmax, "rows": tt(rows.ravel()), "pad": pad,
                 "out_pos": None if valid.all() else tt(flat_valid),
                 "out_rows": tt((rows.ravel())[flat_valid]) if not valid.all() else tt(rows.ravel()),
                 "tables": tables, "causal": causal, "mask": mask,
@@ -190,8 +197,12 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
         nb = tables.shape[1]
         qg = qf.index_select(0, grp["rows"]).view(n, ql, hq, d).transpose(1, 2)
         flat = tables.reshape(-1)
-        kg = k_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length].transpose(1, 2)
-        vg = v_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length].transpose(1, 2)
+        kg = k_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length]
+        vg = v_cache.index_select(0, flat).view(n, nb * block_size, hkv, d)[:, :length]
+        if grp["pad"] is not None:  # see AttentionPlan: stale slots must not reach the sums
+            kg.masked_fill_(grp["pad"][:, :, None, None], 0)
+            vg.masked_fill_(grp["pad"][:, :, None, None], 0)
+        kg, vg = kg.transpose(1, 2), vg.transpose(1, 2)
         og = torch.nn.functional.scaled_dot_product_attention(
             qg, kg.to(cd), vg.to(cd), attn_mask=grp["mask"], is_causal=grp["causal"], scale=scale,
             enable_gqa=hq != hkv)
