@@ -159,6 +159,28 @@ def new_cache():
     return make_cache
 
 
+def whole_prompt_logits(model, config, prompt, block_size=16):
+    """Our logits ``[n, vocab]`` for one whole prompt in one forward (blocks and state
+    pages numbered in order in a cache of the model's own dtype)."""
+    from hybridserve.model.cache import dtype_name
+
+    n = len(prompt)
+    nb = -(-n // block_size)
+    pages = arena_layout(config, block_size, dtype_name(model.dtype)).state_pages
+    cache = model.new_cache(nb + pages, block_size)
+    batch = ForwardBatch.from_lists(
+        input_ids=prompt, positions=range(n), slot_mapping=range(n), query_start_loc=[0, n], seq_lens=[n],
+        block_tables=[list(range(nb))], state_pages=[list(range(nb, nb + pages))],
+        has_initial_state=[False], logits_indices=range(n), device="cpu")
+    with torch.no_grad():
+        return model(batch, cache).float()
+
+
+@pytest.fixture
+def prompt_logits():
+    return whole_prompt_logits
+
+
 
 class Recorder:
     """Collects (sequence, position, our logits row) and checks them against HF at the end."""

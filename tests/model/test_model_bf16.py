@@ -14,9 +14,7 @@ import torch
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.kernels import native, ops
-from hybridserve.memory.layout import arena_layout
-from hybridserve.model import ForwardBatch, load_model
-from hybridserve.model.cache import dtype_name
+from hybridserve.model import load_model
 from hybridserve.sampling import SamplingParams
 
 BF16_LOGIT_TOL = 0.05  # = benches/gpu_checks/common.py BF16_LOGIT_TOL
@@ -84,19 +82,11 @@ def test_bf16_greedy_tokens_equal_hf_bf16(preset, tiny_dirs, hf_bf16, calls):
 
 
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
-def test_bf16_prefill_logits_within_the_device_checks_tolerance(preset, tiny_dirs, hf_bf16):
+def test_bf16_prefill_logits_within_the_device_checks_tolerance(preset, tiny_dirs, hf_bf16, prompt_logits):
     model, config = load_model(tiny_dirs[preset], dtype="bfloat16", progress=False)
     for p in _prompts():
-        n, bs = len(p), 16
-        nb = -(-n // bs)
-        pages = arena_layout(config, bs, dtype_name(model.dtype)).state_pages
-        cache = model.new_cache(nb + pages, bs)
-        batch = ForwardBatch.from_lists(
-            input_ids=p, positions=range(n), slot_mapping=range(n), query_start_loc=[0, n], seq_lens=[n],
-            block_tables=[list(range(nb))], state_pages=[list(range(nb, nb + pages))],
-            has_initial_state=[False], logits_indices=range(n), device="cpu")
+        ours = prompt_logits(model, config, p)
         with torch.no_grad():
-            ours = model(batch, cache).float()
             ref = hf_bf16[preset](torch.tensor([p])).logits[0].float()
         err = float((ours - ref).abs().max() / ref.abs().max().clamp(min=1.0))
-        assert err <= BF16_LOGIT_TOL, (preset, n, err)
+        assert err <= BF16_LOGIT_TOL, (preset, len(p), err)

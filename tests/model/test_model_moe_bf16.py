@@ -20,9 +20,7 @@ import torch
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.kernels import native
-from hybridserve.memory.layout import arena_layout
-from hybridserve.model import ForwardBatch, load_model
-from hybridserve.model.cache import dtype_name
+from hybridserve.model import load_model
 from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.tiny import write_tiny_checkpoint
 from hybridserve.sampling import SamplingParams
@@ -161,7 +159,8 @@ def test_bf16_moe_greedy_tokens_equal_hf_bf16(preset, moe_dirs, hf_bf16, native_
 
 
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
-def test_bf16_moe_prefill_logits_within_tolerance(preset, moe_dirs, hf_bf16, hf_f32, native_moe_calls):
+def test_bf16_moe_prefill_logits_within_tolerance(preset, moe_dirs, hf_bf16, hf_f32, native_moe_calls,
+                                                  prompt_logits):
     """Within ``BF16_LOGIT_TOL`` of HF bfloat16, unless HF bfloat16 itself is further
     than that from HF float32 (the exact model): then within 1.25x that. A token whose
     router logits nearly tie takes another expert in one bfloat16 run than in another,
@@ -170,16 +169,9 @@ def test_bf16_moe_prefill_logits_within_tolerance(preset, moe_dirs, hf_bf16, hf_
     bfloat16 but 0.06 from float32."""
     model, config = load_model(moe_dirs[preset], dtype="bfloat16", progress=False)
     for p in _prompts():
-        n, bs = len(p), 16
-        nb = -(-n // bs)
-        pages = arena_layout(config, bs, dtype_name(model.dtype)).state_pages
-        cache = model.new_cache(nb + pages, bs)
-        batch = ForwardBatch.from_lists(
-            input_ids=p, positions=range(n), slot_mapping=range(n), query_start_loc=[0, n], seq_lens=[n],
-            block_tables=[list(range(nb))], state_pages=[list(range(nb, nb + pages))],
-            has_initial_state=[False], logits_indices=range(n), device="cpu")
+        n = len(p)
+        ours = prompt_logits(model, config, p)
         with torch.no_grad():
-            ours = model(batch, cache).float()
             ref = hf_bf16[preset](input_ids=torch.tensor([p])).logits[0].float()
             exact = hf_f32[preset](input_ids=torch.tensor([p])).logits[0].float()
 
