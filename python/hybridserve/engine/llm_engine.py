@@ -32,6 +32,7 @@ from hybridserve.config import ModelConfig
 from hybridserve.engine import logprobs
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.common_rows import common_row_output, steady_row_outputs
+from hybridserve.engine.faults import FaultInjector, recover_step
 from hybridserve.engine.device import (
     HOST_PARALLEL_MIN_ELEMENTS,
     _resolve_device,
@@ -40,7 +41,7 @@ from hybridserve.engine.device import (
 )
 from hybridserve.engine.request_state import RequestState
 from hybridserve.memory.layout import arena_layout
-from hybridserve.errors import ConfigError, InvalidRequest, UnknownRequest
+from hybridserve.errors import ConfigError, FatalEngineError, InvalidRequest, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
 from hybridserve.outputs import CompletionOutput, RequestOutput
@@ -222,6 +223,15 @@ class LLMEngine:
         # Preemptions by (cause, victim's request_class), for the metrics.
         self.preemptions_by: dict[tuple[str, str], int] = {}
         self._counter = 0
+        # Faults stay local (hybridserve.engine.faults): failed steps rolled back, their
+        # requests retried once (request id -> the state retried), the engine's end when
+        # faults repeat or are fatal. The injector is None unless asked for.
+        self.fault_injector = FaultInjector.from_env()
+        self.max_consecutive_step_failures = args.max_consecutive_step_failures
+        self.failed_steps = self.retried_requests = self.errored_requests = 0
+        self._consecutive_failures = 0
+        self._fault_retried: dict[str, RequestState] = {}
+        self._fatal: BaseException | None = None
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
         # Cumulative wall seconds of each phase of step() (see STEP_PHASES).
@@ -530,6 +540,23 @@ class LLMEngine:
         """Advance every scheduled sequence by one step; return the outputs that changed
         (only the finished ones when ``emit_unfinished`` is False).
 
+        A step that raises is rolled back and its requests retried once or ended with
+        ``finish_reason == "error"`` (hybridserve.engine.faults); a fatal or repeating
+        fault fails every open request and raises FatalEngineError, then and after."""
+        if self._fatal is not None:
+            raise FatalEngineError(f"the engine stopped after a fatal fault: {self._fatal}")
+        self._fault_plan = self._fault_update = None
+        self._fault_phase = "schedule"
+        try:
+            outputs = self._step()
+        except BaseException as e:  # noqa: BLE001 - rolled back, or re-raised as fatal
+            return recover_step(self, self._fault_plan, e, self._fault_phase, self._fault_update)
+        self._consecutive_failures = 0
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One step (see :meth:`step`).
+
         Each phase's wall time is added to ``stats()["step_phase_seconds"]`` and given
         for this step in ``last_step_stats["phase_seconds"]``: consecutive clock reads,
         so the five add up to the step's time."""
@@ -539,6 +566,9 @@ class LLMEngine:
             # A failed rank fails every step at once, before anything is scheduled.
             self.parallel.check_healthy()
         plan = self.scheduler.schedule()
+        self._fault_plan, self._fault_phase = plan, "forward"
+        if self.fault_injector is not None:
+            self.fault_injector.begin_step()
         now = time.monotonic()
         # Requests that changed this step -> the indices of their samples that did.
         changed: dict[str, set[int]] = {}
@@ -609,6 +639,9 @@ class LLMEngine:
         # The hand-off run before the model call (inside prepare's clock reads) moves
         # to process_outputs, the phase it belongs to.
         handoff = min(self._before_forward_seconds, t_prep - t_sched)
+        if self.fault_injector is not None:
+            self.fault_injector.point("forward")
+        self._fault_phase = "sample"
         if step is not None and step.prompt_spans:
             logprobs.record_prompt_logprobs(self.requests, self._prompt_logprobs, plan, step)
         if step is not None and len(step.batch_index):
@@ -628,7 +661,12 @@ class LLMEngine:
         if prep is not None:  # planned rows the step did not sample
             self.sampler.discard(prep)
         t_sample = time.perf_counter()
+        if self.fault_injector is not None:
+            self.fault_injector.point("sample")
         update = self.scheduler.update(sampled)
+        self._fault_update, self._fault_phase = update, "output"
+        if self.fault_injector is not None:
+            self.fault_injector.point("output")
         now = time.monotonic()
 
         requests = self.requests
@@ -790,5 +828,8 @@ class LLMEngine:
         # [(cause, victim request_class, count)]: JSON-friendly.
         d["preemptions_by"] = [(c, k, n) for (c, k), n in sorted(self.preemptions_by.items())]
         d["step_phase_seconds"] = dict(self._phase_seconds)
+        d["failed_steps"] = self.failed_steps
+        d["retried_requests"] = self.retried_requests
+        d["errored_requests"] = self.errored_requests
         return d
 

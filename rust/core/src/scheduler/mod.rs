@@ -85,6 +85,7 @@
 // checkpoints, one free count), policy by concern: `admission`, `preemption`,
 // `forking` (n > 1, beams), `lifecycle` (requests in and out), `step`
 // (schedule / update), `plan` (assembling the caller's views), `stats`.
+mod abort;
 mod admission;
 pub mod cache_manager;
 pub mod checkpoints;
