@@ -122,6 +122,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="waiting-queue cap in requests; beyond it requests get 503 (default: %(default)s)")
     eng.add_argument("--max-waiting-tokens", type=positive_int, default=1 << 24,
                      help="waiting-queue cap in prompt tokens; beyond it requests get 503 (default: %(default)s)")
+    eng.add_argument("--max-sequences-per-request", type=positive_int, default=256,
+                     help="one request's prompts x n (the sequences it becomes); beyond it the request gets "
+                          "400 (default: %(default)s)")
     eng.add_argument("--max-consecutive-step-failures", type=non_negative_int, default=3,
                      help="failed engine steps in a row after which every open request fails and the server "
                           "exits non-zero (a failed step alone is rolled back and its requests retried once; "
@@ -425,6 +428,7 @@ def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
         access_log=getattr(args, "access_log", True),
         max_stop_strings=getattr(args, "max_stop_strings", 64),
         max_stop_string_chars=getattr(args, "max_stop_string_chars", 256),
+        max_sequences_per_request=getattr(args, "max_sequences_per_request", 256),
     )
     if settings.metrics_require_key and not settings.api_key:
         raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
