@@ -297,15 +297,33 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
     finally:
         work.cancel()
     request[USAGE_KEY] = protocol.usage(finals)
-    if chat:
-        body = protocol.chat_body(rid, model_name, finals[0], tt, params)
-    else:
-        body = protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)
+
+    def build() -> bytes:
+        if chat:
+            return json.dumps(protocol.chat_body(rid, model_name, finals[0], tt, params)).encode()
+        return json.dumps(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)).encode()
+
+    raw = await _off_loop_if_large(request, build, params.logprobs is not None or any(echo_texts))
     if early is None:
-        return web.json_response(body)
-    await early.write(json.dumps(body).encode())
+        return web.Response(body=raw, content_type="application/json", charset="utf-8")
+    await early.write(raw)
     await early.write_eof()
     return early
+
+
+# Whether large bodies (logprobs, echo) are built on the tokenizer pool; a bench
+# turns it off to measure what building them on the event loop costs its neighbours.
+BUILD_LARGE_BODIES_OFF_LOOP = True
+
+
+async def _off_loop_if_large(request: web.Request, build: Any, large: bool) -> bytes:
+    """``build()`` on the tokenizer pool when the body may be large (logprobs and echo:
+    a 32K-token echo with 20 logprobs is tens of MB of JSON, built and encoded in
+    hundreds of ms), so every other stream on this loop keeps getting its tokens; the
+    build then holds the GIL only a switch interval at a time. Small bodies inline."""
+    if large and BUILD_LARGE_BODIES_OFF_LOOP:
+        return await request.app[ENGINE_KEY].run_off_engine(build)
+    return build()
 
 
 # While a half-closed client waits for a non-streamed answer, a space is written this
@@ -398,6 +416,7 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
         async for si, out in _merged(streams):
             lasts[si] = out
             choices = []
+            big = False  # an echoed prompt's logprobs: this chunk is encoded off the loop
             for c in out.outputs:
                 index = si * n + c.index
                 if index in finished_sent:
@@ -424,7 +443,10 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                             ids = list(out.prompt_token_ids) + ids
                             ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
                         skip_from = len(ids) - len(new_ids) if params.skip_special_tokens else None
-                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0), skip_from)
+                        args = (tt, ids, ents, k, char_pos.get(index, 0), skip_from)
+                        lp = (await _off_loop_if_large(request, lambda a=args: protocol.completion_logprobs(*a), True)
+                              if first_echo else protocol.completion_logprobs(*args))
+                        big = big or first_echo
                         if lp["tokens"]:
                             skipped = (skip_from is not None and len(ids) - 1 >= skip_from
                                        and ids[-1] in tt.special_ids)
@@ -432,7 +454,8 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                     choices.append({"index": index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
-                await resp.write(chunk(choices))
+                await resp.write(await _off_loop_if_large(request, lambda c=choices: chunk(c), True) if big
+                                 else chunk(choices))
         if lasts:
             request[USAGE_KEY] = protocol.usage(list(lasts.values()))
         if opts.include_usage and lasts:
