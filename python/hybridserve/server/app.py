@@ -300,8 +300,8 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
 
     def build() -> bytes:
         if chat:
-            return json.dumps(protocol.chat_body(rid, model_name, finals[0], tt, params)).encode()
-        return json.dumps(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)).encode()
+            return dumps_yielding(protocol.chat_body(rid, model_name, finals[0], tt, params)).encode()
+        return dumps_yielding(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)).encode()
 
     raw = await _off_loop_if_large(request, build, params.logprobs is not None or any(echo_texts))
     if early is None:
@@ -309,6 +309,21 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
     await early.write(raw)
     await early.write_eof()
     return early
+
+
+def dumps_yielding(obj: Any, slice_len: int = 512) -> str:
+    """``json.dumps(obj)``, the same text, encoded a slice of each long list at a time.
+    The C encoder holds the GIL for a whole call (a second for tens of MB), so on any
+    thread one call would stall the event loop that long; slices of a few hundred
+    entries let the GIL switch every few milliseconds."""
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {dumps_yielding(v, slice_len)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, list):
+        if len(obj) <= 64 and any(isinstance(x, (dict, list)) for x in obj[:1]):
+            return "[" + ", ".join(dumps_yielding(x, slice_len) for x in obj) + "]"
+        if len(obj) > slice_len:
+            return "[" + ", ".join(json.dumps(obj[i:i + slice_len])[1:-1] for i in range(0, len(obj), slice_len)) + "]"
+    return json.dumps(obj)
 
 
 # Whether large bodies (logprobs, echo) are built on the tokenizer pool; a bench
@@ -403,9 +418,10 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
     # OpenAI: with include_usage every chunk carries "usage", null until the last one.
     usage_field = {"usage": None} if opts.include_usage else {}
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
-                     **usage_field, **extra})
+    def chunk(choices: list[dict[str, Any]], _dumps: Any = json.dumps, **extra: Any) -> bytes:
+        text = _dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                       **usage_field, **extra})
+        return f"data: {text}\n\n".encode()
 
     try:
         if chat:
@@ -454,7 +470,7 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                     choices.append({"index": index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
-                await resp.write(await _off_loop_if_large(request, lambda c=choices: chunk(c), True) if big
+                await resp.write(await _off_loop_if_large(request, lambda c=choices: chunk(c, _dumps=dumps_yielding), True) if big
                                  else chunk(choices))
         if lasts:
             request[USAGE_KEY] = protocol.usage(list(lasts.values()))
