@@ -41,7 +41,7 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from hybridserve.errors import ConfigError, FatalEngineError
+from hybridserve.errors import ConfigError, FatalEngineError, HybridServeError
 
 logger = logging.getLogger("hybridserve.engine")
 
@@ -225,7 +225,9 @@ def recover_step(engine: Any, plan: Any, exc: BaseException, phase: str, update:
     if phase != "output":
         _abort_plan(engine)
     if fatal:
-        cause = exc if isinstance(exc, FatalEngineError) else FatalEngineError(
+        # The engine's own fatal errors (a dead tensor-parallel rank names its rank) go
+        # out as they are; anything else as a FatalEngineError naming it.
+        cause = exc if isinstance(exc, HybridServeError) and is_fatal(exc) else FatalEngineError(
             f"{engine._consecutive_failures} consecutive failed steps, the last: {exc!r}"
             if not is_fatal(exc) else f"fatal fault: {exc!r}")
         engine._fatal = cause

@@ -41,7 +41,7 @@ from hybridserve.engine.device import (
 )
 from hybridserve.engine.request_state import RequestState
 from hybridserve.memory.layout import arena_layout
-from hybridserve.errors import ConfigError, FatalEngineError, InvalidRequest, QueueFull, UnknownRequest
+from hybridserve.errors import ConfigError, InvalidRequest, QueueFull, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
 from hybridserve.outputs import CompletionOutput, RequestOutput
@@ -560,7 +560,7 @@ class LLMEngine:
         ``finish_reason == "error"`` (hybridserve.engine.faults); a fatal or repeating
         fault fails every open request and raises FatalEngineError, then and after."""
         if self._fatal is not None:
-            raise FatalEngineError(f"the engine stopped after a fatal fault: {self._fatal}")
+            raise self._fatal  # the engine stays stopped: the same error at once
         self._fault_plan = self._fault_update = None
         self._fault_phase = "schedule"
         try:
