@@ -5,8 +5,6 @@ OpenAI-style error body with a 4xx status (see ``protocol.ApiError``)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from aiohttp import web
 from aiohttp.web_urldispatcher import _default_expect_handler
 
