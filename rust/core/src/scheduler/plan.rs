@@ -56,7 +56,7 @@ impl Scheduler {
                         e.ckpt = Some((due as u32, st));
                         self.plan_ckpt_states += 1;
                     }
-                    None => self.cache.ckpts.stats.writes_skipped += 1,
+                    None => self.cache.note_checkpoint_write_skipped(),
                 }
             }
         }
