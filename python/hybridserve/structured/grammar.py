@@ -47,11 +47,9 @@ def _require_xgrammar():
 def constraint_format(spec: StructuredOutputsParams) -> dict[str, Any]:
     """The structural-tag format (a JSON-ready dict) of one constraint."""
     kind = spec.kind
-    if kind == "json":
-        fmt: dict[str, Any] = {"type": "json_schema", "json_schema": spec.json,
-                               "max_whitespace_cnt": JSON_MAX_WHITESPACE}
-    elif kind == "json_object":
-        fmt = {"type": "json_schema", "json_schema": {"type": "object"}, "max_whitespace_cnt": JSON_MAX_WHITESPACE}
+    if kind in ("json", "json_object"):
+        fmt: dict[str, Any] = {"type": "grammar",
+                               "grammar": json_schema_ebnf({"type": "object"} if kind == "json_object" else spec.json)}
     elif kind == "regex":
         fmt = {"type": "regex", "pattern": spec.regex}
     elif kind == "choice":
@@ -69,6 +67,27 @@ def constraint_format(spec: StructuredOutputsParams) -> dict[str, Any]:
             fmt,
         ]}
     return fmt
+
+
+# xgrammar 0.2.9 gives strings with maxLength/minLength the character class below, which
+# lets raw control characters (U+0000-U+001F but CR/LF) into a JSON string: strict JSON
+# parsers reject them. Its unbounded strings already exclude them; so do these.
+_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
+_STRICT_STRING_CHAR = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_ebnf(schema: Any) -> str:
+    """The EBNF of a JSON schema (xgrammar's conversion, whitespace runs bounded, string
+    characters as strict JSON allows them)."""
+    import json
+
+    xgr = _require_xgrammar()
+    try:
+        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), max_whitespace_cnt=JSON_MAX_WHITESPACE,
+                                               strict_mode=True)
+    except Exception as e:  # noqa: BLE001 - xgrammar raises several types
+        raise InvalidRequest(f"cannot compile the json constraint: {_short(e)}") from None
+    return str(grammar).replace(_LOOSE_STRING_CHAR, _STRICT_STRING_CHAR)
 
 
 class GrammarCompiler:
@@ -132,6 +151,8 @@ class GrammarCompiler:
                 f"the {spec.kind} constraint did not compile within {self.timeout_s:g} s; simplify it "
                 "(fewer alternatives, bounded repetitions, smaller enums)") from None
         except InvalidRequest:
+            with self._lock:
+                self._pending.pop(key, None)
             raise
         except Exception as e:  # xgrammar raises RuntimeError / ValueError / its own errors
             with self._lock:
