@@ -208,6 +208,10 @@ class LLMEngine:
         self._host_one_thread = (self.device.type == "cpu" and self.cpu_threads > 1
                                  and args.max_num_seqs * config.vocab_size < HOST_PARALLEL_MIN_ELEMENTS)
         self.requests: dict[str, RequestState] = {}
+        # Constrained decoding (hybridserve.structured), built with the first constrained
+        # request; the step's mask job runs while its forward does.
+        self.structured: Any = None
+        self._structured_job: Any = None
         # Counts every change to `requests` (add, abort, finish): the last step's
         # sampler rows are reused while it and the batch stay the same.
         self._requests_epoch = 0
@@ -340,6 +344,8 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
+        if params.structured_outputs is not None:
+            self._add_structured(request_id, params)
         state = RequestState.create(
             request_id, text, ids, params, self.tokenizer, self.device,
             priority=priority, request_class=request_class, arrival_time=arrival_time,
@@ -364,7 +370,8 @@ class LLMEngine:
             priority=priority,
             request_class=request_class,
             **extra,
-        )
+        ) if params.structured_outputs is None else self._scheduler_add_structured(
+            request_id, ids, params, stop_ids, priority, request_class, extra)
         self.requests[request_id] = state
         self._requests_epoch += 1
         if prompt_logprobs is not None:
@@ -481,6 +488,8 @@ class LLMEngine:
 
     def _release_sampler_rows(self, request_id: str, state: RequestState) -> None:
         # The sampler keeps device state per (request, sample) across steps.
+        if self.structured is not None:
+            self.structured.release(request_id)
         for i in range(len(state.samples)):
             self.sampler.release((request_id, i))
 
@@ -603,11 +612,14 @@ class LLMEngine:
                                          self.model_config.vocab_size, self.device)
                 runner.extra_segments = prep.segments
         runner.extra_views = None
+        if self.structured is not None and self.structured.active:
+            self._structured_job = self.structured.begin_step(plan, self.requests)
         try:
             # The one-argument call in the common case keeps runner wrappers (tests,
             # benches) that take only the plan working.
             step = runner.execute(plan, want) if want else runner.execute(plan)
         except BaseException:
+            self._structured_job = None  # the step is rolled back; its masks are dropped
             if prep is not None:
                 self.sampler.discard(prep)
             raise
@@ -644,6 +656,9 @@ class LLMEngine:
         self._fault_phase = "sample"
         if step is not None and step.prompt_spans:
             logprobs.record_prompt_logprobs(self.requests, self._prompt_logprobs, plan, step)
+        job, self._structured_job = self._structured_job, None
+        if job is not None and step is not None and len(step.batch_index):
+            self.structured.apply(job, step.logits)
         if step is not None and len(step.batch_index):
             if prep is not None:
                 views, runner.extra_views = runner.extra_views, None
@@ -816,6 +831,35 @@ class LLMEngine:
         hand-off of outputs to the clients' queues) to a phase's total."""
         self._phase_seconds[phase] += seconds
 
+    # ------------------------------------------------------- structured outputs
+    def structured_decoding(self) -> Any:
+        """The engine's :class:`~hybridserve.structured.engine_hook.StructuredDecoding`
+        (built on first use: it reads the whole vocabulary once)."""
+        if self.structured is None:
+            from hybridserve.structured.engine_hook import StructuredDecoding
+
+            self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size,
+                                                 self.eos_token_ids)
+        return self.structured
+
+    def _add_structured(self, request_id: str, params: SamplingParams) -> None:
+        from hybridserve.structured.engine_hook import check_params
+
+        check_params(params)
+        self.structured_decoding().add(request_id, params.structured_outputs)
+
+    def _scheduler_add_structured(self, request_id, ids, params, stop_ids, priority, request_class, extra):
+        # The grammar was compiled in _add_structured; a scheduler refusal gives it back.
+        try:
+            return self.scheduler.add_request(
+                request_id, np.asarray(ids, dtype=np.uint32), max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens, stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
+                eos_token_ids=self.eos_token_ids, n=params.n, priority=priority,
+                request_class=request_class, **extra)
+        except BaseException:
+            self.structured.release(request_id)
+            raise
+
     # ----------------------------------------------------------------- helpers
     def stats(self) -> dict[str, Any]:
         d = dict(self.scheduler.stats())
@@ -831,5 +875,7 @@ class LLMEngine:
         d["failed_steps"] = self.failed_steps
         d["retried_requests"] = self.retried_requests
         d["errored_requests"] = self.errored_requests
+        if self.structured is not None:
+            d["structured"] = self.structured.stats()
         return d
 
