@@ -101,3 +101,28 @@ def test_chat_refuses_what_is_not_a_conversation(llm):
         with pytest.raises(InvalidRequest):
             llm.chat(bad, GREEDY)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_max_tokens_none_is_the_rest_of_the_context(llm):
+    ids = [5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate({"prompt_token_ids": ids}, params)
+    assert len(out.outputs[0].token_ids) == llm.engine.max_model_len - len(ids)
+    assert out.outputs[0].finish_reason == "length"
+    assert params.max_tokens is None  # the caller's params are not rewritten
+
+
+def test_output_field_names_match_vllms(llm):
+    """Where vLLM has the field, the name is the same (vLLM's docs list them)."""
+    import dataclasses
+
+    vllm_sampling = {"n", "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+                     "stop", "stop_token_ids", "ignore_eos", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+                     "logit_bias"}
+    assert vllm_sampling <= {f.name for f in dataclasses.fields(SamplingParams)}
+    (out,) = llm.generate("abc", GREEDY)
+    for name in ("request_id", "prompt", "prompt_token_ids", "prompt_logprobs", "outputs", "finished"):
+        assert hasattr(out, name), name
+    for name in ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason"):
+        assert hasattr(out.outputs[0], name), name
