@@ -15,6 +15,7 @@ thread for the server.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -303,7 +304,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            # As vLLM and the tokenizer's default: the special tokens its post-processor
+            # adds (a BOS) are part of a text prompt (Qwen's tokenizers add none).
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         ids = [int(t) for t in prompt]
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -344,6 +347,11 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
+        if params.max_tokens is None:  # vLLM's meaning: the rest of the context
+            # A copy (one SamplingParams may serve many prompts) that keeps what was
+            # built on it already (the stop-string automaton).
+            params = copy.copy(params)
+            params.max_tokens = max(1, self.max_model_len - len(ids))
         if params.structured_outputs is not None:
             self._add_structured(request_id, params)
         state = RequestState.create(

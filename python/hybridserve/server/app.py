@@ -473,8 +473,8 @@ async def model(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
     ``{"count", "max_model_len", "tokens", "token_strs"}``. ``add_special_tokens``
-    defaults to false (vLLM: true) so that ``count`` is what a completion's prompt costs
-    here: the engine tokenizes prompts without special tokens."""
+    defaults as in vLLM: true for a prompt (as a completion's prompt is tokenized, so
+    ``count`` is what it costs), false for messages (the template writes them)."""
     engine = request.app[ENGINE_KEY]
     tokenizer = engine.engine.tokenizer
     try:
@@ -485,7 +485,7 @@ async def tokenize(request: web.Request) -> web.Response:
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise InvalidRequest(f"unknown field(s) {unknown}; /tokenize accepts {sorted(allowed)}")
-        add_special = protocol._bool(body, "add_special_tokens", False)
+        add_special = protocol._bool(body, "add_special_tokens", "prompt" in body)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequest("give exactly one of 'prompt' (a string) or 'messages' (a chat)")
         if "prompt" in body:

@@ -223,10 +223,12 @@ def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *
     else:
         if body.get("logprobs") is not None:
             kwargs["logprobs"] = body["logprobs"]
-    if kwargs.get("max_tokens") is None:
-        kwargs["max_tokens"] = 16 if not chat else 256
+    if kwargs.get("max_tokens") is None and not chat:
+        kwargs["max_tokens"] = 16
     for k in [k for k, v in kwargs.items() if v is None and k not in ("seed", "stop", "stop_token_ids", "logprobs")]:
         del kwargs[k]  # null means "the default", as OpenAI treats it
+    if chat and kwargs.get("max_tokens") is None:
+        kwargs["max_tokens"] = None  # vLLM's chat default: the rest of the context
     bias = logit_bias(body, vocab_size)
     if bias:
         kwargs["logit_bias"] = bias

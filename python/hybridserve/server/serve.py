@@ -23,6 +23,7 @@ import signal
 import socket
 from typing import Any
 
+from hybridserve import cli_args
 from hybridserve.argtypes import non_negative_seconds, positive_int, positive_seconds, positive_size
 from hybridserve.errors import ConfigError
 
@@ -68,8 +69,9 @@ def parse_port(text: str | int) -> int:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (config.json + safetensors + tokenizer); "
-                        "default: the embedded tiny Qwen3.5-architecture model (random weights: prints noise)")
+                   help="checkpoint directory (config.json + safetensors + tokenizer), or tiny:PRESET for a "
+                        "generated tiny model (e.g. tiny:moe-bench); default: the embedded tiny "
+                        "Qwen3.5-architecture model (random weights: prints noise)")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     net.add_argument("--port", default=8000,
@@ -110,7 +112,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--dtype", default="auto",
                      help="auto, float32, bfloat16 or float16; auto is float32 on CPU (default: %(default)s)")
     eng.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: %(default)s)")
-    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    cli_args.add_block_size(eng)
+    cli_args.add_seed_and_tokenizer(eng)
+    cli_args.add_kv_cache_dtype(eng)
     eng.add_argument("--max-num-seqs", type=int, default=64,
                      help="most sequences in one step's batch (default: %(default)s)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048,
@@ -130,9 +134,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "in pages, with a warning; use --num-pages (default: unset)")
     eng.add_argument("--num-state-slots", type=int, default=None,
                      help="deprecated (the pre-arena split), see --num-gpu-blocks (default: unset)")
-    eng.add_argument("--kv-cache-memory", default=None,
-                     help="the one byte budget of the cache arena (KV blocks, DeltaNet state, checkpoints), "
-                          "e.g. 512MiB (default: from device memory; 512MiB on CPU)")
+    cli_args.add_memory_budget(eng, old_spelling="--kv-cache-memory",
+                               default_help="from device memory; on CPU a fraction of the memory available")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of device memory to use (default: %(default)s)")
     eng.add_argument("--expected-context-len", type=int, default=None,
@@ -429,12 +432,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from hybridserve.engine.async_engine import AsyncEngine
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.metrics import EngineMetrics
-    from hybridserve.planner import parse_size
     from hybridserve.server.app import build_app
 
     level = check_log_level(args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.model is not None:
+    if args.model is not None and not args.model.startswith(cli_args.TINY_PREFIX):
         check_model_dir(args.model)
     check_device(args.device)
     settings = server_settings(args)
@@ -447,7 +449,7 @@ def run_serve(args: argparse.Namespace) -> int:
     tp_worker = getattr(args, "tensor_parallel_size", 1) > 1 and (env_rank() or 0) > 0
     sock = None if tp_worker else bind_socket(args.host, parse_port(args.port))
     try:
-        model = args.model or default_model_dir()
+        model = cli_args.resolve_model(args.model)
         check_max_model_len(args.max_model_len, model)
         engine_args = EngineArgs(
             model=model,
@@ -460,7 +462,10 @@ def run_serve(args: argparse.Namespace) -> int:
             num_pages=args.num_pages,
             num_gpu_blocks=args.num_gpu_blocks,
             num_state_slots=args.num_state_slots,
-            kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_cache_dtype=args.kv_cache_dtype,
+            seed=args.seed,
+            tokenizer=args.tokenizer,
             gpu_memory_utilization=args.gpu_memory_utilization,
             expected_context_len=args.expected_context_len,
             admission_policy=args.admission_policy,
