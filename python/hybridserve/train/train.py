@@ -249,14 +249,18 @@ def train(args) -> dict[str, float]:
     last = {}
     model.train(); mtp.train()
 
+    evals: dict[int, dict[str, float]] = {}
+
     def do_eval(s):
         ev = evaluate(model, mtp, held, tbytes, args.seq_len, args.eval_tokens)
+        evals[s] = ev
         bar.write(f"step {s}: held-out loss {ev['loss']:.4f} nats/token, {ev['bits_per_byte']:.4f} bits/byte, "
                   f"MTP loss {ev['mtp_loss']:.4f} ({time.time() - t0:.0f} s)")
         sys.stdout.flush()
         return ev
 
-    while step < args.steps:
+    stop_at = min(args.steps, args.stop_at_step or args.steps)
+    while step < stop_at:
         if args.time_budget_s and step_time is not None and \
                 time.time() - t0 + step_time * 1.2 > args.time_budget_s:
             bar.write(f"time budget of {args.time_budget_s:.0f} s reached at step {step}; saving")
@@ -290,7 +294,9 @@ def train(args) -> dict[str, float]:
             last_ckpt = time.time()
     bar.close()
     save_checkpoint(ckpt_path, model, mtp, opt, step, {"config": cfg})
-    ev = do_eval(step) if args.eval_every and (step % args.eval_every or not last) else {}
+    if args.eval_every and step not in evals:
+        do_eval(step)
+    ev = evals.get(step, {})
     print(f"done at step {step} in {time.time() - t0:.0f} s", flush=True)
     return {**last, **{f"heldout_{k}": v for k, v in ev.items()}, "step": step}
 
@@ -316,5 +322,7 @@ def add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--tqdm-interval", type=float, default=30)
     p.add_argument("--fresh", action="store_true", help="ignore an existing checkpoint")
+    p.add_argument("--stop-at-step", type=int, default=0,
+                   help="save and stop at this step (the schedule still runs to --steps); resume later")
     p.add_argument("--stdlib-root", default=None, help=argparse.SUPPRESS)
     p.add_argument("--max-docs", type=int, default=None, help=argparse.SUPPRESS)
