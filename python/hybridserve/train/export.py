@@ -44,6 +44,8 @@ def export(run_dir: str, out_dir: str, *, dtype: torch.dtype = torch.bfloat16) -
         json.dump({"eos_token_id": [ids["<|im_end|>"], ids["<|endoftext|>"]],
                    "pad_token_id": ids["<|endoftext|>"], "do_sample": False}, f, indent=2)
         f.write("\n")
+    for f in os.listdir(tmp):  # safetensors writes 0600; package data is world-readable
+        os.chmod(os.path.join(tmp, f), 0o644)
     if os.path.exists(out_dir):
         keep = os.path.join(out_dir, "__init__.py")
         if os.path.exists(keep):  # the package marker of hybridserve/default_model
