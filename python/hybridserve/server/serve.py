@@ -1,8 +1,10 @@
 """``hybridserve serve``: build the engine, start the aiohttp server, drain on SIGTERM.
 
-Without a model directory it serves the embedded default: the deterministic
-~10M-parameter ``bench`` tiny checkpoint with random weights (it prints noise),
-generated once into a cache folder (``$HYBRIDSERVE_CACHE`` or ``~/.cache/hybridserve``).
+Without a model directory it serves the default model shipped in the wheel
+(:mod:`hybridserve.default_model`, trained on the Python standard library) under the
+name ``hybridserve-stdlib-5m``. The random-weight tiny checkpoints of
+:func:`default_model_dir` (generated once into ``$HYBRIDSERVE_CACHE`` or
+``~/.cache/hybridserve``) stay for tests and benches.
 
 Start-up order: bind the port first (a port in use is one clear line, before seconds
 of model loading), then load the engine, then serve on the bound socket and print
@@ -55,6 +57,17 @@ def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
     return path
 
 
+def shipped_model_dir() -> str:
+    """The trained default model in the wheel (what ``serve`` serves without a model)."""
+    from hybridserve import default_model
+    return default_model.path()
+
+
+def shipped_model_name() -> str:
+    from hybridserve import default_model
+    return default_model.NAME
+
+
 def parse_port(text: str | int) -> int:
     """The --port value, or a one-line ConfigError (checked in run_serve, not by
     argparse, so that the error is one line rather than the whole usage)."""
@@ -70,8 +83,8 @@ def parse_port(text: str | int) -> int:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="checkpoint directory (config.json + safetensors + tokenizer), or tiny:PRESET for a "
-                        "generated tiny model (e.g. tiny:moe-bench); default: the embedded tiny "
-                        "Qwen3.5-architecture model (random weights: prints noise)")
+                        "generated random-weight tiny model (e.g. tiny:moe-bench); default: the shipped "
+                        "hybridserve-stdlib-5m, a small Qwen3.5 trained on the Python stdlib")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     net.add_argument("--port", default=8000,
@@ -449,7 +462,7 @@ def run_serve(args: argparse.Namespace) -> int:
     tp_worker = getattr(args, "tensor_parallel_size", 1) > 1 and (env_rank() or 0) > 0
     sock = None if tp_worker else bind_socket(args.host, parse_port(args.port))
     try:
-        model = cli_args.resolve_model(args.model)
+        model = shipped_model_dir() if args.model is None else cli_args.resolve_model(args.model)
         check_max_model_len(args.max_model_len, model)
         engine_args = EngineArgs(
             model=model,
@@ -484,7 +497,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.getLogger("hybridserve.server").info(memory_held_line(engine))
         metrics = EngineMetrics(request_classes=classes, max_request_classes=args.max_request_classes)
         async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
-        name = args.served_model_name or os.path.basename(os.path.normpath(model))
+        name = args.served_model_name or (
+            shipped_model_name() if args.model is None else os.path.basename(os.path.normpath(model)))
         app = build_app(async_engine, metrics, name, settings)
         asyncio.run(serve_app(app, sock, name=name, shutdown_timeout=args.shutdown_timeout))
     finally:
