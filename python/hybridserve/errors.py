@@ -82,6 +82,13 @@ class FatalEngineError(HybridServeError):
 
     http_status = 500
 
+
+class RequestFailed(HybridServeError):
+    """The engine failed while running this request (a step that raised, twice): the
+    request ended with ``finish_reason == "error"``; the server stays up, retry it."""
+
+    http_status = 500
+
 __all__ = [
     "HybridServeError",
     "ConfigError",
@@ -95,4 +102,5 @@ __all__ = [
     "QueueFull",
     "UnknownRequest",
     "FatalEngineError",
+    "RequestFailed",
 ]

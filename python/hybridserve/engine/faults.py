@@ -259,6 +259,15 @@ def recover_step(engine: Any, plan: Any, exc: BaseException, phase: str, update:
             engine.retried_requests += 1
             n_retry += 1
             _resync_for_retry(engine, rid, state)
+    # The step's record for the callers that read it (the offline loop's progress
+    # guard, the async engine's hand-off time): it scheduled, and produced nothing.
+    engine.last_step_stats = {
+        "num_scheduled_seqs": len(plan.request_ids) if plan is not None else 0,
+        "num_batched_tokens": len(plan.input_ids) if plan is not None else 0,
+        "step_seconds": 0.0,
+        "phase_seconds": dict.fromkeys(engine._phase_seconds, 0.0),
+        "failed": True,
+    }
     logger.warning("step failed in %s (%r): %d request(s) retried, %d ended with an error",
                    phase, exc, n_retry, len(outputs))
     return outputs

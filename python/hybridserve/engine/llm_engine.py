@@ -42,7 +42,7 @@ from hybridserve.engine.device import (
 )
 from hybridserve.engine.request_state import RequestState
 from hybridserve.memory.layout import arena_layout
-from hybridserve.errors import ConfigError, FatalEngineError, InvalidRequest, UnknownRequest
+from hybridserve.errors import ConfigError, FatalEngineError, InvalidRequest, QueueFull, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
 from hybridserve.outputs import CompletionOutput, RequestOutput
@@ -173,7 +173,9 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             priority_preemption_threshold=args.priority_preemption_threshold,
             max_priority_preemptions_per_step=args.max_priority_preemptions_per_step,
-            max_waiting_requests=args.max_waiting_requests,
+            # The cap counts requests that wait for want of room, not those the next step
+            # admits into free run slots: the core's is looser, _check_waiting_room exact.
+            max_waiting_requests=args.max_waiting_requests + args.max_num_seqs,
             max_waiting_tokens=args.max_waiting_tokens,
             reserve_max_context=args.admission_policy == "reserve_max",
         )
@@ -344,6 +346,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; pick a unique id")
         params.check_vocab(self.model_config.vocab_size)
+        self._check_waiting_room()
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
@@ -386,6 +389,18 @@ class LLMEngine:
             self._prompt_logprobs[request_id] = (prompt_logprobs, [None] * len(ids))
         return request_id
 
+    def _check_waiting_room(self) -> None:
+        """QueueFull when max_waiting_requests requests already wait beyond what the free
+        run slots will admit at the next step (requests added between two steps all
+        wait until it, though the free slots will take them)."""
+        cap = self.args.max_waiting_requests
+        waiting = self.scheduler.num_waiting()
+        if waiting >= cap:
+            free = max(self.args.max_num_seqs - self.scheduler.num_running(), 0)
+            if waiting - free >= cap:
+                raise QueueFull(f"the waiting queue holds {waiting - free} requests beyond the {free} free run "
+                                f"slot(s) (max_waiting_requests = {cap}); retry later")
+
     def add_beam_request(
         self,
         request_id: str | None,
@@ -411,6 +426,7 @@ class LLMEngine:
             self._counter += 1
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; pick a unique id")
+        self._check_waiting_room()
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")

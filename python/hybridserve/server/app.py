@@ -31,7 +31,7 @@ from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, Reques
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
 from hybridserve.outputs import DeltaCursor
-from hybridserve.server import protocol
+from hybridserve.server import bounds, protocol
 from hybridserve.server.access_log import REQUEST_ID_KEY, USAGE_KEY
 from hybridserve.server.http_protocol import describe_rejection, peer_eof
 from hybridserve.server.protocol import ApiError
@@ -56,6 +56,8 @@ class ServerSettings:
     # memory and build time in proportion to their total length.
     max_stop_strings: int = 64
     max_stop_string_chars: int = 256
+    # One request's prompts x n (the sequences it becomes); beyond is a 400. None: no cap.
+    max_sequences_per_request: int | None = 256
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -102,6 +104,10 @@ def _parse_json(raw: bytes) -> Any:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:
+        # A JSON integer longer than Python's int-to-string limit (4,300 digits): no
+        # field of any request can hold it.
+        raise InvalidRequest(f"a number in the request body is out of range: {e}") from None
     except RecursionError:
         raise InvalidRequest("the request body nests JSON too deeply") from None
     try:
@@ -128,7 +134,7 @@ def _check_json_content_type(request: web.Request) -> None:
     # aiohttp decodes gzip and deflate and passes any other coding through as if it
     # were none: the body would be parsed as what it is not.
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("identity", "gzip", "x-gzip", "deflate", ""):
+    if encoding not in ("identity", "gzip", "deflate", ""):
         raise ApiError(f"Content-Encoding {encoding[:40]!r} is not supported; send the body as is, gzip or deflate",
                        status=415, err_type="invalid_request_error")
 
@@ -136,6 +142,7 @@ def _check_json_content_type(request: web.Request) -> None:
 async def _json_body(request: web.Request) -> dict[str, Any]:
     settings = request.app[SETTINGS_KEY]
     _check_json_content_type(request)
+    bounds.check_transfer_coding(request)
     try:
         raw = await asyncio.wait_for(request.read(), timeout=settings.request_read_timeout)
     except (HttpProcessingError, ClientPayloadError, RequestPayloadError) as e:
@@ -238,6 +245,9 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 if isinstance(p, str):
                     _check_prompt_chars(request, len(p))
             echo = protocol._bool(body, "echo", False)
+        bounds.check_sequences(prompts, params.n, request.app[SETTINGS_KEY].max_sequences_per_request)
+        # request_class is kept per value by the core and the engine: bounded as /metrics is.
+        klass = request.app[METRICS_KEY].class_label(klass)
         prompt_lp = params.logprobs if echo else None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         request[REQUEST_ID_KEY] = rid
@@ -413,9 +423,12 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                         if first_echo:
                             ids = list(out.prompt_token_ids) + ids
                             ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
-                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0))
+                        skip_from = len(ids) - len(new_ids) if params.skip_special_tokens else None
+                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0), skip_from)
                         if lp["tokens"]:
-                            char_pos[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                            skipped = (skip_from is not None and len(ids) - 1 >= skip_from
+                                       and ids[-1] in tt.special_ids)
+                            char_pos[index] = lp["text_offset"][-1] + (0 if skipped else len(lp["tokens"][-1]))
                     choices.append({"index": index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
@@ -640,5 +653,6 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
     async def _shutdown(app_: web.Application) -> None:
         app_[ENGINE_KEY].shutdown()
 
+    bounds.json_expect_failures(app)
     app.on_cleanup.append(_shutdown)
     return app

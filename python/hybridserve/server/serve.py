@@ -26,7 +26,7 @@ import socket
 from typing import Any
 
 from hybridserve import cli_args
-from hybridserve.argtypes import non_negative_seconds, positive_int, positive_seconds, positive_size
+from hybridserve.argtypes import non_negative_int, non_negative_seconds, positive_int, positive_seconds, positive_size
 from hybridserve.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -139,6 +139,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="waiting-queue cap in requests; beyond it requests get 503 (default: %(default)s)")
     eng.add_argument("--max-waiting-tokens", type=positive_int, default=1 << 24,
                      help="waiting-queue cap in prompt tokens; beyond it requests get 503 (default: %(default)s)")
+    eng.add_argument("--max-sequences-per-request", type=positive_int, default=256,
+                     help="one request's prompts x n (the sequences it becomes); beyond it the request gets "
+                          "400 (default: %(default)s)")
+    eng.add_argument("--max-consecutive-step-failures", type=non_negative_int, default=3,
+                     help="failed engine steps in a row after which every open request fails and the server "
+                          "exits non-zero (a failed step alone is rolled back and its requests retried once; "
+                          "0: never for this reason; default: %(default)s)")
     eng.add_argument("--num-pages", type=positive_int, default=None,
                      help="exact pages of the cache arena (KV blocks, DeltaNet state and checkpoints share "
                           "them; default: sized from the memory budget)")
@@ -382,17 +389,18 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
         ready(port)
 
     async def stop_on_rank_failure() -> None:
-        # A tensor-parallel rank that died or hung kills the engine thread for good:
-        # requests get 503 from then on, and the server drains and exits non-zero.
+        # An engine thread that stopped (a fatal fault, faults in a row, a tensor-parallel
+        # rank that died or hung) is gone for good: every open request already got its
+        # error, new ones get 503, and the server exits non-zero within seconds.
         parallel = getattr(engine.engine, "parallel", None)
-        while not stop.is_set() and parallel is not None:
-            # The engine thread died of it, or the driver's heartbeat found it while idle.
-            if not engine.is_alive or parallel.failure is not None:
-                log.error("tensor-parallel engine failed (%s): shutting down",
-                          parallel.failure or getattr(engine, "_dead", None))
+        while not stop.is_set():
+            # The engine thread died, or the driver's heartbeat found a dead rank while idle.
+            failure = parallel.failure if parallel is not None else None
+            if not engine.is_alive or failure is not None:
+                log.error("engine failed (%s): shutting down", failure or getattr(engine, "_dead", None))
                 stop.set()
                 return
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
 
     watcher = asyncio.ensure_future(stop_on_rank_failure())
     try:
@@ -401,7 +409,9 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
         await site.stop()  # no new connections
         n = engine.num_in_flight
         log.info("shutting down: %d request(s) in flight, waiting up to %gs", n, shutdown_timeout)
-        deadline = loop.time() + shutdown_timeout
+        # A dead engine produces nothing more: the streams have their errors, and only
+        # their writes are waited for.
+        deadline = loop.time() + (shutdown_timeout if engine.is_alive else min(shutdown_timeout, 2.0))
         while engine.num_in_flight and loop.time() < deadline and not force.is_set():
             await asyncio.sleep(0.05)
         if engine.num_in_flight:
@@ -434,6 +444,7 @@ def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
         access_log=getattr(args, "access_log", True),
         max_stop_strings=getattr(args, "max_stop_strings", 64),
         max_stop_string_chars=getattr(args, "max_stop_string_chars", 256),
+        max_sequences_per_request=getattr(args, "max_sequences_per_request", 256),
     )
     if settings.metrics_require_key and not settings.api_key:
         raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
@@ -464,6 +475,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         model = shipped_model_dir() if args.model is None else cli_args.resolve_model(args.model)
         check_max_model_len(args.max_model_len, model)
+        async_engine = None
         engine_args = EngineArgs(
             model=model,
             dtype=args.dtype,
@@ -492,6 +504,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             cpu_threads=args.cpu_threads,
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            max_consecutive_step_failures=getattr(args, "max_consecutive_step_failures", 3),
         )
         engine = LLMEngine(engine_args)
         logging.getLogger("hybridserve.server").info(memory_held_line(engine))
@@ -504,6 +517,11 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         if sock is not None:
             sock.close()
+    if async_engine is not None and async_engine._dead is not None:
+        # The engine stopped (FatalEngineError, faults in a row, a dead rank): non-zero
+        # so a supervisor restarts the process.
+        logging.getLogger("hybridserve.server").error("exiting: the engine failed: %s", async_engine._dead)
+        return 1
     if engine.parallel is not None and engine.parallel.failure is not None:
         # A failed rank: the server stopped itself (new requests got 503 meanwhile);
         # non-zero so a supervisor restarts it.
