@@ -6,9 +6,9 @@
 //! What "room" means everywhere in the policy: [`CacheManager::available_pages`]
 //! = pages on the free list + parked cached blocks + pages of checkpoints that
 //! could be evicted now. Taking pages draws from the free list, then evicts
-//! parked cached blocks (LRU), then checkpoints (their compute-saved-per-page
-//! order, see [`super::checkpoints`]); nothing is refused or preempted while
-//! any of these is left.
+//! parked blocks and checkpoints in one order, by compute saved per page (see
+//! [`super::checkpoints`] for the order); nothing is refused or preempted
+//! while any of these is left.
 //!
 //! # Transactions
 //! Policy code (admission, preemption, forking, checkpoint writes) reaches the
@@ -21,7 +21,7 @@
 //! [`Shortfall`] (nothing evicted, nothing changed), or a [`Reservation`] that
 //! its appends and state allocations then draw on and that cannot fail.
 
-use super::checkpoints::{free_state, CheckpointStats, Checkpoints};
+use super::checkpoints::{free_state, CheckpointStats, CheckpointView, Checkpoints, Victim};
 use crate::block_table::{BlockTable, ChainLink};
 use crate::{BlockId, CoreError, KvCacheManager, StateId, StatePages};
 
@@ -55,7 +55,22 @@ impl Reservation {
     }
 }
 
+/// One eviction and what the order saw when it chose it (tests: recorded
+/// only after [`CacheManager::record_evictions`]).
+#[derive(Debug, Clone)]
+pub struct EvictionRecord {
+    pub victim: Victim,
+    /// The value cap of a checkpoint write (infinite otherwise).
+    pub limit: f64,
+    pub guard: u64,
+    /// Parked blocks: `(block, generation, park stamp)`.
+    pub parked: Vec<(BlockId, u64, u64)>,
+    pub checkpoints: Vec<CheckpointView>,
+    pub pages_per_state: u32,
+}
+
 pub struct CacheManager {
+    log: Option<Vec<EvictionRecord>>,
     kv: KvCacheManager,
     states: StatePages,
     ckpts: Checkpoints,
@@ -66,6 +81,7 @@ pub struct CacheManager {
 impl CacheManager {
     pub fn new(num_pages: u32, block_size: u32, pages_per_state: u32, enable_prefix_caching: bool) -> Result<Self, CoreError> {
         Ok(CacheManager {
+            log: None,
             kv: KvCacheManager::new(num_pages, block_size, enable_prefix_caching)?,
             states: StatePages::new(pages_per_state),
             ckpts: Checkpoints::new(block_size, pages_per_state),
@@ -90,26 +106,64 @@ impl CacheManager {
         self.kv.num_free_blocks() as u64 + self.ckpts.num_evictable(guard) as u64 * self.pages_per_state as u64
     }
 
-    /// Evicts checkpoints until `need` pages are free or parked; whether they
-    /// are. Decides first: when even evicting everything reclaimable would not
-    /// give `need` pages, nothing is evicted.
-    fn make_room(&mut self, need: u32, guard: u64) -> bool {
-        if need as u64 > self.available_pages(guard) {
+    /// Evicts, in the one order, until `need` pages are on the free list;
+    /// whether they are. Decides first: when even evicting everything it may
+    /// (under `limit`, see [`Checkpoints::next_victim`]) would not give `need`
+    /// pages, nothing is evicted.
+    fn make_room(&mut self, need: u32, guard: u64, limit: f64) -> bool {
+        if self.kv.num_free_list() >= need {
+            return true;
+        }
+        let obtainable = if limit.is_infinite() {
+            self.available_pages(guard)
+        } else {
+            self.kv.num_free_list() as u64 + self.ckpts.obtainable_under(&self.kv, guard, limit)
+        };
+        if need as u64 > obtainable {
             return false;
         }
         loop {
-            if self.kv.num_free_blocks() >= need {
-                return true;
-            }
             // Dropped checkpoints (their chain lost a block) give pages back first.
             self.ckpts.reconcile(&mut self.kv, &mut self.states, guard);
-            if self.kv.num_free_blocks() >= need {
+            if self.kv.num_free_list() >= need {
                 return true;
             }
-            if !self.ckpts.evict_one(&mut self.kv, &mut self.states, guard) {
+            let Some(v) = self.ckpts.next_victim(&self.kv, guard, limit) else {
+                debug_assert!(false, "counted {obtainable} obtainable pages but ran out");
                 return false;
+            };
+            if let Some(log) = self.log.as_mut() {
+                let parked = self
+                    .kv
+                    .lru_order()
+                    .into_iter()
+                    .map(|b| (b, self.kv.cache_generation(b).unwrap_or(0), self.kv.park_stamp(b)))
+                    .collect();
+                log.push(EvictionRecord {
+                    victim: v,
+                    limit,
+                    guard,
+                    parked,
+                    checkpoints: self.ckpts.views(),
+                    pages_per_state: self.pages_per_state,
+                });
+            }
+            match v {
+                Victim::Block(b) => self.kv.evict_parked(b),
+                Victim::Checkpoint(key) => self.ckpts.evict(&mut self.kv, &mut self.states, key),
             }
         }
+    }
+
+    /// Starts (or stops) recording every eviction with the candidates the
+    /// order saw (tests; off by default, it costs a snapshot per eviction).
+    pub fn record_evictions(&mut self, on: bool) {
+        self.log = on.then(Vec::new);
+    }
+
+    /// The evictions recorded since the last call.
+    pub fn take_eviction_log(&mut self) -> Vec<EvictionRecord> {
+        self.log.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// [`KvCacheManager::append_slots`], evicting checkpoints first if the free
@@ -123,7 +177,7 @@ impl CacheManager {
         guard: u64,
     ) -> Result<(), CoreError> {
         let need = self.kv.blocks_needed(table, n);
-        if !self.make_room(need, guard) {
+        if !self.make_room(need, guard, f64::INFINITY) {
             // What the KV manager reports (and counts) when short.
             return self.kv.append_slots(table, n, slots, copies);
         }
@@ -269,7 +323,18 @@ impl CacheManager {
     /// every reclaimable page would not make room (nothing then changes except
     /// evictions).
     pub fn alloc_state(&mut self, guard: u64) -> Option<StateId> {
-        if !self.make_room(self.pages_per_state, guard) {
+        self.alloc_state_under(guard, f64::INFINITY)
+    }
+
+    /// A state for a checkpoint of `tokens` tokens, written by the plan: it
+    /// evicts nothing worth more per page than itself (see
+    /// [`super::checkpoints`]); `None` (nothing evicted) when that leaves no room.
+    pub fn alloc_checkpoint_state(&mut self, tokens: usize, guard: u64) -> Option<StateId> {
+        self.alloc_state_under(guard, self.ckpts.value(tokens))
+    }
+
+    fn alloc_state_under(&mut self, guard: u64, limit: f64) -> Option<StateId> {
+        if !self.make_room(self.pages_per_state, guard, limit) {
             return None;
         }
         self.scratch.clear();

@@ -51,7 +51,7 @@ impl Scheduler {
                 if due == 0 || due > (e.start + e.k) as usize {
                     continue;
                 }
-                match self.cache.alloc_state(self.step) {
+                match self.cache.alloc_checkpoint_state(due, self.step) {
                     Some(st) => {
                         e.ckpt = Some((due as u32, st));
                         self.plan_ckpt_states += 1;

@@ -39,6 +39,16 @@ impl Scheduler {
         &self.cache
     }
 
+    /// Records every eviction with the candidates the order saw (tests).
+    pub fn record_evictions(&mut self, on: bool) {
+        self.cache.record_evictions(on);
+    }
+
+    /// The evictions recorded since the last call (see [`Self::record_evictions`]).
+    pub fn take_eviction_log(&mut self) -> Vec<super::EvictionRecord> {
+        self.cache.take_eviction_log()
+    }
+
     /// `(state pages, tokens, last block of its chain, generation of that
     /// block's prefix-cache entry)` of every live checkpoint, sorted (tests and
     /// debugging).
