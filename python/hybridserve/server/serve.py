@@ -106,6 +106,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                      help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are "
                           "aborted (default: %(default)s)")
+    net.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                     help="split <think> reasoning into reasoning_content: qwen3, none, or auto "
+                          "(from the chat template; default)")
+    net.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                     help="parse tool calls into message.tool_calls: qwen3_coder (Qwen3.5's XML), hermes "
+                          "(Qwen3's JSON), none, or auto (from the chat template; default)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto",
                      help="auto, float32, bfloat16 or float16; auto is float32 on CPU (default: %(default)s)")
@@ -418,10 +424,16 @@ def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
         access_log=getattr(args, "access_log", True),
         max_stop_strings=getattr(args, "max_stop_strings", 64),
         max_stop_string_chars=getattr(args, "max_stop_string_chars", 256),
+        reasoning_parser=_parser_flag(getattr(args, "reasoning_parser", "auto")),
+        tool_call_parser=_parser_flag(getattr(args, "tool_call_parser", "auto")),
     )
     if settings.metrics_require_key and not settings.api_key:
         raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
     return settings
+
+
+def _parser_flag(value: str | None) -> str | None:
+    return None if value in (None, "none", "") else value
 
 
 def run_serve(args: argparse.Namespace) -> int:
