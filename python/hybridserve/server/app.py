@@ -68,7 +68,7 @@ METRICS_KEY = web.AppKey("metrics", EngineMetrics)
 MODEL_NAME_KEY = web.AppKey("model_name", str)
 SETTINGS_KEY = web.AppKey("settings", ServerSettings)
 STATE_KEY = web.AppKey("state", dict)
-CONTRACT_KEY = "hybridserve.contract"  # the request's server.contract.Contract
+CONTRACT_KEY = web.RequestKey("contract", contract.Contract)
 
 # Bodies above this many bytes are parsed (and checked) on the tokenizer pool, so a
 # large body does not hold the event loop while other streams wait for their tokens.

@@ -292,7 +292,29 @@ def constraint(prep: Prepared, tools_json: list[dict[str, Any]] | None) -> Struc
             parallel_tool_calls=prep.parallel_tool_calls, max_whitespace_cnt=JSON_MAX_WHITESPACE)
     except Exception as e:  # noqa: BLE001 - xgrammar's ValueError / validation errors
         raise _bad(f"cannot build the tool-call grammar: {e}", "tools") from None
-    return StructuredOutputsParams(structural_tag=json.loads(tag.model_dump_json()))
+    tag = json.loads(tag.model_dump_json())
+    if prep.tool_choice == "required":
+        _calls_only(tag)
+    return StructuredOutputsParams(structural_tag=tag)
+
+
+def _calls_only(node: Any) -> None:
+    """"required": the answer is the calls and nothing else (xgrammar's tag lets free
+    text follow the first call, which an untrained or rambling model fills to max_tokens):
+    its triggered tags become tags separated by a newline."""
+    if isinstance(node, dict):
+        if node.get("type") == "triggered_tags":
+            stop = node.get("stop_after_first", False)
+            tags = node["tags"]
+            node.clear()
+            node.update(type="tags_with_separator", tags=tags, separator="\n", at_least_one=True,
+                        stop_after_first=stop)
+            return
+        for v in node.values():
+            _calls_only(v)
+    elif isinstance(node, list):
+        for v in node:
+            _calls_only(v)
 
 
 def check_parsers(reasoning_parser: str | None, tool_parser: str | None) -> None:
