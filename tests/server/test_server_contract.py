@@ -222,3 +222,19 @@ def test_beam_search_with_a_constraint_is_refused(srv):
     r = srv.post("/v1/completions", {"model": "tiny", "prompt": "a", "max_tokens": 4, "n": 2, "temperature": 0,
                                      "use_beam_search": True, "structured_outputs": {"choice": ["a", "b"]}})
     assert r.status_code == 400 and "beam" in r.json()["error"]["message"]
+
+
+def test_metrics_count_constrained_requests_compiles_and_masks(srv):
+    body = {"model": "tiny", "messages": USER, "max_tokens": 30, **NO_THINK,
+            "structured_outputs": {"regex": "[pq]{5,9}"}}
+    before = srv.metric_values()
+    for _ in range(2):
+        assert srv.post("/v1/chat/completions", body).status_code == 200
+    after = srv.metric_values()
+    key = 'hybridserve:structured_requests_total{kind="regex"}'
+    assert after[key] - before.get(key, 0.0) >= 2
+    assert after["hybridserve:structured_grammar_cache_hits_total"] > before.get(
+        "hybridserve:structured_grammar_cache_hits_total", 0.0)
+    assert after["hybridserve:structured_mask_sequence_steps_total"] > before.get(
+        "hybridserve:structured_mask_sequence_steps_total", 0.0)
+    assert after["hybridserve:structured_grammar_compile_seconds_total"] > 0
