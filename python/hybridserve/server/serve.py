@@ -32,6 +32,28 @@ DEFAULT_MODEL_SEED = 0
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 
+def _upgrade_default_tokenizer(path: str) -> None:
+    """A default checkpoint cached before it had Qwen's chat template gets its tokenizer
+    files rewritten (same byte ids; the markers are added tokens after the specials)."""
+    import json
+    import tempfile
+
+    from hybridserve.model.tiny import write_tokenizer
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            if "<tool_call>" in (json.load(f).get("chat_template") or ""):
+                return
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        write_tokenizer(tmp, cfg["vocab_size"], cfg.get("max_position_embeddings", 4096), qwen_chat=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
+
+
 def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
     """Path of the embedded default checkpoint (or of another tiny preset's, e.g.
     ``moe-bench``), written on first use."""
@@ -43,9 +65,13 @@ def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
         os.path.expanduser("~"), ".cache", "hybridserve"
     )
     path = os.path.join(root, f"tiny-{preset}-seed{DEFAULT_MODEL_SEED}")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if os.path.exists(os.path.join(path, "config.json")):
+        _upgrade_default_tokenizer(path)
+    else:
         tmp = path + f".tmp{os.getpid()}"
-        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED)
+        # Qwen3.5's real chat template and markers: tools, thinking and structured
+        # outputs take their real paths on a newcomer's first request.
+        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED, qwen_chat=True)
         os.makedirs(root, exist_ok=True)
         try:
             os.replace(tmp, path)
