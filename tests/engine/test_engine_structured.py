@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -178,3 +179,23 @@ def test_compiled_grammars_are_cached(llm):
     llm.generate(["a", "b"], SamplingParams(max_tokens=8, structured_outputs={"regex": "[xyz]{3}"}))
     st1 = llm.engine.structured.stats()
     assert st1["compiles"] - st0["compiles"] == 1 and st1["cache_hits"] - st0["cache_hits"] == 1
+
+
+def test_a_slow_compile_is_refused_within_the_time_bound(llm):
+    # A schema that takes far longer than the bound to compile (a huge enum) is an
+    # InvalidRequest naming the bound, at once; the compiler keeps serving others.
+    comp = llm.engine.structured_decoding().compiler
+    saved = comp.timeout_s
+    comp.timeout_s = 0.005
+    try:
+        huge = {"enum": [f"value-{i}-" + "x" * (i % 37) for i in range(20000)]}
+        t0 = time.perf_counter()
+        with pytest.raises(InvalidRequest, match="did not compile within"):
+            llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"json": huge}))
+        assert time.perf_counter() - t0 < 5
+    finally:
+        comp.timeout_s = saved
+    assert comp.stats()["compile_timeouts"] >= 1
+    out = llm.generate(["a"], SamplingParams(max_tokens=10, temperature=0.0, structured_outputs={"choice": CHOICES}))
+    assert out[0].outputs[0].text in CHOICES
+    assert not llm.engine.requests

@@ -860,10 +860,12 @@ class LLMEngine:
         """The engine's :class:`~hybridserve.structured.engine_hook.StructuredDecoding`
         (built on first use: it reads the whole vocabulary once)."""
         if self.structured is None:
-            from hybridserve.structured.engine_hook import StructuredDecoding
+            from hybridserve.structured.engine_hook import BUILD_LOCK, StructuredDecoding
 
-            self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size,
-                                                 self.eos_token_ids)
+            with BUILD_LOCK:  # the server builds it off the engine thread, maybe twice at once
+                if self.structured is None:
+                    self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
         return self.structured
 
     def _add_structured(self, request_id: str, params: SamplingParams) -> None:

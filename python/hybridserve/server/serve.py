@@ -35,6 +35,28 @@ DEFAULT_MODEL_SEED = 0
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 
 
+def _upgrade_default_tokenizer(path: str) -> None:
+    """A default checkpoint cached before it had Qwen's chat template gets its tokenizer
+    files rewritten (same byte ids; the markers are added tokens after the specials)."""
+    import json
+    import tempfile
+
+    from hybridserve.model.tiny import write_tokenizer
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            if "<tool_call>" in (json.load(f).get("chat_template") or ""):
+                return
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        write_tokenizer(tmp, cfg["vocab_size"], cfg.get("max_position_embeddings", 4096), qwen_chat=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
+
+
 def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
     """Path of the embedded default checkpoint (or of another tiny preset's, e.g.
     ``moe-bench``), written on first use."""
@@ -46,9 +68,13 @@ def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
         os.path.expanduser("~"), ".cache", "hybridserve"
     )
     path = os.path.join(root, f"tiny-{preset}-seed{DEFAULT_MODEL_SEED}")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if os.path.exists(os.path.join(path, "config.json")):
+        _upgrade_default_tokenizer(path)
+    else:
         tmp = path + f".tmp{os.getpid()}"
-        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED)
+        # Qwen3.5's real chat template and markers: tools, thinking and structured
+        # outputs take their real paths on a newcomer's first request.
+        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED, qwen_chat=True)
         os.makedirs(root, exist_ok=True)
         try:
             os.replace(tmp, path)
@@ -121,6 +147,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                      help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are "
                           "aborted (default: %(default)s)")
+    net.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                     help="split <think> reasoning into reasoning_content: qwen3, none, or auto "
+                          "(from the chat template; default)")
+    net.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                     help="parse tool calls into message.tool_calls: qwen3_coder (Qwen3.5's XML), hermes "
+                          "(Qwen3's JSON), none, or auto (from the chat template; default)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto",
                      help="auto, float32, bfloat16 or float16; auto is float32 on CPU (default: %(default)s)")
@@ -445,10 +477,16 @@ def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
         max_stop_strings=getattr(args, "max_stop_strings", 64),
         max_stop_string_chars=getattr(args, "max_stop_string_chars", 256),
         max_sequences_per_request=getattr(args, "max_sequences_per_request", 256),
+        reasoning_parser=_parser_flag(getattr(args, "reasoning_parser", "auto")),
+        tool_call_parser=_parser_flag(getattr(args, "tool_call_parser", "auto")),
     )
     if settings.metrics_require_key and not settings.api_key:
         raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
     return settings
+
+
+def _parser_flag(value: str | None) -> str | None:
+    return None if value in (None, "none", "") else value
 
 
 def run_serve(args: argparse.Namespace) -> int:

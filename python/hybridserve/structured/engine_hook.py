@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
 from typing import Any
 
@@ -35,6 +36,7 @@ from hybridserve.structured.grammar import GrammarCompiler
 from hybridserve.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("hybridserve.structured")
+BUILD_LOCK = threading.Lock()
 
 
 class _Matcher:
