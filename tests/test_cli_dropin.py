@@ -156,3 +156,73 @@ def test_plan_takes_tiny_names(capsys, tiny_cache):
 def test_serve_refuses_a_kv_cache_dtype_it_cannot_hold(capsys, tiny_cache):
     assert main(["serve", "--port", "0", "--kv-cache-dtype", "fp8"]) == 2
     assert "--kv-cache-dtype 'fp8' is not supported" in capsys.readouterr().err
+
+
+# ------------------------------------------------- --device cuda:N under tensor parallelism
+
+
+def test_rank_device_offsets_from_the_given_device():
+    import torch
+
+    from hybridserve.parallel.tensor_parallel import rank_device
+
+    assert [rank_device(torch.device("cuda:1"), r, 2, 4) for r in (0, 1)] == \
+        [torch.device("cuda", 1), torch.device("cuda", 2)]
+    assert rank_device(torch.device("cuda"), 1, 2, 2) == torch.device("cuda", 1)
+    with pytest.raises(ConfigError, match=r"needs cuda:3..cuda:4, but it has 4 CUDA device\(s\); give --device cuda:N with N <= 2"):
+        rank_device(torch.device("cuda:3"), 0, 2, 4)
+    with pytest.raises(ConfigError, match="lower --tensor-parallel-size"):
+        rank_device(torch.device("cuda"), 0, 2, 1)
+
+
+@pytest.fixture
+def tp_config(tmp_path):
+    from hybridserve.model.tiny import write_tiny_checkpoint
+
+    return ModelConfig.from_json(write_tiny_checkpoint(tmp_path / "m", preset="test-a", seed=1))
+
+
+class _SetDevice(Exception):
+    pass
+
+
+def test_torchrun_rank_takes_the_device_offset_by_local_rank(monkeypatch, tp_config):
+    """Under torchrun, rank 1 of 2 with --device cuda:2 runs on cuda:3, not on
+    cuda:LOCAL_RANK (= cuda:1, what it silently took before)."""
+    import torch
+
+    from hybridserve.parallel.tensor_parallel import TensorParallel
+
+    for k, v in dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                     MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    chosen = []
+
+    def set_device(d):
+        chosen.append(torch.device(d))
+        raise _SetDevice
+
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    args = EngineArgs(model="unused", device="cuda:2", tensor_parallel_size=2)
+    with pytest.raises(_SetDevice):
+        TensorParallel.start(args, tp_config, torch.device("cuda:2"))
+    assert chosen == [torch.device("cuda", 3)]
+
+
+def test_driver_refuses_a_device_range_the_host_lacks_before_starting_workers(monkeypatch, tp_config):
+    import torch
+
+    import hybridserve.parallel.tensor_parallel as tp_mod
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+    def no_workers(*a, **k):
+        raise AssertionError("workers started for a device range the host lacks")
+
+    monkeypatch.setattr(tp_mod, "WorkerLauncher", no_workers)
+    args = EngineArgs(model="unused", device="cuda:1", tensor_parallel_size=2)
+    with pytest.raises(ConfigError, match="--device cuda:1 with 2 tensor-parallel ranks"):
+        tp_mod.TensorParallel.start(args, tp_config, torch.device("cuda:1"))

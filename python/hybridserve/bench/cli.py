@@ -70,8 +70,8 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
                         "64 experts, 4 routed + shared; default: the embedded ~10M-parameter tiny model)")
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="auto",
-                   help="auto, float32, bfloat16 or float16; auto is float32 on CPU, the checkpoint's on CUDA "
-                        "(default: auto)")
+                   help="auto, float32, bfloat16 or float16; auto is the checkpoint's on CUDA, on a CPU the "
+                        "checkpoint's bfloat16 where the CPU has native bfloat16, else float32 (default: auto)")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (default: cpu)")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the engine's choice)")
     from hybridserve import cli_args

@@ -4,6 +4,8 @@
     llm = LLM("path/to/checkpoint", dtype="float32", block_size=16)
     for out in llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8)):
         print(out.outputs[0].text, out.outputs[0].finish_reason)
+    llm.generate({"prompt_token_ids": [1, 2, 3]})        # vLLM's TokensPrompt (and TextPrompt)
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=None))
 
 It runs the Rust scheduler and the PyTorch runner in-process until every request
 has finished.

@@ -31,7 +31,7 @@ from hybridserve import planner
 from hybridserve.beam_search import BeamSearch, BeamSearchParams, candidates_to_host
 from hybridserve.config import ModelConfig
 from hybridserve.engine import logprobs
-from hybridserve.engine.args import EngineArgs
+from hybridserve.engine.args import MAX_NUM_SEQS_CAP, EngineArgs
 from hybridserve.engine.common_rows import common_row_output, steady_row_outputs
 from hybridserve.engine.faults import FaultInjector, recover_step
 from hybridserve.engine.device import (
@@ -147,6 +147,12 @@ class LLMEngine:
         # pages, past the scheduler's page ids (counted in the budget).
         self.use_cuda_graphs = self.device.type == "cuda" and not args.enforce_eager
         self.arena_plan = self._plan_arena(str(kv_dtype).removeprefix("torch."))
+        if args.max_num_seqs is None:
+            derived = self._derive_max_num_seqs()
+            args = self.args = dataclasses.replace(args, max_num_seqs=derived)
+            self.arena_plan = dataclasses.replace(self.arena_plan, max_num_seqs=derived)
+            logger.info("max_num_seqs: %d (from the memory plan: the sequences of one KV block the arena "
+                        "holds, at most %d; set it with --max-num-seqs)", derived, MAX_NUM_SEQS_CAP)
         self.block_size = args.block_size
         self.num_pages = self.arena_plan.num_pages
         self.state_pages = self.arena_plan.state_pages
@@ -258,7 +264,7 @@ class LLMEngine:
             self.parallel.attach(self)
 
     # ------------------------------------------------------------------ sizing
-    def _pool_bytes(self) -> int:
+    def _pool_bytes(self, kv_dtype: str) -> int:
         a = self.args
         if a.kv_cache_memory_bytes is not None:
             return a.kv_cache_memory_bytes
@@ -276,7 +282,42 @@ class LLMEngine:
             return planner.pool_from_device(
                 total, in_use, utilization=a.gpu_memory_utilization, reserve=a.runtime_reserve_bytes
             )
-        return a.cpu_pool_bytes
+        if a.cpu_pool_bytes is not None:
+            return a.cpu_pool_bytes
+        return self._cpu_pool_from_memory(kv_dtype)
+
+    def _cpu_pool_from_memory(self, kv_dtype: str) -> int:
+        """The CPU arena's default budget: a fraction of the host memory available now
+        (the weights are loaded), at most what MAX_NUM_SEQS_CAP sequences of
+        max_model_len tokens can use (more pages would never be written)."""
+        from hybridserve.engine.args import MAX_NUM_SEQS_CAP
+        from hybridserve.engine.device import available_memory_bytes
+
+        a = self.args
+        avail, source = available_memory_bytes()
+        share = int(avail * a.cpu_memory_fraction)
+        layout = arena_layout(self.layout_config, a.block_size, kv_dtype)
+        useful = (MAX_NUM_SEQS_CAP * layout.pages_for_sequence(self.max_model_len)
+                  + (layout.state_pages if self.use_cuda_graphs else 0)) * layout.page_bytes
+        budget = min(share, useful)
+        logger.info(
+            "CPU arena budget: %s = %s of the %s available (%s)%s; set it with kv_cache_memory_bytes "
+            "(--kv-cache-memory-bytes) or cpu_memory_fraction",
+            planner.format_mib(budget), a.cpu_memory_fraction, planner.format_mib(avail), source,
+            f", capped at what {MAX_NUM_SEQS_CAP} sequences of {self.max_model_len} tokens use"
+            if useful < share else "",
+        )
+        return budget
+
+    def _derive_max_num_seqs(self) -> int:
+        """max_num_seqs from the memory plan: the sequences (each its state and one KV
+        block) the arena holds at once, at most MAX_NUM_SEQS_CAP; a fixed number would
+        either leave a large arena idle or promise a small one more than it holds."""
+        from hybridserve.engine.args import MAX_NUM_SEQS_CAP
+
+        plan = self.arena_plan
+        fit = plan.num_pages // plan.layout.pages_for_sequence(1)
+        return max(1, min(MAX_NUM_SEQS_CAP, fit))
 
     def _plan_arena(self, kv_dtype: str) -> planner.ArenaPlan:
         """The one arena: exact pages (``num_pages``, or the deprecated block/slot pair
@@ -295,7 +336,7 @@ class LLMEngine:
             )
         if num_pages is not None:
             return planner.size_arena(self.layout_config, num_pages=num_pages, **common)
-        plan = planner.size_arena(self.layout_config, budget_bytes=self._pool_bytes(), **common)
+        plan = planner.size_arena(self.layout_config, budget_bytes=self._pool_bytes(kv_dtype), **common)
         if self.parallel is not None:
             # Each rank sized its own pool; the one scheduler's page ids must exist on all.
             agreed = self.parallel.agree_num_pages(plan.num_pages)

@@ -155,13 +155,16 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "(Qwen3's JSON), none, or auto (from the chat template; default)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto",
-                     help="auto, float32, bfloat16 or float16; auto is float32 on CPU (default: %(default)s)")
+                     help="auto, float32, bfloat16 or float16; auto is the checkpoint's on CUDA, and on a CPU "
+                          "the checkpoint's bfloat16 where the CPU has native bfloat16 (AMX/AVX512-BF16), "
+                          "else float32; the start-up log says which (default: %(default)s)")
     eng.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: %(default)s)")
     cli_args.add_block_size(eng)
     cli_args.add_seed_and_tokenizer(eng)
     cli_args.add_kv_cache_dtype(eng)
-    eng.add_argument("--max-num-seqs", type=int, default=64,
-                     help="most sequences in one step's batch (default: %(default)s)")
+    eng.add_argument("--max-num-seqs", type=positive_int, default=None,
+                     help="most sequences in one step's batch (default: from the memory plan, the sequences "
+                          "the cache arena holds at once, at most 256)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="most tokens in one step's batch (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
