@@ -192,6 +192,9 @@ class _CoreCollector:
                               "Prompt tokens whose compute was skipped / looked up")
         g.add_metric([], float(snap.get("prefix_skipped_tokens", 0)) / q if q else 0.0)
         yield g
+        from hybridserve.structured.metrics import families
+
+        yield from families(PREFIX, snap.get("structured"))
 
 
 class EngineMetrics:

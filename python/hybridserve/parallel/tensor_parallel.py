@@ -39,6 +39,23 @@ from hybridserve.parallel.shard import ShardPlan
 logger = logging.getLogger("hybridserve.parallel")
 
 
+def rank_device(device: torch.device, local_rank: int, local_world_size: int,
+                device_count: int) -> torch.device:
+    """This rank's CUDA device: ``cuda:B`` (``--device cuda:B``; plain ``cuda`` is B = 0)
+    is the first of the host's ranks, which take ``cuda:B .. cuda:B+L-1`` (local rank r
+    on ``cuda:B+r``). A range past the host's devices is refused with what to change."""
+    base = device.index or 0
+    if base + local_world_size > device_count:
+        first = f"cuda:{base}" if device.index is not None else "cuda"
+        raise ConfigError(
+            f"--device {first} with {local_world_size} tensor-parallel ranks on this host needs "
+            f"cuda:{base}..cuda:{base + local_world_size - 1}, but it has {device_count} CUDA device(s)"
+            + (f"; give --device cuda:N with N <= {device_count - local_world_size}"
+               if device_count >= local_world_size else "; lower --tensor-parallel-size")
+            + " (or choose the GPUs with CUDA_VISIBLE_DEVICES)")
+    return torch.device("cuda", base + local_rank)
+
+
 class TensorParallel:
     def __init__(self, group: TPGroup, shard: ShardPlan, launcher: WorkerLauncher | None) -> None:
         self.group = group
@@ -67,13 +84,16 @@ class TensorParallel:
                 f"{env_world_size()}: launch as many processes as --tensor-parallel-size")
         ShardPlan(config, 0, n)
         launcher = None
+        if device.type == "cuda":
+            # Before any worker starts: a device range this host lacks is one clear error.
+            local = int(os.environ.get("LOCAL_RANK", rank or 0)) if rank is not None else 0
+            device = rank_device(device, local, int(os.environ.get("LOCAL_WORLD_SIZE", n)),
+                                 torch.cuda.device_count())
         if rank is None:
             rank = 0
             launcher = WorkerLauncher(args, n)
             os.environ.setdefault("LOCAL_RANK", "0")
         if device.type == "cuda":
-            local = int(os.environ.get("LOCAL_RANK", rank))
-            device = torch.device("cuda", local)
             torch.cuda.set_device(device)
         try:
             if launcher is not None:

@@ -35,6 +35,7 @@ from hybridserve.server import bounds, protocol
 from hybridserve.server.access_log import REQUEST_ID_KEY, USAGE_KEY
 from hybridserve.server.http_protocol import describe_rejection, peer_eof
 from hybridserve.server.protocol import ApiError
+from hybridserve.server import contract
 from hybridserve.tokenizer import apply_chat_template
 
 logger = logging.getLogger("hybridserve.server")
@@ -58,6 +59,10 @@ class ServerSettings:
     max_stop_string_chars: int = 256
     # One request's prompts x n (the sequences it becomes); beyond is a 400. None: no cap.
     max_sequences_per_request: int | None = 256
+    # vLLM's --reasoning-parser / --tool-call-parser; "auto" reads them off the chat
+    # template (hybridserve.server.tools.default_parsers), None turns one off.
+    reasoning_parser: str | None = "auto"
+    tool_call_parser: str | None = "auto"
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -65,6 +70,7 @@ METRICS_KEY = web.AppKey("metrics", EngineMetrics)
 MODEL_NAME_KEY = web.AppKey("model_name", str)
 SETTINGS_KEY = web.AppKey("settings", ServerSettings)
 STATE_KEY = web.AppKey("state", dict)
+CONTRACT_KEY = web.RequestKey("contract", contract.Contract)
 
 # Bodies above this many bytes are parsed (and checked) on the tokenizer pool, so a
 # large body does not hold the event loop while other streams wait for their tokens.
@@ -226,6 +232,9 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             await engine.run_off_engine(lambda: params.stop_automaton)
         opts = protocol.stream_options(body)
         priority, klass = protocol.request_priority(body)
+        prep = contract.prepare(body, chat=chat, reasoning_parser=state["reasoning_parser"],
+                                tool_parser=state["tool_parser"])
+        request[CONTRACT_KEY] = prep.contract
         beam = None if chat else protocol.beam_search_params(body, params)
         echo = False
         if chat:
@@ -234,9 +243,11 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             _check_prompt_chars(request, sum(len(m["content"]) for m in messages))
             try:
                 prompts: list[str | list[int]] = [await engine.run_off_engine(
-                    lambda: apply_chat_template(tokenizer, messages, add_generation_prompt=add_gen))]
+                    lambda: contract.render_chat(tokenizer, messages, add_gen, prep))]
             except CheckpointError as e:
                 raise InvalidRequest(str(e)) from None
+            except InvalidRequest:
+                raise
             except Exception as e:  # noqa: BLE001 - a template that rejects these messages
                 raise InvalidRequest(f"the chat template cannot render these messages: {e}") from None
         else:
@@ -248,6 +259,10 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         bounds.check_sequences(prompts, params.n, request.app[SETTINGS_KEY].max_sequences_per_request)
         # request_class is kept per value by the core and the engine: bounded as /metrics is.
         klass = request.app[METRICS_KEY].class_label(klass)
+        spec = contract.constraint(prep, body.get("tools"))
+        if spec is not None:  # compiled (and checked) here, off the engine thread; cached there
+            params.structured_outputs = spec
+            await engine.run_off_engine(lambda: engine.engine.structured_decoding().compiler.compile(spec))
         prompt_lp = params.logprobs if echo else None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         request[REQUEST_ID_KEY] = rid
@@ -300,7 +315,8 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
 
     def build() -> bytes:
         if chat:
-            return dumps_yielding(protocol.chat_body(rid, model_name, finals[0], tt, params)).encode()
+            body = request[CONTRACT_KEY].chat_body(protocol.chat_body(rid, model_name, finals[0], tt, params))
+            return dumps_yielding(body).encode()
         return dumps_yielding(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)).encode()
 
     raw = await _off_loop_if_large(request, build, params.logprobs is not None or any(echo_texts))
@@ -445,6 +461,11 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                     finished_sent.add(index)
                 if chat:
                     lp = protocol.chat_logprobs(tt, new_ids, new_lps, k) if new_lps is not None else None
+                    ctr = request.get(CONTRACT_KEY)
+                    if ctr is not None and ctr.active:  # reasoning / tool-call deltas, a chunk each
+                        for part in ctr.stream_choices(index, text, c.finish_reason, lp):
+                            await resp.write(chunk([part]))
+                        continue
                     choices.append({"index": index, "delta": {"content": text} if text or not done else {},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
                 else:
@@ -525,8 +546,8 @@ async def model(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
     ``{"count", "max_model_len", "tokens", "token_strs"}``. ``add_special_tokens``
-    defaults to false (vLLM: true) so that ``count`` is what a completion's prompt costs
-    here: the engine tokenizes prompts without special tokens."""
+    defaults as in vLLM: true for a prompt (as a completion's prompt is tokenized, so
+    ``count`` is what it costs), false for messages (the template writes them)."""
     engine = request.app[ENGINE_KEY]
     tokenizer = engine.engine.tokenizer
     try:
@@ -537,7 +558,7 @@ async def tokenize(request: web.Request) -> web.Response:
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise InvalidRequest(f"unknown field(s) {unknown}; /tokenize accepts {sorted(allowed)}")
-        add_special = protocol._bool(body, "add_special_tokens", False)
+        add_special = protocol._bool(body, "add_special_tokens", "prompt" in body)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequest("give exactly one of 'prompt' (a string) or 'messages' (a chat)")
         if "prompt" in body:
@@ -661,6 +682,16 @@ def _max_token_chars(tokenizer: Any) -> int:
         return 64
 
 
+def _parsers(settings: ServerSettings, tokenizer: Any) -> dict[str, str | None]:
+    from hybridserve.server.tools import default_parsers
+
+    reasoning, tool = default_parsers(getattr(tokenizer, "chat_template", None))
+    r = reasoning if settings.reasoning_parser == "auto" else settings.reasoning_parser
+    t = tool if settings.tool_call_parser == "auto" else settings.tool_call_parser
+    contract.check_parsers(r, t)
+    return {"reasoning_parser": r, "tool_parser": t}
+
+
 def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
               settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
@@ -679,6 +710,7 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
         # A prompt longer than this cannot fit max_model_len, so it is refused before the
         # tokenizer spends seconds on it.
         "max_prompt_chars": engine.engine.max_model_len * _max_token_chars(tokenizer) * 4,
+        **_parsers(settings, tokenizer),
     }
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

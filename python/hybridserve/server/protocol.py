@@ -49,11 +49,17 @@ _COMMON = {
     "priority": None,
     "request_class": None,
 }
-COMPLETION_FIELDS = {**_COMMON, "prompt": None, "logprobs": None, "echo": None,
+# Tools, structured outputs and thinking (hybridserve.server.contract handles them).
+_CONTRACT_CHAT = dict.fromkeys(("response_format", "structured_outputs", "tools", "tool_choice",
+                                "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
+                                "include_reasoning"))
+_CONTRACT_COMPLETION = dict.fromkeys(("response_format", "structured_outputs"))
+COMPLETION_FIELDS = {**_COMMON, **_CONTRACT_COMPLETION, "prompt": None, "logprobs": None, "echo": None,
                      # vLLM's extra parameters: beam search with n as the beam width.
                      "use_beam_search": None, "length_penalty": None}
 CHAT_FIELDS = {
     **_COMMON,
+    **_CONTRACT_CHAT,
     "max_completion_tokens": None,
     "messages": None,
     "logprobs": None,
@@ -238,10 +244,12 @@ def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *
     else:
         if body.get("logprobs") is not None:
             kwargs["logprobs"] = body["logprobs"]
-    if kwargs.get("max_tokens") is None:
-        kwargs["max_tokens"] = 16 if not chat else 256
+    if kwargs.get("max_tokens") is None and not chat:
+        kwargs["max_tokens"] = 16
     for k in [k for k, v in kwargs.items() if v is None and k not in ("seed", "stop", "stop_token_ids", "logprobs")]:
         del kwargs[k]  # null means "the default", as OpenAI treats it
+    if chat and kwargs.get("max_tokens") is None:
+        kwargs["max_tokens"] = None  # vLLM's chat default: the rest of the context
     bias = logit_bias(body, vocab_size)
     if bias:
         kwargs["logit_bias"] = bias

@@ -1,8 +1,10 @@
 """``hybridserve serve``: build the engine, start the aiohttp server, drain on SIGTERM.
 
-Without a model directory it serves the embedded default: the deterministic
-~10M-parameter ``bench`` tiny checkpoint with random weights (it prints noise),
-generated once into a cache folder (``$HYBRIDSERVE_CACHE`` or ``~/.cache/hybridserve``).
+Without a model directory it serves the default model shipped in the wheel
+(:mod:`hybridserve.default_model`, trained on the Python standard library) under the
+name ``hybridserve-stdlib-5m``. The random-weight tiny checkpoints of
+:func:`default_model_dir` (generated once into ``$HYBRIDSERVE_CACHE`` or
+``~/.cache/hybridserve``) stay for tests and benches.
 
 Start-up order: bind the port first (a port in use is one clear line, before seconds
 of model loading), then load the engine, then serve on the bound socket and print
@@ -23,6 +25,7 @@ import signal
 import socket
 from typing import Any
 
+from hybridserve import cli_args
 from hybridserve.argtypes import non_negative_int, non_negative_seconds, positive_int, positive_seconds, positive_size
 from hybridserve.errors import ConfigError
 
@@ -30,6 +33,28 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_PRESET = "bench"
 DEFAULT_MODEL_SEED = 0
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
+
+
+def _upgrade_default_tokenizer(path: str) -> None:
+    """A default checkpoint cached before it had Qwen's chat template gets its tokenizer
+    files rewritten (same byte ids; the markers are added tokens after the specials)."""
+    import json
+    import tempfile
+
+    from hybridserve.model.tiny import write_tokenizer
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            if "<tool_call>" in (json.load(f).get("chat_template") or ""):
+                return
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        write_tokenizer(tmp, cfg["vocab_size"], cfg.get("max_position_embeddings", 4096), qwen_chat=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
 
 
 def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
@@ -43,15 +68,30 @@ def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
         os.path.expanduser("~"), ".cache", "hybridserve"
     )
     path = os.path.join(root, f"tiny-{preset}-seed{DEFAULT_MODEL_SEED}")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if os.path.exists(os.path.join(path, "config.json")):
+        _upgrade_default_tokenizer(path)
+    else:
         tmp = path + f".tmp{os.getpid()}"
-        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED)
+        # Qwen3.5's real chat template and markers: tools, thinking and structured
+        # outputs take their real paths on a newcomer's first request.
+        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED, qwen_chat=True)
         os.makedirs(root, exist_ok=True)
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race; theirs is identical
             pass
     return path
+
+
+def shipped_model_dir() -> str:
+    """The trained default model in the wheel (what ``serve`` serves without a model)."""
+    from hybridserve import default_model
+    return default_model.path()
+
+
+def shipped_model_name() -> str:
+    from hybridserve import default_model
+    return default_model.NAME
 
 
 def parse_port(text: str | int) -> int:
@@ -68,8 +108,9 @@ def parse_port(text: str | int) -> int:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (config.json + safetensors + tokenizer); "
-                        "default: the embedded tiny Qwen3.5-architecture model (random weights: prints noise)")
+                   help="checkpoint directory (config.json + safetensors + tokenizer), or tiny:PRESET for a "
+                        "generated random-weight tiny model (e.g. tiny:moe-bench); default: the shipped "
+                        "hybridserve-stdlib-5m, a small Qwen3.5 trained on the Python stdlib")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     net.add_argument("--port", default=8000,
@@ -106,13 +147,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                      help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are "
                           "aborted (default: %(default)s)")
+    net.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                     help="split <think> reasoning into reasoning_content: qwen3, none, or auto "
+                          "(from the chat template; default)")
+    net.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                     help="parse tool calls into message.tool_calls: qwen3_coder (Qwen3.5's XML), hermes "
+                          "(Qwen3's JSON), none, or auto (from the chat template; default)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto",
-                     help="auto, float32, bfloat16 or float16; auto is float32 on CPU (default: %(default)s)")
+                     help="auto, float32, bfloat16 or float16; auto is the checkpoint's on CUDA, and on a CPU "
+                          "the checkpoint's bfloat16 where the CPU has native bfloat16 (AMX/AVX512-BF16), "
+                          "else float32; the start-up log says which (default: %(default)s)")
     eng.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: %(default)s)")
-    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    eng.add_argument("--max-num-seqs", type=int, default=64,
-                     help="most sequences in one step's batch (default: %(default)s)")
+    cli_args.add_block_size(eng)
+    cli_args.add_seed_and_tokenizer(eng)
+    cli_args.add_kv_cache_dtype(eng)
+    eng.add_argument("--max-num-seqs", type=positive_int, default=None,
+                     help="most sequences in one step's batch (default: from the memory plan, the sequences "
+                          "the cache arena holds at once, at most 256)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="most tokens in one step's batch (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
@@ -137,9 +189,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "in pages, with a warning; use --num-pages (default: unset)")
     eng.add_argument("--num-state-slots", type=int, default=None,
                      help="deprecated (the pre-arena split), see --num-gpu-blocks (default: unset)")
-    eng.add_argument("--kv-cache-memory", default=None,
-                     help="the one byte budget of the cache arena (KV blocks, DeltaNet state, checkpoints), "
-                          "e.g. 512MiB (default: from device memory; 512MiB on CPU)")
+    cli_args.add_memory_budget(eng, old_spelling="--kv-cache-memory",
+                               default_help="from device memory; on CPU a fraction of the memory available")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of device memory to use (default: %(default)s)")
     eng.add_argument("--expected-context-len", type=int, default=None,
@@ -429,10 +480,16 @@ def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
         max_stop_strings=getattr(args, "max_stop_strings", 64),
         max_stop_string_chars=getattr(args, "max_stop_string_chars", 256),
         max_sequences_per_request=getattr(args, "max_sequences_per_request", 256),
+        reasoning_parser=_parser_flag(getattr(args, "reasoning_parser", "auto")),
+        tool_call_parser=_parser_flag(getattr(args, "tool_call_parser", "auto")),
     )
     if settings.metrics_require_key and not settings.api_key:
         raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
     return settings
+
+
+def _parser_flag(value: str | None) -> str | None:
+    return None if value in (None, "none", "") else value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -440,12 +497,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from hybridserve.engine.async_engine import AsyncEngine
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.metrics import EngineMetrics
-    from hybridserve.planner import parse_size
     from hybridserve.server.app import build_app
 
     level = check_log_level(args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.model is not None:
+    if args.model is not None and not args.model.startswith(cli_args.TINY_PREFIX):
         check_model_dir(args.model)
     check_device(args.device)
     settings = server_settings(args)
@@ -458,7 +514,7 @@ def run_serve(args: argparse.Namespace) -> int:
     tp_worker = getattr(args, "tensor_parallel_size", 1) > 1 and (env_rank() or 0) > 0
     sock = None if tp_worker else bind_socket(args.host, parse_port(args.port))
     try:
-        model = args.model or default_model_dir()
+        model = shipped_model_dir() if args.model is None else cli_args.resolve_model(args.model)
         check_max_model_len(args.max_model_len, model)
         async_engine = None
         engine_args = EngineArgs(
@@ -472,7 +528,10 @@ def run_serve(args: argparse.Namespace) -> int:
             num_pages=args.num_pages,
             num_gpu_blocks=args.num_gpu_blocks,
             num_state_slots=args.num_state_slots,
-            kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_cache_dtype=args.kv_cache_dtype,
+            seed=args.seed,
+            tokenizer=args.tokenizer,
             gpu_memory_utilization=args.gpu_memory_utilization,
             expected_context_len=args.expected_context_len,
             admission_policy=args.admission_policy,
@@ -492,7 +551,8 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.getLogger("hybridserve.server").info(memory_held_line(engine))
         metrics = EngineMetrics(request_classes=classes, max_request_classes=args.max_request_classes)
         async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
-        name = args.served_model_name or os.path.basename(os.path.normpath(model))
+        name = args.served_model_name or (
+            shipped_model_name() if args.model is None else os.path.basename(os.path.normpath(model)))
         app = build_app(async_engine, metrics, name, settings)
         asyncio.run(serve_app(app, sock, name=name, shutdown_timeout=args.shutdown_timeout))
     finally:

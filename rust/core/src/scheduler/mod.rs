@@ -103,7 +103,8 @@ pub mod output;
 pub(crate) mod queue;
 pub mod request;
 
-pub use checkpoints::CheckpointStats;
+pub use checkpoints::{CheckpointStats, CheckpointView, EvictKey, Victim};
+pub use cache_manager::{EvictionRecord, Reservation, Shortfall};
 pub use config::SchedulerConfig;
 pub use metrics::{ScheduledEvent, SchedulerStats};
 pub use output::{PreemptCause, SchedulerOutput, StepUpdate};
