@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 from hybridserve import cli_args
 from hybridserve.argtypes import non_negative_int, positive_int, size
 from hybridserve.bench.cli import add_bench_arguments, run_bench
-from hybridserve.errors import HybridServeError
+from hybridserve.errors import FatalEngineError, HybridServeError
 from hybridserve.server.serve import add_serve_arguments, run_serve
 
 EXIT_OK = 0
@@ -244,6 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_BAD_INPUT
     try:
         return args._run(args)
+    except FatalEngineError as e:  # the engine stopped (not the input's fault): status 1
+        print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
+        return 1
     except (HybridServeError, _BadInput) as e:
         print(f"{parser.prog} {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
