@@ -202,9 +202,7 @@ class AsyncEngine:
                 if self.on_step is not None:
                     self.on_step(engine, outputs)
         except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
-            if isinstance(e, FatalEngineError):
-                logger.error("engine thread stopped: %s", e)  # the engine logged the cause
-            else:
+            if not isinstance(e, FatalEngineError):  # a fatal fault the engine logged, in one line
                 logger.exception("engine thread died")
             self._dead = e
             self._fail_commands(EngineDeadError(f"engine stopped: {e!r}"))

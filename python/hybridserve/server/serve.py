@@ -432,7 +432,9 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
             # The engine thread died, or the driver's heartbeat found a dead rank while idle.
             failure = parallel.failure if parallel is not None else None
             if not engine.is_alive or failure is not None:
-                log.error("engine failed (%s): shutting down", failure or getattr(engine, "_dead", None))
+                # (The engine logged its fatal fault; a rank found dead while idle is said here.)
+                (log.error if failure is not None else log.info)(
+                    "engine failed (%s): shutting down", failure or getattr(engine, "_dead", None))
                 stop.set()
                 return
             await asyncio.sleep(0.1)
@@ -561,7 +563,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if async_engine is not None and async_engine._dead is not None:
         # The engine stopped (FatalEngineError, faults in a row, a dead rank): non-zero
         # so a supervisor restarts the process.
-        logging.getLogger("hybridserve.server").error("exiting: the engine failed: %s", async_engine._dead)
+        from hybridserve.errors import FatalEngineError
+
+        if not isinstance(async_engine._dead, FatalEngineError):  # that one the engine logged, once
+            logging.getLogger("hybridserve.server").error("exiting: the engine failed: %s", async_engine._dead)
         return 1
     if engine.parallel is not None and engine.parallel.failure is not None:
         # A failed rank: the server stopped itself (new requests got 503 meanwhile);
