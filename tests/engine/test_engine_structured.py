@@ -165,6 +165,12 @@ def test_bad_constraints_are_refused_and_the_engine_keeps_serving(llm):
         llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"regex": "(unclosed"}))
     with pytest.raises(InvalidRequest, match="json"):
         llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "nosuchtype"}}))
+    # Keywords the grammar would silently ignore are refused, named with their place.
+    with pytest.raises(InvalidRequest, match=r"cannot enforce: 'uniqueItems' at \$\.properties\.tags"):
+        llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"json": {
+            "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}))
+    with pytest.raises(InvalidRequest, match="'not' at"):
+        llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"json": {"not": {"type": "null"}}}))
     with pytest.raises(InvalidRequest, match="exactly one"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(InvalidRequest, match="ignore_eos"):
