@@ -47,7 +47,11 @@ fn apply_token_bitmask(
         .map_err(|_| PyValueError::new_err("logits must be a float32 array"))?;
     let stride = match a.shape() {
         [_, x] => *x,
-        s => return Err(PyValueError::new_err(format!("logits must be [R, V]; got shape {s:?}"))),
+        s => {
+            return Err(PyValueError::new_err(format!(
+                "logits must be [R, V]; got shape {s:?}"
+            )))
+        }
     };
     let words = bitmask.shape()[1];
     let mask = bitmask
@@ -56,7 +60,8 @@ fn apply_token_bitmask(
     let s = a
         .as_slice_mut()
         .map_err(|_| PyValueError::new_err("logits must be C-contiguous; pass .contiguous()"))?;
-    py.detach(|| apply(s, stride, vocab, mask, words, &rows)).map_err(err)
+    py.detach(|| apply(s, stride, vocab, mask, words, &rows))
+        .map_err(err)
 }
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
