@@ -126,6 +126,8 @@ class StructuredDecoding:
             bm = self._bitmask = self.xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
         rows, matchers, stop_rows = [], [], []
         for row, rid, si, token_ids in work:
+            if rid not in self._grammars:
+                continue  # released meanwhile (a step that raised left this job running)
             mt = self._matcher(rid, si, token_ids)
             if mt.dead or mt.m.is_terminated():
                 stop_rows.append(row)
