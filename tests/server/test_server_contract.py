@@ -204,6 +204,8 @@ def test_history_with_tool_calls_renders_as_transformers_does(qwen_dir, client):
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "grammar"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "nope"}}]}, "parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in 'tools'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]}, "uniqueItems"),
     ({"tool_choice": "required"}, "tools"),
     ({"messages": USER + [{"role": "tool", "content": "x"}]}, "tool_call_id"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),

@@ -94,6 +94,12 @@ def _tools(body: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
         _check_schema(params, f"tools[{i}].function.parameters", "tools")
         if params.get("type", "object") != "object":
             raise _bad(f"tools[{i}].function.parameters must be an object schema (\"type\": \"object\")", "tools")
+        from hybridserve.structured.grammar import unenforced_keywords
+
+        bad = unenforced_keywords(params)
+        if bad:
+            raise _bad(f"tools[{i}].function.parameters uses keywords the engine cannot enforce: "
+                       + ", ".join(bad[:8]), "tools")
         out[name] = params
     return out
 
