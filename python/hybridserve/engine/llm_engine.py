@@ -377,8 +377,13 @@ class LLMEngine:
         if params.max_tokens is None:  # vLLM's meaning: the rest of the context
             # A copy (one SamplingParams may serve many prompts) that keeps what was
             # built on it already (the stop-string automaton).
+            rest = self.max_model_len - len(ids)
+            if rest < 1:
+                raise InvalidRequest(
+                    f"the prompt has {len(ids)} tokens, which leaves no room for output within "
+                    f"max_model_len ({self.max_model_len}); shorten the prompt")
             params = copy.copy(params)
-            params.max_tokens = max(1, self.max_model_len - len(ids))
+            params.max_tokens = rest
         state = RequestState.create(
             request_id, text, ids, params, self.tokenizer, self.device,
             priority=priority, request_class=request_class, arrival_time=arrival_time,
