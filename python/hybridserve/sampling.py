@@ -145,6 +145,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # A constraint on the output (hybridserve.structured.StructuredOutputsParams, or a
+    # dict of its fields such as {"json": schema}); None: unconstrained.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -213,6 +216,11 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = _parse_logit_bias(self.logit_bias)
 
+        if self.structured_outputs is not None:
+            from hybridserve.structured.params import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")
@@ -252,7 +260,9 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, list):
+            if f.name == "structured_outputs" and value is not None:
+                value = dataclasses.asdict(value)
+            elif isinstance(value, list):
                 value = list(value)
             elif isinstance(value, dict):
                 value = dict(value)

@@ -88,6 +88,9 @@ class EngineArgs:
     # Ranks one model is split over (hybridserve.parallel): the engine starts N-1
     # workers on this host, or joins the ranks torchrun started (RANK/WORLD_SIZE...).
     tensor_parallel_size: int = 1
+    # Failed steps in a row after which the engine gives up (fails every open request,
+    # raises FatalEngineError; serve exits non-zero). 0: never for this reason.
+    max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_batched_tokens", "tensor_parallel_size"):
@@ -110,7 +113,8 @@ class EngineArgs:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        for name in ("priority_preemption_threshold", "max_priority_preemptions_per_step"):
+        for name in ("priority_preemption_threshold", "max_priority_preemptions_per_step",
+                     "max_consecutive_step_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")

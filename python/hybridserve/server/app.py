@@ -31,10 +31,11 @@ from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, Reques
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
 from hybridserve.outputs import DeltaCursor
-from hybridserve.server import protocol
+from hybridserve.server import bounds, protocol
 from hybridserve.server.access_log import REQUEST_ID_KEY, USAGE_KEY
 from hybridserve.server.http_protocol import describe_rejection, peer_eof
 from hybridserve.server.protocol import ApiError
+from hybridserve.server import contract
 from hybridserve.tokenizer import apply_chat_template
 
 logger = logging.getLogger("hybridserve.server")
@@ -56,6 +57,12 @@ class ServerSettings:
     # memory and build time in proportion to their total length.
     max_stop_strings: int = 64
     max_stop_string_chars: int = 256
+    # One request's prompts x n (the sequences it becomes); beyond is a 400. None: no cap.
+    max_sequences_per_request: int | None = 256
+    # vLLM's --reasoning-parser / --tool-call-parser; "auto" reads them off the chat
+    # template (hybridserve.server.tools.default_parsers), None turns one off.
+    reasoning_parser: str | None = "auto"
+    tool_call_parser: str | None = "auto"
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -63,6 +70,7 @@ METRICS_KEY = web.AppKey("metrics", EngineMetrics)
 MODEL_NAME_KEY = web.AppKey("model_name", str)
 SETTINGS_KEY = web.AppKey("settings", ServerSettings)
 STATE_KEY = web.AppKey("state", dict)
+CONTRACT_KEY = web.RequestKey("contract", contract.Contract)
 
 # Bodies above this many bytes are parsed (and checked) on the tokenizer pool, so a
 # large body does not hold the event loop while other streams wait for their tokens.
@@ -102,6 +110,10 @@ def _parse_json(raw: bytes) -> Any:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:
+        # A JSON integer longer than Python's int-to-string limit (4,300 digits): no
+        # field of any request can hold it.
+        raise InvalidRequest(f"a number in the request body is out of range: {e}") from None
     except RecursionError:
         raise InvalidRequest("the request body nests JSON too deeply") from None
     try:
@@ -128,7 +140,7 @@ def _check_json_content_type(request: web.Request) -> None:
     # aiohttp decodes gzip and deflate and passes any other coding through as if it
     # were none: the body would be parsed as what it is not.
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("identity", "gzip", "x-gzip", "deflate", ""):
+    if encoding not in ("identity", "gzip", "deflate", ""):
         raise ApiError(f"Content-Encoding {encoding[:40]!r} is not supported; send the body as is, gzip or deflate",
                        status=415, err_type="invalid_request_error")
 
@@ -136,6 +148,7 @@ def _check_json_content_type(request: web.Request) -> None:
 async def _json_body(request: web.Request) -> dict[str, Any]:
     settings = request.app[SETTINGS_KEY]
     _check_json_content_type(request)
+    bounds.check_transfer_coding(request)
     try:
         raw = await asyncio.wait_for(request.read(), timeout=settings.request_read_timeout)
     except (HttpProcessingError, ClientPayloadError, RequestPayloadError) as e:
@@ -219,6 +232,9 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             await engine.run_off_engine(lambda: params.stop_automaton)
         opts = protocol.stream_options(body)
         priority, klass = protocol.request_priority(body)
+        prep = contract.prepare(body, chat=chat, reasoning_parser=state["reasoning_parser"],
+                                tool_parser=state["tool_parser"])
+        request[CONTRACT_KEY] = prep.contract
         beam = None if chat else protocol.beam_search_params(body, params)
         echo = False
         if chat:
@@ -227,9 +243,11 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             _check_prompt_chars(request, sum(len(m["content"]) for m in messages))
             try:
                 prompts: list[str | list[int]] = [await engine.run_off_engine(
-                    lambda: apply_chat_template(tokenizer, messages, add_generation_prompt=add_gen))]
+                    lambda: contract.render_chat(tokenizer, messages, add_gen, prep))]
             except CheckpointError as e:
                 raise InvalidRequest(str(e)) from None
+            except InvalidRequest:
+                raise
             except Exception as e:  # noqa: BLE001 - a template that rejects these messages
                 raise InvalidRequest(f"the chat template cannot render these messages: {e}") from None
         else:
@@ -238,6 +256,13 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 if isinstance(p, str):
                     _check_prompt_chars(request, len(p))
             echo = protocol._bool(body, "echo", False)
+        bounds.check_sequences(prompts, params.n, request.app[SETTINGS_KEY].max_sequences_per_request)
+        # request_class is kept per value by the core and the engine: bounded as /metrics is.
+        klass = request.app[METRICS_KEY].class_label(klass)
+        spec = contract.constraint(prep, body.get("tools"))
+        if spec is not None:  # compiled (and checked) here, off the engine thread; cached there
+            params.structured_outputs = spec
+            await engine.run_off_engine(lambda: engine.engine.structured_decoding().compiler.compile(spec))
         prompt_lp = params.logprobs if echo else None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         request[REQUEST_ID_KEY] = rid
@@ -288,7 +313,7 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
         work.cancel()
     request[USAGE_KEY] = protocol.usage(finals)
     if chat:
-        body = protocol.chat_body(rid, model_name, finals[0], tt, params)
+        body = request[CONTRACT_KEY].chat_body(protocol.chat_body(rid, model_name, finals[0], tt, params))
     else:
         body = protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)
     if early is None:
@@ -400,6 +425,11 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                     finished_sent.add(index)
                 if chat:
                     lp = protocol.chat_logprobs(tt, new_ids, new_lps, k) if new_lps is not None else None
+                    ctr = request.get(CONTRACT_KEY)
+                    if ctr is not None and ctr.active:  # reasoning / tool-call deltas, a chunk each
+                        for part in ctr.stream_choices(index, text, c.finish_reason, lp):
+                            await resp.write(chunk([part]))
+                        continue
                     choices.append({"index": index, "delta": {"content": text} if text or not done else {},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
                 else:
@@ -413,9 +443,12 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                         if first_echo:
                             ids = list(out.prompt_token_ids) + ids
                             ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
-                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0))
+                        skip_from = len(ids) - len(new_ids) if params.skip_special_tokens else None
+                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0), skip_from)
                         if lp["tokens"]:
-                            char_pos[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                            skipped = (skip_from is not None and len(ids) - 1 >= skip_from
+                                       and ids[-1] in tt.special_ids)
+                            char_pos[index] = lp["text_offset"][-1] + (0 if skipped else len(lp["tokens"][-1]))
                     choices.append({"index": index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
@@ -609,6 +642,16 @@ def _max_token_chars(tokenizer: Any) -> int:
         return 64
 
 
+def _parsers(settings: ServerSettings, tokenizer: Any) -> dict[str, str | None]:
+    from hybridserve.server.tools import default_parsers
+
+    reasoning, tool = default_parsers(getattr(tokenizer, "chat_template", None))
+    r = reasoning if settings.reasoning_parser == "auto" else settings.reasoning_parser
+    t = tool if settings.tool_call_parser == "auto" else settings.tool_call_parser
+    contract.check_parsers(r, t)
+    return {"reasoning_parser": r, "tool_parser": t}
+
+
 def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
               settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
@@ -627,6 +670,7 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
         # A prompt longer than this cannot fit max_model_len, so it is refused before the
         # tokenizer spends seconds on it.
         "max_prompt_chars": engine.engine.max_model_len * _max_token_chars(tokenizer) * 4,
+        **_parsers(settings, tokenizer),
     }
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -640,5 +684,6 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
     async def _shutdown(app_: web.Application) -> None:
         app_[ENGINE_KEY].shutdown()
 
+    bounds.json_expect_failures(app)
     app.on_cleanup.append(_shutdown)
     return app

@@ -393,6 +393,16 @@ impl PyScheduler {
         })
     }
 
+    /// Roll back the pending plan of a step that failed (forward, sampling or output
+    /// processing raised): its requests give back every page and wait again with their
+    /// committed tokens (re-prefilled on readmission); nobody else changes. Returns the
+    /// ids of the requests sent back.
+    fn abort_step(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
+        let inner = &mut self.inner;
+        let handles = py.detach(move || inner.abort_step()).map_err(sched_err)?;
+        Ok(handles.iter().map(|&h| id_of(&self.id_strings, py, h)).collect())
+    }
+
     /// Beam search, between schedule() and update() of a step that decoded every
     /// beam: beam i continues beam parents[i] (blocks forked, state copied next plan).
     fn reorder_beams(&mut self, request_id: &str, parents: Vec<u32>) -> PyResult<()> {

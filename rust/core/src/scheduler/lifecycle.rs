@@ -326,7 +326,7 @@ impl Scheduler {
 
 /// Frees a sequence's blocks (tail first), state pages and buffer row.
 pub(super) fn release_seq(cache: &mut CacheManager, free_rows: &mut Vec<u32>, s: &mut Seq) {
-    cache.kv.free(&mut s.table);
+    cache.free_table(&mut s.table);
     if let Some(st) = s.state.take() {
         cache.free_state(st);
     }
