@@ -126,3 +126,10 @@ def test_output_field_names_match_vllms(llm):
         assert hasattr(out, name), name
     for name in ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason"):
         assert hasattr(out.outputs[0], name), name
+
+
+def test_max_tokens_none_with_a_full_context_prompt_is_refused_plainly(llm):
+    ids = [7] * llm.engine.max_model_len
+    with pytest.raises(InvalidRequest, match="leaves no room for output"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=None))
+    assert not llm.engine.has_unfinished_requests()
