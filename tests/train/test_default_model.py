@@ -110,7 +110,7 @@ def test_hybridserve_greedy_equals_hf_on_the_trained_weights(model_dir, hf, toke
 
 def test_serve_without_a_model_serves_it():
     cmd = [sys.executable, "-m", "hybridserve.cli", "serve", "--port", "0", "--device", "cpu",
-           "--max-num-seqs", "2", "--kv-cache-memory", "64MiB", "--log-level", "warning"]
+           "--max-num-seqs", "2", "--kv-cache-memory-bytes", "64MiB", "--log-level", "warning"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
