@@ -9,7 +9,9 @@ over that request's lifetime, once with the body built on the event loop and onc
 * loop lag: the longest the event loop was late for a 1 ms timer (what every stream on
   it waits, beyond the engine);
 * neighbour gap: the longest gap between two of the neighbour's chunks (includes the
-  engine's prefill steps of the big prompt, the same in both modes).
+  engine's prefill steps of the big prompt, the same in both modes);
+* gc pause: the longest cyclic-collector pause (it holds the GIL: every thread waits),
+  what is left of the loop's lag once the body is built off it.
 
     python benches/echo_stall.py [--tokens 32768] [--logprobs 20]
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import http.client
 import json
 import tempfile
@@ -62,6 +65,18 @@ def main() -> None:
     app = app_mod.build_app(aengine, EngineMetrics(), "tiny", app_mod.ServerSettings(max_request_body_bytes=64 << 20))
 
     lags: list[tuple[float, float]] = []
+    # Collector pauses (they hold the GIL, so every thread, the loop's included, waits):
+    # (end time, seconds, generation).
+    gc_pauses: list[tuple[float, float, int]] = []
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_pauses.append((time.monotonic(), time.perf_counter() - gc_start[0], info["generation"]))
+
+    gc.callbacks.append(on_gc)
     started = threading.Event()
     port_box: list[int] = []
 
@@ -103,6 +118,21 @@ def main() -> None:
     prompt = [(7 * i) % 250 + 1 for i in range(args.tokens)]
     big_body = json.dumps({"prompt": prompt, "max_tokens": 1, "echo": True, "logprobs": args.logprobs})
     rows = []
+    # The floor: the neighbour alone for a few seconds (what the machine's load and the
+    # engine's own steps cost the loop without any large body).
+    stop, arrivals = threading.Event(), []
+    th = threading.Thread(target=neighbour, args=(stop, arrivals), daemon=True)
+    th.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    time.sleep(5.0)
+    t1 = time.monotonic()
+    stop.set()
+    th.join(30)
+    window = [a for a in arrivals if t0 <= a <= t1]
+    rows.append(("none", 0, t1 - t0, max((v for t, v in lags if t0 <= t <= t1), default=0.0),
+                 max((b - a for a, b in zip(window, window[1:])), default=float("nan")),
+                 max((p for t, p, g in gc_pauses if t0 <= t <= t1), default=0.0)))
     for off_loop in (False, True, False, True):
         app_mod.BUILD_LARGE_BODIES_OFF_LOOP = off_loop
         stop, arrivals = threading.Event(), []
@@ -123,12 +153,15 @@ def main() -> None:
         lag = max((v for t, v in lags if t0 <= t <= t1), default=0.0)
         window = [a for a in arrivals if t0 <= a <= t1]
         gap = max((b - a for a, b in zip(window, window[1:])), default=float("nan"))
-        rows.append((off_loop, len(data), t1 - t0, lag, gap))
+        pause = max((p for t, p, g in gc_pauses if t0 <= t <= t1), default=0.0)
+        rows.append((off_loop, len(data), t1 - t0, lag, gap, pause))
     print(f"{args.tokens}-token echo, logprobs={args.logprobs}; tiny model, CPU")
-    print(f"{'body built':<12} {'body MB':>8} {'request s':>10} {'max loop lag ms':>16} {'neighbour max gap ms':>21}")
-    for off_loop, size, secs, lag, gap in rows:
-        print(f"{'off loop' if off_loop else 'on loop':<12} {size / 1e6:8.1f} {secs:10.2f} {lag * 1e3:16.1f} "
-              f"{gap * 1e3:21.1f}")
+    print(f"{'body built':<12} {'body MB':>8} {'request s':>10} {'max loop lag ms':>16} {'neighbour max gap ms':>21} "
+          f"{'max gc pause ms':>16}")
+    for off_loop, size, secs, lag, gap, pause in rows:
+        what = "no big body" if off_loop == "none" else "off loop" if off_loop else "on loop"
+        print(f"{what:<12} {size / 1e6:8.1f} {secs:10.2f} {lag * 1e3:16.1f} "
+              f"{gap * 1e3:21.1f} {pause * 1e3:16.1f}")
     aengine.shutdown()
 
 

@@ -234,3 +234,17 @@ def test_request_class_is_bounded_before_the_engine(live):
         del engine.add_request
     # What the engine (and the core behind it) keeps per class is bounded as /metrics is.
     assert len(set(seen)) <= live.metrics.class_label.max + 1 and "other" in seen, sorted(set(seen))
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "min_tokens", "seed", "n", "best_of", "top_k", "logprobs",
+                                   "priority", "prompt_logprobs", "truncate_prompt_tokens", "length_penalty"])
+@pytest.mark.parametrize("value", ["9" * 100, "-" + "9" * 100, "1e400"])
+def test_numbers_out_of_any_range_are_a_4xx(live, field, value):
+    body = '{"prompt": [1, 2], "max_tokens": 2, "%s": %s}' % (field, value)
+    if field == "max_tokens":
+        body = '{"prompt": [1, 2], "max_tokens": %s}' % value
+    if field == "length_penalty":
+        body = '{"prompt": [1, 2], "max_tokens": 2, "n": 2, "use_beam_search": true, "length_penalty": %s}' % value
+    r = live.request("POST", "/v1/completions", content=body.encode())
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    assert "error" in r.json()

@@ -26,8 +26,10 @@ def check_transfer_coding(request: web.Request) -> None:
 
 
 def check_sequences(prompts: list, n: int, limit: int | None) -> None:
-    """One request's prompts x n (the sequences it becomes) against ``limit``."""
-    if limit is not None and len(prompts) * n > limit:
+    """One request's prompts x n (the sequences it becomes) against ``limit``. One
+    prompt's n alone is the engine's to refuse (n, or beam_width, above max_num_seqs),
+    with its own message."""
+    if limit is not None and len(prompts) > 1 and len(prompts) * n > limit:
         raise ApiError(f"this request asks for {len(prompts)} prompt(s) x n = {n} = {len(prompts) * n} sequences; "
                        f"this server allows at most {limit} per request (serve --max-sequences-per-request); "
                        "split it into several requests", param="n")
