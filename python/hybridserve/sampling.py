@@ -92,7 +92,8 @@ class SamplingParams:
     Fields:
       n: completions to generate for the prompt (>= 1). They share the prompt's KV
         blocks and are forked after prefill.
-      max_tokens: the most tokens each completion generates (>= 1).
+      max_tokens: the most tokens each completion generates (>= 1); None: up to the
+        rest of the context (max_model_len - prompt tokens), as in vLLM.
       min_tokens: EOS and ``stop_token_ids`` are masked out, and stop strings are not
         checked, until a completion has this many tokens (0 <= min_tokens <= max_tokens).
       temperature: in [0, TEMPERATURE_MAX=1e4]; below ``SAMPLING_EPS`` (1e-5) the
@@ -127,7 +128,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -151,9 +152,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "an integer >= 1")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 1, or None for the rest of the context")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (
+                self.min_tokens if self.max_tokens is None else self.max_tokens):
             raise _bad(
                 "min_tokens",
                 self.min_tokens,

@@ -31,7 +31,7 @@ from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, Reques
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
 from hybridserve.outputs import DeltaCursor
-from hybridserve.server import protocol
+from hybridserve.server import bounds, protocol
 from hybridserve.server.access_log import REQUEST_ID_KEY, USAGE_KEY
 from hybridserve.server.http_protocol import describe_rejection, peer_eof
 from hybridserve.server.protocol import ApiError
@@ -57,6 +57,8 @@ class ServerSettings:
     # memory and build time in proportion to their total length.
     max_stop_strings: int = 64
     max_stop_string_chars: int = 256
+    # One request's prompts x n (the sequences it becomes); beyond is a 400. None: no cap.
+    max_sequences_per_request: int | None = 256
     # vLLM's --reasoning-parser / --tool-call-parser; "auto" reads them off the chat
     # template (hybridserve.server.tools.default_parsers), None turns one off.
     reasoning_parser: str | None = "auto"
@@ -108,6 +110,10 @@ def _parse_json(raw: bytes) -> Any:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:
+        # A JSON integer longer than Python's int-to-string limit (4,300 digits): no
+        # field of any request can hold it.
+        raise InvalidRequest(f"a number in the request body is out of range: {e}") from None
     except RecursionError:
         raise InvalidRequest("the request body nests JSON too deeply") from None
     try:
@@ -134,7 +140,7 @@ def _check_json_content_type(request: web.Request) -> None:
     # aiohttp decodes gzip and deflate and passes any other coding through as if it
     # were none: the body would be parsed as what it is not.
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("identity", "gzip", "x-gzip", "deflate", ""):
+    if encoding not in ("identity", "gzip", "deflate", ""):
         raise ApiError(f"Content-Encoding {encoding[:40]!r} is not supported; send the body as is, gzip or deflate",
                        status=415, err_type="invalid_request_error")
 
@@ -142,6 +148,7 @@ def _check_json_content_type(request: web.Request) -> None:
 async def _json_body(request: web.Request) -> dict[str, Any]:
     settings = request.app[SETTINGS_KEY]
     _check_json_content_type(request)
+    bounds.check_transfer_coding(request)
     try:
         raw = await asyncio.wait_for(request.read(), timeout=settings.request_read_timeout)
     except (HttpProcessingError, ClientPayloadError, RequestPayloadError) as e:
@@ -249,6 +256,9 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 if isinstance(p, str):
                     _check_prompt_chars(request, len(p))
             echo = protocol._bool(body, "echo", False)
+        bounds.check_sequences(prompts, params.n, request.app[SETTINGS_KEY].max_sequences_per_request)
+        # request_class is kept per value by the core and the engine: bounded as /metrics is.
+        klass = request.app[METRICS_KEY].class_label(klass)
         spec = contract.constraint(prep, body.get("tools"))
         if spec is not None:  # compiled (and checked) here, off the engine thread; cached there
             params.structured_outputs = spec
@@ -302,15 +312,49 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
     finally:
         work.cancel()
     request[USAGE_KEY] = protocol.usage(finals)
-    if chat:
-        body = request[CONTRACT_KEY].chat_body(protocol.chat_body(rid, model_name, finals[0], tt, params))
-    else:
-        body = protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)
+
+    def build() -> bytes:
+        if chat:
+            body = request[CONTRACT_KEY].chat_body(protocol.chat_body(rid, model_name, finals[0], tt, params))
+            return dumps_yielding(body).encode()
+        return dumps_yielding(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)).encode()
+
+    raw = await _off_loop_if_large(request, build, params.logprobs is not None or any(echo_texts))
     if early is None:
-        return web.json_response(body)
-    await early.write(json.dumps(body).encode())
+        return web.Response(body=raw, content_type="application/json", charset="utf-8")
+    await early.write(raw)
     await early.write_eof()
     return early
+
+
+def dumps_yielding(obj: Any, slice_len: int = 512) -> str:
+    """``json.dumps(obj)``, the same text, encoded a slice of each long list at a time.
+    The C encoder holds the GIL for a whole call (a second for tens of MB), so on any
+    thread one call would stall the event loop that long; slices of a few hundred
+    entries let the GIL switch every few milliseconds."""
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {dumps_yielding(v, slice_len)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, list):
+        if len(obj) <= 64 and any(isinstance(x, (dict, list)) for x in obj[:1]):
+            return "[" + ", ".join(dumps_yielding(x, slice_len) for x in obj) + "]"
+        if len(obj) > slice_len:
+            return "[" + ", ".join(json.dumps(obj[i:i + slice_len])[1:-1] for i in range(0, len(obj), slice_len)) + "]"
+    return json.dumps(obj)
+
+
+# Whether large bodies (logprobs, echo) are built on the tokenizer pool; a bench
+# turns it off to measure what building them on the event loop costs its neighbours.
+BUILD_LARGE_BODIES_OFF_LOOP = True
+
+
+async def _off_loop_if_large(request: web.Request, build: Any, large: bool) -> bytes:
+    """``build()`` on the tokenizer pool when the body may be large (logprobs and echo:
+    a 32K-token echo with 20 logprobs is tens of MB of JSON, built and encoded in
+    hundreds of ms), so every other stream on this loop keeps getting its tokens; the
+    build then holds the GIL only a switch interval at a time. Small bodies inline."""
+    if large and BUILD_LARGE_BODIES_OFF_LOOP:
+        return await request.app[ENGINE_KEY].run_off_engine(build)
+    return build()
 
 
 # While a half-closed client waits for a non-streamed answer, a space is written this
@@ -390,9 +434,10 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
     # OpenAI: with include_usage every chunk carries "usage", null until the last one.
     usage_field = {"usage": None} if opts.include_usage else {}
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
-                     **usage_field, **extra})
+    def chunk(choices: list[dict[str, Any]], _dumps: Any = json.dumps, **extra: Any) -> bytes:
+        text = _dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                       **usage_field, **extra})
+        return f"data: {text}\n\n".encode()
 
     try:
         if chat:
@@ -403,6 +448,7 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
         async for si, out in _merged(streams):
             lasts[si] = out
             choices = []
+            big = False  # an echoed prompt's logprobs: this chunk is encoded off the loop
             for c in out.outputs:
                 index = si * n + c.index
                 if index in finished_sent:
@@ -433,13 +479,20 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                         if first_echo:
                             ids = list(out.prompt_token_ids) + ids
                             ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
-                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0))
+                        skip_from = len(ids) - len(new_ids) if params.skip_special_tokens else None
+                        args = (tt, ids, ents, k, char_pos.get(index, 0), skip_from)
+                        lp = (await _off_loop_if_large(request, lambda a=args: protocol.completion_logprobs(*a), True)
+                              if first_echo else protocol.completion_logprobs(*args))
+                        big = big or first_echo
                         if lp["tokens"]:
-                            char_pos[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                            skipped = (skip_from is not None and len(ids) - 1 >= skip_from
+                                       and ids[-1] in tt.special_ids)
+                            char_pos[index] = lp["text_offset"][-1] + (0 if skipped else len(lp["tokens"][-1]))
                     choices.append({"index": index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
-                await resp.write(chunk(choices))
+                await resp.write(await _off_loop_if_large(request, lambda c=choices: chunk(c, _dumps=dumps_yielding), True) if big
+                                 else chunk(choices))
         if lasts:
             request[USAGE_KEY] = protocol.usage(list(lasts.values()))
         if opts.include_usage and lasts:
@@ -493,8 +546,8 @@ async def model(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
     ``{"count", "max_model_len", "tokens", "token_strs"}``. ``add_special_tokens``
-    defaults to false (vLLM: true) so that ``count`` is what a completion's prompt costs
-    here: the engine tokenizes prompts without special tokens."""
+    defaults as in vLLM: true for a prompt (as a completion's prompt is tokenized, so
+    ``count`` is what it costs), false for messages (the template writes them)."""
     engine = request.app[ENGINE_KEY]
     tokenizer = engine.engine.tokenizer
     try:
@@ -505,7 +558,7 @@ async def tokenize(request: web.Request) -> web.Response:
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise InvalidRequest(f"unknown field(s) {unknown}; /tokenize accepts {sorted(allowed)}")
-        add_special = protocol._bool(body, "add_special_tokens", False)
+        add_special = protocol._bool(body, "add_special_tokens", "prompt" in body)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequest("give exactly one of 'prompt' (a string) or 'messages' (a chat)")
         if "prompt" in body:
@@ -671,5 +724,6 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
     async def _shutdown(app_: web.Application) -> None:
         app_[ENGINE_KEY].shutdown()
 
+    bounds.json_expect_failures(app)
     app.on_cleanup.append(_shutdown)
     return app
