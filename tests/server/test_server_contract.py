@@ -144,6 +144,9 @@ def test_thinking_split_streamed_and_not(srv):
     assert r == (whole["reasoning_content"] or "") and c == (whole["content"] or "")
     off = srv.post("/v1/chat/completions", {**body, **NO_THINK}).json()["choices"][0]["message"]
     assert off["reasoning_content"] is None
+    # include_reasoning: false drops the reasoning; the answer is the same.
+    dropped = srv.post("/v1/chat/completions", {**body, "include_reasoning": False}).json()["choices"][0]["message"]
+    assert dropped["reasoning_content"] is None and dropped["content"] == whole["content"]
 
 
 def test_structured_outputs_on_both_endpoints(srv):

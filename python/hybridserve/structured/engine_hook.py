@@ -66,6 +66,7 @@ class StructuredDecoding:
         self.mask_seconds = 0.0
         self.apply_seconds = 0.0
         self.wait_seconds = 0.0
+        self.submit_seconds = 0.0  # the engine thread's share of starting each step's job
 
     @property
     def active(self) -> bool:
@@ -100,6 +101,13 @@ class StructuredDecoding:
     def begin_step(self, plan: Any, requests: dict[str, Any]) -> concurrent.futures.Future | None:
         """Starts filling this step's masks on the worker thread; None when no
         sampled row of the plan is constrained."""
+        t0 = time.perf_counter()
+        try:
+            return self._begin(plan, requests)
+        finally:
+            self.submit_seconds += time.perf_counter() - t0
+
+    def _begin(self, plan: Any, requests: dict[str, Any]) -> concurrent.futures.Future | None:
         num_samples = np.asarray(plan.num_samples)
         batch_index = np.nonzero(num_samples > 0)[0]
         req_ids = plan.request_ids
@@ -162,6 +170,7 @@ class StructuredDecoding:
         d = self.compiler.stats()
         d.update(mask_sequence_steps=self.mask_rows, mask_seconds=self.mask_seconds,
                  mask_apply_seconds=self.apply_seconds, mask_wait_seconds=self.wait_seconds,
+                 mask_submit_seconds=self.submit_seconds,
                  active_requests=len(self._grammars))
         return d
 
