@@ -15,7 +15,7 @@ VLLM_DEFAULTS = dict(
     n=1, max_tokens=16, min_tokens=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
     seed=None, stop=[], stop_token_ids=[], ignore_eos=False, presence_penalty=0.0,
     frequency_penalty=0.0, repetition_penalty=1.0, logprobs=None,
-    include_stop_str_in_output=False, skip_special_tokens=True, logit_bias=None,
+    include_stop_str_in_output=False, skip_special_tokens=True, logit_bias=None, structured_outputs=None,
 )
 
 

@@ -93,5 +93,5 @@ def hybridserve(model_dir: Path, *, dtype: str, parallel: int, threads: int, log
     port = free_port()
     cmd = [sys.executable, "-m", "hybridserve.cli", "serve", str(model_dir), "--port", str(port),
            "--dtype", dtype, "--max-num-seqs", str(parallel), "--cpu-threads", str(threads),
-           "--kv-cache-memory", "2GiB", "--no-access-log", "--served-model-name", "peer", *(extra or [])]
+           "--kv-cache-memory-bytes", "2GiB", "--no-access-log", "--served-model-name", "peer", *(extra or [])]
     return Server("hybridserve", cmd, log, port=port)

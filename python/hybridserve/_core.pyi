@@ -271,6 +271,9 @@ class Scheduler:
     def update(self, sampled: Tokens) -> StepUpdate:
         """``num_samples[b]`` tokens per entry of the last plan, in batch order."""
     def finish(self, request_id: str, sample_index: int, reason: str = "stop") -> bool: ...
+    def abort_step(self) -> list[str]:
+        """Roll back the pending plan of a failed step; its requests wait again (recompute)."""
+        ...
     def abort(self, request_id: str) -> bool:
         """Abort in any state; every page comes back. False if already finished."""
     def get_output_tokens(self, request_id: str, sample_index: int) -> Int32Array: ...

@@ -22,12 +22,17 @@ best running beam's score at the current length cannot beat the worst of them.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridserve.errors import InvalidRequest
+
+# |length_penalty| beyond this ranks beams by length alone (the power swamps any score
+# difference); refused so a typo is not silently a different search.
+MAX_LENGTH_PENALTY = 100.0
 
 
 @dataclass
@@ -54,8 +59,21 @@ class BeamSearchParams:
                 f"temperature must be 0 with beam search (got {self.temperature}): beams are scored "
                 "by log-probability, not sampled"
             )
-        if not math.isfinite(self.length_penalty):
-            raise InvalidRequest(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not math.isfinite(self.length_penalty) or abs(self.length_penalty) > MAX_LENGTH_PENALTY:
+            raise InvalidRequest(
+                f"length_penalty must be a number in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                f"got {self.length_penalty!r}"
+            )
+
+
+def length_normalised(score: float, gen: int, length_penalty: float) -> float:
+    """``score / gen ** length_penalty`` that never raises: a power that overflows
+    divides by infinity, one that underflows by the smallest positive float."""
+    try:
+        d = float(gen) ** length_penalty
+    except OverflowError:
+        return score * 0.0
+    return score / max(d, sys.float_info.min)
 
 
 @dataclass
@@ -147,12 +165,11 @@ class BeamSearch:
         eos = set(self.eos)
         hit = [t in eos or gen >= self.max_tokens for t in tok]
         # Candidates among the first W that finished enter the finished list.
-        lp_len = float(gen) ** self.length_penalty
         for j in range(min(self.width, len(tok))):
             if hit[j]:
                 s = float(top_s[j])
                 reason = "stop" if tok[j] in eos else "length"
-                self.finished.append((s / lp_len, s, (tok[j], self._nodes[beam[j]]), reason))
+                self.finished.append((length_normalised(s, gen, self.length_penalty), s, (tok[j], self._nodes[beam[j]]), reason))
         self.finished.sort(key=lambda f: -f[0])
         del self.finished[self.width:]
         masked = top_s + torch.tensor(hit, dtype=torch.float32) * -1.0e9
@@ -163,7 +180,7 @@ class BeamSearch:
         self.cum = masked[sel].clone()
         self.generated = gen
         if len(self.finished) == self.width:
-            best_running = float(self.cum[0]) / lp_len
+            best_running = length_normalised(float(self.cum[0]), gen, self.length_penalty)
             if not best_running > self.finished[-1][0]:
                 self.improvable = False
         self.done = all(hit) or not self.improvable

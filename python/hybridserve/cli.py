@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from hybridserve import cli_args
 from hybridserve.argtypes import non_negative_int, positive_int, size
 from hybridserve.bench.cli import add_bench_arguments, run_bench
 from hybridserve.errors import HybridServeError
@@ -60,17 +61,6 @@ def _device_memory(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{e}; or name a device: {', '.join(DEVICE_MEMORY)}") from None
 
 
-def _dtype(text: str) -> str:
-    from hybridserve.config import DTYPE_BYTES
-
-    name = text.removeprefix("torch.")
-    if name not in DTYPE_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype {text!r}; use one of {', '.join(sorted(DTYPE_BYTES))}"
-        )
-    return name
-
-
 # ---- plan ----------------------------------------------------------------------------
 
 
@@ -78,9 +68,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "config", metavar="CONFIG",
         help="a shipped preset (qwen3.5-27b, qwen3.5-35b-a3b, qwen3.5-122b-a10b, "
-        "qwen3.5-397b-a17b), a config.json, or a checkpoint directory",
+        "qwen3.5-397b-a17b), a config.json, a checkpoint directory, or tiny:PRESET (a generated tiny model)",
     )
-    mem = p.add_argument_group("memory (the arena's budget is --pool-mib, else derived from the device)")
+    mem = p.add_argument_group("memory (the arena's budget is --kv-cache-memory-bytes, else derived from the device)")
     mem.add_argument(
         "--device-memory", type=_device_memory, default="80GB", metavar="SIZE|DEVICE",
         help="memory of one device: 80GB (decimal), 80GiB, 81559MiB, or a device name "
@@ -94,10 +84,9 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--reserve", type=size, default="2GiB", metavar="SIZE",
         help="runtime reserve for activations and the CUDA context (default: 2GiB)",
     )
-    mem.add_argument(
-        "--pool-mib", type=positive_int, metavar="N",
-        help="give the arena's budget (KV + state) in MiB directly (e.g. 23859), ignoring the above",
-    )
+    cli_args.add_memory_budget(mem, old_spelling="--pool-mib",
+                               default_help="derived from --device-memory and the above; when given, "
+                                            "those are ignored")
     mem.add_argument(
         "--enforce-eager", action="store_true",
         help="the engine will run without CUDA graphs: no scratch state is set aside "
@@ -115,11 +104,8 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
         "--context", type=positive_int, default=32768, metavar="L",
         help="tokens per session (default: 32768)",
     )
-    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default: 16)")
-    p.add_argument(
-        "--kv-dtype", type=_dtype, default=None,
-        help="KV cache dtype (default: the model's dtype)",
-    )
+    cli_args.add_block_size(p)
+    cli_args.add_kv_cache_dtype(p, old_spelling=True, planning=True)
     p.add_argument(
         "--omit-conv-state", action="store_true",
         help="leave the DeltaNet conv state out of the seed's byte counts, as the seed does "
@@ -146,7 +132,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     tp.add_argument(
         "--tensor-parallel-size", "-tp", type=positive_int, default=None, metavar="N",
         help="show what each of N devices holds (its shard of the weights, its share of every "
-        "sequence's KV and DeltaNet state) and how many sessions the N run; with --pool-mib "
+        "sequence's KV and DeltaNet state) and how many sessions the N run; with --kv-cache-memory-bytes "
         "that is each device's arena budget. N must divide the model's heads, intermediate "
         "widths and vocabulary (KV heads replicate when N is a multiple of them)",
     )
@@ -158,7 +144,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     from hybridserve.config import ModelConfig
     from hybridserve.presets import preset_names, resolve_config
 
-    config_path = resolve_config(args.config)
+    config_path = resolve_config(
+        cli_args.resolve_model(args.config) if args.config.startswith(cli_args.TINY_PREFIX) else args.config)
     if not os.path.exists(config_path):
         raise _BadInput(
             f"{args.config!r} is not a config.json, a checkpoint directory or a preset "
@@ -177,22 +164,22 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"--sessions {args.sessions} and --min-sessions {args.min_sessions} disagree; "
             "give one (--min-sessions is the old name of --sessions)")
     min_sessions = args.sessions or args.min_sessions or 1
-    if args.pool_mib is not None and (args.sessions or args.min_sessions) and args.shared_prefix is None:
+    if args.kv_cache_memory_bytes is not None and (args.sessions or args.min_sessions) and args.shared_prefix is None:
         raise _BadInput(
             "--sessions K without --shared-prefix asks how many devices run K sessions, which "
-            "needs a device (--device-memory), not --pool-mib")
+            "needs a device (--device-memory), not --kv-cache-memory-bytes")
     if args.prompt_len is not None and args.n == 1:
         raise _BadInput("--prompt-len only matters with --n greater than 1")
     report = pl.capacity_report(
         config,
         context_len=args.context,
-        pool_bytes=None if args.pool_mib is None else args.pool_mib * pl.MiB,
+        pool_bytes=args.kv_cache_memory_bytes,
         device_memory=args.device_memory,
         utilization=args.gpu_memory_utilization,
         reserve=args.reserve,
         checkpoint_dir=checkpoint_dir,
         block_size=args.block_size,
-        kv_dtype=args.kv_dtype,
+        kv_dtype=None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype,
         include_conv=not args.omit_conv_state,
         cuda_graphs=not args.enforce_eager,
         max_num_seqs=args.max_num_seqs,

@@ -75,6 +75,20 @@ class UnknownRequest(HybridServeError, KeyError):
     http_status = 404
 
 
+
+class FatalEngineError(HybridServeError):
+    """The engine cannot go on (a lost device, a dead rank, a fault that repeats): every
+    open request fails and the server exits non-zero so a supervisor restarts it."""
+
+    http_status = 500
+
+
+class RequestFailed(HybridServeError):
+    """The engine failed while running this request (a step that raised, twice): the
+    request ended with ``finish_reason == "error"``; the server stays up, retry it."""
+
+    http_status = 500
+
 __all__ = [
     "HybridServeError",
     "ConfigError",
@@ -87,4 +101,6 @@ __all__ = [
     "InvalidRequest",
     "QueueFull",
     "UnknownRequest",
+    "FatalEngineError",
+    "RequestFailed",
 ]

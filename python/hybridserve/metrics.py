@@ -83,6 +83,10 @@ _COUNTERS = [
     ("steps", "engine_steps", "Scheduler steps"),
     ("finished_requests", "finished_requests", "Requests finished (stop or length)"),
     ("aborted_requests", "aborted_requests", "Requests aborted (client gone or cancelled)"),
+    ("failed_steps", "failed_steps", "Engine steps that raised and were rolled back"),
+    ("retried_requests", "retried_requests", "Requests caught in a failed step and retried from their committed tokens"),
+    ("errored_requests", "errored_requests",
+     "Requests ended with finish_reason 'error' (caught in a second failed step, or after the update)"),
 ]
 # (stats key, metric name, help) — gauges of the core.
 _GAUGES = [
@@ -188,6 +192,9 @@ class _CoreCollector:
                               "Prompt tokens whose compute was skipped / looked up")
         g.add_metric([], float(snap.get("prefix_skipped_tokens", 0)) / q if q else 0.0)
         yield g
+        from hybridserve.structured.metrics import families
+
+        yield from families(PREFIX, snap.get("structured"))
 
 
 class EngineMetrics:

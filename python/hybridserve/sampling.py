@@ -92,7 +92,8 @@ class SamplingParams:
     Fields:
       n: completions to generate for the prompt (>= 1). They share the prompt's KV
         blocks and are forked after prefill.
-      max_tokens: the most tokens each completion generates (>= 1).
+      max_tokens: the most tokens each completion generates (>= 1); None: up to the
+        rest of the context (max_model_len - prompt tokens), as in vLLM.
       min_tokens: EOS and ``stop_token_ids`` are masked out, and stop strings are not
         checked, until a completion has this many tokens (0 <= min_tokens <= max_tokens).
       temperature: in [0, TEMPERATURE_MAX=1e4]; below ``SAMPLING_EPS`` (1e-5) the
@@ -127,7 +128,7 @@ class SamplingParams:
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_p: float = 1.0
@@ -144,13 +145,17 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # A constraint on the output (hybridserve.structured.StructuredOutputsParams, or a
+    # dict of its fields such as {"json": schema}); None: unconstrained.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise _bad("n", self.n, "an integer >= 1")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise _bad("max_tokens", self.max_tokens, "an integer >= 1")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise _bad("max_tokens", self.max_tokens, "an integer >= 1, or None for the rest of the context")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (
+                self.min_tokens if self.max_tokens is None else self.max_tokens):
             raise _bad(
                 "min_tokens",
                 self.min_tokens,
@@ -211,6 +216,11 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = _parse_logit_bias(self.logit_bias)
 
+        if self.structured_outputs is not None:
+            from hybridserve.structured.params import StructuredOutputsParams
+
+            self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "true or false")
@@ -250,7 +260,9 @@ class SamplingParams:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, list):
+            if f.name == "structured_outputs" and value is not None:
+                value = dataclasses.asdict(value)
+            elif isinstance(value, list):
                 value = list(value)
             elif isinstance(value, dict):
                 value = dict(value)

@@ -23,12 +23,16 @@ def load_tokenizer(model_dir: str | os.PathLike[str]):
 
 
 def apply_chat_template(tokenizer, messages: Sequence[dict[str, Any]],
-                        add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` rendered with the checkpoint's chat template."""
+                        add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+                        **template_kwargs: Any) -> list[int]:
+    """Token ids of ``messages`` rendered with the checkpoint's chat template
+    (``tools`` and ``template_kwargs``, e.g. ``enable_thinking``, go to the template)."""
     if not getattr(tokenizer, "chat_template", None):
         raise CheckpointError("this checkpoint's tokenizer has no chat_template; send a plain prompt")
+    if tools is not None:
+        template_kwargs["tools"] = tools
     out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
+                                        tokenize=True, **template_kwargs)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

@@ -128,13 +128,17 @@ def test_a_rejected_prompt_in_a_batch_queues_nothing(llm):
 def test_queue_cap_answers_queue_full(tiny_dirs):
     llm = LLM(tiny_dirs["test-a"], dtype="float32", device="cpu", num_pages=32 + 3 * 4, max_num_seqs=4, max_waiting_requests=2)
     engine = llm.engine
-    engine.add_request("a", [5, 6], SamplingParams(max_tokens=2))
-    engine.add_request("b", [5, 6], SamplingParams(max_tokens=2))
+    # The cap counts requests that wait beyond the free run slots: 4 slots + 2 waiting.
+    for rid in "abcdef":
+        engine.add_request(rid, [5, 6], SamplingParams(max_tokens=2))
     with pytest.raises(QueueFull, match="max_waiting_requests"):
-        engine.add_request("c", [5, 6], SamplingParams(max_tokens=2))
+        engine.add_request("g", [5, 6], SamplingParams(max_tokens=2))
+    engine.step()  # a-d run, e and f wait: still full
+    with pytest.raises(QueueFull, match="max_waiting_requests"):
+        engine.add_request("g", [5, 6], SamplingParams(max_tokens=2))
     while engine.has_unfinished_requests():
         engine.step()
-    engine.add_request("c", [5, 6], SamplingParams(max_tokens=2))  # room again
+    engine.add_request("g", [5, 6], SamplingParams(max_tokens=2))  # room again
     while engine.has_unfinished_requests():
         engine.step()
     _whole(llm)

@@ -70,11 +70,16 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
                         "64 experts, 4 routed + shared; default: the embedded ~10M-parameter tiny model)")
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default="auto",
-                   help="auto, float32, bfloat16 or float16; auto is float32 on CPU, the checkpoint's on CUDA "
-                        "(default: auto)")
+                   help="auto, float32, bfloat16 or float16; auto is the checkpoint's on CUDA, on a CPU the "
+                        "checkpoint's bfloat16 where the CPU has native bfloat16, else float32 (default: auto)")
     e.add_argument("--device", default="cpu", help="cpu, cuda[:N] or auto (default: cpu)")
     e.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: the engine's choice)")
-    e.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
+    from hybridserve import cli_args
+
+    cli_args.add_block_size(e)
+    cli_args.add_kv_cache_dtype(e)
+    e.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="tokenizer directory, if not the checkpoint's (default: the checkpoint's)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
                    help="split the model over N ranks (workers on this host, or torchrun's ranks) (default: 1)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="default: --num-prompts, at most 256")
@@ -82,8 +87,8 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
                    help="most tokens in one step's batch (default: 2048)")
     e.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
-    e.add_argument("--kv-cache-memory", default=None,
-                   help="the one byte budget of the cache arena (KV blocks, DeltaNet state, checkpoints), e.g. 512MiB")
+    cli_args.add_memory_budget(e, old_spelling="--kv-cache-memory",
+                               default_help="the engine's: from device memory, or a fraction of host memory")
     e.add_argument("--admission-policy", choices=["paged", "reserve_max"], default="paged",
                    help="paged, or reserve_max (each sequence reserves max_model_len up front: the pre-paging "
                         "baseline) (default: paged)")
@@ -166,7 +171,7 @@ def _finish(report: dict[str, Any], args: argparse.Namespace, extra_text: list[s
 
 
 def _config(args: argparse.Namespace, workload: Any, threads: int | None) -> dict[str, Any]:
-    skip = {"_run", "_parser", "command", "bench_mode"}
+    skip = {"_run", "_parser", "command", "bench_mode", "_given"}
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k not in skip}
     cfg["request_rate"] = workload.description["request_rate"]
     cfg["workload"] = workload.description
@@ -178,20 +183,14 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     import torch
 
     from hybridserve.engine.args import EngineArgs
-    from hybridserve.planner import parse_size
-    from hybridserve.server.serve import default_model_dir
+    from hybridserve.cli_args import resolve_model
 
     if args.threads is not None:
         if args.threads < 1:
             raise ConfigError(f"--threads must be at least 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    if args.model is None:
-        model = default_model_dir()
-    elif args.model.startswith("tiny:"):
-        model = default_model_dir(args.model.removeprefix("tiny:"))
-    else:
-        model = args.model
+    model = resolve_model(args.model)
     progress = not args.no_progress
     engine_kwargs: dict[str, Any] = dict(
         dtype=args.dtype, device=args.device, block_size=args.block_size,
@@ -202,8 +201,9 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     )
     if "cpu_threads" in EngineArgs.field_names() and args.threads is not None:
         engine_kwargs["cpu_threads"] = args.threads  # the engine's own setting, where it has one
-    if args.kv_cache_memory:
-        engine_kwargs["kv_cache_memory_bytes"] = parse_size(args.kv_cache_memory)
+    if args.kv_cache_memory_bytes:
+        engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
+    engine_kwargs.update(kv_cache_dtype=args.kv_cache_dtype, tokenizer=args.tokenizer)
 
     if args.seed_scenario:
         print(f"torch intra-op threads: {threads}", file=sys.stderr)

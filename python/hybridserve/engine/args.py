@@ -8,6 +8,11 @@ from typing import Any
 from hybridserve.errors import ConfigError
 
 ADMISSION_POLICIES = ("paged", "reserve_max")
+# The CPU arena's default share of the host memory available at start-up (after the
+# weights): half, leaving the rest to the process's runtime and to the machine.
+CPU_MEMORY_FRACTION = 0.5
+# max_num_seqs derived from the memory plan is at most this (vLLM's default max_num_seqs).
+MAX_NUM_SEQS_CAP = 256
 
 
 @dataclass
@@ -22,7 +27,13 @@ class EngineArgs:
     * ``num_pages``: exactly that many pages for the scheduler (tests);
     * else a byte budget: ``kv_cache_memory_bytes`` if given, else on CUDA
       ``total memory x gpu_memory_utilization - weights - runtime_reserve_bytes``, else
-      (CPU) ``cpu_pool_bytes``, cut into pages by :func:`hybridserve.planner.size_arena`.
+      (CPU) ``cpu_pool_bytes`` if given, else ``cpu_memory_fraction`` of the host memory
+      available once the weights are loaded (bounded by what ``MAX_NUM_SEQS_CAP``
+      sequences of ``max_model_len`` tokens can use), cut into pages by
+      :func:`hybridserve.planner.size_arena`.
+
+    ``max_num_seqs`` None (the default): from the memory plan, the sequences of one KV
+    block each that the arena holds at once, at most ``MAX_NUM_SEQS_CAP``.
 
     ``num_gpu_blocks`` + ``num_state_slots`` (the old split) are still read, as the
     same bytes in pages (``num_gpu_blocks + num_state_slots * state_pages``), with a
@@ -41,7 +52,7 @@ class EngineArgs:
     tokenizer: str | None = None
     block_size: int = 16
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None
     max_model_len: int | None = None
     num_pages: int | None = None
     # Deprecated (the pre-arena split): both together are converted to num_pages.
@@ -50,7 +61,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     runtime_reserve_bytes: int = 2 << 30
-    cpu_pool_bytes: int = 512 << 20
+    cpu_pool_bytes: int | None = None
+    cpu_memory_fraction: float = CPU_MEMORY_FRACTION
     expected_context_len: int | None = None
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
@@ -76,9 +88,12 @@ class EngineArgs:
     # Ranks one model is split over (hybridserve.parallel): the engine starts N-1
     # workers on this host, or joins the ranks torchrun started (RANK/WORLD_SIZE...).
     tensor_parallel_size: int = 1
+    # Failed steps in a row after which the engine gives up (fails every open request,
+    # raises FatalEngineError; serve exits non-zero). 0: never for this reason.
+    max_consecutive_step_failures: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
@@ -98,7 +113,8 @@ class EngineArgs:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
-        for name in ("priority_preemption_threshold", "max_priority_preemptions_per_step"):
+        for name in ("priority_preemption_threshold", "max_priority_preemptions_per_step",
+                     "max_consecutive_step_failures"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an integer >= 0, got {value!r}")
@@ -117,7 +133,10 @@ class EngineArgs:
             )
         if self.num_pages is not None and self.num_gpu_blocks is not None:
             raise ConfigError("give num_pages or the deprecated num_gpu_blocks + num_state_slots, not both")
-        for name in ("num_pages", "num_gpu_blocks", "num_state_slots", "max_model_len", "cpu_threads"):
+        if not 0.0 < self.cpu_memory_fraction <= 1.0:
+            raise ConfigError(f"cpu_memory_fraction must be in (0, 1], got {self.cpu_memory_fraction}")
+        for name in ("num_pages", "num_gpu_blocks", "num_state_slots", "max_model_len", "cpu_threads",
+                     "max_num_seqs", "cpu_pool_bytes"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {value!r}")

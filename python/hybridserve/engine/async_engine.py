@@ -53,7 +53,7 @@ from typing import Any
 
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.engine.loop_inbox import LoopInbox
-from hybridserve.errors import HybridServeError
+from hybridserve.errors import FatalEngineError, HybridServeError, RequestFailed
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
 
@@ -125,6 +125,8 @@ class RequestStream:
             raise item
         if item.finished:
             self._finish()
+            if any(c.finish_reason == "error" for c in item.outputs):
+                raise _request_failed(item)
         return item
 
     def _finish(self) -> None:
@@ -135,6 +137,15 @@ class RequestStream:
         if not self._done:
             self._finish()
             self.engine.abort(self.request_id)
+
+
+def _request_failed(out: RequestOutput) -> RequestFailed:
+    """What a client of a request that ended with ``finish_reason == "error"`` gets
+    (the server answers it as an OpenAI error object, or an error event on a stream)."""
+    return RequestFailed(
+        f"request {out.request_id!r} failed: the engine raised in two steps that ran it "
+        "(see the server log); the server is still serving, retry the request"
+    )
 
 
 class AsyncEngine:
@@ -155,6 +166,8 @@ class AsyncEngine:
         self._dead: BaseException | None = None
         # Set by abort_all (shutdown): adds still queued behind it are refused.
         self._closing: BaseException | None = None
+        # Set as the engine thread exits (for any reason): queued commands then fail.
+        self._thread_done = False
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=tokenizer_threads, thread_name_prefix="hybridserve-tokenize"
         )
@@ -189,19 +202,40 @@ class AsyncEngine:
                 if self.on_step is not None:
                     self.on_step(engine, outputs)
         except BaseException as e:  # noqa: BLE001 - the thread must report, not vanish
-            logger.exception("engine thread died")
+            if isinstance(e, FatalEngineError):
+                logger.error("engine thread stopped: %s", e)  # the engine logged the cause
+            else:
+                logger.exception("engine thread died")
             self._dead = e
+            self._fail_commands(EngineDeadError(f"engine stopped: {e!r}"))
             try:
                 self._hand_off_pending()  # what the engine produced before it failed
             finally:
                 for rid in list(self._streams):
                     self._deliver(rid, EngineDeadError(f"engine stopped: {e!r}"))
         finally:
+            self._thread_done = True
+            # Nothing queued for a thread that will not read it waits for ever.
+            self._fail_commands(EngineDeadError(f"engine stopped: {self._dead!r}" if self._dead is not None
+                                                else "engine stopped (shut down)"))
             engine.before_forward = None
             self._hand_off_pending()
             if gc_set is not None and gc.get_threshold()[0] == self.gc_young_threshold:
                 # Ours still (nobody changed it since): the process's setting comes back.
                 gc.set_threshold(*gc_set)
+
+    def _fail_commands(self, error: BaseException) -> None:
+        """Fails every queued command's future with ``error`` (the thread is gone)."""
+        while True:
+            try:
+                _cmd, _arg, fut = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if fut is not None and not fut.done():
+                try:
+                    fut.set_exception(error)
+                except concurrent.futures.InvalidStateError:  # resolved meanwhile
+                    pass
 
     def _raise_gc_threshold(self) -> tuple[int, ...] | None:
         """Raises generation 0's threshold to ``gc_young_threshold`` (never lowers it);
@@ -259,6 +293,10 @@ class AsyncEngine:
                 if fut is not None:
                     fut.set_exception(e)
                 continue
+            except BaseException as e:  # the thread ends: its caller still gets an answer
+                if fut is not None and not fut.done():
+                    fut.set_exception(EngineDeadError(f"engine stopped: {e!r}"))
+                raise
             if fut is not None:
                 fut.set_result(result)
 
@@ -307,6 +345,10 @@ class AsyncEngine:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((cmd, arg, fut))
         self._wake.set()
+        if self._dead is not None or self._thread_done:
+            # The thread stopped after the check above: it will not read this one.
+            self._fail_commands(EngineDeadError(
+                f"engine stopped: {self._dead!r}" if self._dead is not None else "engine stopped (shut down)"))
         return fut
 
     # --------------------------------------------------------------- asyncio API

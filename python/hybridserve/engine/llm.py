@@ -4,6 +4,8 @@
     llm = LLM("path/to/checkpoint", dtype="float32", block_size=16)
     for out in llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8)):
         print(out.outputs[0].text, out.outputs[0].finish_reason)
+    llm.generate({"prompt_token_ids": [1, 2, 3]})        # vLLM's TokensPrompt (and TextPrompt)
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=None))
 
 It runs the Rust scheduler and the PyTorch runner in-process until every request
 has finished.
@@ -11,17 +13,61 @@ has finished.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
 from hybridserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.errors import InvalidRequest
+from hybridserve.errors import CheckpointError, InvalidRequest
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | dict[str, Any]
+
+# What ``generate`` takes, in vLLM's shapes, for the error that refuses anything else.
+ACCEPTED_PROMPTS = (
+    "a string, a list of token ids, {\"prompt\": str} (vLLM's TextPrompt), "
+    "{\"prompt_token_ids\": [int, ...]} (vLLM's TokensPrompt), or a list of these"
+)
+
+
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, numbers.Integral) and not isinstance(t, bool)
+
+
+def _one_prompt(p: Any, where: str) -> str | list[int]:
+    """One prompt as the engine takes it (text or token ids), or InvalidRequest."""
+    if isinstance(p, str):
+        return p
+    if isinstance(p, dict):
+        keys = set(p)
+        if keys == {"prompt"} and isinstance(p["prompt"], str):
+            return p["prompt"]
+        if keys == {"prompt_token_ids"}:
+            ids = p["prompt_token_ids"]
+            if isinstance(ids, Sequence) and not isinstance(ids, str) and all(_is_token_id(t) for t in ids):
+                return [int(t) for t in ids]
+            raise InvalidRequest(f"{where}: 'prompt_token_ids' must be a list of token ids, got {ids!r:.80}")
+        raise InvalidRequest(
+            f"{where}: a prompt dict has exactly one key, 'prompt' (a string) or 'prompt_token_ids' "
+            f"(a list of token ids); got keys {sorted(map(str, keys))}. Accepted: {ACCEPTED_PROMPTS}"
+        )
+    if isinstance(p, Sequence) and p and all(_is_token_id(t) for t in p):
+        return [int(t) for t in p]
+    raise InvalidRequest(f"{where}: {type(p).__name__} {p!r:.80} is not a prompt. Accepted: {ACCEPTED_PROMPTS}")
+
+
+def parse_prompts(prompts: Any) -> list[str | list[int]]:
+    """vLLM's prompt forms, one or a list, as a list of text or token-id prompts."""
+    if isinstance(prompts, (str, dict)) or (
+        isinstance(prompts, Sequence) and prompts and all(_is_token_id(t) for t in prompts)
+    ):
+        return [_one_prompt(prompts, "prompt")]
+    if not isinstance(prompts, Sequence):
+        raise InvalidRequest(f"{type(prompts).__name__} is not a prompt. Accepted: {ACCEPTED_PROMPTS}")
+    return [_one_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
 
 
 class LLM:
@@ -31,7 +77,53 @@ class LLM:
         self.engine = LLMEngine(EngineArgs.from_kwargs(model, **kwargs))
 
     def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (a transformers tokenizer, as vLLM returns)."""
         return self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: one conversation (a list of ``{"role", "content"}``
+        messages) or a list of them, rendered with the checkpoint's chat template as
+        the server renders ``/v1/chat/completions``, then generated as token ids.
+        ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``)."""
+        from hybridserve.server.protocol import ApiError, chat_messages
+        from hybridserve.tokenizer import apply_chat_template
+
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages, Sequence) and not isinstance(messages, str) and messages:
+            conversations = list(messages)
+        else:
+            raise InvalidRequest(
+                "messages must be one conversation (a non-empty list of {\"role\": ..., \"content\": ...} "
+                "dicts) or a list of conversations"
+            )
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise InvalidRequest("chat_template_kwargs must be a dict of template variables")
+        prompts: list[dict[str, Any]] = []
+        for i, conv in enumerate(conversations):
+            try:
+                msgs = chat_messages({"messages": list(conv) if isinstance(conv, Sequence) else conv})
+            except ApiError as e:  # the server's check, as a Python exception here
+                raise InvalidRequest(f"conversation {i}: {e}") from None
+            try:
+                ids = apply_chat_template(self.engine.tokenizer, msgs, add_generation_prompt=add_generation_prompt,
+                                          tools=tools, **(chat_template_kwargs or {}))
+            except (InvalidRequest, CheckpointError):
+                raise
+            except Exception as e:  # noqa: BLE001 - a template that rejects these messages
+                raise InvalidRequest(f"conversation {i}: the chat template cannot render it: {e}") from e
+            prompts.append({"prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, priority=priority, use_tqdm=use_tqdm)
 
     def generate(
         self,
@@ -41,11 +133,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]  # one prompt, as text or as token ids
-        prompts = list(prompts)
+        prompts = parse_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -96,11 +184,7 @@ class LLM:
         best first. The beams of one prompt are one request inside the engine (they
         share blocks and fork DeltaNet state); prompts run batched, beside whatever
         else the engine runs."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = parse_prompts(prompts)
         if priority is not None and len(priority) != len(prompts):
             raise InvalidRequest(f"got {len(priority)} priorities for {len(prompts)} prompts")
         engine = self.engine

@@ -15,6 +15,7 @@ thread for the server.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -30,8 +31,9 @@ from hybridserve import planner
 from hybridserve.beam_search import BeamSearch, BeamSearchParams, candidates_to_host
 from hybridserve.config import ModelConfig
 from hybridserve.engine import logprobs
-from hybridserve.engine.args import EngineArgs
+from hybridserve.engine.args import MAX_NUM_SEQS_CAP, EngineArgs
 from hybridserve.engine.common_rows import common_row_output, steady_row_outputs
+from hybridserve.engine.faults import FaultInjector, recover_step
 from hybridserve.engine.device import (
     HOST_PARALLEL_MIN_ELEMENTS,
     _resolve_device,
@@ -40,7 +42,7 @@ from hybridserve.engine.device import (
 )
 from hybridserve.engine.request_state import RequestState
 from hybridserve.memory.layout import arena_layout
-from hybridserve.errors import ConfigError, InvalidRequest, UnknownRequest
+from hybridserve.errors import ConfigError, InvalidRequest, QueueFull, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
 from hybridserve.outputs import CompletionOutput, RequestOutput
@@ -145,6 +147,12 @@ class LLMEngine:
         # pages, past the scheduler's page ids (counted in the budget).
         self.use_cuda_graphs = self.device.type == "cuda" and not args.enforce_eager
         self.arena_plan = self._plan_arena(str(kv_dtype).removeprefix("torch."))
+        if args.max_num_seqs is None:
+            derived = self._derive_max_num_seqs()
+            args = self.args = dataclasses.replace(args, max_num_seqs=derived)
+            self.arena_plan = dataclasses.replace(self.arena_plan, max_num_seqs=derived)
+            logger.info("max_num_seqs: %d (from the memory plan: the sequences of one KV block the arena "
+                        "holds, at most %d; set it with --max-num-seqs)", derived, MAX_NUM_SEQS_CAP)
         self.block_size = args.block_size
         self.num_pages = self.arena_plan.num_pages
         self.state_pages = self.arena_plan.state_pages
@@ -171,7 +179,9 @@ class LLMEngine:
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             priority_preemption_threshold=args.priority_preemption_threshold,
             max_priority_preemptions_per_step=args.max_priority_preemptions_per_step,
-            max_waiting_requests=args.max_waiting_requests,
+            # The cap counts requests that wait for want of room, not those the next step
+            # admits into free run slots: the core's is looser, _check_waiting_room exact.
+            max_waiting_requests=args.max_waiting_requests + args.max_num_seqs,
             max_waiting_tokens=args.max_waiting_tokens,
             reserve_max_context=args.admission_policy == "reserve_max",
         )
@@ -207,6 +217,10 @@ class LLMEngine:
         self._host_one_thread = (self.device.type == "cpu" and self.cpu_threads > 1
                                  and args.max_num_seqs * config.vocab_size < HOST_PARALLEL_MIN_ELEMENTS)
         self.requests: dict[str, RequestState] = {}
+        # Constrained decoding (hybridserve.structured), built with the first constrained
+        # request; the step's mask job runs while its forward does.
+        self.structured: Any = None
+        self._structured_job: Any = None
         # Counts every change to `requests` (add, abort, finish): the last step's
         # sampler rows are reused while it and the batch stay the same.
         self._requests_epoch = 0
@@ -222,6 +236,15 @@ class LLMEngine:
         # Preemptions by (cause, victim's request_class), for the metrics.
         self.preemptions_by: dict[tuple[str, str], int] = {}
         self._counter = 0
+        # Faults stay local (hybridserve.engine.faults): failed steps rolled back, their
+        # requests retried once (request id -> the state retried), the engine's end when
+        # faults repeat or are fatal. The injector is None unless asked for.
+        self.fault_injector = FaultInjector.from_env()
+        self.max_consecutive_step_failures = args.max_consecutive_step_failures
+        self.failed_steps = self.retried_requests = self.errored_requests = 0
+        self._consecutive_failures = 0
+        self._fault_retried: dict[str, RequestState] = {}
+        self._fatal: BaseException | None = None
         self.step_count = 0
         self.last_step_stats: dict[str, Any] = {}
         # Cumulative wall seconds of each phase of step() (see STEP_PHASES).
@@ -241,7 +264,7 @@ class LLMEngine:
             self.parallel.attach(self)
 
     # ------------------------------------------------------------------ sizing
-    def _pool_bytes(self) -> int:
+    def _pool_bytes(self, kv_dtype: str) -> int:
         a = self.args
         if a.kv_cache_memory_bytes is not None:
             return a.kv_cache_memory_bytes
@@ -259,7 +282,42 @@ class LLMEngine:
             return planner.pool_from_device(
                 total, in_use, utilization=a.gpu_memory_utilization, reserve=a.runtime_reserve_bytes
             )
-        return a.cpu_pool_bytes
+        if a.cpu_pool_bytes is not None:
+            return a.cpu_pool_bytes
+        return self._cpu_pool_from_memory(kv_dtype)
+
+    def _cpu_pool_from_memory(self, kv_dtype: str) -> int:
+        """The CPU arena's default budget: a fraction of the host memory available now
+        (the weights are loaded), at most what MAX_NUM_SEQS_CAP sequences of
+        max_model_len tokens can use (more pages would never be written)."""
+        from hybridserve.engine.args import MAX_NUM_SEQS_CAP
+        from hybridserve.engine.device import available_memory_bytes
+
+        a = self.args
+        avail, source = available_memory_bytes()
+        share = int(avail * a.cpu_memory_fraction)
+        layout = arena_layout(self.layout_config, a.block_size, kv_dtype)
+        useful = (MAX_NUM_SEQS_CAP * layout.pages_for_sequence(self.max_model_len)
+                  + (layout.state_pages if self.use_cuda_graphs else 0)) * layout.page_bytes
+        budget = min(share, useful)
+        logger.info(
+            "CPU arena budget: %s = %s of the %s available (%s)%s; set it with kv_cache_memory_bytes "
+            "(--kv-cache-memory-bytes) or cpu_memory_fraction",
+            planner.format_mib(budget), a.cpu_memory_fraction, planner.format_mib(avail), source,
+            f", capped at what {MAX_NUM_SEQS_CAP} sequences of {self.max_model_len} tokens use"
+            if useful < share else "",
+        )
+        return budget
+
+    def _derive_max_num_seqs(self) -> int:
+        """max_num_seqs from the memory plan: the sequences (each its state and one KV
+        block) the arena holds at once, at most MAX_NUM_SEQS_CAP; a fixed number would
+        either leave a large arena idle or promise a small one more than it holds."""
+        from hybridserve.engine.args import MAX_NUM_SEQS_CAP
+
+        plan = self.arena_plan
+        fit = plan.num_pages // plan.layout.pages_for_sequence(1)
+        return max(1, min(MAX_NUM_SEQS_CAP, fit))
 
     def _plan_arena(self, kv_dtype: str) -> planner.ArenaPlan:
         """The one arena: exact pages (``num_pages``, or the deprecated block/slot pair
@@ -278,7 +336,7 @@ class LLMEngine:
             )
         if num_pages is not None:
             return planner.size_arena(self.layout_config, num_pages=num_pages, **common)
-        plan = planner.size_arena(self.layout_config, budget_bytes=self._pool_bytes(), **common)
+        plan = planner.size_arena(self.layout_config, budget_bytes=self._pool_bytes(kv_dtype), **common)
         if self.parallel is not None:
             # Each rank sized its own pool; the one scheduler's page ids must exist on all.
             agreed = self.parallel.agree_num_pages(plan.num_pages)
@@ -289,7 +347,9 @@ class LLMEngine:
     # ---------------------------------------------------------------- requests
     def tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+            # As vLLM and the tokenizer's default: the special tokens its post-processor
+            # adds (a BOS) are part of a text prompt (Qwen's tokenizers add none).
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=True))
         ids = [int(t) for t in prompt]
         vocab = self.model_config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
@@ -327,9 +387,22 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; pick a unique id")
         params.check_vocab(self.model_config.vocab_size)
+        self._check_waiting_room()
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
+        if params.max_tokens is None:  # vLLM's meaning: the rest of the context
+            rest = self.max_model_len - len(ids)
+            if rest < 1:
+                raise InvalidRequest(
+                    f"the prompt has {len(ids)} tokens, which leaves no room for output within "
+                    f"max_model_len ({self.max_model_len}); shorten the prompt")
+            # A copy (one SamplingParams may serve many prompts) that keeps what was
+            # built on it already (the stop-string automaton).
+            params = copy.copy(params)
+            params.max_tokens = rest
+        if params.structured_outputs is not None:
+            self._add_structured(request_id, params)
         state = RequestState.create(
             request_id, text, ids, params, self.tokenizer, self.device,
             priority=priority, request_class=request_class, arrival_time=arrival_time,
@@ -354,12 +427,25 @@ class LLMEngine:
             priority=priority,
             request_class=request_class,
             **extra,
-        )
+        ) if params.structured_outputs is None else self._scheduler_add_structured(
+            request_id, ids, params, stop_ids, priority, request_class, extra)
         self.requests[request_id] = state
         self._requests_epoch += 1
         if prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = (prompt_logprobs, [None] * len(ids))
         return request_id
+
+    def _check_waiting_room(self) -> None:
+        """QueueFull when max_waiting_requests requests already wait beyond what the free
+        run slots will admit at the next step (requests added between two steps all
+        wait until it, though the free slots will take them)."""
+        cap = self.args.max_waiting_requests
+        waiting = self.scheduler.num_waiting()
+        if waiting >= cap:
+            free = max(self.args.max_num_seqs - self.scheduler.num_running(), 0)
+            if waiting - free >= cap:
+                raise QueueFull(f"the waiting queue holds {waiting - free} requests beyond the {free} free run "
+                                f"slot(s) (max_waiting_requests = {cap}); retry later")
 
     def add_beam_request(
         self,
@@ -386,6 +472,7 @@ class LLMEngine:
             self._counter += 1
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use; pick a unique id")
+        self._check_waiting_room()
         text, ids = self.tokenize(prompt)
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
@@ -471,6 +558,8 @@ class LLMEngine:
 
     def _release_sampler_rows(self, request_id: str, state: RequestState) -> None:
         # The sampler keeps device state per (request, sample) across steps.
+        if self.structured is not None:
+            self.structured.release(request_id)
         for i in range(len(state.samples)):
             self.sampler.release((request_id, i))
 
@@ -530,6 +619,23 @@ class LLMEngine:
         """Advance every scheduled sequence by one step; return the outputs that changed
         (only the finished ones when ``emit_unfinished`` is False).
 
+        A step that raises is rolled back and its requests retried once or ended with
+        ``finish_reason == "error"`` (hybridserve.engine.faults); a fatal or repeating
+        fault fails every open request and raises FatalEngineError, then and after."""
+        if self._fatal is not None:
+            raise self._fatal  # the engine stays stopped: the same error at once
+        self._fault_plan = self._fault_update = None
+        self._fault_phase = "schedule"
+        try:
+            outputs = self._step()
+        except BaseException as e:  # noqa: BLE001 - rolled back, or re-raised as fatal
+            return recover_step(self, self._fault_plan, e, self._fault_phase, self._fault_update)
+        self._consecutive_failures = 0
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
+        """One step (see :meth:`step`).
+
         Each phase's wall time is added to ``stats()["step_phase_seconds"]`` and given
         for this step in ``last_step_stats["phase_seconds"]``: consecutive clock reads,
         so the five add up to the step's time."""
@@ -539,6 +645,9 @@ class LLMEngine:
             # A failed rank fails every step at once, before anything is scheduled.
             self.parallel.check_healthy()
         plan = self.scheduler.schedule()
+        self._fault_plan, self._fault_phase = plan, "forward"
+        if self.fault_injector is not None:
+            self.fault_injector.begin_step()
         now = time.monotonic()
         # Requests that changed this step -> the indices of their samples that did.
         changed: dict[str, set[int]] = {}
@@ -573,11 +682,14 @@ class LLMEngine:
                                          self.model_config.vocab_size, self.device)
                 runner.extra_segments = prep.segments
         runner.extra_views = None
+        if self.structured is not None and self.structured.active:
+            self._structured_job = self.structured.begin_step(plan, self.requests)
         try:
             # The one-argument call in the common case keeps runner wrappers (tests,
             # benches) that take only the plan working.
             step = runner.execute(plan, want) if want else runner.execute(plan)
         except BaseException:
+            self._structured_job = None  # the step is rolled back; its masks are dropped
             if prep is not None:
                 self.sampler.discard(prep)
             raise
@@ -609,8 +721,14 @@ class LLMEngine:
         # The hand-off run before the model call (inside prepare's clock reads) moves
         # to process_outputs, the phase it belongs to.
         handoff = min(self._before_forward_seconds, t_prep - t_sched)
+        if self.fault_injector is not None:
+            self.fault_injector.point("forward")
+        self._fault_phase = "sample"
         if step is not None and step.prompt_spans:
             logprobs.record_prompt_logprobs(self.requests, self._prompt_logprobs, plan, step)
+        job, self._structured_job = self._structured_job, None
+        if job is not None and step is not None and len(step.batch_index):
+            self.structured.apply(job, step.logits)
         if step is not None and len(step.batch_index):
             if prep is not None:
                 views, runner.extra_views = runner.extra_views, None
@@ -628,7 +746,12 @@ class LLMEngine:
         if prep is not None:  # planned rows the step did not sample
             self.sampler.discard(prep)
         t_sample = time.perf_counter()
+        if self.fault_injector is not None:
+            self.fault_injector.point("sample")
         update = self.scheduler.update(sampled)
+        self._fault_update, self._fault_phase = update, "output"
+        if self.fault_injector is not None:
+            self.fault_injector.point("output")
         now = time.monotonic()
 
         requests = self.requests
@@ -778,6 +901,37 @@ class LLMEngine:
         hand-off of outputs to the clients' queues) to a phase's total."""
         self._phase_seconds[phase] += seconds
 
+    # ------------------------------------------------------- structured outputs
+    def structured_decoding(self) -> Any:
+        """The engine's :class:`~hybridserve.structured.engine_hook.StructuredDecoding`
+        (built on first use: it reads the whole vocabulary once)."""
+        if self.structured is None:
+            from hybridserve.structured.engine_hook import BUILD_LOCK, StructuredDecoding
+
+            with BUILD_LOCK:  # the server builds it off the engine thread, maybe twice at once
+                if self.structured is None:
+                    self.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size,
+                                                         self.eos_token_ids)
+        return self.structured
+
+    def _add_structured(self, request_id: str, params: SamplingParams) -> None:
+        from hybridserve.structured.engine_hook import check_params
+
+        check_params(params)
+        self.structured_decoding().add(request_id, params.structured_outputs)
+
+    def _scheduler_add_structured(self, request_id, ids, params, stop_ids, priority, request_class, extra):
+        # The grammar was compiled in _add_structured; a scheduler refusal gives it back.
+        try:
+            return self.scheduler.add_request(
+                request_id, np.asarray(ids, dtype=np.uint32), max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens, stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
+                eos_token_ids=self.eos_token_ids, n=params.n, priority=priority,
+                request_class=request_class, **extra)
+        except BaseException:
+            self.structured.release(request_id)
+            raise
+
     # ----------------------------------------------------------------- helpers
     def stats(self) -> dict[str, Any]:
         d = dict(self.scheduler.stats())
@@ -790,5 +944,10 @@ class LLMEngine:
         # [(cause, victim request_class, count)]: JSON-friendly.
         d["preemptions_by"] = [(c, k, n) for (c, k), n in sorted(self.preemptions_by.items())]
         d["step_phase_seconds"] = dict(self._phase_seconds)
+        d["failed_steps"] = self.failed_steps
+        d["retried_requests"] = self.retried_requests
+        d["errored_requests"] = self.errored_requests
+        if self.structured is not None:
+            d["structured"] = self.structured.stats()
         return d
 

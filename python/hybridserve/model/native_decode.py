@@ -227,6 +227,10 @@ class NativeDecodeStep:
         """The step's float32 logits ``[S, vocab]`` for ``batch.logits_indices``; the
         caches and states advance as the module path leaves them. ``None`` (nothing
         run) when a sequence schedules other than one token: the module path's step."""
+        if cache.dtype != self.model.dtype:
+            # The native kernels read and write the cache in the model's dtype; a cache
+            # of another kv_cache_dtype is the module path's (it converts per layer).
+            return None
         t = int(batch.input_ids.shape[0])
         varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
                                batch.checkpoint_positions, batch.checkpoint_pages)

@@ -205,8 +205,23 @@ def fuse_experts(tensors: dict[str, torch.Tensor], config: ModelConfig, prefix: 
     return out
 
 
-def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096) -> None:
-    """Byte-level tokenizer: id b for byte b, ids 256.. for the special tokens."""
+# Qwen's reasoning and tool-call markers: added tokens that are *not* special (they stay
+# in the detokenized text, where the reasoning and tool parsers find them), ids 259..
+QWEN_MARKER_TOKENS = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                      "</tool_response>")
+
+
+def qwen_chat_template() -> str:
+    """The chat template Qwen3.5 checkpoints ship (tools, XML tool calls, thinking)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "qwen3_5_chat_template.jinja"), encoding="utf-8") as f:
+        return f.read()
+
+
+def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096,
+                    qwen_chat: bool = False) -> None:
+    """Byte-level tokenizer: id b for byte b, ids 256.. for the special tokens.
+    ``qwen_chat``: Qwen's markers as added tokens too, and Qwen3.5's real chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
@@ -215,6 +230,11 @@ def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     assert tok.token_to_id("<|im_end|>") == IM_END_ID
+    if qwen_chat:
+        from tokenizers import AddedToken
+
+        tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in QWEN_MARKER_TOKENS])
+        assert tok.get_vocab_size() <= vocab_size
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump({
@@ -224,14 +244,14 @@ def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096)
             "pad_token": "<|endoftext|>",
             "unk_token": None,
             "model_max_length": model_max_length,
-            "chat_template": CHAT_TEMPLATE,
+            "chat_template": qwen_chat_template() if qwen_chat else CHAT_TEMPLATE,
         }, f, indent=2)
 
 
 def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "test-a", seed: int = 0,
                           dtype: str = "float32", shards: int = 1, vl_naming: bool = False,
                           fused_experts: bool = False, shared_gate_scale: float = 1.0,
-                          **overrides: Any) -> str:
+                          qwen_chat: bool = False, **overrides: Any) -> str:
     """Write a complete tiny checkpoint to ``out_dir`` (created) and return its path.
 
     ``overrides`` replace fields of the preset's text config. Same ``preset``,
@@ -240,7 +260,8 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
     ``model.language_model.*`` names, plus a few ``model.visual.*`` and ``mtp.*`` tensors
     that a text server must skip). MoE presets: ``fused_experts`` stores HF's fused 3-D
     expert tensors instead of per-expert ones; ``shared_gate_scale`` see
-    :func:`random_state_dict`.
+    :func:`random_state_dict`. ``qwen_chat``: the tokenizer also has Qwen's ``<think>`` and
+    ``<tool_call>`` markers and Qwen3.5's real chat template (see :func:`write_tokenizer`).
     """
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
@@ -290,7 +311,7 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     with open(os.path.join(out_dir, "generation_config.json"), "w", encoding="utf-8") as f:
         json.dump({"eos_token_id": text["eos_token_id"], "pad_token_id": text["pad_token_id"]}, f)
-    write_tokenizer(out_dir, text["vocab_size"], text["max_position_embeddings"])
+    write_tokenizer(out_dir, text["vocab_size"], text["max_position_embeddings"], qwen_chat=qwen_chat)
     return out_dir
 
 

@@ -31,10 +31,11 @@ from hybridserve.engine.async_engine import AsyncEngine, EngineDeadError, Reques
 from hybridserve.errors import CheckpointError, HybridServeError, InvalidRequest
 from hybridserve.metrics import EngineMetrics
 from hybridserve.outputs import DeltaCursor
-from hybridserve.server import protocol
+from hybridserve.server import bounds, protocol
 from hybridserve.server.access_log import REQUEST_ID_KEY, USAGE_KEY
 from hybridserve.server.http_protocol import describe_rejection, peer_eof
 from hybridserve.server.protocol import ApiError
+from hybridserve.server import contract
 from hybridserve.tokenizer import apply_chat_template
 
 logger = logging.getLogger("hybridserve.server")
@@ -56,6 +57,12 @@ class ServerSettings:
     # memory and build time in proportion to their total length.
     max_stop_strings: int = 64
     max_stop_string_chars: int = 256
+    # One request's prompts x n (the sequences it becomes); beyond is a 400. None: no cap.
+    max_sequences_per_request: int | None = 256
+    # vLLM's --reasoning-parser / --tool-call-parser; "auto" reads them off the chat
+    # template (hybridserve.server.tools.default_parsers), None turns one off.
+    reasoning_parser: str | None = "auto"
+    tool_call_parser: str | None = "auto"
 
 
 ENGINE_KEY = web.AppKey("engine", AsyncEngine)
@@ -63,6 +70,7 @@ METRICS_KEY = web.AppKey("metrics", EngineMetrics)
 MODEL_NAME_KEY = web.AppKey("model_name", str)
 SETTINGS_KEY = web.AppKey("settings", ServerSettings)
 STATE_KEY = web.AppKey("state", dict)
+CONTRACT_KEY = web.RequestKey("contract", contract.Contract)
 
 # Bodies above this many bytes are parsed (and checked) on the tokenizer pool, so a
 # large body does not hold the event loop while other streams wait for their tokens.
@@ -102,6 +110,10 @@ def _parse_json(raw: bytes) -> Any:
         body = json.loads(text)
     except json.JSONDecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:
+        # A JSON integer longer than Python's int-to-string limit (4,300 digits): no
+        # field of any request can hold it.
+        raise InvalidRequest(f"a number in the request body is out of range: {e}") from None
     except RecursionError:
         raise InvalidRequest("the request body nests JSON too deeply") from None
     try:
@@ -128,7 +140,7 @@ def _check_json_content_type(request: web.Request) -> None:
     # aiohttp decodes gzip and deflate and passes any other coding through as if it
     # were none: the body would be parsed as what it is not.
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("identity", "gzip", "x-gzip", "deflate", ""):
+    if encoding not in ("identity", "gzip", "deflate", ""):
         raise ApiError(f"Content-Encoding {encoding[:40]!r} is not supported; send the body as is, gzip or deflate",
                        status=415, err_type="invalid_request_error")
 
@@ -136,6 +148,7 @@ def _check_json_content_type(request: web.Request) -> None:
 async def _json_body(request: web.Request) -> dict[str, Any]:
     settings = request.app[SETTINGS_KEY]
     _check_json_content_type(request)
+    bounds.check_transfer_coding(request)
     try:
         raw = await asyncio.wait_for(request.read(), timeout=settings.request_read_timeout)
     except (HttpProcessingError, ClientPayloadError, RequestPayloadError) as e:
@@ -219,6 +232,9 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             await engine.run_off_engine(lambda: params.stop_automaton)
         opts = protocol.stream_options(body)
         priority, klass = protocol.request_priority(body)
+        prep = contract.prepare(body, chat=chat, reasoning_parser=state["reasoning_parser"],
+                                tool_parser=state["tool_parser"])
+        request[CONTRACT_KEY] = prep.contract
         beam = None if chat else protocol.beam_search_params(body, params)
         echo = False
         if chat:
@@ -227,9 +243,11 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             _check_prompt_chars(request, sum(len(m["content"]) for m in messages))
             try:
                 prompts: list[str | list[int]] = [await engine.run_off_engine(
-                    lambda: apply_chat_template(tokenizer, messages, add_generation_prompt=add_gen))]
+                    lambda: contract.render_chat(tokenizer, messages, add_gen, prep))]
             except CheckpointError as e:
                 raise InvalidRequest(str(e)) from None
+            except InvalidRequest:
+                raise
             except Exception as e:  # noqa: BLE001 - a template that rejects these messages
                 raise InvalidRequest(f"the chat template cannot render these messages: {e}") from None
         else:
@@ -238,6 +256,13 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
                 if isinstance(p, str):
                     _check_prompt_chars(request, len(p))
             echo = protocol._bool(body, "echo", False)
+        bounds.check_sequences(prompts, params.n, request.app[SETTINGS_KEY].max_sequences_per_request)
+        # request_class is kept per value by the core and the engine: bounded as /metrics is.
+        klass = request.app[METRICS_KEY].class_label(klass)
+        spec = contract.constraint(prep, body.get("tools"))
+        if spec is not None:  # compiled (and checked) here, off the engine thread; cached there
+            params.structured_outputs = spec
+            await engine.run_off_engine(lambda: engine.engine.structured_decoding().compiler.compile(spec))
         prompt_lp = params.logprobs if echo else None
         rid = protocol.new_id("chatcmpl" if chat else "cmpl")
         request[REQUEST_ID_KEY] = rid
@@ -287,15 +312,49 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
     finally:
         work.cancel()
     request[USAGE_KEY] = protocol.usage(finals)
-    if chat:
-        body = protocol.chat_body(rid, model_name, finals[0], tt, params)
-    else:
-        body = protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)
+
+    def build() -> bytes:
+        if chat:
+            body = request[CONTRACT_KEY].chat_body(protocol.chat_body(rid, model_name, finals[0], tt, params))
+            return dumps_yielding(body).encode()
+        return dumps_yielding(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)).encode()
+
+    raw = await _off_loop_if_large(request, build, params.logprobs is not None or any(echo_texts))
     if early is None:
-        return web.json_response(body)
-    await early.write(json.dumps(body).encode())
+        return web.Response(body=raw, content_type="application/json", charset="utf-8")
+    await early.write(raw)
     await early.write_eof()
     return early
+
+
+def dumps_yielding(obj: Any, slice_len: int = 512) -> str:
+    """``json.dumps(obj)``, the same text, encoded a slice of each long list at a time.
+    The C encoder holds the GIL for a whole call (a second for tens of MB), so on any
+    thread one call would stall the event loop that long; slices of a few hundred
+    entries let the GIL switch every few milliseconds."""
+    if isinstance(obj, dict):
+        return "{" + ", ".join(f"{json.dumps(k)}: {dumps_yielding(v, slice_len)}" for k, v in obj.items()) + "}"
+    if isinstance(obj, list):
+        if len(obj) <= 64 and any(isinstance(x, (dict, list)) for x in obj[:1]):
+            return "[" + ", ".join(dumps_yielding(x, slice_len) for x in obj) + "]"
+        if len(obj) > slice_len:
+            return "[" + ", ".join(json.dumps(obj[i:i + slice_len])[1:-1] for i in range(0, len(obj), slice_len)) + "]"
+    return json.dumps(obj)
+
+
+# Whether large bodies (logprobs, echo) are built on the tokenizer pool; a bench
+# turns it off to measure what building them on the event loop costs its neighbours.
+BUILD_LARGE_BODIES_OFF_LOOP = True
+
+
+async def _off_loop_if_large(request: web.Request, build: Any, large: bool) -> bytes:
+    """``build()`` on the tokenizer pool when the body may be large (logprobs and echo:
+    a 32K-token echo with 20 logprobs is tens of MB of JSON, built and encoded in
+    hundreds of ms), so every other stream on this loop keeps getting its tokens; the
+    build then holds the GIL only a switch interval at a time. Small bodies inline."""
+    if large and BUILD_LARGE_BODIES_OFF_LOOP:
+        return await request.app[ENGINE_KEY].run_off_engine(build)
+    return build()
 
 
 # While a half-closed client waits for a non-streamed answer, a space is written this
@@ -375,9 +434,10 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
     # OpenAI: with include_usage every chunk carries "usage", null until the last one.
     usage_field = {"usage": None} if opts.include_usage else {}
 
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return _sse({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
-                     **usage_field, **extra})
+    def chunk(choices: list[dict[str, Any]], _dumps: Any = json.dumps, **extra: Any) -> bytes:
+        text = _dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                       **usage_field, **extra})
+        return f"data: {text}\n\n".encode()
 
     try:
         if chat:
@@ -388,6 +448,7 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
         async for si, out in _merged(streams):
             lasts[si] = out
             choices = []
+            big = False  # an echoed prompt's logprobs: this chunk is encoded off the loop
             for c in out.outputs:
                 index = si * n + c.index
                 if index in finished_sent:
@@ -400,6 +461,11 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                     finished_sent.add(index)
                 if chat:
                     lp = protocol.chat_logprobs(tt, new_ids, new_lps, k) if new_lps is not None else None
+                    ctr = request.get(CONTRACT_KEY)
+                    if ctr is not None and ctr.active:  # reasoning / tool-call deltas, a chunk each
+                        for part in ctr.stream_choices(index, text, c.finish_reason, lp):
+                            await resp.write(chunk([part]))
+                        continue
                     choices.append({"index": index, "delta": {"content": text} if text or not done else {},
                                     "logprobs": lp, "finish_reason": c.finish_reason})
                 else:
@@ -413,13 +479,20 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                         if first_echo:
                             ids = list(out.prompt_token_ids) + ids
                             ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
-                        lp = protocol.completion_logprobs(tt, ids, ents, k, char_pos.get(index, 0))
+                        skip_from = len(ids) - len(new_ids) if params.skip_special_tokens else None
+                        args = (tt, ids, ents, k, char_pos.get(index, 0), skip_from)
+                        lp = (await _off_loop_if_large(request, lambda a=args: protocol.completion_logprobs(*a), True)
+                              if first_echo else protocol.completion_logprobs(*args))
+                        big = big or first_echo
                         if lp["tokens"]:
-                            char_pos[index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
+                            skipped = (skip_from is not None and len(ids) - 1 >= skip_from
+                                       and ids[-1] in tt.special_ids)
+                            char_pos[index] = lp["text_offset"][-1] + (0 if skipped else len(lp["tokens"][-1]))
                     choices.append({"index": index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
             if choices:
-                await resp.write(chunk(choices))
+                await resp.write(await _off_loop_if_large(request, lambda c=choices: chunk(c, _dumps=dumps_yielding), True) if big
+                                 else chunk(choices))
         if lasts:
             request[USAGE_KEY] = protocol.usage(list(lasts.values()))
         if opts.include_usage and lasts:
@@ -473,8 +546,8 @@ async def model(request: web.Request) -> web.Response:
 async def tokenize(request: web.Request) -> web.Response:
     """vLLM's ``/tokenize``: ``{"prompt": str}`` or ``{"messages": [...]}`` ->
     ``{"count", "max_model_len", "tokens", "token_strs"}``. ``add_special_tokens``
-    defaults to false (vLLM: true) so that ``count`` is what a completion's prompt costs
-    here: the engine tokenizes prompts without special tokens."""
+    defaults as in vLLM: true for a prompt (as a completion's prompt is tokenized, so
+    ``count`` is what it costs), false for messages (the template writes them)."""
     engine = request.app[ENGINE_KEY]
     tokenizer = engine.engine.tokenizer
     try:
@@ -485,7 +558,7 @@ async def tokenize(request: web.Request) -> web.Response:
         unknown = sorted(set(body) - allowed)
         if unknown:
             raise InvalidRequest(f"unknown field(s) {unknown}; /tokenize accepts {sorted(allowed)}")
-        add_special = protocol._bool(body, "add_special_tokens", False)
+        add_special = protocol._bool(body, "add_special_tokens", "prompt" in body)
         if ("prompt" in body) == ("messages" in body):
             raise InvalidRequest("give exactly one of 'prompt' (a string) or 'messages' (a chat)")
         if "prompt" in body:
@@ -609,6 +682,16 @@ def _max_token_chars(tokenizer: Any) -> int:
         return 64
 
 
+def _parsers(settings: ServerSettings, tokenizer: Any) -> dict[str, str | None]:
+    from hybridserve.server.tools import default_parsers
+
+    reasoning, tool = default_parsers(getattr(tokenizer, "chat_template", None))
+    r = reasoning if settings.reasoning_parser == "auto" else settings.reasoning_parser
+    t = tool if settings.tool_call_parser == "auto" else settings.tool_call_parser
+    contract.check_parsers(r, t)
+    return {"reasoning_parser": r, "tool_parser": t}
+
+
 def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
               settings: ServerSettings | None = None) -> web.Application:
     settings = settings or ServerSettings()
@@ -627,6 +710,7 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
         # A prompt longer than this cannot fit max_model_len, so it is refused before the
         # tokenizer spends seconds on it.
         "max_prompt_chars": engine.engine.max_model_len * _max_token_chars(tokenizer) * 4,
+        **_parsers(settings, tokenizer),
     }
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -640,5 +724,6 @@ def build_app(engine: AsyncEngine, metrics_: EngineMetrics, model_name: str,
     async def _shutdown(app_: web.Application) -> None:
         app_[ENGINE_KEY].shutdown()
 
+    bounds.json_expect_failures(app)
     app.on_cleanup.append(_shutdown)
     return app

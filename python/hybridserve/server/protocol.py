@@ -10,6 +10,7 @@ Rust core, whose fixed-width fields would otherwise overflow into a 500.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -48,11 +49,17 @@ _COMMON = {
     "priority": None,
     "request_class": None,
 }
-COMPLETION_FIELDS = {**_COMMON, "prompt": None, "logprobs": None, "echo": None,
+# Tools, structured outputs and thinking (hybridserve.server.contract handles them).
+_CONTRACT_CHAT = dict.fromkeys(("response_format", "structured_outputs", "tools", "tool_choice",
+                                "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
+                                "include_reasoning"))
+_CONTRACT_COMPLETION = dict.fromkeys(("response_format", "structured_outputs"))
+COMPLETION_FIELDS = {**_COMMON, **_CONTRACT_COMPLETION, "prompt": None, "logprobs": None, "echo": None,
                      # vLLM's extra parameters: beam search with n as the beam width.
                      "use_beam_search": None, "length_penalty": None}
 CHAT_FIELDS = {
     **_COMMON,
+    **_CONTRACT_CHAT,
     "max_completion_tokens": None,
     "messages": None,
     "logprobs": None,
@@ -175,7 +182,21 @@ def stream_options(body: dict[str, Any]) -> StreamOptions:
         if unknown:
             raise ApiError(f"unknown stream_options {unknown}; accepted: include_usage", param="stream_options")
         include_usage = _bool(opts, "include_usage", False)
+        if _bool(opts, "continuous_usage_stats", False):
+            raise ApiError("stream_options.continuous_usage_stats is not supported: usage is sent once, in the "
+                           "last chunk, with include_usage", param="stream_options")
     return StreamOptions(stream, include_usage)
+
+
+# A logit_bias key: a token id in plain ASCII decimal digits, no sign, spaces,
+# underscores or leading zeros (int() would also take "٥", "5_0", "+5" and " 5 ").
+_CANONICAL_ID = re.compile(r"0|[1-9][0-9]{0,9}")
+
+
+def _canonical_token_id(key: Any) -> int | None:
+    if isinstance(key, str) and _CANONICAL_ID.fullmatch(key):
+        return int(key)
+    return None
 
 
 def logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float] | None:
@@ -187,10 +208,10 @@ def logit_bias(body: dict[str, Any], vocab_size: int) -> dict[int, float] | None
                        param="logit_bias")
     out: dict[int, float] = {}
     for k, v in raw.items():
-        try:
-            tok = int(k)
-        except (TypeError, ValueError):
-            raise ApiError(f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+        tok = _canonical_token_id(k)
+        if tok is None:
+            raise ApiError(f"logit_bias key {str(k)[:40]!r} is not a token id written in decimal digits "
+                           "(like \"50256\")", param="logit_bias")
         if not 0 <= tok < vocab_size:
             raise ApiError(f"logit_bias token id {tok} is outside the vocabulary [0, {vocab_size})",
                            param="logit_bias")
@@ -223,10 +244,12 @@ def sampling_params_from(body: dict[str, Any], allowed: dict[str, str | None], *
     else:
         if body.get("logprobs") is not None:
             kwargs["logprobs"] = body["logprobs"]
-    if kwargs.get("max_tokens") is None:
-        kwargs["max_tokens"] = 16 if not chat else 256
+    if kwargs.get("max_tokens") is None and not chat:
+        kwargs["max_tokens"] = 16
     for k in [k for k, v in kwargs.items() if v is None and k not in ("seed", "stop", "stop_token_ids", "logprobs")]:
         del kwargs[k]  # null means "the default", as OpenAI treats it
+    if chat and kwargs.get("max_tokens") is None:
+        kwargs["max_tokens"] = None  # vLLM's chat default: the rest of the context
     bias = logit_bias(body, vocab_size)
     if bias:
         kwargs["logit_bias"] = bias
@@ -381,6 +404,8 @@ class TokenText:
         self.tokenizer = tokenizer
         self._text: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}
+        # What skip_special_tokens leaves out of a text.
+        self.special_ids: frozenset[int] = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
 
     def text(self, tok: int) -> str:
         t = self._text.get(tok)
@@ -414,16 +439,21 @@ def completion_logprobs(
     entries: list[dict[int, Logprob] | None],
     k: int,
     offset: int,
+    skip_special_from: int | None = None,
 ) -> dict[str, Any]:
     """The legacy completions logprobs block (tokens, token_logprobs, top_logprobs,
     text_offset); ``offset`` is the character offset of the first token. An entry of
-    None (the first prompt token) has no logprob."""
+    None (the first prompt token) has no logprob. From position ``skip_special_from``
+    on, special tokens are not in the response's text (skip_special_tokens), so they
+    take no characters of it."""
     tokens, lps, tops, offsets = [], [], [], []
-    for tok, entry in zip(token_ids, entries):
+    special = tt.special_ids if skip_special_from is not None else ()
+    for i, (tok, entry) in enumerate(zip(token_ids, entries)):
         text = tt.text(tok)
         tokens.append(text)
         offsets.append(offset)
-        offset += len(text)
+        if not (tok in special and i >= skip_special_from):
+            offset += len(text)
         if entry is None:
             lps.append(None)
             tops.append(None)
@@ -469,7 +499,8 @@ def completion_choice(index: int, c: CompletionOutput, out: RequestOutput, tt: T
             plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
             ids = list(out.prompt_token_ids) + ids
             entries = list(plp) + entries
-        logprobs = completion_logprobs(tt, ids, entries, k, offset)
+        skip_from = (len(ids) - len(c.token_ids)) if params.skip_special_tokens else None
+        logprobs = completion_logprobs(tt, ids, entries, k, offset, skip_from)
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 

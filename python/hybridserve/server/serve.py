@@ -25,13 +25,36 @@ import signal
 import socket
 from typing import Any
 
-from hybridserve.argtypes import non_negative_seconds, positive_int, positive_seconds, positive_size
+from hybridserve import cli_args
+from hybridserve.argtypes import non_negative_int, non_negative_seconds, positive_int, positive_seconds, positive_size
 from hybridserve.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_MODEL_PRESET = "bench"
 DEFAULT_MODEL_SEED = 0
 API_KEY_ENV = "HYBRIDSERVE_API_KEY"
+
+
+def _upgrade_default_tokenizer(path: str) -> None:
+    """A default checkpoint cached before it had Qwen's chat template gets its tokenizer
+    files rewritten (same byte ids; the markers are added tokens after the specials)."""
+    import json
+    import tempfile
+
+    from hybridserve.model.tiny import write_tokenizer
+
+    try:
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            if "<tool_call>" in (json.load(f).get("chat_template") or ""):
+                return
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return
+    with tempfile.TemporaryDirectory(dir=path) as tmp:
+        write_tokenizer(tmp, cfg["vocab_size"], cfg.get("max_position_embeddings", 4096), qwen_chat=True)
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            os.replace(os.path.join(tmp, name), os.path.join(path, name))
 
 
 def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
@@ -45,9 +68,13 @@ def default_model_dir(preset: str = DEFAULT_MODEL_PRESET) -> str:
         os.path.expanduser("~"), ".cache", "hybridserve"
     )
     path = os.path.join(root, f"tiny-{preset}-seed{DEFAULT_MODEL_SEED}")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if os.path.exists(os.path.join(path, "config.json")):
+        _upgrade_default_tokenizer(path)
+    else:
         tmp = path + f".tmp{os.getpid()}"
-        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED)
+        # Qwen3.5's real chat template and markers: tools, thinking and structured
+        # outputs take their real paths on a newcomer's first request.
+        write_tiny_checkpoint(tmp, preset=preset, seed=DEFAULT_MODEL_SEED, qwen_chat=True)
         os.makedirs(root, exist_ok=True)
         try:
             os.replace(tmp, path)
@@ -81,8 +108,9 @@ def parse_port(text: str | int) -> int:
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="checkpoint directory (config.json + safetensors + tokenizer); "
-                        "default: the shipped hybridserve-stdlib-5m, a small Qwen3.5 trained on the Python stdlib")
+                   help="checkpoint directory (config.json + safetensors + tokenizer), or tiny:PRESET for a "
+                        "generated random-weight tiny model (e.g. tiny:moe-bench); default: the shipped "
+                        "hybridserve-stdlib-5m, a small Qwen3.5 trained on the Python stdlib")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     net.add_argument("--port", default=8000,
@@ -119,13 +147,24 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", type=non_negative_seconds, default=30.0, metavar="S",
                      help="on SIGTERM/SIGINT, seconds in-flight requests may finish before they are "
                           "aborted (default: %(default)s)")
+    net.add_argument("--reasoning-parser", default="auto", metavar="NAME",
+                     help="split <think> reasoning into reasoning_content: qwen3, none, or auto "
+                          "(from the chat template; default)")
+    net.add_argument("--tool-call-parser", default="auto", metavar="NAME",
+                     help="parse tool calls into message.tool_calls: qwen3_coder (Qwen3.5's XML), hermes "
+                          "(Qwen3's JSON), none, or auto (from the chat template; default)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--dtype", default="auto",
-                     help="auto, float32, bfloat16 or float16; auto is float32 on CPU (default: %(default)s)")
+                     help="auto, float32, bfloat16 or float16; auto is the checkpoint's on CUDA, and on a CPU "
+                          "the checkpoint's bfloat16 where the CPU has native bfloat16 (AMX/AVX512-BF16), "
+                          "else float32; the start-up log says which (default: %(default)s)")
     eng.add_argument("--device", default="auto", help="auto, cpu or cuda[:N] (default: %(default)s)")
-    eng.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
-    eng.add_argument("--max-num-seqs", type=int, default=64,
-                     help="most sequences in one step's batch (default: %(default)s)")
+    cli_args.add_block_size(eng)
+    cli_args.add_seed_and_tokenizer(eng)
+    cli_args.add_kv_cache_dtype(eng)
+    eng.add_argument("--max-num-seqs", type=positive_int, default=None,
+                     help="most sequences in one step's batch (default: from the memory plan, the sequences "
+                          "the cache arena holds at once, at most 256)")
     eng.add_argument("--max-num-batched-tokens", type=int, default=2048,
                      help="most tokens in one step's batch (default: %(default)s)")
     eng.add_argument("--max-model-len", type=int, default=None,
@@ -135,6 +174,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                      help="waiting-queue cap in requests; beyond it requests get 503 (default: %(default)s)")
     eng.add_argument("--max-waiting-tokens", type=positive_int, default=1 << 24,
                      help="waiting-queue cap in prompt tokens; beyond it requests get 503 (default: %(default)s)")
+    eng.add_argument("--max-sequences-per-request", type=positive_int, default=256,
+                     help="one request's prompts x n (the sequences it becomes); beyond it the request gets "
+                          "400 (default: %(default)s)")
+    eng.add_argument("--max-consecutive-step-failures", type=non_negative_int, default=3,
+                     help="failed engine steps in a row after which every open request fails and the server "
+                          "exits non-zero (a failed step alone is rolled back and its requests retried once; "
+                          "0: never for this reason; default: %(default)s)")
     eng.add_argument("--num-pages", type=positive_int, default=None,
                      help="exact pages of the cache arena (KV blocks, DeltaNet state and checkpoints share "
                           "them; default: sized from the memory budget)")
@@ -143,9 +189,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                           "in pages, with a warning; use --num-pages (default: unset)")
     eng.add_argument("--num-state-slots", type=int, default=None,
                      help="deprecated (the pre-arena split), see --num-gpu-blocks (default: unset)")
-    eng.add_argument("--kv-cache-memory", default=None,
-                     help="the one byte budget of the cache arena (KV blocks, DeltaNet state, checkpoints), "
-                          "e.g. 512MiB (default: from device memory; 512MiB on CPU)")
+    cli_args.add_memory_budget(eng, old_spelling="--kv-cache-memory",
+                               default_help="from device memory; on CPU a fraction of the memory available")
     eng.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                      help="fraction of device memory to use (default: %(default)s)")
     eng.add_argument("--expected-context-len", type=int, default=None,
@@ -379,17 +424,18 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
         ready(port)
 
     async def stop_on_rank_failure() -> None:
-        # A tensor-parallel rank that died or hung kills the engine thread for good:
-        # requests get 503 from then on, and the server drains and exits non-zero.
+        # An engine thread that stopped (a fatal fault, faults in a row, a tensor-parallel
+        # rank that died or hung) is gone for good: every open request already got its
+        # error, new ones get 503, and the server exits non-zero within seconds.
         parallel = getattr(engine.engine, "parallel", None)
-        while not stop.is_set() and parallel is not None:
-            # The engine thread died of it, or the driver's heartbeat found it while idle.
-            if not engine.is_alive or parallel.failure is not None:
-                log.error("tensor-parallel engine failed (%s): shutting down",
-                          parallel.failure or getattr(engine, "_dead", None))
+        while not stop.is_set():
+            # The engine thread died, or the driver's heartbeat found a dead rank while idle.
+            failure = parallel.failure if parallel is not None else None
+            if not engine.is_alive or failure is not None:
+                log.error("engine failed (%s): shutting down", failure or getattr(engine, "_dead", None))
                 stop.set()
                 return
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.1)
 
     watcher = asyncio.ensure_future(stop_on_rank_failure())
     try:
@@ -398,7 +444,9 @@ async def serve_app(app, sock: socket.socket, *, name: str, shutdown_timeout: fl
         await site.stop()  # no new connections
         n = engine.num_in_flight
         log.info("shutting down: %d request(s) in flight, waiting up to %gs", n, shutdown_timeout)
-        deadline = loop.time() + shutdown_timeout
+        # A dead engine produces nothing more: the streams have their errors, and only
+        # their writes are waited for.
+        deadline = loop.time() + (shutdown_timeout if engine.is_alive else min(shutdown_timeout, 2.0))
         while engine.num_in_flight and loop.time() < deadline and not force.is_set():
             await asyncio.sleep(0.05)
         if engine.num_in_flight:
@@ -431,10 +479,17 @@ def server_settings(args: argparse.Namespace, environ: Any = None) -> Any:
         access_log=getattr(args, "access_log", True),
         max_stop_strings=getattr(args, "max_stop_strings", 64),
         max_stop_string_chars=getattr(args, "max_stop_string_chars", 256),
+        max_sequences_per_request=getattr(args, "max_sequences_per_request", 256),
+        reasoning_parser=_parser_flag(getattr(args, "reasoning_parser", "auto")),
+        tool_call_parser=_parser_flag(getattr(args, "tool_call_parser", "auto")),
     )
     if settings.metrics_require_key and not settings.api_key:
         raise ConfigError(f"--metrics-require-key needs --api-key (or ${API_KEY_ENV})")
     return settings
+
+
+def _parser_flag(value: str | None) -> str | None:
+    return None if value in (None, "none", "") else value
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -442,12 +497,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from hybridserve.engine.async_engine import AsyncEngine
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.metrics import EngineMetrics
-    from hybridserve.planner import parse_size
     from hybridserve.server.app import build_app
 
     level = check_log_level(args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.model is not None:
+    if args.model is not None and not args.model.startswith(cli_args.TINY_PREFIX):
         check_model_dir(args.model)
     check_device(args.device)
     settings = server_settings(args)
@@ -460,8 +514,9 @@ def run_serve(args: argparse.Namespace) -> int:
     tp_worker = getattr(args, "tensor_parallel_size", 1) > 1 and (env_rank() or 0) > 0
     sock = None if tp_worker else bind_socket(args.host, parse_port(args.port))
     try:
-        model = args.model or shipped_model_dir()
+        model = shipped_model_dir() if args.model is None else cli_args.resolve_model(args.model)
         check_max_model_len(args.max_model_len, model)
+        async_engine = None
         engine_args = EngineArgs(
             model=model,
             dtype=args.dtype,
@@ -473,7 +528,10 @@ def run_serve(args: argparse.Namespace) -> int:
             num_pages=args.num_pages,
             num_gpu_blocks=args.num_gpu_blocks,
             num_state_slots=args.num_state_slots,
-            kv_cache_memory_bytes=parse_size(args.kv_cache_memory) if args.kv_cache_memory else None,
+            kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+            kv_cache_dtype=args.kv_cache_dtype,
+            seed=args.seed,
+            tokenizer=args.tokenizer,
             gpu_memory_utilization=args.gpu_memory_utilization,
             expected_context_len=args.expected_context_len,
             admission_policy=args.admission_policy,
@@ -487,6 +545,7 @@ def run_serve(args: argparse.Namespace) -> int:
             enforce_eager=args.enforce_eager,
             cpu_threads=args.cpu_threads,
             tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+            max_consecutive_step_failures=getattr(args, "max_consecutive_step_failures", 3),
         )
         engine = LLMEngine(engine_args)
         logging.getLogger("hybridserve.server").info(memory_held_line(engine))
@@ -499,6 +558,11 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         if sock is not None:
             sock.close()
+    if async_engine is not None and async_engine._dead is not None:
+        # The engine stopped (FatalEngineError, faults in a row, a dead rank): non-zero
+        # so a supervisor restarts the process.
+        logging.getLogger("hybridserve.server").error("exiting: the engine failed: %s", async_engine._dead)
+        return 1
     if engine.parallel is not None and engine.parallel.failure is not None:
         # A failed rank: the server stopped itself (new requests got 503 meanwhile);
         # non-zero so a supervisor restarts it.

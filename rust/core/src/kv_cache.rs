@@ -152,6 +152,40 @@ impl KvCacheManager {
         self.cache.as_ref().map_or_else(Vec::new, |c| c.lru_order())
     }
 
+    /// The least recently parked block no DeltaNet checkpoint depends on.
+    pub fn oldest_plain_parked(&self) -> Option<BlockId> {
+        self.cache.as_ref().and_then(|c| c.oldest_plain_parked())
+    }
+
+    /// Whether block `b` is parked holding the entry of `generation`.
+    pub fn is_parked_entry(&self, b: BlockId, generation: u64) -> bool {
+        self.cache.as_ref().is_some_and(|c| c.holds(b, generation) && c.is_parked(b))
+    }
+
+    /// `b`'s park stamp: a larger one was parked later (its LRU rank).
+    pub fn park_stamp(&self, b: BlockId) -> u64 {
+        self.cache.as_ref().map_or(0, |c| c.park_stamp(b))
+    }
+
+    /// The generation of `b`'s prefix-cache entry, if it holds one.
+    pub fn cache_generation(&self, b: BlockId) -> Option<u64> {
+        let c = self.cache.as_ref()?;
+        ((b as usize) < self.alloc.num_blocks() as usize && c.is_cached(b)).then(|| c.generation(b))
+    }
+
+    /// Evicts parked block `b` to the free list: its entry is dropped (the
+    /// generation reported through [`Self::take_dropped_generations`] when a
+    /// checkpoint depended on it). The caller chose `b` by its own order.
+    pub fn evict_parked(&mut self, b: BlockId) {
+        let cache = self.cache.as_mut().expect("a parked block implies a prefix cache");
+        cache.unpark(b);
+        if let Some(g) = cache.remove(b) {
+            self.dropped_generations.push(g);
+        }
+        self.alloc.release_mut(b).expect("parked block has count 0");
+        self.stats.evictions += 1;
+    }
+
     /// Free-list contents (O(free); tests and debugging).
     pub fn free_list(&self) -> Vec<BlockId> {
         self.alloc.free_list_snapshot()

@@ -318,6 +318,29 @@ impl PrefixCache {
         self.lru.front().map(|&(b, _)| b)
     }
 
+    /// The least recently parked block that no checkpoint's chain holds
+    /// (O(1) unless parked chain blocks sit at the front of the LRU: they are
+    /// stepped over).
+    pub(crate) fn oldest_plain_parked(&self) -> Option<BlockId> {
+        let meta = &self.meta;
+        self.lru
+            .iter()
+            .find(|&&e| Self::lru_entry_live(meta, e) && meta[e.0 as usize].ckpt_refs == 0)
+            .map(|&(b, _)| b)
+    }
+
+    /// The stamp of the park that put `b` in the LRU (larger: parked later).
+    #[inline]
+    pub(crate) fn park_stamp(&self, b: BlockId) -> u64 {
+        self.meta[b as usize].park_stamp
+    }
+
+    /// The generation of `b`'s entry (0: not cached).
+    #[inline]
+    pub(crate) fn generation(&self, b: BlockId) -> u64 {
+        self.meta[b as usize].generation
+    }
+
     /// Parked blocks from least to most recently parked (tests, debugging).
     pub(crate) fn lru_order(&self) -> Vec<BlockId> {
         let meta = &self.meta;

@@ -11,19 +11,66 @@ use crate::KernelError;
 
 /// The paged cache of one attention layer (K or V): `num_blocks` blocks
 /// `block_stride` elements apart, each `block_size` rows of `row_len` (`Hkv x D`).
+///
+/// Held as a base pointer and an extent, not a `&mut [E]`: the K and V views of
+/// one layer are interleaved views of the same arena pages (a page holds the
+/// block's K rows, then its V rows), so their extents overlap and two `&mut`
+/// slices over them would alias (undefined behaviour even though no element is
+/// written through both). Writes go through the pointer, one row at a time, and
+/// no reference to the cache's elements is ever formed.
 pub struct KvPages<'a, E> {
-    pub data: &'a mut [E],
+    ptr: *mut E,
+    len: usize,
     pub num_blocks: usize,
     pub block_size: usize,
     pub block_stride: usize,
     pub row_len: usize,
+    _borrow: std::marker::PhantomData<&'a mut [E]>,
 }
 
-impl<E: Copy> KvPages<'_, E> {
+// SAFETY: a `KvPages` is a write capability over memory its constructor's
+// caller lent for `'a` (like `&'a mut [E]`, which is `Send` for `E: Send`);
+// it holds no thread-bound state. Two views of one arena may be sent to one
+// other thread together; `write_kv` uses them from one thread only.
+unsafe impl<E: Send> Send for KvPages<'_, E> {}
+
+impl<'a, E: Copy> KvPages<'a, E> {
+    /// A view over a buffer of its own.
+    pub fn new(data: &'a mut [E], num_blocks: usize, block_size: usize, block_stride: usize, row_len: usize) -> Self {
+        KvPages {
+            ptr: data.as_mut_ptr(),
+            len: data.len(),
+            num_blocks,
+            block_size,
+            block_stride,
+            row_len,
+            _borrow: std::marker::PhantomData,
+        }
+    }
+
+    /// A view of `len` elements at `ptr`, which may overlap another view
+    /// (the K and V views of one arena).
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` elements of `E`
+    /// during `'a`, and during `'a` nothing may read or write those elements
+    /// except through `KvPages` views (no live reference to them), and no
+    /// other thread may touch them.
+    pub unsafe fn from_raw_parts(
+        ptr: *mut E,
+        len: usize,
+        num_blocks: usize,
+        block_size: usize,
+        block_stride: usize,
+        row_len: usize,
+    ) -> Self {
+        KvPages { ptr, len, num_blocks, block_size, block_stride, row_len, _borrow: std::marker::PhantomData }
+    }
+
     fn check(&self, name: &str) -> Result<(), KernelError> {
         let fits = self.num_blocks == 0
             || ((self.num_blocks - 1) * self.block_stride + self.block_size * self.row_len
-                <= self.data.len()
+                <= self.len
                 && (self.num_blocks == 1 || self.block_stride >= self.block_size * self.row_len));
         if !fits || self.block_size == 0 {
             return Err(KernelError::new(format!(
@@ -32,10 +79,22 @@ impl<E: Copy> KvPages<'_, E> {
                 self.block_size,
                 self.row_len,
                 self.block_stride,
-                self.data.len()
+                self.len
             )));
         }
         Ok(())
+    }
+
+    /// Copies `row` (`row_len` elements) to element offset `at`.
+    ///
+    /// # Safety
+    /// `at + row.len() <= self.len`, and `row` does not alias this view.
+    #[inline]
+    unsafe fn put(&mut self, at: usize, row: &[E]) {
+        debug_assert!(at + row.len() <= self.len);
+        // SAFETY: in bounds by the caller's check and the constructor's
+        // contract; `row` is a separate buffer (the caller's).
+        unsafe { std::ptr::copy_nonoverlapping(row.as_ptr(), self.ptr.add(at), row.len()) }
     }
 }
 
@@ -75,15 +134,22 @@ pub fn write_kv<E: Copy>(
         )));
     }
     let (bs, stride) = (k_cache.block_size, k_cache.block_stride);
-    let (kd, vd) = (k_cache.data, v_cache.data);
+    let (mut kd, mut vd) = (k_cache, v_cache);
     for (i, &s) in slots.iter().enumerate() {
         if s < 0 {
             continue;
         }
         let s = s as usize;
+        // 0 <= s < num_blocks * block_size, so the row ends at most at
+        // (num_blocks - 1) * stride + block_size * w <= len (both views checked).
         let at = (s / bs) * stride + (s % bs) * w;
-        kd[at..at + w].copy_from_slice(key.row(i));
-        vd[at..at + w].copy_from_slice(value.row(i));
+        // SAFETY: in bounds (above); key / value are the caller's step rows,
+        // not the cache (the binding borrows them read-only through numpy's
+        // borrow checker, which refuses one overlapping a writable cache view).
+        unsafe {
+            kd.put(at, key.row(i));
+            vd.put(at, value.row(i));
+        }
     }
     Ok(())
 }
@@ -99,14 +165,11 @@ mod tests {
         block_size: usize,
         block_stride: usize,
         row_len: usize,
-    ) -> KvPages<'_, E> {
-        KvPages {
-            data,
-            num_blocks,
-            block_size,
-            block_stride,
-            row_len,
-        }
+    ) -> KvPages<'_, E>
+    where
+        E: Copy,
+    {
+        KvPages::new(data, num_blocks, block_size, block_stride, row_len)
     }
 
     #[test]
@@ -156,5 +219,42 @@ mod tests {
         .unwrap_err();
         assert!(e.0.contains("past the cache"), "{}", e.0);
         assert!(kc.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn k_and_v_views_interleaved_in_one_arena() {
+        // The engine's layout: each page holds a block's K rows then its V rows,
+        // and the two views share the one buffer (overlapping extents).
+        let (blocks, bs, w) = (3usize, 2usize, 4usize);
+        let page = 2 * bs * w;
+        let mut arena = vec![0.0f32; blocks * page];
+        let slots = [5i64, 0, -1, 2];
+        let kbuf: Vec<f32> = (0..slots.len() * w).map(|i| 1.0 + i as f32).collect();
+        let vbuf: Vec<f32> = (0..slots.len() * w).map(|i| -1.0 - i as f32).collect();
+        let base = arena.as_mut_ptr();
+        let extent = (blocks - 1) * page + bs * w;
+        // SAFETY: both views lie in `arena` (V's extent ends at its last element)
+        // and nothing else touches it until write_kv returns.
+        let (kp, vp) = unsafe {
+            (
+                KvPages::from_raw_parts(base, extent, blocks, bs, page, w),
+                KvPages::from_raw_parts(base.add(bs * w), extent, blocks, bs, page, w),
+            )
+        };
+        let key = Rows::dense(&kbuf, w).unwrap();
+        let value = Rows::dense(&vbuf, w).unwrap();
+        write_kv(key, value, &slots, kp, vp).unwrap();
+        let mut want = vec![0.0f32; blocks * page];
+        for (i, &s) in slots.iter().enumerate() {
+            if s < 0 {
+                continue;
+            }
+            let (b, o) = (s as usize / bs, s as usize % bs);
+            for c in 0..w {
+                want[b * page + o * w + c] = kbuf[i * w + c];
+                want[b * page + bs * w + o * w + c] = vbuf[i * w + c];
+            }
+        }
+        assert_eq!(arena, want);
     }
 }

@@ -60,9 +60,12 @@ mod pool;
 pub mod rope;
 mod row_tiles;
 pub mod sample;
+pub mod token_bitmask;
 mod topk;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};
+#[doc(hidden)]
+pub use pool::panic_in_task as pool_panic_in_task;
 
 /// A row-strided 2-D view: row `t` is `data[t * stride .. t * stride + width]`.
 ///

@@ -9,8 +9,9 @@
 //! workers through `GOMP_parallel`, which they pick up while still spinning. Without
 //! them (no torch, another OpenMP runtime) tasks run on an own rayon pool.
 
+use std::any::Any;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// The rayon pool and the thread count it was built with.
 type RayonSlot = Option<(usize, Arc<rayon::ThreadPool>)>;
@@ -90,12 +91,17 @@ struct Job<'a> {
     next: AtomicUsize,
     n: usize,
     f: &'a (dyn Fn(usize) + Sync),
+    /// The first panic of a task, re-raised on the calling thread once the
+    /// parallel region is over (what rayon does), so it reaches Python as an
+    /// exception instead of aborting the process.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
 }
 
 extern "C" fn openmp_worker(data: *mut std::ffi::c_void) {
     // SAFETY: `data` is the `Job` that `for_each_task` keeps alive across GOMP_parallel.
     let job = unsafe { &*(data as *const Job<'_>) };
-    // A panic must not unwind into C; a kernel task panicking is a bug: stop there.
+    // A panic must not unwind into C: caught here, kept, and the remaining tasks
+    // are given up (every worker sees the counter past the end).
     let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| loop {
         let i = job.next.fetch_add(1, Ordering::Relaxed);
         if i >= job.n {
@@ -103,8 +109,10 @@ extern "C" fn openmp_worker(data: *mut std::ffi::c_void) {
         }
         (job.f)(i);
     }));
-    if r.is_err() {
-        std::process::abort();
+    if let Err(payload) = r {
+        job.next.store(usize::MAX / 2, Ordering::Relaxed);
+        let mut slot = job.panic.lock().unwrap_or_else(|e| e.into_inner());
+        slot.get_or_insert(payload);
     }
 }
 
@@ -122,6 +130,7 @@ pub(crate) fn for_each_task<F: Fn(usize) + Sync + Send>(n: usize, work: usize, f
             next: AtomicUsize::new(0),
             n,
             f: &f,
+            panic: Mutex::new(None),
         };
         // SAFETY: the entry point was registered by `use_openmp`; `job` outlives the
         // call, which returns only when every worker has finished.
@@ -133,9 +142,59 @@ pub(crate) fn for_each_task<F: Fn(usize) + Sync + Send>(n: usize, work: usize, f
                 0,
             )
         };
+        // Every worker has left the region: re-raise a task's panic here.
+        if let Some(payload) = job.panic.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            std::panic::resume_unwind(payload);
+        }
         return;
     }
     use rayon::prelude::*;
     // One pool of the configured size (not of `threads`, which follows the task count).
     rayon_pool(num_threads()).install(|| (0..n).into_par_iter().with_max_len(1).for_each(f));
+}
+
+/// Runs `n` tasks of which task `bad` panics, on the kernels' pool: the panic
+/// must come back to the caller after the parallel region, on every pool
+/// (a test hook for the bindings; `work` forces the parallel path).
+#[doc(hidden)]
+pub fn panic_in_task(n: usize, bad: usize) -> usize {
+    let done = AtomicUsize::new(0);
+    for_each_task(n, usize::MAX, |i| {
+        if i == bad {
+            panic!("kernel task {i} panicked (test hook)");
+        }
+        done.fetch_add(1, Ordering::Relaxed);
+    });
+    done.into_inner()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[link(name = "gomp")]
+    extern "C" {
+        fn GOMP_parallel(f: extern "C" fn(*mut std::ffi::c_void), data: *mut std::ffi::c_void, n: u32, flags: u32);
+        fn omp_get_thread_num() -> i32;
+    }
+
+    fn panics_come_back(pool: &str) {
+        set_num_threads(4);
+        let r = std::panic::catch_unwind(|| panic_in_task(64, 5));
+        let payload = r.expect_err("the task's panic reached the caller");
+        let msg = payload.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert!(msg.contains("kernel task 5 panicked"), "{pool}: {msg}");
+        // The pool still works afterwards.
+        assert_eq!(panic_in_task(64, usize::MAX), 64, "{pool}");
+    }
+
+    #[test]
+    fn a_task_panic_reaches_the_caller_on_rayon_then_openmp() {
+        // One test: the OpenMP switch is process-wide and one-way.
+        panics_come_back("rayon");
+        // SAFETY: the addresses of this process's libgomp entry points.
+        unsafe { use_openmp(GOMP_parallel as usize, omp_get_thread_num as usize) };
+        assert!(uses_openmp());
+        panics_come_back("openmp");
+    }
 }

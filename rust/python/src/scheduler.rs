@@ -199,7 +199,8 @@ impl PyScheduler {
         *, enable_prefix_caching = true, long_prefill_token_threshold = 0,
         max_waiting_requests = None, max_waiting_tokens = None, aging_interval_steps = 256,
         reserve_max_context = false, max_finished_retained = 4096,
-        prefix_checkpoint_interval = 0, priority_preemption_threshold = 1, max_priority_preemptions_per_step = 4
+        prefix_checkpoint_interval = 0, priority_preemption_threshold = 1, max_priority_preemptions_per_step = 4,
+        max_request_classes = 16
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -219,6 +220,7 @@ impl PyScheduler {
         prefix_checkpoint_interval: u32,
         priority_preemption_threshold: u32,
         max_priority_preemptions_per_step: u32,
+        max_request_classes: u32,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             num_pages,
@@ -238,6 +240,7 @@ impl PyScheduler {
         cfg.prefix_checkpoint_interval = prefix_checkpoint_interval;
         cfg.priority_preemption_threshold = priority_preemption_threshold;
         cfg.max_priority_preemptions_per_step = max_priority_preemptions_per_step;
+        cfg.max_request_classes = max_request_classes;
         let inner = Scheduler::new(cfg).py()?;
         Ok(PyScheduler { inner, clock: Instant::now(), id_strings: Vec::new() })
     }
@@ -391,6 +394,16 @@ impl PyScheduler {
             finished_sample_indices: finished_sample_indices.into_pyarray(py).unbind(),
             finished_reasons,
         })
+    }
+
+    /// Roll back the pending plan of a step that failed (forward, sampling or output
+    /// processing raised): its requests give back every page and wait again with their
+    /// committed tokens (re-prefilled on readmission); nobody else changes. Returns the
+    /// ids of the requests sent back.
+    fn abort_step(&mut self, py: Python<'_>) -> PyResult<Vec<Py<PyString>>> {
+        let inner = &mut self.inner;
+        let handles = py.detach(move || inner.abort_step()).map_err(sched_err)?;
+        Ok(handles.iter().map(|&h| id_of(&self.id_strings, py, h)).collect())
     }
 
     /// Beam search, between schedule() and update() of a step that decoded every

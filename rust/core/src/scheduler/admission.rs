@@ -16,7 +16,8 @@ impl Scheduler {
     }
 
     /// Admits waiting request `r` with its first chunk(s), or says what was
-    /// short (nothing changes then except evictions of reclaimable pages).
+    /// short (nothing changes then: the page check is a reservation made
+    /// before anything is evicted).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_admit(
         &mut self,
@@ -67,7 +68,7 @@ impl Scheduler {
         if chunks.first().copied().unwrap_or(0) == 0 && req.seqs[0].is_live() {
             return Err(AdmitLimit::TokenBudget);
         }
-        let caching = self.cache.kv.prefix_caching_enabled();
+        let caching = self.cache.prefix_caching_enabled();
         let available = self.cache.available_pages(self.step);
         // The states are needed whatever a prefix hit covers (a restore only
         // saves them when it adopts a checkpoint, which counts as available).
@@ -75,7 +76,7 @@ impl Scheduler {
             return Err(AdmitLimit::Pages);
         }
         // Without a prefix cache this bound is exact enough to skip the work below;
-        // with one, blocks a hit covers are not needed, so the appends decide.
+        // with one, blocks a hit covers are not needed, so the reservation decides.
         if !caching && need_blocks as u64 + units as u64 * pps > available {
             return Err(AdmitLimit::Pages);
         }
@@ -85,8 +86,12 @@ impl Scheduler {
         let mut restores: Vec<(usize, StateId, u64)> = Vec::new();
         let p_s = self.p_slots.len();
         let c_s = self.copies.len();
-        let mut failed = false;
         let refork = req.refork;
+        // Phase 1, nothing allocated: prefix matches (they take their blocks
+        // off the reclaimable list, which `available_pages` then no longer
+        // counts), checkpoint lookups, chunk sizes, and the exact pages needed.
+        let mut n_cached_of = vec![0usize; req.seqs.len()];
+        let mut need = units as u64 * pps;
         for (si, s) in req.seqs.iter_mut().enumerate() {
             if !s.is_live() || (refork && si != leader) {
                 continue;
@@ -94,15 +99,15 @@ impl Scheduler {
             // A re-forking leader must end at the prompt with nothing of its own in
             // its table: the others fork that table.
             let upto = if refork { req.prompt_len } else { s.tokens.len() };
-            s.matched = self.cache.kv.match_prefix(&mut s.table, &s.tokens[..upto], req.params.extra_key);
+            s.matched = self.cache.match_prefix(&mut s.table, &s.tokens[..upto], req.params.extra_key);
             if trim != MatchTrim::Full {
                 let keep = if trim == MatchTrim::ToChunk { (chunks[si] / bs).min(s.table.num_blocks()) } else { 0 };
-                self.cache.kv.truncate_match(&mut s.table, keep);
+                self.cache.truncate_match(&mut s.table, keep);
                 s.matched = s.table.num_tokens();
             }
             let mut hit = 0;
             if caching {
-                if let Some((t, src, key)) = self.cache.ckpts.lookup(&s.table.chain, s.matched / bs, self.step) {
+                if let Some((t, src, key)) = self.cache.lookup_checkpoint(&s.table.chain, s.matched / bs, self.step) {
                     hit = t;
                     restores.push((si, src, key));
                 }
@@ -123,10 +128,37 @@ impl Scheduler {
                 continue;
             }
             let n_cached = (hit + k).min(s.matched).saturating_sub(hit);
-            self.p_slots.extend(std::iter::repeat_n(-1, n_cached));
-            if self.cache.append_slots(&mut s.table, k - n_cached, &mut self.p_slots, &mut self.copies, self.step).is_err() {
+            n_cached_of[si] = n_cached;
+            need += self.cache.blocks_needed(&s.table, k - n_cached) as u64;
+        }
+        // Phase 2: the reservation. Short: nothing was evicted; the matches are
+        // undone below. Else the appends and states draw on it and fit.
+        let mut keys: Vec<u64> = restores.iter().map(|r| r.2).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        let adoptable = (keys.len() as u64).min(units as u64) * pps;
+        let mut failed = false;
+        let mut reservation = match self.cache.reserve(need, adoptable, self.step) {
+            Ok(r) => Some(r),
+            Err(_) => {
                 failed = true;
-                break;
+                None
+            }
+        };
+        if let Some(res) = reservation.as_mut() {
+            for (si, s) in req.seqs.iter_mut().enumerate() {
+                let k = chunks[si];
+                if !s.is_live() || (refork && si != leader) || k == 0 {
+                    continue;
+                }
+                let n_cached = n_cached_of[si];
+                self.p_slots.extend(std::iter::repeat_n(-1, n_cached));
+                let r = self.cache.append_slots_reserved(res, &mut s.table, k - n_cached, &mut self.p_slots, &mut self.copies, self.step);
+                if r.is_err() {
+                    debug_assert!(false, "an append under a reservation was short");
+                    failed = true;
+                    break;
+                }
             }
         }
         // States: fresh pages (evicting reclaimable ones); when none are left,
@@ -135,11 +167,12 @@ impl Scheduler {
         let mut fresh: Vec<StateId> = Vec::new();
         let mut adopted = 0usize;
         while !failed && fresh.len() + adopted < units as usize {
-            if let Some(st) = self.cache.alloc_state(self.step) {
+            let res = reservation.as_mut().expect("reserved");
+            if let Some(st) = self.cache.alloc_state_reserved(res, self.step) {
                 fresh.push(st);
             } else if adopted < restores.len() {
                 let rs = &mut restores[adopted];
-                match self.cache.ckpts.adopt(&mut self.cache.kv, rs.2) {
+                match self.cache.adopt_checkpoint(rs.2) {
                     Some(st) => {
                         req.seqs[rs.0].state = Some(st);
                         rs.1 = st;
@@ -158,7 +191,7 @@ impl Scheduler {
                 self.cache.free_state(st);
             }
             for s in req.seqs.iter_mut() {
-                self.cache.kv.free(&mut s.table);
+                self.cache.free_table(&mut s.table);
                 if let Some(st) = s.state.take() {
                     // Adopted from a checkpoint above; that checkpoint is lost.
                     self.cache.free_state(st);
@@ -192,13 +225,7 @@ impl Scheduler {
             }
         }
         if caching {
-            let st = &mut self.cache.ckpts.stats;
-            for s in req.seqs.iter().filter(|s| s.is_live()) {
-                st.queries += 1;
-                st.hits += (s.num_computed > 0) as u64;
-                st.skipped_tokens += s.num_computed as u64;
-                st.lost_tokens += (s.matched.max(s.num_computed) - s.num_computed) as u64;
-            }
+            self.cache.note_checkpoint_queries(req.seqs.iter().filter(|s| s.is_live()).map(|s| (s.matched, s.num_computed)));
         }
         self.waiting.remove(&req.key);
         self.waiting_tokens -= pending;

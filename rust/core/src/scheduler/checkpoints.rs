@@ -51,26 +51,91 @@
 //! destination), and a checkpoint a copy of the current plan reads is "busy":
 //! neither evicted nor freed until that plan ran.
 //!
-//! # Memory and eviction
-//! Checkpoints are reclaimable: admission and growth count their pages as
-//! available and evict them when the free list and the parked cached blocks
-//! (LRU, taken first: a parked block is one page, a checkpoint many) are not
-//! enough. A checkpoint pins nothing, but it is dropped the moment any KV
-//! entry of its chain is evicted (unreachable and unverifiable from then on).
+//! # Memory and eviction: one order over parked blocks and checkpoints
+//! Parked KV blocks and checkpoints are both reclaimable: admission and
+//! growth count their pages as available, and when the free list is short
+//! [`super::cache_manager::CacheManager`] evicts them in one order, by one
+//! cost model. A checkpoint pins nothing, but it is dropped the moment any KV
+//! entry of its chain is evicted (unreachable and unverifiable from then on),
+//! so evicting a parked block that a checkpoint's chain holds costs that
+//! checkpoint too.
 //!
-//! Eviction order (the contract): among non-busy checkpoints, evict the one
-//! with the lowest `value / max_value + recency`, where
-//! `value = tokens / (state_pages + tokens / block_size)` is the prefill
-//! compute a hit skips per page it holds (its state pages plus its blocks),
-//! `max_value` the largest among the candidates, and `recency =
-//! 1 - age / (max_age + 1)` with `age` the steps since the checkpoint was
-//! written or last hit. Ties: the least recently used, then the oldest entry.
-//! This is Marconi's mix of FLOP efficiency and recency (Pan et al., MLSys
-//! 2025) with equal weights. O(checkpoints) per eviction.
+//! Each candidate eviction is scored by the prefill compute it loses per page
+//! it frees (tokens per page; smallest evicted first), in the spirit of
+//! Marconi's FLOP-efficiency score (Pan et al., MLSys 2025):
+//! * a non-busy checkpoint of `t` tokens: loses `t` (a hit on it skips `t`
+//!   prompt tokens), frees `state_pages` pages: `t / state_pages` (its
+//!   "value");
+//! * a parked block that no checkpoint's chain holds: loses nothing a
+//!   DeltaNet model can use (a KV-only hit still recomputes the state over its
+//!   tokens; only their KV write is saved), frees 1 page: score 0;
+//! * a parked block held by the chains of checkpoints `C`: loses `sum t(c)`,
+//!   frees `1 + state_pages * (non-busy c in C)`: `sum t(c) / (1 + ...)`.
+//!
+//! Ties: parked blocks before checkpoints, then the least recently used (a
+//! block's park order, a checkpoint's last step written or hit), then the
+//! lower block id / the older checkpoint. Recency only breaks ties (Marconi
+//! mixes it into the score; here compute per page decides, so a long prompt's
+//! checkpoint is not lost to a burst of short ones). Busy checkpoints (read or
+//! written by a plan that has not run) are never candidates.
+//!
+//! So parked blocks outside every chain go first, in LRU order (O(1) each);
+//! only then are checkpoints and their chains' blocks weighed
+//! (O(checkpoints x chain) per eviction).
+//!
+//! A checkpoint write (plan assembly) evicts only candidates whose eviction
+//! removes no checkpoint worth more per page than the one it writes, and only
+//! when those give it room (else the write is skipped, nothing evicted). An
+//! allocation that would not fit even after evicting everything evicts
+//! nothing (see the transactions in [`super::cache_manager`]).
+//! `tests/scheduler_model` checks every eviction against this order,
+//! recomputed from a snapshot of the candidates.
 
 use crate::block_table::ChainLink;
 use crate::{BlockId, KvCacheManager, StateId, StatePages};
 use std::collections::HashMap;
+
+/// What one eviction takes: a parked KV block (with the checkpoints whose
+/// chain holds it) or a checkpoint (its key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Victim {
+    Block(BlockId),
+    Checkpoint(u64),
+}
+
+/// The order's key, smallest evicted first: score (tokens of prefill compute
+/// lost per page freed), then parked blocks before checkpoints, then least
+/// recently used (a block's park stamp, a checkpoint's last step of use), then
+/// the block id / the checkpoint's write order.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvictKey {
+    pub score: f64,
+    pub kind: u8,
+    pub recency: u64,
+    pub id: u64,
+}
+
+impl EvictKey {
+    pub fn order(&self, o: &Self) -> std::cmp::Ordering {
+        self.score
+            .total_cmp(&o.score)
+            .then(self.kind.cmp(&o.kind))
+            .then(self.recency.cmp(&o.recency))
+            .then(self.id.cmp(&o.id))
+    }
+}
+
+/// A live checkpoint as the eviction order sees it (the eviction log).
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointView {
+    pub key: u64,
+    pub tokens: usize,
+    /// `(block, generation)` of each prefix-cache entry of its chain.
+    pub chain: Vec<(BlockId, u64)>,
+    pub busy_step: u64,
+    pub last_used: u64,
+    pub seq_no: u64,
+}
 
 #[derive(Debug)]
 struct Checkpoint {
@@ -118,7 +183,8 @@ pub(crate) struct Checkpoints {
     deferred_free: Vec<(StateId, u64)>,
     scratch: Vec<u64>,
     block_size: usize,
-    state_cost_blocks: f64,
+    /// Pages per state, as a float (the order's arithmetic).
+    state_pages: f64,
     next_seq_no: u64,
     /// The latest busy step of any live checkpoint and how many live ones have
     /// it: the guards callers pass are that step or later, so these two give
@@ -135,7 +201,7 @@ impl Checkpoints {
             deferred_free: Vec::new(),
             scratch: Vec::new(),
             block_size: block_size as usize,
-            state_cost_blocks: state_pages as f64,
+            state_pages: state_pages.max(1) as f64,
             next_seq_no: 0,
             busy_top: 0,
             busy_at_top: 0,
@@ -253,42 +319,99 @@ impl Checkpoints {
         Some(c.state)
     }
 
-    /// Evicts the lowest-scored non-busy checkpoint (see the module docs);
-    /// false if none can go.
-    pub(crate) fn evict_one(&mut self, kv: &mut KvCacheManager, states: &mut StatePages, guard: u64) -> bool {
-        let bs = self.block_size as f64;
-        let value = |c: &Checkpoint| c.tokens as f64 / (self.state_cost_blocks + c.tokens as f64 / bs);
-        let mut max_value = 0f64;
-        let mut oldest = u64::MAX;
-        let mut newest = 0u64;
-        for c in self.by_gen.values().filter(|c| c.busy_step < guard) {
-            max_value = max_value.max(value(c));
-            oldest = oldest.min(c.last_used);
-            newest = newest.max(c.last_used);
+    /// The value of a checkpoint of `tokens` tokens: prefill tokens a hit on
+    /// it skips per page it holds (see the module docs).
+    #[inline]
+    pub(crate) fn value(&self, tokens: usize) -> f64 {
+        tokens as f64 / self.state_pages
+    }
+
+    /// The next victim of the one eviction order (module docs) among parked
+    /// KV blocks and non-busy checkpoints, leaving out any whose eviction would
+    /// remove a checkpoint worth more than `limit` tokens per page (a
+    /// checkpoint write passes its own value; anything else infinity). None
+    /// when nothing qualifies. O(1) while a parked block outside every
+    /// checkpoint's chain exists, else O(checkpoints x chain).
+    pub(crate) fn next_victim(&self, kv: &KvCacheManager, guard: u64, limit: f64) -> Option<Victim> {
+        if let Some(b) = kv.oldest_plain_parked() {
+            return Some(Victim::Block(b));
         }
-        if oldest == u64::MAX {
-            return false;
+        let mut best: Option<(EvictKey, Victim)> = None;
+        let mut consider = |k: EvictKey, v: Victim| {
+            if !best.as_ref().is_some_and(|(bk, _)| k.order(bk).is_ge()) {
+                best = Some((k, v));
+            }
+        };
+        for (&g, c) in self.by_gen.iter().filter(|(_, c)| c.busy_step < guard) {
+            let v = self.value(c.tokens);
+            if v <= limit {
+                consider(EvictKey { score: v, kind: 1, recency: c.last_used, id: c.seq_no }, Victim::Checkpoint(g));
+            }
         }
-        let max_age = (newest - oldest) as f64;
-        let score = |c: &Checkpoint| value(c) / max_value + 1.0 - (newest - c.last_used) as f64 / (max_age + 1.0);
-        let victim = self
-            .by_gen
-            .iter()
-            .filter(|(_, c)| c.busy_step < guard)
-            .min_by(|(_, a), (_, b)| {
-                score(a)
-                    .total_cmp(&score(b))
-                    .then(a.last_used.cmp(&b.last_used))
-                    .then(a.seq_no.cmp(&b.seq_no))
-            })
-            .map(|(&g, _)| g)
-            .expect("a candidate exists");
-        let c = self.by_gen.remove(&victim).expect("victim present");
+        // Parked blocks of checkpoint chains: evicting one drops every
+        // checkpoint whose chain holds it (and frees the non-busy ones' pages).
+        let mut deps: HashMap<BlockId, (u64, u32, f64)> = HashMap::new();
+        for c in self.by_gen.values() {
+            for &(b, g) in &c.chain {
+                if kv.is_parked_entry(b, g) {
+                    let e = deps.entry(b).or_insert((0, 0, 0.0));
+                    e.0 += c.tokens as u64;
+                    e.1 += (c.busy_step < guard) as u32;
+                    e.2 = e.2.max(self.value(c.tokens));
+                }
+            }
+        }
+        for (b, (lost, freed_states, max_value)) in deps {
+            if max_value <= limit {
+                let score = lost as f64 / (1.0 + self.state_pages * freed_states as f64);
+                consider(EvictKey { score, kind: 0, recency: kv.park_stamp(b), id: b as u64 }, Victim::Block(b));
+            }
+        }
+        best.map(|(_, v)| v)
+    }
+
+    /// Pages that evicting, in the one order, only what [`Self::next_victim`]
+    /// allows under `limit` gives at least: parked blocks outside every
+    /// chain, and the non-busy checkpoints worth at most `limit` (whatever
+    /// the order takes first, these stay eligible until taken).
+    pub(crate) fn obtainable_under(&self, kv: &KvCacheManager, guard: u64, limit: f64) -> u64 {
+        let mut chain_parked: Vec<BlockId> = Vec::new();
+        for c in self.by_gen.values() {
+            chain_parked.extend(c.chain.iter().filter(|&&(b, g)| kv.is_parked_entry(b, g)).map(|&(b, _)| b));
+        }
+        chain_parked.sort_unstable();
+        chain_parked.dedup();
+        let plain = kv.num_cached_blocks() as u64 - chain_parked.len() as u64;
+        let ckpts = self.by_gen.values().filter(|c| c.busy_step < guard && self.value(c.tokens) <= limit).count() as u64;
+        plain + ckpts * self.state_pages as u64
+    }
+
+    /// Evicts live checkpoint `key` (chosen by [`Self::next_victim`]).
+    pub(crate) fn evict(&mut self, kv: &mut KvCacheManager, states: &mut StatePages, key: u64) {
+        let c = self.by_gen.remove(&key).expect("victim present");
         self.note_removed(&c);
         kv.unref_checkpoint_chain(&c.chain);
         free_state(kv, states, c.state);
         self.stats.evictions += 1;
-        true
+    }
+
+    /// Every live checkpoint as the eviction order sees it (tests: the
+    /// eviction log's snapshots).
+    pub(crate) fn views(&self) -> Vec<CheckpointView> {
+        let mut v: Vec<_> = self
+            .by_gen
+            .iter()
+            .map(|(&g, c)| CheckpointView {
+                key: g,
+                tokens: c.tokens,
+                chain: c.chain.clone(),
+                busy_step: c.busy_step,
+                last_used: c.last_used,
+                seq_no: c.seq_no,
+            })
+            .collect();
+        v.sort_unstable_by_key(|c| c.key);
+        v
     }
 
     /// Drops the checkpoints whose chain lost an entry (KV evicted) and frees

@@ -20,7 +20,7 @@ impl Scheduler {
             if j == leader || !req.seqs[j].is_live() {
                 continue;
             }
-            let table = self.cache.kv.fork(&req.seqs[leader].table);
+            let table = self.cache.fork_table(&req.seqs[leader].table);
             let s = &mut req.seqs[j];
             debug_assert!(s.num_computed == 0 && s.table.blocks().is_empty());
             s.table = table;
@@ -42,7 +42,7 @@ impl Scheduler {
             let parent = &req.seqs[0];
             let mut child = Seq::new(self.next_seq_id, (i + 1) as u32, parent.tokens.clone());
             self.next_seq_id += 1;
-            child.table = self.cache.kv.fork(&parent.table);
+            child.table = self.cache.fork_table(&parent.table);
             child.num_computed = parent.num_computed;
             child.matched = parent.matched;
             child.state = Some(dst);
@@ -99,7 +99,7 @@ impl Scheduler {
         let prompt_len = req.prompt_len;
         let moved: Vec<usize> = (0..w).filter(|&i| parents[i] as usize != i).collect();
         let new_tables: Vec<_> =
-            moved.iter().map(|&i| self.cache.kv.fork(&req.seqs[parents[i] as usize].table)).collect();
+            moved.iter().map(|&i| self.cache.fork_table(&req.seqs[parents[i] as usize].table)).collect();
         let tails: Vec<Vec<u32>> =
             moved.iter().map(|&i| req.seqs[parents[i] as usize].tokens[prompt_len..].to_vec()).collect();
         let states: Vec<StateId> = req.seqs.iter().map(|s| s.state.expect("running beam has a state")).collect();
@@ -116,7 +116,7 @@ impl Scheduler {
                     s.bt_last = old[same - 1];
                 }
             }
-            self.cache.kv.free(&mut t);
+            self.cache.free_table(&mut t);
             s.tokens.truncate(prompt_len);
             s.tokens.extend_from_slice(&tail);
             self.pending_state_copies.push(PendingStateCopy { req: h, seq_id: s.seq_id, src: states[p], dst: states[i] });

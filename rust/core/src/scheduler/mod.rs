@@ -85,6 +85,7 @@
 // checkpoints, one free count), policy by concern: `admission`, `preemption`,
 // `forking` (n > 1, beams), `lifecycle` (requests in and out), `step`
 // (schedule / update), `plan` (assembling the caller's views), `stats`.
+mod abort;
 mod admission;
 pub mod cache_manager;
 pub mod checkpoints;
@@ -102,7 +103,8 @@ pub mod output;
 pub(crate) mod queue;
 pub mod request;
 
-pub use checkpoints::CheckpointStats;
+pub use checkpoints::{CheckpointStats, CheckpointView, EvictKey, Victim};
+pub use cache_manager::{EvictionRecord, Reservation, Shortfall};
 pub use config::SchedulerConfig;
 pub use metrics::{ScheduledEvent, SchedulerStats};
 pub use output::{PreemptCause, SchedulerOutput, StepUpdate};

@@ -51,12 +51,12 @@ impl Scheduler {
                 if due == 0 || due > (e.start + e.k) as usize {
                     continue;
                 }
-                match self.cache.alloc_state(self.step) {
+                match self.cache.alloc_checkpoint_state(due, self.step) {
                     Some(st) => {
                         e.ckpt = Some((due as u32, st));
                         self.plan_ckpt_states += 1;
                     }
-                    None => self.cache.ckpts.stats.writes_skipped += 1,
+                    None => self.cache.note_checkpoint_write_skipped(),
                 }
             }
         }

@@ -83,7 +83,7 @@ impl Scheduler {
                 *held.entry(b).or_insert(0) += 1;
             }
         }
-        let blocks = held.iter().filter(|&(&b, &c)| self.cache.kv.refcount(b) == c).count() as u64;
+        let blocks = held.iter().filter(|&(&b, &c)| self.cache.refcount(b) == c).count() as u64;
         (v.units(), blocks + states * self.cfg.state_pages as u64)
     }
 

@@ -32,11 +32,21 @@ impl Scheduler {
     }
 
     pub fn kv(&self) -> &KvCacheManager {
-        &self.cache.kv
+        self.cache.kv()
     }
 
     pub fn cache(&self) -> &CacheManager {
         &self.cache
+    }
+
+    /// Records every eviction with the candidates the order saw (tests).
+    pub fn record_evictions(&mut self, on: bool) {
+        self.cache.record_evictions(on);
+    }
+
+    /// The evictions recorded since the last call (see [`Self::record_evictions`]).
+    pub fn take_eviction_log(&mut self) -> Vec<super::EvictionRecord> {
+        self.cache.take_eviction_log()
     }
 
     /// `(state pages, tokens, last block of its chain, generation of that
@@ -45,8 +55,7 @@ impl Scheduler {
     pub fn checkpoints(&self) -> Vec<(Vec<BlockId>, usize, BlockId, u64)> {
         let mut v: Vec<_> = self
             .cache
-            .ckpts
-            .list()
+            .list_checkpoints()
             .into_iter()
             .map(|(st, t, b, g)| (self.cache.state_pages(st).to_vec(), t, b, g))
             .collect();
@@ -96,18 +105,18 @@ impl Scheduler {
     /// changes (the engine and the bench read this every step); the oracle
     /// test beside this file recomputes them from scratch after every call.
     pub fn stats(&self) -> SchedulerStats {
-        let kv = self.cache.kv.stats();
+        let kv = self.cache.kv().stats();
         let ck = self.cache.checkpoint_stats();
         // Every block reference is a live running sequence's table (finishing,
         // preempting and failed admissions free theirs), so the KV manager's
         // totals over all tables are those of the running sequences.
-        let tail_waste = self.cache.kv.total_tail_waste();
-        let shared_blocks = self.cache.kv.num_shared_blocks();
+        let tail_waste = self.cache.kv().total_tail_waste();
+        let shared_blocks = self.cache.kv().num_shared_blocks();
         let pps = self.cfg.state_pages;
         let num_pages = self.cache.num_pages();
-        let free_pages = self.cache.kv.num_free_list();
-        let cached_pages = self.cache.kv.num_cached_blocks();
-        let state_pages = self.cache.states.num_live() * pps;
+        let free_pages = self.cache.kv().num_free_list();
+        let cached_pages = self.cache.kv().num_cached_blocks();
+        let state_pages = self.cache.num_live_state_pages();
         let checkpoint_pages = (ck.states + self.plan_ckpt_states) * pps;
         SchedulerStats {
             num_pages,

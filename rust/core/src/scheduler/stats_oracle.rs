@@ -33,7 +33,7 @@ fn recount(s: &Scheduler) -> (u64, u32, u32) {
         }
     }
     for (&b, &n) in &holders {
-        assert_eq!(s.cache.kv.refcount(b), n, "block {b}: refcount differs from the tables holding it");
+        assert_eq!(s.cache.refcount(b), n, "block {b}: refcount differs from the tables holding it");
     }
     let shared = holders.values().filter(|&&n| n > 1).count() as u32;
     (waste, shared, seqs)
@@ -47,14 +47,14 @@ fn check(s: &Scheduler, when: &str) {
     assert_eq!(st.num_running_seqs, seqs, "num_running_seqs after {when}");
     for guard in [s.step, s.step + 1] {
         assert_eq!(
-            s.cache.ckpts.num_evictable(guard),
-            s.cache.ckpts.num_evictable_scan(guard),
+            s.cache.num_evictable_checkpoints(guard, false),
+            s.cache.num_evictable_checkpoints(guard, true),
             "evictable checkpoints (guard {guard}) after {when}"
         );
     }
     let guard = s.step + !s.plan_pending as u64;
-    let avail = s.cache.kv.num_free_blocks() as u64
-        + s.cache.ckpts.num_evictable_scan(guard) as u64 * s.cfg.state_pages as u64;
+    let avail = s.cache.kv().num_free_blocks() as u64
+        + s.cache.num_evictable_checkpoints(guard, true) as u64 * s.cfg.state_pages as u64;
     assert_eq!(st.available_pages, avail, "available_pages after {when}");
 }
 

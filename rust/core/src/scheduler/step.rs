@@ -206,7 +206,7 @@ impl Scheduler {
                 }
                 let mut req = self.requests[r as usize].take().expect("waiting handle");
                 let mut res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, MatchTrim::Full);
-                if self.cache.kv.prefix_caching_enabled() {
+                if self.cache.prefix_caching_enabled() {
                     // A prefix match longer than the first chunk holds pages the
                     // chunk does not need yet: try again without them; and since
                     // the matched blocks before a state hit are taken off the
@@ -281,17 +281,17 @@ impl Scheduler {
                 let seq = &mut req.seqs[si];
                 seq.num_computed += e.k as usize;
                 if self.cfg.enable_prefix_caching && seq.num_computed / bs > seq.table.num_hashed_blocks() {
-                    self.cache.kv.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
+                    self.cache.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
                 }
                 if let Some((due, st)) = e.ckpt {
                     // The forward wrote the state after `due` tokens into `st`.
                     let due = due as usize;
                     let c = &mut self.cache;
                     if seq.table.chain.len() >= due / bs {
-                        c.ckpts.register(&mut c.kv, &mut c.states, &seq.table.chain[..due / bs], st, self.step);
+                        c.register_checkpoint(&seq.table.chain[..due / bs], st, self.step);
                     } else {
                         c.free_state(st);
-                        c.ckpts.stats.writes_skipped += 1;
+                        c.note_checkpoint_write_skipped();
                     }
                 }
                 while seq.ckpt_next != 0 && seq.num_computed >= seq.ckpt_next {

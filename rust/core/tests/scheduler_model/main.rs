@@ -36,6 +36,7 @@
 //! need without any prefix hit (it refuses only when the bytes are gone).
 
 mod arena;
+mod eviction;
 mod oracle;
 mod starvation;
 mod step;
@@ -132,7 +133,8 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     cfg.prefix_checkpoint_interval = c.interval_blocks * c.block_size;
     cfg.priority_preemption_threshold = c.prio_threshold;
     cfg.max_priority_preemptions_per_step = c.prio_bound;
-    let s = Scheduler::new(cfg.clone()).unwrap();
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    s.record_evictions(true);
     let mbps = cfg.max_blocks_per_seq() as usize;
     let mut h = Harness {
         s,
@@ -147,6 +149,7 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
         rng: seed | 1,
         step: 0,
         beam_reorders: 0,
+        evictions_checked: 0,
     };
     let mut next = 0;
     for op in ops {
@@ -212,8 +215,8 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     assert_eq!(st.reserved_pages, 0);
     if std::env::var("SCHED_COVERAGE").is_ok() {
         eprintln!(
-            "COV reorders={} steps={} preempt={} prio={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
-            h.beam_reorders, h.step, st.preemptions, st.preemptions_priority, st.prefix_hit_tokens, st.cow_copies,
+            "COV evictions_checked={} reorders={} steps={} preempt={} prio={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
+            h.evictions_checked, h.beam_reorders, h.step, st.preemptions, st.preemptions_priority, st.prefix_hit_tokens, st.cow_copies,
             h.reqs.iter().filter(|r| r.forked).count(), h.reqs.len(), st.aborted_requests, st.evictions,
             st.checkpoint_hits, st.prefix_skipped_tokens, st.checkpoint_writes, st.checkpoint_evictions, st.checkpoint_drops
         );

@@ -49,6 +49,7 @@ pub(crate) struct Harness {
     pub(crate) rng: u64,
     pub(crate) step: u64,
     pub(crate) beam_reorders: u64,
+    pub(crate) evictions_checked: u64,
 }
 
 impl Harness {

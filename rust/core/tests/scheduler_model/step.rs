@@ -97,6 +97,7 @@ impl Harness {
             row[out.st_update_cols[k] as usize] = out.st_update_values[k];
         }
         self.check_arena(&out, head_before);
+        self.check_evictions(&out);
         let mut seen_slots = HashSet::new();
         let mut seen_rows = HashSet::new();
         let mut seen_seq = HashSet::new();

@@ -5,18 +5,21 @@ use super::*;
 use hybridserve_cpu_kernels::cache_write::{write_kv as write, KvPages};
 
 /// One layer's paged cache view `[num_blocks, block_size, Hkv, D]` as [`KvPages`].
-fn pages<'a, T: numpy::Element>(
+/// The K and V views are interleaved views of the same arena pages, so no
+/// `&mut` slice is formed over either (they would alias): the view keeps the
+/// array's pointer and extent.
+fn pages<'a, T: numpy::Element + Copy>(
     name: &str,
     a: &'a mut PyReadwriteArrayDyn<'_, T>,
 ) -> PyResult<KvPages<'a, T>> {
-    let (data, num_blocks, block_size, block_stride, row_len) = state_pool(name, a)?;
-    Ok(KvPages {
-        data,
-        num_blocks,
-        block_size,
-        block_stride,
-        row_len,
-    })
+    let mut v = a.as_array_mut();
+    let (extent, num_blocks, block_size, block_stride, row_len) = paged_view(name, v.shape(), v.strides())?;
+    // SAFETY: the view's strided extent lies in the array's buffer (numpy
+    // guarantees it is allocated) and the borrow `a` (numpy's borrow checker
+    // holds it writable) outlives the view; the other view of the same pages
+    // is also a `KvPages`, and write_kv touches both from one thread, through
+    // the pointers only, with no reference to the elements alive.
+    Ok(unsafe { KvPages::from_raw_parts(v.as_mut_ptr(), extent, num_blocks, block_size, block_stride, row_len) })
 }
 
 fn write_typed<T: numpy::Element + Copy>(

@@ -377,6 +377,14 @@ fn _use_openmp(gomp_parallel: usize, omp_get_thread_num: usize) -> PyResult<()> 
     Ok(())
 }
 
+/// Test hook: runs `n` tasks on the kernels' pool, task `bad` panicking; the
+/// panic must come back as a Python exception after the parallel region (on
+/// rayon and on the OpenMP pool alike), never abort the process.
+#[pyfunction]
+fn _panic_in_task(py: Python<'_>, n: usize, bad: usize) -> usize {
+    py.detach(|| hybridserve_cpu_kernels::pool_panic_in_task(n, bad))
+}
+
 #[pyfunction]
 fn uses_openmp() -> bool {
     hybridserve_cpu_kernels::uses_openmp()
@@ -401,6 +409,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(kernel_threads, m)?)?;
     m.add_function(wrap_pyfunction!(_use_openmp, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_in_task, m)?)?;
     m.add_function(wrap_pyfunction!(uses_openmp, m)?)?;
     activation::register(m)?;
     cache_write::register(m)?;
