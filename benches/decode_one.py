@@ -39,12 +39,12 @@ import torch
 def transpose_dense(model) -> None:
     """The layout before this change: every float32 projection (and the tied head)
     stored transposed, as ``store_projections_column_major`` did."""
-    from hybridserve.model.qwen3_5 import _transposed_copy
+    from hybridserve.model.hugepages import transposed_copy
 
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.weight.stride(0) != 1:
-                m.weight.data = _transposed_copy(m.weight.data)
+                m.weight.data = transposed_copy(m.weight.data)
 
 
 def baseline_linear_bf16(core_path: str | None):

@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.kernels import native
-from hybridserve.model.moe import _huge_page_empty
+from hybridserve.model.hugepages import huge_page_empty
 
 
 # (name, out, in) per shape: the model's decode GEMMs (fused DeltaNet in_proj, its
@@ -88,7 +88,7 @@ class Rings(dict):
 
 
 def huge_copy(w: torch.Tensor) -> torch.Tensor:
-    new = _huge_page_empty(tuple(w.shape), w.dtype)
+    new = huge_page_empty(tuple(w.shape), w.dtype)
     if new is None:
         return w.clone()
     new.copy_(w)
@@ -96,7 +96,7 @@ def huge_copy(w: torch.Tensor) -> torch.Tensor:
 
 
 def huge_transposed(w: torch.Tensor) -> torch.Tensor:
-    new = _huge_page_empty((w.shape[1], w.shape[0]), w.dtype)
+    new = huge_page_empty((w.shape[1], w.shape[0]), w.dtype)
     if new is None:
         return w.t().contiguous().t()
     new.copy_(w.t())

@@ -51,6 +51,8 @@ def test_gpu_check_dry_run_on_the_cpu():
     assert tp["status"] == "not applicable" and not tp["ok"] and "tp" in by_name["summary"]["not_applicable"]
     assert {c["status"] for c in tp["criteria"]} == {"not applicable"}
     assert tp["cpu_gloo"] and all(r["greedy_equal"] and r["logprobs_ok"] for r in tp["cpu_gloo"].values())
+    # The kill path ran over gloo too: the killed worker failed the step in time.
+    assert tp["cpu_gloo_kill"]["ended"] == "error" and tp["cpu_gloo_kill"]["ok"], tp["cpu_gloo_kill"]
     assert by_name["sync"]["eager"]["beam_request_running"]
     # The checks measured something, against their oracles.
     assert all(c["ok"] for c in by_name["kernels"]["cases"]) and by_name["kernels"]["cases"]

@@ -121,11 +121,11 @@ def add_memory_budget(group: Any, *, old_spelling: str | None = None, default_he
     if old_spelling == "--kv-cache-memory":
         group.add_argument("--kv-cache-memory", dest="kv_cache_memory_bytes", type=memory_bytes,
                            action=_Store, deprecated={"--kv-cache-memory": "--kv-cache-memory-bytes"},
-                           metavar="SIZE", help="deprecated spelling of --kv-cache-memory-bytes")
+                           metavar="SIZE", help="deprecated spelling of --kv-cache-memory-bytes (default: unset)")
     elif old_spelling == "--pool-mib":
         group.add_argument("--pool-mib", dest="kv_cache_memory_bytes", type=mib_as_bytes, action=_Store,
                            deprecated={"--pool-mib": "--kv-cache-memory-bytes NMiB"}, metavar="N",
-                           help="deprecated: --kv-cache-memory-bytes in MiB")
+                           help="deprecated: --kv-cache-memory-bytes in MiB (default: unset)")
 
 
 def add_kv_cache_dtype(group: Any, *, old_spelling: bool = False, planning: bool = False) -> None:
@@ -136,7 +136,7 @@ def add_kv_cache_dtype(group: Any, *, old_spelling: bool = False, planning: bool
     if old_spelling:
         group.add_argument("--kv-dtype", dest="kv_cache_dtype", type=kind, action=_Store,
                            deprecated={"--kv-dtype": "--kv-cache-dtype"},
-                           help="deprecated spelling of --kv-cache-dtype")
+                           help="deprecated spelling of --kv-cache-dtype (default: auto)")
 
 
 def add_block_size(group: Any) -> None:

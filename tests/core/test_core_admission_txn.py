@@ -44,3 +44,20 @@ def test_refused_head_evicts_nothing():
     while s.has_unfinished():
         _step(s)
     assert not s.has_unfinished()
+
+
+def test_request_classes_capped_in_the_core():
+    """Client-chosen request_class values: the first max_request_classes
+    distinct ones ("default" not counted) keep their name, every later one is
+    "other", so the core keeps a bounded set however many values arrive."""
+    s = Scheduler(4096, 4, 1, 8, 64, 64, max_request_classes=3)
+    names = ["default"] + [f"c{i}" for i in range(500)] + ["c1", "default"]
+    for i, c in enumerate(names):
+        s.add_request(f"r{i}", [1, 2, 3], max_tokens=1, request_class=c)
+    seen = {}
+    while s.has_unfinished():
+        _step(s)
+        for rid, klass, _t, _d in s.take_events():
+            seen[rid] = klass
+    want = {f"r{i}": (c if c in ("default", "c0", "c1", "c2") else "other") for i, c in enumerate(names)}
+    assert seen == want

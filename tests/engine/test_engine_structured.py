@@ -165,6 +165,12 @@ def test_bad_constraints_are_refused_and_the_engine_keeps_serving(llm):
         llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"regex": "(unclosed"}))
     with pytest.raises(InvalidRequest, match="json"):
         llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"json": {"type": "nosuchtype"}}))
+    # Keywords the grammar would silently ignore are refused, named with their place.
+    with pytest.raises(InvalidRequest, match=r"cannot enforce: 'uniqueItems' at \$\.properties\.tags"):
+        llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"json": {
+            "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}}))
+    with pytest.raises(InvalidRequest, match="'not' at"):
+        llm.generate(["a"], SamplingParams(max_tokens=4, structured_outputs={"json": {"not": {"type": "null"}}}))
     with pytest.raises(InvalidRequest, match="exactly one"):
         SamplingParams(structured_outputs={"regex": "a", "choice": ["b"]})
     with pytest.raises(InvalidRequest, match="ignore_eos"):
@@ -199,3 +205,27 @@ def test_a_slow_compile_is_refused_within_the_time_bound(llm):
     out = llm.generate(["a"], SamplingParams(max_tokens=10, temperature=0.0, structured_outputs={"choice": CHOICES}))
     assert out[0].outputs[0].text in CHOICES
     assert not llm.engine.requests
+
+
+@pytest.mark.parametrize("vocab,width", [(272, 272), (1000, 1003), (70, 96)])
+def test_native_mask_matches_plain_torch(vocab, width):
+    # The engine's mask (native kernel on the CPU) against bits unpacked in plain torch.
+    import torch
+
+    from hybridserve.structured.engine_hook import apply_bitmask
+
+    g = torch.Generator().manual_seed(vocab)
+    words = (vocab + 31) // 32
+    bm = torch.randint(-(2**31), 2**31 - 1, (5, words), generator=g, dtype=torch.int64).to(torch.int32)
+    bm[1] = 0
+    bm[2] = -1
+    bm[3, ::2] = 0
+    logits = torch.randn(5, width, generator=g)
+    rows = [0, 1, 3, 4]
+    got = logits.clone()
+    apply_bitmask(got, bm, rows, vocab)
+    bits = ((bm.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1).bool().reshape(5, -1)[:, :vocab]
+    want = logits.clone()
+    for r in rows:
+        want[r, :vocab] = torch.where(bits[r], logits[r, :vocab], torch.tensor(float("-inf")))
+    assert torch.equal(got, want)

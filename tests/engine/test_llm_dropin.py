@@ -126,3 +126,32 @@ def test_output_field_names_match_vllms(llm):
         assert hasattr(out, name), name
     for name in ("index", "text", "token_ids", "cumulative_logprob", "logprobs", "finish_reason", "stop_reason"):
         assert hasattr(out.outputs[0], name), name
+
+
+def test_max_tokens_none_with_a_full_context_prompt_is_refused_plainly(llm):
+    ids = [7] * llm.engine.max_model_len
+    with pytest.raises(InvalidRequest, match="leaves no room for output"):
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=None))
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_renders_tool_call_history_as_the_server_does(llm):
+    """An assistant tool call with OpenAI's JSON-string arguments and its result: the
+    server hands the template the arguments as a mapping (what Qwen's template reads),
+    and LLM.chat renders through the same code."""
+    tok = llm.get_tokenizer()
+    conv = [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    as_template_wants = [conv[0], {**conv[1], "content": "", "tool_calls": [
+        {**conv[1]["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}, conv[2]]
+    rendered = tok.apply_chat_template(as_template_wants, add_generation_prompt=True, tokenize=False)
+    assert "<parameter=city>" in rendered and "sunny" in rendered
+    (out,) = llm.chat(conv, GREEDY)
+    assert list(out.prompt_token_ids) == tok.encode(rendered, add_special_tokens=False)
+    with pytest.raises(InvalidRequest, match="not valid JSON"):
+        llm.chat([conv[0], {**conv[1], "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}], GREEDY)

@@ -16,8 +16,8 @@ import torch
 
 from hybridserve.kernels import native
 from hybridserve.model import load_model
+from hybridserve.model.hugepages import transposed_copy
 from hybridserve.model.native_decode import NativeDecodeStep
-from hybridserve.model.qwen3_5 import _transposed_copy
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels are not built")
 
@@ -96,7 +96,7 @@ def test_prefill_and_re_laid_out_weights_take_the_module_path(tiny_dirs, make_bo
     # A projection stored transposed (the column-major layout): the native step's views
     # are stale and its GEMM would not read it; the model notices and steps the module way.
     mlp = model.layers[0].mlp.down_proj
-    mlp.weight.data = _transposed_copy(mlp.weight.data)
+    mlp.weight.data = transposed_copy(mlp.weight.data)
     seq.tokens.append(19)
     batch, _ = book.step([(seq, 1)])
     (want, _), (got, _) = _both_paths(model, cache, batch)

@@ -131,3 +131,57 @@ def test_signal_to_the_driver_leaves_no_process_and_no_port(sig, tp_dirs):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_a_slow_rank_before_the_ready_barrier_is_under_the_start_limit(tp_dirs, tmp_path):
+    """Rank 1 reaches agree_num_pages 12 s late, with a 2 s step limit:
+    start-up collectives run under the start-up limit, so the engine starts; then
+    every collective has the step limit."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    import time\n"
+        "    import hybridserve.parallel.tensor_parallel as tp\n"
+        "    real = tp.TensorParallel.agree_num_pages\n"
+        "    def slow(self, n):\n"
+        "        time.sleep(12)\n"
+        "        return real(self, n)\n"
+        "    tp.TensorParallel.agree_num_pages = slow\n")
+    env = dict(os.environ, HYBRIDSERVE_TP_TIMEOUT="2", HYBRIDSERVE_TP_START_TIMEOUT="120",
+               PYTHONPATH=os.pathsep.join([str(hook)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, SCRIPT, tp_dirs["dense-gqa"], "timeouts"], env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"control": 2.0, "model": 2.0, "tokens": 4}, out
+
+
+def test_a_step_stuck_after_a_worker_death_ends_the_process(tp_dirs):
+    """The driver's step blocks where no collective error can reach it and its
+    worker dies: the step watchdog exits the process with EXIT_TP_STUCK, one line
+    naming the rank, within the step limit plus its grace."""
+    from hybridserve.parallel.tensor_parallel import EXIT_TP_STUCK
+
+    limit = 3.0
+    env = dict(os.environ, HYBRIDSERVE_TP_TIMEOUT=str(limit))
+    proc = subprocess.Popen([sys.executable, SCRIPT, tp_dirs["dense-gqa"], "stuck"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        killed = json.loads(line)
+        code = proc.wait(timeout=60)
+        ended = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    assert code == EXIT_TP_STUCK, (code, err[-3000:])
+    # Seen dead at once (the launcher's monitor), then at most 5 s of grace; loose
+    # for a loaded machine, far below any collective's start-up limit.
+    assert ended - killed["killed_at"] < limit + 5 + 10, ended - killed["killed_at"]
+    lines = [ln for ln in err.splitlines() if "exiting with status" in ln]
+    assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0], err[-3000:]
+    assert _wait_gone(killed["worker_pid"])

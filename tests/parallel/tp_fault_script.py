@@ -46,6 +46,45 @@ if how == "driver-start":
     print(json.dumps({"error": error, "seconds": seconds, "worker_exit": worker.poll(),
                       "port": started[0].port}), flush=True)
     sys.exit(0)
+if how == "stuck":
+    # The driver's step blocks where no error can reach it (as a collective replayed
+    # by a CUDA graph does when a peer dies: NCCL's watchdog does not see it, and on
+    # gloo nothing aborts) while its worker is killed: the step watchdog must end
+    # this process with EXIT_TP_STUCK within the step limit plus its grace.
+    import time
+
+    from hybridserve.runner.model_runner import ModelRunner
+
+    llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
+    eng = llm.engine
+    worker = eng.parallel.launcher.procs[1]
+    real_execute = ModelRunner.execute
+    calls = [0]
+
+    def execute(self, *a, **kw):
+        calls[0] += 1
+        if calls[0] == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+            print(json.dumps({"killed_at": time.time(), "worker_pid": worker.pid}), flush=True)
+            while True:
+                time.sleep(3600)
+        return real_execute(self, *a, **kw)
+
+    ModelRunner.execute = execute
+    eng.add_request("r", [1, 2, 3], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    print(json.dumps({"finished": True}), flush=True)
+    sys.exit(0)
+if how == "timeouts":
+    # Sized from a byte budget, so the ranks meet in agree_num_pages before the ready
+    # barrier; after start-up every collective has the step limit.
+    llm = LLM(path, dtype="float32", cpu_threads=1, kv_cache_memory_bytes=8 << 20, tensor_parallel_size=2)
+    g = llm.engine.parallel.group
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0].outputs[0].token_ids
+    print(json.dumps({"control": g.current_timeout_s("control"), "model": g.current_timeout_s("model"),
+                      "tokens": len(out)}), flush=True)
+    sys.exit(0)
 llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
 if how == "idle":
     # Idle for 3x the collective timeout between two generations: the heartbeat keeps

@@ -144,6 +144,9 @@ def test_thinking_split_streamed_and_not(srv):
     assert r == (whole["reasoning_content"] or "") and c == (whole["content"] or "")
     off = srv.post("/v1/chat/completions", {**body, **NO_THINK}).json()["choices"][0]["message"]
     assert off["reasoning_content"] is None
+    # include_reasoning: false drops the reasoning; the answer is the same.
+    dropped = srv.post("/v1/chat/completions", {**body, "include_reasoning": False}).json()["choices"][0]["message"]
+    assert dropped["reasoning_content"] is None and dropped["content"] == whole["content"]
 
 
 def test_structured_outputs_on_both_endpoints(srv):
@@ -204,6 +207,8 @@ def test_history_with_tool_calls_renders_as_transformers_does(qwen_dir, client):
     ({"structured_outputs": {"grammar": "root ::= undefined_rule"}}, "grammar"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "nope"}}]}, "parameters"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in 'tools'"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "array", "uniqueItems": True}}}}}]}, "uniqueItems"),
     ({"tool_choice": "required"}, "tools"),
     ({"messages": USER + [{"role": "tool", "content": "x"}]}, "tool_call_id"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),

@@ -20,7 +20,7 @@ from typing import Any
 from hybridserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from hybridserve.engine.args import EngineArgs
 from hybridserve.engine.llm_engine import LLMEngine
-from hybridserve.errors import CheckpointError, InvalidRequest
+from hybridserve.errors import InvalidRequest
 from hybridserve.outputs import RequestOutput
 from hybridserve.sampling import SamplingParams
 
@@ -95,8 +95,8 @@ class LLM:
         messages) or a list of them, rendered with the checkpoint's chat template as
         the server renders ``/v1/chat/completions``, then generated as token ids.
         ``chat_template_kwargs`` go to the template (e.g. ``{"enable_thinking": False}``)."""
+        from hybridserve.server import contract
         from hybridserve.server.protocol import ApiError, chat_messages
-        from hybridserve.tokenizer import apply_chat_template
 
         if isinstance(messages, Sequence) and messages and isinstance(messages[0], dict):
             conversations = [messages]
@@ -107,21 +107,19 @@ class LLM:
                 "messages must be one conversation (a non-empty list of {\"role\": ..., \"content\": ...} "
                 "dicts) or a list of conversations"
             )
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise InvalidRequest("chat_template_kwargs must be a dict of template variables")
         prompts: list[dict[str, Any]] = []
         for i, conv in enumerate(conversations):
+            body = {"messages": list(conv) if isinstance(conv, Sequence) else conv, "tools": tools,
+                    "chat_template_kwargs": chat_template_kwargs}
             try:
-                msgs = chat_messages({"messages": list(conv) if isinstance(conv, Sequence) else conv})
+                msgs = chat_messages(body)
+                # The server's own rendering (tools and template kwargs checked as there).
+                prep = contract.prepare(body, chat=True, reasoning_parser=None, tool_parser=None)
+                ids = contract.render_chat(self.engine.tokenizer, msgs, add_generation_prompt, prep)
             except ApiError as e:  # the server's check, as a Python exception here
                 raise InvalidRequest(f"conversation {i}: {e}") from None
-            try:
-                ids = apply_chat_template(self.engine.tokenizer, msgs, add_generation_prompt=add_generation_prompt,
-                                          tools=tools, **(chat_template_kwargs or {}))
-            except (InvalidRequest, CheckpointError):
-                raise
-            except Exception as e:  # noqa: BLE001 - a template that rejects these messages
-                raise InvalidRequest(f"conversation {i}: the chat template cannot render it: {e}") from e
+            except InvalidRequest as e:
+                raise InvalidRequest(f"conversation {i}: {e}") from None
             prompts.append({"prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, priority=priority, use_tqdm=use_tqdm)
 

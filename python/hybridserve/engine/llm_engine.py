@@ -392,10 +392,15 @@ class LLMEngine:
         if not ids:
             raise InvalidRequest("the prompt is empty; send at least one token")
         if params.max_tokens is None:  # vLLM's meaning: the rest of the context
+            rest = self.max_model_len - len(ids)
+            if rest < 1:
+                raise InvalidRequest(
+                    f"the prompt has {len(ids)} tokens, which leaves no room for output within "
+                    f"max_model_len ({self.max_model_len}); shorten the prompt")
             # A copy (one SamplingParams may serve many prompts) that keeps what was
             # built on it already (the stop-string automaton).
             params = copy.copy(params)
-            params.max_tokens = max(1, self.max_model_len - len(ids))
+            params.max_tokens = rest
         if params.structured_outputs is not None:
             self._add_structured(request_id, params)
         state = RequestState.create(

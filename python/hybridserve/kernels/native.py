@@ -311,6 +311,14 @@ def silu_mul(gu: torch.Tensor, inter: int) -> torch.Tensor:
     return gu[:, :inter]
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int) -> None:
+    """Constrained decoding's mask, in place: ``logits[r, t] = -inf`` for every row ``r``
+    in ``rows`` and token ``t < vocab`` whose bit is clear in ``bitmask[r]`` (int32
+    ``[R, ceil(V / 32)]``, xgrammar's layout). ``logits`` C-contiguous float32; zero words
+    are filled 32 at a time, all-ones words skipped, rows spread over the pool."""
+    _k.apply_token_bitmask(_np(logits), bitmask.numpy(), list(rows), int(vocab))
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Same contract as :func:`hybridserve.kernels.cache_write.write_kv_ref` for

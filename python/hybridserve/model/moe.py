@@ -25,14 +25,13 @@ views of these two parameters (:meth:`Experts.hf_views`, :meth:`Experts.fused_vi
 so the loader streams either straight into place.
 
 On the CPU the two expert tensors live in memory advised for transparent huge pages
-(:func:`_huge_page_empty`): at decode every step streams most experts' weights from
-memory once, and with 4 KiB pages the hardware prefetcher stops at every page boundary
-(measured, ``benches/moe_layer.py``: 12-14% off the MoE layer at 16 tokens).
+(:func:`hybridserve.model.hugepages.huge_page_empty`): at decode every step streams most
+experts' weights from memory once, and with 4 KiB pages the hardware prefetcher stops at
+every page boundary (measured, ``benches/moe_layer.py``: 12-14% off the MoE layer at 16
+tokens).
 """
 
 from __future__ import annotations
-
-import mmap
 
 import torch
 import torch.nn.functional as F
@@ -41,27 +40,8 @@ from torch import nn
 from hybridserve.config import ModelConfig
 from hybridserve.kernels import native, ops
 from hybridserve.kernels.moe import expert_counts, route_ref
-from hybridserve.model.qwen3_5 import MLP, Projection, _Fused
-
-
-def _huge_page_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """An uninitialised CPU tensor in a fresh anonymous mapping advised for transparent
-    huge pages (``MADV_HUGEPAGE``: the kernel backs it with 2 MiB pages as it is first
-    written), or None where the platform has no such advice. The tensor keeps the
-    mapping alive; freeing the tensor unmaps it."""
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return None
-    # Private: a shared anonymous mapping is shmem, which THP's madvise mode skips.
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP compiled out or disabled: plain pages are still correct
-        pass
-    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape)
+from hybridserve.model.hugepages import huge_page_empty
+from hybridserve.model.layers import MLP, Projection, _Fused
 
 
 class Experts(_Fused, nn.Module):
@@ -96,7 +76,7 @@ class Experts(_Fused, nn.Module):
             # [E, H, 2I] / [E, I, H] (float32), contiguous.
             stored = p.data if hf_layout else p.data.transpose(1, 2)
             big = p.numel() * p.element_size() >= self.HUGE_PAGE_MIN_BYTES
-            new = _huge_page_empty(tuple(stored.shape), stored.dtype) if big else None
+            new = huge_page_empty(tuple(stored.shape), stored.dtype) if big else None
             if new is None:
                 if stored.is_contiguous():
                     continue

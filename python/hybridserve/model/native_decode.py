@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from hybridserve.kernels import native
+from hybridserve.model.layers import Projection
 
 _BF16 = torch.bfloat16
 
@@ -117,8 +118,6 @@ class NativeDecodeStep:
         self.k_attn = getattr(k, "paged_attention_decode" + sfx)
         self.k_gemm = k.matmul_bf16 if self.bf16 else k.matmul_rows
         self.k_silu_mul, self.k_write_kv = k.silu_mul, k.write_kv
-        from hybridserve.model.qwen3_5 import Projection
-
         self.max_rows = Projection.NATIVE_MAX_ROWS_BF16 if self.bf16 else Projection.NATIVE_MAX_ROWS
         self.eps = c.rms_norm_eps
         self.inter = c.intermediate_size
@@ -145,8 +144,6 @@ class NativeDecodeStep:
         and no forward hooks: tensor parallelism swaps in vocabulary-parallel embedding
         and LM head classes and sums each mixer's and MLP's output in hooks, none of
         which this path would run)."""
-        from hybridserve.model.qwen3_5 import Projection
-
         if type(model.embed_tokens) is not nn.Embedding or type(model.lm_head) is not Projection:
             return False
         if _hooked(model.modules()):

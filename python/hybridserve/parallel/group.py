@@ -9,8 +9,14 @@ Two process groups over the same ranks:
   broadcast and start-up agreements: the plan is built on the host and a CPU
   broadcast needs no device synchronisation (vLLM keeps the same split).
 
-Every collective has the group's timeout (``HYBRIDSERVE_TP_TIMEOUT`` seconds, default
-60): a dead or hung peer raises instead of hanging the engine. Ranks come from the
+Every collective has a timeout: until the ready barrier (joining, agreeing on the
+arena, loading, warm-up and graph capture) the start-up limit
+(``HYBRIDSERVE_TP_START_TIMEOUT``, default 300 s: ranks that finish loading a large
+model minutes apart are slow, not dead), then the step limit
+(``HYBRIDSERVE_TP_TIMEOUT`` seconds, default 60): a dead or hung peer raises instead
+of hanging the engine. Collectives that CUDA graphs replay are watched by
+:class:`~hybridserve.parallel.tensor_parallel.TensorParallel`'s step watchdog, not
+by NCCL's. Ranks come from the
 torchrun environment (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
 ``LOCAL_RANK``), set by torchrun or by :mod:`hybridserve.parallel.launcher` for the
 workers it starts itself.
@@ -107,8 +113,11 @@ class TPGroup:
         self.stats = CommStats()
         # Timing each collective needs a device sync on CUDA; only when asked (bench).
         self.measure = False
-        timeout = datetime.timedelta(seconds=timeout_s)
+        # Everything before the ready barrier runs under the start-up limit; `started()`
+        # switches both groups to the step limit.
+        timeout = datetime.timedelta(seconds=start_timeout_seconds())
         backend = "nccl" if device.type == "cuda" else "gloo"
+        self.backend = backend
         if not dist.is_initialized():
             kwargs = {}
             if device.type == "cuda":
@@ -186,6 +195,30 @@ class TPGroup:
         barrier names the ranks that did not arrive."""
         dist.monitored_barrier(group=self.control_group,
                                timeout=datetime.timedelta(seconds=start_timeout_seconds()))
+        self.started()
+
+    def started(self) -> None:
+        """Past the ready barrier: every later collective has the step limit."""
+        step = datetime.timedelta(seconds=self.timeout_s)
+        for g in {id(self.control_group): self.control_group, id(self.model_group): self.model_group}.values():
+            dist.set_timeout(step, g)
+
+    def current_timeout_s(self, which: str = "control") -> float:
+        """The limit the group's next collective runs under (tests, logs)."""
+        g = self.control_group if which == "control" else self.model_group
+        return g._get_backend(torch.device(self.device.type)).options._timeout.total_seconds()
+
+    def abort(self) -> None:
+        """Abort the groups so a collective blocked on a dead peer returns (NCCL:
+        ncclCommAbort; a no-op where the backend cannot, the caller then ends the
+        process)."""
+        from torch.distributed import distributed_c10d as c10d
+
+        for g in (self.model_group, self.control_group):
+            try:
+                c10d._abort_process_group(g)
+            except Exception:  # noqa: BLE001 - gloo cannot abort; the watchdog exits instead
+                pass
 
     def min_host(self, value: int) -> int:
         t = torch.tensor([value], dtype=torch.int64)

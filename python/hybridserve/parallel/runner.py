@@ -26,8 +26,9 @@ class TensorParallelRunner(ModelRunner):
             tp.check_healthy()
             tp.in_step = True
             try:
-                plan_message.send_step(tp.group, plan, all_positions)
-                out = super().execute(plan, all_positions)
+                with tp.watched_step():
+                    plan_message.send_step(tp.group, plan, all_positions)
+                    out = super().execute(plan, all_positions)
             except Exception as e:
                 raise tp.fault(e) from e
             tp.in_step = False

@@ -14,6 +14,18 @@ unchanged on every rank:
    a worker, once its engine is built, runs :meth:`serve_steps` until the driver
    shuts down, then its process exits (a worker never returns to the caller's code:
    under torchrun every rank runs the user's command, and only rank 0 goes on).
+
+Failing fast. Every collective before the ready barrier (joining,
+:meth:`agree_num_pages`, warm-up, graph capture) runs under the start-up limit; after
+it, under the step limit (:mod:`hybridserve.parallel.group`). A step on any rank is
+watched (:meth:`_watch_steps`): a worker seen dead during a step, or a step past the
+step limit, aborts the process groups (NCCL: a collective blocked on the dead peer
+returns with an error, which fails the step); a step that still has not returned a
+grace later (a collective replayed by a CUDA graph, which NCCL's own watchdog does
+not see, or a backend that cannot abort) ends the process with
+:data:`EXIT_TP_STUCK` after one log line naming the cause. A CUDA step ends with a
+device synchronisation inside the watched window, so the host never blocks on a dead
+peer's collective later, outside it (in ``.tolist()``).
 """
 
 from __future__ import annotations
@@ -37,6 +49,9 @@ from hybridserve.parallel.launcher import WorkerLauncher, describe_exit
 from hybridserve.parallel.shard import ShardPlan
 
 logger = logging.getLogger("hybridserve.parallel")
+
+# Exit status of a process whose step stayed stuck after its process groups were aborted.
+EXIT_TP_STUCK = 3
 
 
 def rank_device(device: torch.device, local_rank: int, local_world_size: int,
@@ -71,6 +86,10 @@ class TensorParallel:
         self.comm_lock = threading.RLock()
         self.last_message = time.monotonic()
         self._heartbeat: threading.Thread | None = None
+        # When the step now running began on this rank (None between steps): the
+        # step watchdog's clock.
+        self.step_started: float | None = None
+        self._watchdog: threading.Thread | None = None
 
     # ------------------------------------------------------------------ start-up
     @classmethod
@@ -152,6 +171,8 @@ class TensorParallel:
         return load_sharded_model(model_dir, self.shard, self.group, dtype=dtype, device=device)
 
     def agree_num_pages(self, num_pages: int) -> int:
+        # Before the ready barrier: the group still has the start-up limit (ranks that
+        # finish loading minutes apart meet here).
         agreed = self.group.min_host(num_pages)
         if agreed != num_pages:
             logger.info("rank %d: %d pages fit here, %d on the smallest rank: using %d",
@@ -182,10 +203,12 @@ class TensorParallel:
             self.last_message = time.monotonic()
             self._heartbeat = threading.Thread(target=self._beat, name="hybridserve-tp-heartbeat", daemon=True)
             self._heartbeat.start()
+            self._start_watchdog()
             return
         code = 0
         try:
             self.group.ready_barrier()
+            self._start_watchdog()
             self.serve_steps(engine.runner)
         except BaseException:  # noqa: BLE001 - report, then exit non-zero
             logger.exception("tensor-parallel rank %d failed", self.group.rank)
@@ -203,7 +226,76 @@ class TensorParallel:
             if msg is None:
                 return
             plan, all_positions = msg
-            runner.execute(plan, all_positions)
+            with self.watched_step():
+                runner.execute(plan, all_positions)
+
+    # ------------------------------------------------------------ step watchdog
+    def watched_step(self):
+        """Context of one step on this rank: the watchdog's clock runs, and on CUDA
+        the step ends with a device synchronisation (inside the window, so a
+        collective blocked on a dead peer is seen here, not later in ``.tolist()``)."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def window():
+            self.step_started = time.monotonic()
+            try:
+                yield
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+            finally:
+                self.step_started = None
+
+        return window()
+
+    def _start_watchdog(self) -> None:
+        self._watchdog = threading.Thread(target=self._watch_steps, name="hybridserve-tp-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch_steps(self) -> None:
+        limit = timeout_seconds()
+        period = min(0.25, limit / 8)
+        while not self.closed:
+            time.sleep(period)
+            started = self.step_started
+            if started is None:
+                continue
+            dead = dict(self.launcher.dead) if self.launcher is not None else {}
+            overdue = time.monotonic() - started > limit
+            if (dead or overdue) and self.step_started == started:
+                self._abort_stuck_step(started, dead)
+                return
+
+    def _abort_stuck_step(self, started: float, dead: dict) -> None:
+        """A worker died during this rank's step, or the step is past the step limit:
+        abort the process groups so the step fails; if it still does not return,
+        end the process (a supervisor restarts it)."""
+        if dead:
+            err = self._name_failed(RuntimeError("worker exited"), "during a step")
+        else:
+            err = self._name_failed(TimeoutError(f"step running {time.monotonic() - started:.1f}s"), "during a step")
+        if self.failure is None:
+            self.failure = err
+            logger.error("%s", err)
+        if self.group is not None and self.group.backend == "nccl":
+            self.group.abort()
+        grace = min(5.0, max(1.0, timeout_seconds() / 4))
+        deadline = time.monotonic() + grace
+        while self.step_started == started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if self.step_started != started:
+            return  # the step failed (or ended): the engine reports it
+        logger.critical("tensor-parallel rank %d: %s; the step did not return %.0fs after the process "
+                        "groups were aborted: exiting with status %d", self.group.rank, self.failure, grace,
+                        EXIT_TP_STUCK)
+        for h in logging.getLogger().handlers + logger.handlers:
+            try:
+                h.flush()
+            except Exception:  # noqa: BLE001 - exiting anyway
+                pass
+        if self.launcher is not None:
+            self.launcher.stop(grace_s=0.0)
+        os._exit(EXIT_TP_STUCK)
 
     def _beat(self) -> None:
         """Driver, while the engine is idle: an idle message every quarter of the
@@ -256,11 +348,12 @@ class TensorParallel:
         The surviving workers are stopped: the ranks are out of step for good."""
         if isinstance(error, TensorParallelError):
             self.failure = self.failure or error
-            return self.failure
-        if self.failure is None:
+        elif self.failure is None:
             self.failure = self._name_failed(error, when)
             logger.error("%s", self.failure)
-            self.close()
+        # Also when the step watchdog recorded the failure first (it cannot close:
+        # the failed step held the communication lock).
+        self.close()
         return self.failure
 
     # ----------------------------------------------------------------- shutdown

@@ -25,12 +25,6 @@ from hybridserve.errors import InvalidRequest
 from hybridserve.server.tools import REASONING_PARSERS, TOOL_PARSERS, OutputParser, StreamingParser
 from hybridserve.structured.params import StructuredOutputsParams
 
-# Fields this module handles, added to the endpoints' accepted fields.
-CHAT_EXTRA_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice", "parallel_tool_calls",
-                     "chat_template_kwargs", "reasoning_effort", "include_reasoning")
-COMPLETION_EXTRA_FIELDS = ("response_format", "structured_outputs")
-
-
 def _bad(message: str, param: str) -> InvalidRequest:
     from hybridserve.server.protocol import ApiError
 
@@ -94,6 +88,12 @@ def _tools(body: dict[str, Any]) -> dict[str, dict[str, Any]] | None:
         _check_schema(params, f"tools[{i}].function.parameters", "tools")
         if params.get("type", "object") != "object":
             raise _bad(f"tools[{i}].function.parameters must be an object schema (\"type\": \"object\")", "tools")
+        from hybridserve.structured.grammar import unenforced_keywords
+
+        bad = unenforced_keywords(params)
+        if bad:
+            raise _bad(f"tools[{i}].function.parameters uses keywords the engine cannot enforce: "
+                       + ", ".join(bad[:8]), "tools")
         out[name] = params
     return out
 
@@ -151,6 +151,7 @@ class Contract:
     reasoning_parser: str | None = None
     tool_parser: str | None = None
     tools: dict[str, Any] | None = None  # name -> parameter schema, when calls are parsed
+    include_reasoning: bool = True  # vLLM's include_reasoning: false drops reasoning_content
     streams: dict[int, StreamingParser] = field(default_factory=dict)
 
     @property
@@ -168,7 +169,7 @@ class Contract:
             p = self._parser().parse(ch["message"]["content"] or "", final=True)
             msg: dict[str, Any] = {"role": "assistant", "content": p.content}
             if self.reasoning_parser is not None:
-                msg["reasoning_content"] = p.reasoning
+                msg["reasoning_content"] = p.reasoning if self.include_reasoning else None
             if p.calls:
                 msg["tool_calls"] = [c.to_openai() for c in p.calls]
                 if ch["finish_reason"] == "stop":
@@ -189,6 +190,8 @@ class Contract:
         sp.text += text  # type: ignore[attr-defined]
         done = finish_reason is not None
         deltas = sp.feed(sp.text, final=done)  # type: ignore[attr-defined]
+        if not self.include_reasoning:
+            deltas = [d for d in deltas if "reasoning_content" not in d]
         if done and sp.final is not None and sp.final.calls and finish_reason == "stop":
             finish_reason = "tool_calls"
         out = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
@@ -243,12 +246,14 @@ def prepare(body: dict[str, Any], *, chat: bool, reasoning_parser: str | None,
     reserved = sorted(set(kwargs) & {"messages", "tools", "add_generation_prompt", "tokenize", "conversation"})
     if reserved:
         raise _bad(f"chat_template_kwargs may not set {reserved}", "chat_template_kwargs")
-    if body.get("include_reasoning") is False:
-        reasoning_parser = None
+    include_reasoning = body.get("include_reasoning", True)
+    if not isinstance(include_reasoning, bool):
+        raise _bad("include_reasoning must be true or false", "include_reasoning")
     template_kwargs = dict(kwargs)
     if tools:
         template_kwargs["tools"] = [{"type": "function", "function": t["function"]} for t in body["tools"]]
     contract = Contract(reasoning_parser=reasoning_parser, tool_parser=tool_parser,
+                        include_reasoning=include_reasoning,
                         tools=tools if tools and choice != "none" and tool_parser else None)
     return Prepared(contract, spec, template_kwargs, choice, ptc)
 

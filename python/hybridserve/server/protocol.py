@@ -51,8 +51,7 @@ _COMMON = {
 }
 # Tools, structured outputs and thinking (hybridserve.server.contract handles them).
 _CONTRACT_CHAT = dict.fromkeys(("response_format", "structured_outputs", "tools", "tool_choice",
-                                "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
-                                "include_reasoning"))
+                                "parallel_tool_calls", "chat_template_kwargs", "include_reasoning"))
 _CONTRACT_COMPLETION = dict.fromkeys(("response_format", "structured_outputs"))
 COMPLETION_FIELDS = {**_COMMON, **_CONTRACT_COMPLETION, "prompt": None, "logprobs": None, "echo": None,
                      # vLLM's extra parameters: beam search with n as the beam width.

@@ -76,11 +76,51 @@ _LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
 _STRICT_STRING_CHAR = r'[^\0-\x1f\"\\]'
 
 
+# JSON-schema keywords xgrammar 0.2.9 accepts but does not enforce (checked against its
+# matcher: an output breaking them is accepted). A schema using one is refused, so that
+# "validates against the schema" stays true of every output.
+UNENFORCED_KEYWORDS = ("uniqueItems", "not", "if", "then", "else", "dependentRequired", "dependentSchemas",
+                       "dependencies")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_ONE = ("additionalProperties", "unevaluatedProperties", "items", "additionalItems", "contains",
+                  "propertyNames", "unevaluatedItems")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def unenforced_keywords(schema: Any, path: str = "$") -> list[str]:
+    """``["keyword at path", ...]`` for each keyword the grammar would silently ignore."""
+    out: list[str] = []
+    if not isinstance(schema, dict):
+        return out
+    for kw in UNENFORCED_KEYWORDS:
+        if kw in schema:
+            out.append(f"{kw!r} at {path}")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        out.append(f"'allOf' with {len(schema['allOf'])} schemas at {path} (merge them into one)")
+    for key in _SUBSCHEMA_MAPS:
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                out += unenforced_keywords(s, f"{path}.{key}.{name}")
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(schema.get(key), dict):
+            out += unenforced_keywords(schema[key], f"{path}.{key}")
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(key), list):
+            for i, s in enumerate(schema[key]):
+                out += unenforced_keywords(s, f"{path}.{key}[{i}]")
+    return out
+
+
 def json_schema_ebnf(schema: Any) -> str:
     """The EBNF of a JSON schema (xgrammar's conversion, whitespace runs bounded, string
     characters as strict JSON allows them)."""
     import json
 
+    bad = unenforced_keywords(schema)
+    if bad:
+        raise InvalidRequest("the JSON schema uses keywords the engine cannot enforce: " + ", ".join(bad[:8])
+                             + "; remove them (or validate them after the response)")
     xgr = _require_xgrammar()
     try:
         grammar = xgr.Grammar.from_json_schema(json.dumps(schema), max_whitespace_cnt=JSON_MAX_WHITESPACE,

@@ -21,12 +21,18 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--max-bytes", type=int, default=0, help="cap each set (0: all)")
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--json", default=None, help="also write the results here")
+    sa = sub.add_parser("samples", help="a few greedy completions and chat answers (hybridserve's engine)")
+    sa.add_argument("model_dir")
+    sa.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args(argv)
     if args.cmd == "train":
         tr.train(args)
     elif args.cmd == "export":
         from hybridserve.train.export import export
         print(export(args.run_dir, args.out_dir))
+    elif args.cmd == "samples":
+        from hybridserve.train.samples import format_samples, samples
+        print(format_samples(samples(args.model_dir, args.max_tokens)))
     elif args.cmd == "eval":
         import json
         import torch

@@ -58,3 +58,27 @@ fn refused_head_evicts_nothing() {
         step(&mut s, &mut t);
     }
 }
+
+/// `request_class` comes from clients: past `max_request_classes` distinct
+/// values ("default" not counted) every new one is reported as "other".
+#[test]
+fn request_classes_are_capped() {
+    let mut cfg = SchedulerConfig::new(64, 4, 1, 8, 64, 64);
+    cfg.max_request_classes = 2;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let classes = ["default", "a", "b", "c", "a", "d", "b"];
+    for (i, c) in classes.iter().enumerate() {
+        let p = RequestParams { max_tokens: 1, request_class: c.to_string(), ..Default::default() };
+        s.add_request(&format!("r{i}"), &[1, 2, 3], p).unwrap();
+    }
+    let mut t = 0.0;
+    step(&mut s, &mut t);
+    let mut got: Vec<(String, String)> = s.take_events().into_iter().map(|e| (e.request_id, e.request_class)).collect();
+    got.sort();
+    let want: Vec<(String, String)> = ["default", "a", "b", "other", "a", "other", "b"]
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (format!("r{i}"), c.to_string()))
+        .collect();
+    assert_eq!(got, want);
+}

@@ -45,6 +45,11 @@ pub trait Elem: Copy + Send + Sync + 'static {
     fn round(v: f32) -> f32 {
         Self::narrow(v).get()
     }
+    /// `a . b` in float32, as the type's kernels take a single dot product (the
+    /// shared expert's gate): float32 by [`crate::math::dot`] (eight lanes);
+    /// bfloat16 widened products summed in index order (the bfloat16 block's
+    /// transcription of HF's one-output linear).
+    fn dot(a: &[Self], b: &[Self]) -> f32;
     /// Scratch for [`Elem::widen`]: `n` floats for bfloat16, none for `f32` (read in place).
     #[inline(always)]
     fn scratch(n: usize) -> Vec<f32> {
@@ -65,6 +70,9 @@ impl Elem for f32 {
     fn get(self) -> f32 {
         self
     }
+    fn dot(a: &[f32], b: &[f32]) -> f32 {
+        crate::math::dot(a, b)
+    }
 }
 
 impl Elem for u16 {
@@ -83,6 +91,9 @@ impl Elem for u16 {
     #[inline(always)]
     fn get(self) -> f32 {
         to_f32(self)
+    }
+    fn dot(a: &[u16], b: &[u16]) -> f32 {
+        a.iter().zip(b).map(|(&x, &y)| to_f32(x) * to_f32(y)).sum()
     }
 }
 

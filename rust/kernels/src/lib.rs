@@ -60,6 +60,7 @@ mod pool;
 pub mod rope;
 mod row_tiles;
 pub mod sample;
+pub mod token_bitmask;
 mod topk;
 
 pub use pool::{num_threads, set_num_threads, use_openmp, uses_openmp};

@@ -25,7 +25,7 @@
 //! the shared expert up to [`SHARED_STREAM_ROWS`] rows (16 at a time), take the
 //! few-row kernel instead ([`few_rows`]: whole weight rows in memory order).
 
-use crate::math::{sigmoid, silu};
+use crate::math::silu;
 use crate::matmul::{run_strip16, Ctx};
 use crate::pool::for_each_task;
 use crate::{KernelError, Rows, SharedMut};
@@ -150,7 +150,7 @@ pub fn moe_block(
     let logits = sized(&mut b.logits, t * e);
     run_gemm(x, router.weight_t, e, logits);
     let mut shared_scale = vec![0.0f32; if shared.is_some() { t } else { 0 }];
-    route(
+    grouping::route(
         &x,
         logits,
         e,
@@ -163,41 +163,10 @@ pub fn moe_block(
 
     // 2. Counting sort of the (token, slot) pairs by expert; `pos[t * k + j]` is the
     //    pair's row in the grouped buffers.
-    let mut counts = vec![0usize; e];
-    for &id in routing.ids.iter() {
-        counts[id as usize] += 1;
-    }
-    let mut start = vec![0usize; e + 1];
-    for j in 0..e {
-        start[j + 1] = start[j] + counts[j];
-    }
-    let mut fill = start.clone();
-    let mut pos = vec![0usize; t * k];
-    let mut token_of = vec![0usize; t * k];
-    for (p, &id) in routing.ids.iter().enumerate() {
-        let row = fill[id as usize];
-        fill[id as usize] += 1;
-        pos[p] = row;
-        token_of[row] = p / k;
-    }
+    let ByExpert { counts, start, pos, token_of } = grouping::sort_by_expert(routing.ids, e, k);
     let rows = t * k;
     let xs = sized(&mut b.xs, rows * h);
-    {
-        let dst = SharedMut::new(xs);
-        let chunk = 64;
-        for_each_task(rows.div_ceil(chunk), rows * h, |c| {
-            let r0 = c * chunk;
-            for (r, &tok) in token_of
-                .iter()
-                .enumerate()
-                .take((r0 + chunk).min(rows))
-                .skip(r0)
-            {
-                // SAFETY: row r of xs belongs to this task alone.
-                unsafe { dst.slice(r * h, h) }.copy_from_slice(x.row(tok));
-            }
-        });
-    }
+    grouping::gather_rows(&x, &token_of, xs);
 
     // 3. The GEMM pairs: active experts, then the shared expert.
     let mut groups = Vec::with_capacity(e + 1);
@@ -363,110 +332,6 @@ fn run_gemm(x: Rows<'_>, wt: &[f32], n: usize, out: &mut [f32]) {
             unsafe { run_strip16(&ctx, st * STRIP, r0, r1, st * STRIP) };
         }
     });
-}
-
-/// HF's routing for every token: softmax (float32, times the reciprocal of the sum as
-/// torch's CPU softmax does), top-k, renormalise; the shared gate's sigmoid.
-#[allow(clippy::too_many_arguments)]
-fn route(
-    x: &Rows<'_>,
-    logits: &[f32],
-    e: usize,
-    k: usize,
-    gate: Option<&[f32]>,
-    ids: &mut [i64],
-    weights: &mut [f32],
-    shared_scale: &mut [f32],
-) {
-    let t = x.rows;
-    let (ids_p, w_p) = (SharedI64(ids.as_mut_ptr()), SharedMut::new(weights));
-    let sc = SharedMut::new(shared_scale);
-    let chunk = 32;
-    for_each_task(t.div_ceil(chunk), t * e * 8, |c| {
-        let mut probs = vec![0.0f32; e];
-        let mut best = vec![0usize; k];
-        let (mut queue, mut picked) = (Vec::new(), vec![(0.0f32, 0usize); k]);
-        for tok in c * chunk..((c + 1) * chunk).min(t) {
-            let l = &logits[tok * e..(tok + 1) * e];
-            let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            // The exponentials in a loop of their own (it vectorises), then their sum
-            // in index order (the same float32 sum as one loop doing both).
-            for (p, &v) in probs.iter_mut().zip(l) {
-                *p = crate::math::exp(v - max);
-            }
-            let mut sum = 0.0f32;
-            for &p in probs.iter() {
-                sum += p;
-            }
-            let inv = 1.0 / sum;
-            for p in probs.iter_mut() {
-                *p *= inv;
-            }
-            // SAFETY: token tok's k entries belong to this task alone.
-            let (id_row, w_row) = unsafe { (ids_p.slice(tok * k, k), w_p.slice(tok * k, k)) };
-            let (mut found, tie) = top_k(&probs, &mut best);
-            if tie {
-                // Equal probabilities at or above the k-th (or a NaN): which of them
-                // torch takes, and in what order, is its selection algorithm's doing.
-                crate::topk::topk(&probs, k, &mut queue, &mut picked);
-                for (b, &(_, id)) in best.iter_mut().zip(picked.iter()) {
-                    *b = id;
-                }
-                found = k;
-            }
-            for j in 0..k {
-                // Fewer than k numbers (NaN logits): the slot's own index, as before.
-                let id = if j < found { best[j] } else { j };
-                id_row[j] = id as i64;
-                w_row[j] = probs[id];
-            }
-            let total: f32 = w_row.iter().sum();
-            for w in w_row.iter_mut() {
-                *w /= total;
-            }
-            if let Some(g) = gate {
-                // SAFETY: entry tok belongs to this task alone.
-                let dst = unsafe { sc.slice(tok, 1) };
-                dst[0] = sigmoid(crate::math::dot(x.row(tok), g));
-            }
-        }
-    });
-}
-
-/// The indices of the `best.len()` largest of `probs` into `best`, largest first, in
-/// one pass: a candidate enters the sorted list only if it beats its last entry.
-/// Returns how many were found (fewer than `best.len()` only when fewer numbers than
-/// that are not NaN) and whether the choice met a tie: two equal probabilities of
-/// which at least one is kept, or a NaN. Without one the choice and its order are
-/// `torch.topk`'s; with one the caller asks [`crate::topk`], which follows torch's
-/// selection (torch does not simply prefer the lower index among equals).
-fn top_k(probs: &[f32], best: &mut [usize]) -> (usize, bool) {
-    let k = best.len();
-    let mut n = 0;
-    let mut tie = false;
-    for (cand, &p) in probs.iter().enumerate() {
-        if p.is_nan() {
-            tie = true;
-            continue;
-        }
-        if n == k {
-            let last = probs[best[k - 1]];
-            if p <= last {
-                tie |= p == last;
-                continue;
-            }
-        }
-        let mut pos = n.min(k - 1);
-        while pos > 0 && probs[best[pos - 1]] < p {
-            pos -= 1;
-        }
-        tie |= pos > 0 && probs[best[pos - 1]] == p;
-        let end = n.min(k - 1);
-        best.copy_within(pos..end, pos + 1);
-        best[pos] = cand;
-        n = (n + 1).min(k);
-    }
-    (n, tie)
 }
 
 /// Tasks `(group, first row, first strip unit)` over every group's rows x `width(g)`
@@ -647,20 +512,9 @@ unsafe fn down_task(g: &Group<'_>, act: &[f32], h: usize, y: SharedMut, r0: usiz
     }
 }
 
-#[derive(Clone, Copy)]
-struct SharedI64(*mut i64);
-unsafe impl Send for SharedI64 {}
-unsafe impl Sync for SharedI64 {}
-
-impl SharedI64 {
-    /// # Safety
-    /// As [`SharedMut::slice`].
-    unsafe fn slice<'a>(self, at: usize, len: usize) -> &'a mut [i64] {
-        std::slice::from_raw_parts_mut(self.0.add(at), len)
-    }
-}
-
 mod few_rows;
+pub(crate) mod grouping;
+use grouping::ByExpert;
 
 #[cfg(test)]
 mod tests;

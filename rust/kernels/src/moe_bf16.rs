@@ -49,11 +49,11 @@
 //! tests hold the model to (tokens equal to HF bfloat16's).
 
 use crate::bf16::{from_f32, to_f32, Isa};
-use crate::math::{dispatch, exp, sigmoid, silu};
+use crate::math::{dispatch, silu};
 use crate::matmul_bf16::{columns, matmul_bf16, Out, OutPtr};
+use crate::moe::grouping::{self, ByExpert};
 use crate::moe::Routing;
 use crate::pool::for_each_task;
-use crate::topk::topk;
 use crate::{KernelError, Rows, SharedMut};
 use panels::panel_columns;
 
@@ -233,7 +233,7 @@ pub fn moe_block_bf16(
     let mut logits = vec![0u16; t * e];
     matmul_bf16(x, router.weight, e, Out::Bf16(&mut logits))?;
     let mut shared_scale = vec![0.0f32; if shared.is_some() { t } else { 0 }];
-    route(
+    grouping::route(
         &x,
         &logits,
         e,
@@ -246,28 +246,10 @@ pub fn moe_block_bf16(
 
     // 2. Counting sort of the (token, slot) pairs by expert; `pos[t * k + j]` is the
     //    pair's row in the grouped buffers.
-    let mut counts = vec![0usize; e];
-    for &id in routing.ids.iter() {
-        counts[id as usize] += 1;
-    }
-    let mut start = vec![0usize; e + 1];
-    for j in 0..e {
-        start[j + 1] = start[j] + counts[j];
-    }
-    let mut fill = start.clone();
+    let ByExpert { counts, start, pos, token_of } = grouping::sort_by_expert(routing.ids, e, k);
     let rows = t * k;
-    let mut pos = vec![0usize; rows];
-    let mut token_of = vec![0usize; rows];
-    for (p, &id) in routing.ids.iter().enumerate() {
-        let row = fill[id as usize];
-        fill[id as usize] += 1;
-        pos[p] = row;
-        token_of[row] = p / k;
-    }
     let mut xs = vec![0u16; rows * h];
-    for (r, &tok) in token_of.iter().enumerate() {
-        xs[r * h..(r + 1) * h].copy_from_slice(x.row(tok));
-    }
+    grouping::gather_rows(&x, &token_of, &mut xs);
 
     // 3. The GEMM pairs: active experts, then the shared expert.
     let mut groups = Vec::with_capacity(e + 1);
@@ -360,69 +342,6 @@ pub fn moe_block_bf16(
         });
     }
     Ok(counts.into_iter().max().unwrap_or(0))
-}
-
-/// HF's routing for every token from its bfloat16 logits: softmax in float32 (times
-/// the reciprocal of the sum, as torch's CPU softmax), top-k, the weights divided by
-/// their sum and rounded to bfloat16; the shared gate's bfloat16 logit and sigmoid.
-#[allow(clippy::too_many_arguments)]
-fn route(
-    x: &Rows<'_, u16>,
-    logits: &[u16],
-    e: usize,
-    k: usize,
-    gate: Option<&[u16]>,
-    ids: &mut [i64],
-    weights: &mut [f32],
-    shared_scale: &mut [f32],
-) {
-    let t = x.rows;
-    let (ids_p, w_p) = (SharedMut::new(ids), SharedMut::new(weights));
-    let sc = SharedMut::new(shared_scale);
-    let chunk = 32;
-    for_each_task(t.div_ceil(chunk), t * e * 8, |c| {
-        let mut probs = vec![0.0f32; e];
-        let (mut queue, mut top) = (Vec::with_capacity(e), vec![(0.0f32, 0usize); k]);
-        for tok in c * chunk..((c + 1) * chunk).min(t) {
-            let l = &logits[tok * e..(tok + 1) * e];
-            let max = l
-                .iter()
-                .map(|&v| to_f32(v))
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0f32;
-            for (p, &v) in probs.iter_mut().zip(l) {
-                *p = exp(to_f32(v) - max);
-                sum += *p;
-            }
-            let inv = 1.0 / sum;
-            for p in probs.iter_mut() {
-                *p *= inv;
-            }
-            // SAFETY: token tok's k entries belong to this task alone.
-            let (id_row, w_row) = unsafe { (ids_p.slice(tok * k, k), w_p.slice(tok * k, k)) };
-            // torch.topk's choice and order, equal probabilities included.
-            topk(&probs, k, &mut queue, &mut top);
-            for (j, &(p, id)) in top.iter().enumerate() {
-                id_row[j] = id as i64;
-                w_row[j] = p;
-            }
-            let total: f32 = w_row.iter().sum();
-            for w in w_row.iter_mut() {
-                *w = to_f32(from_f32(*w / total));
-            }
-            if let Some(g) = gate {
-                let logit: f32 = x
-                    .row(tok)
-                    .iter()
-                    .zip(g)
-                    .map(|(&a, &b)| to_f32(a) * to_f32(b))
-                    .sum();
-                // SAFETY: entry tok belongs to this task alone.
-                let dst = unsafe { sc.slice(tok, 1) };
-                dst[0] = to_f32(from_f32(sigmoid(to_f32(from_f32(logit)))));
-            }
-        }
-    });
 }
 
 /// Tasks `(group, first row, first column)` over every group's rows x `width(g)`

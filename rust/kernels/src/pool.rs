@@ -193,7 +193,7 @@ mod tests {
         // One test: the OpenMP switch is process-wide and one-way.
         panics_come_back("rayon");
         // SAFETY: the addresses of this process's libgomp entry points.
-        unsafe { use_openmp(GOMP_parallel as usize, omp_get_thread_num as usize) };
+        unsafe { use_openmp(GOMP_parallel as *const () as usize, omp_get_thread_num as *const () as usize) };
         assert!(uses_openmp());
         panics_come_back("openmp");
     }

@@ -199,7 +199,8 @@ impl PyScheduler {
         *, enable_prefix_caching = true, long_prefill_token_threshold = 0,
         max_waiting_requests = None, max_waiting_tokens = None, aging_interval_steps = 256,
         reserve_max_context = false, max_finished_retained = 4096,
-        prefix_checkpoint_interval = 0, priority_preemption_threshold = 1, max_priority_preemptions_per_step = 4
+        prefix_checkpoint_interval = 0, priority_preemption_threshold = 1, max_priority_preemptions_per_step = 4,
+        max_request_classes = 16
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -219,6 +220,7 @@ impl PyScheduler {
         prefix_checkpoint_interval: u32,
         priority_preemption_threshold: u32,
         max_priority_preemptions_per_step: u32,
+        max_request_classes: u32,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             num_pages,
@@ -238,6 +240,7 @@ impl PyScheduler {
         cfg.prefix_checkpoint_interval = prefix_checkpoint_interval;
         cfg.priority_preemption_threshold = priority_preemption_threshold;
         cfg.max_priority_preemptions_per_step = max_priority_preemptions_per_step;
+        cfg.max_request_classes = max_request_classes;
         let inner = Scheduler::new(cfg).py()?;
         Ok(PyScheduler { inner, clock: Instant::now(), id_strings: Vec::new() })
     }

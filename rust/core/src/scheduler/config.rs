@@ -53,7 +53,15 @@ pub struct SchedulerConfig {
     /// Finished requests whose outputs stay readable (`output_tokens`); older
     /// ones are forgotten first-in first-out.
     pub max_finished_retained: u32,
+    /// Distinct `request_class` values kept by name, "default" not counted
+    /// (first come, first kept); later ones are all [`OTHER_REQUEST_CLASS`].
+    /// Clients choose the values, so they are bounded like the metrics' labels
+    /// (`hybridserve.metrics`, same default).
+    pub max_request_classes: u32,
 }
+
+/// The class of requests past `max_request_classes`.
+pub const OTHER_REQUEST_CLASS: &str = "other";
 
 impl SchedulerConfig {
     pub fn new(
@@ -81,6 +89,7 @@ impl SchedulerConfig {
             max_priority_preemptions_per_step: 4,
             reserve_max_context: false,
             max_finished_retained: 4096,
+            max_request_classes: 16,
         }
     }
 

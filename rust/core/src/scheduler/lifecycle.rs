@@ -95,6 +95,20 @@ impl Scheduler {
         }
         let class_id = match self.class_ids.get(params.request_class.as_str()) {
             Some(&c) => c,
+            // Past the cap ("default" and "other" themselves not counted): "other".
+            None if self.class_ids.keys().filter(|k| *k != "default" && *k != super::config::OTHER_REQUEST_CLASS).count()
+                >= self.cfg.max_request_classes as usize =>
+            {
+                match self.class_ids.get(super::config::OTHER_REQUEST_CLASS) {
+                    Some(&c) => c,
+                    None => {
+                        let c = self.classes.len() as u32;
+                        self.classes.push(super::config::OTHER_REQUEST_CLASS.to_string());
+                        self.class_ids.insert(super::config::OTHER_REQUEST_CLASS.to_string(), c);
+                        c
+                    }
+                }
+            }
             None => {
                 let c = self.classes.len() as u32;
                 self.classes.push(params.request_class.clone());

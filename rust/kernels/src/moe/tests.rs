@@ -1,5 +1,6 @@
 use super::*;
 use crate::matmul::run_strip16;
+use grouping::top_k;
 
 fn silu64(v: f64) -> f64 {
     v / (1.0 + (-v).exp())
