@@ -243,3 +243,28 @@ def test_metrics_count_constrained_requests_compiles_and_masks(srv):
     assert after["hybridserve:structured_mask_sequence_steps_total"] > before.get(
         "hybridserve:structured_mask_sequence_steps_total", 0.0)
     assert after["hybridserve:structured_grammar_compile_seconds_total"] > 0
+
+
+def test_parser_flags_turn_parsing_off_and_bad_names_are_refused(qwen_dir, live_server_cls):
+    from hybridserve.errors import ConfigError
+    from hybridserve.server.app import ServerSettings
+    from hybridserve.cli import build_parser
+    from hybridserve.server.serve import server_settings
+
+    args = build_parser().parse_args(["serve", str(qwen_dir), "--reasoning-parser", "none",
+                                      "--tool-call-parser", "hermes"])
+    st = server_settings(args, environ={})
+    assert (st.reasoning_parser, st.tool_call_parser) == (None, "hermes")
+    s = live_server_cls(qwen_dir, settings=ServerSettings(reasoning_parser=None, tool_call_parser=None))
+    try:
+        r = s.post("/v1/chat/completions", {"model": "tiny", "messages": USER, "max_tokens": 30,
+                                            "temperature": 0.0, "logit_bias": {str(THINK_END): 5}})
+        msg = r.json()["choices"][0]["message"]
+        assert "reasoning_content" not in msg and "tool_calls" not in msg  # the raw text, as it came
+    finally:
+        s.stop()
+    # build_app checks the names it is given (serve fails at start, naming the flag).
+    with pytest.raises(ConfigError, match="tool-call-parser"):
+        contract.check_parsers(None, "nosuch")
+    with pytest.raises(ConfigError, match="reasoning-parser"):
+        contract.check_parsers("deepseek", None)
