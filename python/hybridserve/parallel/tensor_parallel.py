@@ -18,8 +18,8 @@ unchanged on every rank:
 Failing fast. Every collective before the ready barrier (joining,
 :meth:`agree_num_pages`, warm-up, graph capture) runs under the start-up limit; after
 it, under the step limit (:mod:`hybridserve.parallel.group`). A step on any rank is
-watched (:meth:`_watch_steps`): a worker seen dead during a step, or a step past the
-step limit, aborts the process groups (NCCL: a collective blocked on the dead peer
+watched (:meth:`_watch_steps`): a worker seen dead during a step, or (NCCL) a step
+past the step limit, aborts the process groups (NCCL: a collective blocked on the dead peer
 returns with an error, which fails the step); a step that still has not returned a
 grace later (a collective replayed by a CUDA graph, which NCCL's own watchdog does
 not see, or a backend that cannot abort) ends the process with
@@ -255,13 +255,17 @@ class TensorParallel:
     def _watch_steps(self) -> None:
         limit = timeout_seconds()
         period = min(0.25, limit / 8)
+        # A whole step past the step limit counts only on NCCL, whose replayed
+        # collectives nothing else watches; gloo times out each collective itself,
+        # and a long CPU prefill step is slow, not stuck.
+        watch_time = self.group is not None and self.group.backend == "nccl"
         while not self.closed:
             time.sleep(period)
             started = self.step_started
             if started is None:
                 continue
             dead = dict(self.launcher.dead) if self.launcher is not None else {}
-            overdue = time.monotonic() - started > limit
+            overdue = watch_time and time.monotonic() - started > limit
             if (dead or overdue) and self.step_started == started:
                 self._abort_stuck_step(started, dead)
                 return

@@ -157,6 +157,16 @@ impl KvCacheManager {
         self.cache.as_ref().and_then(|c| c.oldest_plain_parked())
     }
 
+    /// `(checkpoints whose chain holds b, the sum of their tokens)`.
+    pub fn checkpoint_deps(&self, b: BlockId) -> (u32, u64) {
+        self.cache.as_ref().map_or((0, 0), |c| c.ckpt_deps(b))
+    }
+
+    /// Parked blocks that no checkpoint's chain holds.
+    pub fn num_plain_parked(&self) -> u32 {
+        self.cache.as_ref().map_or(0, |c| c.num_parked() - c.num_parked_chain())
+    }
+
     /// Whether block `b` is parked holding the entry of `generation`.
     pub fn is_parked_entry(&self, b: BlockId, generation: u64) -> bool {
         self.cache.as_ref().is_some_and(|c| c.holds(b, generation) && c.is_parked(b))
@@ -493,24 +503,24 @@ impl KvCacheManager {
     /// [`Self::take_dropped_generations`]. Returns the `(block, generation)`
     /// pairs to pass to [`Self::unref_checkpoint_chain`] later, or `None` (and
     /// changes nothing) if an entry is no longer cached. O(chain).
-    pub fn ref_checkpoint_chain(&mut self, chain: &[ChainLink]) -> Option<Vec<(BlockId, u64)>> {
+    pub fn ref_checkpoint_chain(&mut self, chain: &[ChainLink], tokens: u64) -> Option<Vec<(BlockId, u64)>> {
         let cache = self.cache.as_mut()?;
         let mut out = Vec::with_capacity(chain.len());
         for l in chain {
             out.push((cache.block_of(l.hash, l.generation)?, l.generation));
         }
         for &(b, _) in &out {
-            cache.ckpt_ref(b, true);
+            cache.ckpt_ref(b, true, tokens);
         }
         Some(out)
     }
 
     /// Undoes [`Self::ref_checkpoint_chain`] for the entries still cached.
-    pub fn unref_checkpoint_chain(&mut self, chain: &[(BlockId, u64)]) {
+    pub fn unref_checkpoint_chain(&mut self, chain: &[(BlockId, u64)], tokens: u64) {
         let Some(cache) = self.cache.as_mut() else { return };
         for &(b, g) in chain {
             if cache.holds(b, g) {
-                cache.ckpt_ref(b, false);
+                cache.ckpt_ref(b, false, tokens);
             }
         }
     }

@@ -87,6 +87,12 @@ struct BlockMeta {
     /// DeltaNet state checkpoints whose block chain includes this entry: its
     /// eviction must drop them (see `KvCacheManager::take_dropped_generations`).
     ckpt_refs: u32,
+    /// Sum of the tokens of those checkpoints (the eviction order's cost).
+    ckpt_tokens: u64,
+    /// While parked with no checkpoint reference: the stamp it is listed under
+    /// in `lru_plain` (or `late_plain` when `late`); 0 otherwise.
+    plain_stamp: u64,
+    late: bool,
 }
 
 const EMPTY_META: BlockMeta = BlockMeta {
@@ -97,6 +103,9 @@ const EMPTY_META: BlockMeta = BlockMeta {
     park_stamp: 0,
     in_lru: false,
     ckpt_refs: 0,
+    ckpt_tokens: 0,
+    plain_stamp: 0,
+    late: false,
 };
 
 /// Entry data lives in per-block records (a block holds at most one entry).
@@ -115,6 +124,15 @@ pub(crate) struct PrefixCache {
     /// linked list: the next victims are known without chasing pointers, so
     /// their records can be prefetched.
     lru: VecDeque<(BlockId, u64)>,
+    /// The parked blocks no checkpoint's chain holds, oldest park first: those
+    /// parked so (a FIFO like `lru`, stale entries skipped) and those that
+    /// became so while parked (`late_plain`, by park stamp). The eviction
+    /// order takes the oldest of the two fronts in O(1) amortised (O(log n)
+    /// for a late one) however many chain blocks are parked.
+    lru_plain: VecDeque<(BlockId, u64)>,
+    late_plain: std::collections::BTreeSet<(u64, BlockId)>,
+    /// Parked blocks that some checkpoint's chain holds.
+    parked_chain: u32,
     next_park_stamp: u64,
     lru_len: u32,
     num_entries: u32,
@@ -132,6 +150,9 @@ impl PrefixCache {
             // Holds every parked block without growing (stale entries may
             // still make it grow, amortized, up to twice that).
             lru: VecDeque::with_capacity(n),
+            lru_plain: VecDeque::with_capacity(n),
+            late_plain: std::collections::BTreeSet::new(),
+            parked_chain: 0,
             next_park_stamp: 1,
             lru_len: 0,
             num_entries: 0,
@@ -210,14 +231,51 @@ impl PrefixCache {
         self.meta[b as usize].generation == generation
     }
 
+    /// One checkpoint of `tokens` tokens more (`up`) or less depending on `b`.
     #[inline]
-    pub(crate) fn ckpt_ref(&mut self, b: BlockId, up: bool) {
+    pub(crate) fn ckpt_ref(&mut self, b: BlockId, up: bool, tokens: u64) {
         let m = &mut self.meta[b as usize];
+        if m.in_lru && up && m.ckpt_refs == 0 {
+            // Plain -> chain while parked: leaves the plain lists.
+            self.parked_chain += 1;
+            if m.late {
+                self.late_plain.remove(&(m.plain_stamp, b));
+            }
+            m.plain_stamp = 0;
+            m.late = false;
+        } else if m.in_lru && !up && m.ckpt_refs == 1 {
+            // Chain -> plain while parked: listed by its park stamp.
+            self.parked_chain -= 1;
+            m.plain_stamp = m.park_stamp;
+            m.late = true;
+            self.late_plain.insert((m.park_stamp, b));
+        }
         if up {
             m.ckpt_refs += 1;
+            m.ckpt_tokens += tokens;
         } else {
             m.ckpt_refs -= 1;
+            m.ckpt_tokens -= tokens;
         }
+    }
+
+    /// `(checkpoints depending on b, their tokens)`.
+    #[inline]
+    pub(crate) fn ckpt_deps(&self, b: BlockId) -> (u32, u64) {
+        let m = &self.meta[b as usize];
+        (m.ckpt_refs, m.ckpt_tokens)
+    }
+
+    /// Parked blocks that some checkpoint's chain holds.
+    #[inline]
+    pub(crate) fn num_parked_chain(&self) -> u32 {
+        self.parked_chain
+    }
+
+    #[inline]
+    fn plain_entry_live(meta: &[BlockMeta], (b, stamp): (BlockId, u64)) -> bool {
+        let m = &meta[b as usize];
+        m.in_lru && m.plain_stamp == stamp && !m.late
     }
 
     /// Drops block `b`'s entry (eviction). The block must not be in the LRU.
@@ -228,6 +286,7 @@ impl PrefixCache {
         debug_assert!(m.generation != 0 && !m.in_lru);
         let dropped = (m.ckpt_refs > 0).then_some(m.generation);
         m.ckpt_refs = 0;
+        m.ckpt_tokens = 0;
         m.generation = 0;
         let h = m.hash;
         self.index.remove(h, b);
@@ -250,6 +309,13 @@ impl PrefixCache {
         debug_assert!(!m.in_lru && m.generation != 0);
         m.in_lru = true;
         m.park_stamp = stamp;
+        if m.ckpt_refs == 0 {
+            m.plain_stamp = stamp;
+            m.late = false;
+            self.lru_plain.push_back((b, stamp));
+        } else {
+            self.parked_chain += 1;
+        }
         self.lru.push_back((b, stamp));
         self.lru_len += 1;
         // Stale entries are at most half: compaction (O(entries)) is paid for
@@ -257,6 +323,10 @@ impl PrefixCache {
         if self.lru.len() > 2 * self.lru_len as usize + 64 {
             let meta = &self.meta;
             self.lru.retain(|&e| Self::lru_entry_live(meta, e));
+        }
+        if self.lru_plain.len() > 2 * self.lru_len as usize + 64 {
+            let meta = &self.meta;
+            self.lru_plain.retain(|&e| Self::plain_entry_live(meta, e));
         }
     }
 
@@ -266,7 +336,20 @@ impl PrefixCache {
         let m = &mut self.meta[b as usize];
         debug_assert!(m.in_lru);
         m.in_lru = false;
+        if m.ckpt_refs > 0 {
+            self.parked_chain -= 1;
+        } else if m.late {
+            self.late_plain.remove(&(m.plain_stamp, b));
+        }
+        m.plain_stamp = 0;
+        m.late = false;
         self.lru_len -= 1;
+        while let Some(&e) = self.lru_plain.front() {
+            if Self::plain_entry_live(&self.meta, e) {
+                break;
+            }
+            self.lru_plain.pop_front();
+        }
         if self.lru.front().is_some_and(|&(f, _)| f == b) {
             self.lru.pop_front();
             while let Some(&e) = self.lru.front() {
@@ -323,10 +406,14 @@ impl PrefixCache {
     /// stepped over).
     pub(crate) fn oldest_plain_parked(&self) -> Option<BlockId> {
         let meta = &self.meta;
-        self.lru
-            .iter()
-            .find(|&&e| Self::lru_entry_live(meta, e) && meta[e.0 as usize].ckpt_refs == 0)
-            .map(|&(b, _)| b)
+        // The FIFO's front is live after every unpark (stale ones are popped there);
+        // entries made stale by a checkpoint reference while parked are stepped over.
+        let fifo = self.lru_plain.iter().copied().find(|&e| Self::plain_entry_live(meta, e));
+        let late = self.late_plain.first().map(|&(s, b)| (b, s));
+        match (fifo, late) {
+            (Some(f), Some(l)) => Some(if f.1 < l.1 { f.0 } else { l.0 }),
+            (f, l) => f.or(l).map(|(b, _)| b),
+        }
     }
 
     /// The stamp of the park that put `b` in the LRU (larger: parked later).

@@ -62,26 +62,20 @@
 //!
 //! Each candidate eviction is scored by the prefill compute it loses per page
 //! it frees (tokens per page; smallest evicted first), in the spirit of
-//! Marconi's FLOP-efficiency score (Pan et al., MLSys 2025):
+//! Marconi's FLOP-efficiency score (Pan et al., MLSys 2025). The candidates:
 //! * a non-busy checkpoint of `t` tokens: loses `t` (a hit on it skips `t`
 //!   prompt tokens), frees `state_pages` pages: `t / state_pages` (its
 //!   "value");
 //! * a parked block that no checkpoint's chain holds: loses nothing a
 //!   DeltaNet model can use (a KV-only hit still recomputes the state over its
 //!   tokens; only their KV write is saved), frees 1 page: score 0;
-//! * a parked block held by the chains of checkpoints `C`: loses `sum t(c)`,
-//!   frees `1 + state_pages * (non-busy c in C)`: `sum t(c) / (1 + ...)`.
-//!
-//! Ties: parked blocks before checkpoints, then the least recently used (a
-//! block's park order, a checkpoint's last step written or hit), then the
-//! lower block id / the older checkpoint. Recency only breaks ties (Marconi
-//! mixes it into the score; here compute per page decides, so a long prompt's
-//! checkpoint is not lost to a burst of short ones). Busy checkpoints (read or
-//! written by a plan that has not run) are never candidates.
-//!
-//! So parked blocks outside every chain go first, in LRU order (O(1) each);
-//! only then are checkpoints and their chains' blocks weighed
-//! (O(checkpoints x chain) per eviction).
+//! * a parked block that ends a checkpoint's chain, held by the chains of
+//!   checkpoints `C`: loses `sum t(c)`, frees `1 + state_pages * |C|` (busy
+//!   members of `C` give their pages back once the plan reading them ran):
+//!   `sum t(c) / (1 + state_pages * |C|)`. Other parked chain blocks are not
+//!   candidates: each scores at least as much as some chain-ending block after
+//!   it (its dependents are the union of theirs), and it becomes a plain
+//!   block once its checkpoints are gone.
 //!
 //! A checkpoint write (plan assembly) evicts only candidates whose eviction
 //! removes no checkpoint worth more per page than the one it writes, and only
@@ -279,7 +273,7 @@ impl Checkpoints {
         step: u64,
     ) -> bool {
         let refs = match chain.last() {
-            Some(last) if !self.by_gen.contains_key(&last.generation) => kv.ref_checkpoint_chain(chain),
+            Some(last) if !self.by_gen.contains_key(&last.generation) => kv.ref_checkpoint_chain(chain, (chain.len() * self.block_size) as u64),
             Some(last) => {
                 self.by_gen.get_mut(&last.generation).expect("present").last_used = step;
                 None
@@ -315,7 +309,7 @@ impl Checkpoints {
     pub(crate) fn adopt(&mut self, kv: &mut KvCacheManager, key: u64) -> Option<StateId> {
         let c = self.by_gen.remove(&key)?;
         self.note_removed(&c);
-        kv.unref_checkpoint_chain(&c.chain);
+        kv.unref_checkpoint_chain(&c.chain, c.tokens as u64);
         Some(c.state)
     }
 
@@ -330,8 +324,9 @@ impl Checkpoints {
     /// KV blocks and non-busy checkpoints, leaving out any whose eviction would
     /// remove a checkpoint worth more than `limit` tokens per page (a
     /// checkpoint write passes its own value; anything else infinity). None
-    /// when nothing qualifies. O(1) while a parked block outside every
-    /// checkpoint's chain exists, else O(checkpoints x chain).
+    /// when nothing qualifies. O(1) (amortised) while a parked block outside
+    /// every checkpoint's chain exists, else O(checkpoints): each candidate's
+    /// cost is kept per block by the prefix cache.
     pub(crate) fn next_victim(&self, kv: &KvCacheManager, guard: u64, limit: f64) -> Option<Victim> {
         if let Some(b) = kv.oldest_plain_parked() {
             return Some(Victim::Block(b));
@@ -342,30 +337,26 @@ impl Checkpoints {
                 best = Some((k, v));
             }
         };
-        for (&g, c) in self.by_gen.iter().filter(|(_, c)| c.busy_step < guard) {
+        for (&g, c) in self.by_gen.iter() {
             let v = self.value(c.tokens);
-            if v <= limit {
+            if c.busy_step < guard && v <= limit {
                 consider(EvictKey { score: v, kind: 1, recency: c.last_used, id: c.seq_no }, Victim::Checkpoint(g));
             }
-        }
-        // Parked blocks of checkpoint chains: evicting one drops every
-        // checkpoint whose chain holds it (and frees the non-busy ones' pages).
-        let mut deps: HashMap<BlockId, (u64, u32, f64)> = HashMap::new();
-        for c in self.by_gen.values() {
-            for &(b, g) in &c.chain {
-                if kv.is_parked_entry(b, g) {
-                    let e = deps.entry(b).or_insert((0, 0, 0.0));
-                    e.0 += c.tokens as u64;
-                    e.1 += (c.busy_step < guard) as u32;
-                    e.2 = e.2.max(self.value(c.tokens));
-                }
+            // The block that ends its chain, when parked (a chain's parked blocks
+            // are a suffix of it: a table holding a block holds those before it).
+            let Some(&(b, bg)) = c.chain.last() else { continue };
+            if !kv.is_parked_entry(b, bg) {
+                continue;
             }
-        }
-        for (b, (lost, freed_states, max_value)) in deps {
-            if max_value <= limit {
-                let score = lost as f64 / (1.0 + self.state_pages * freed_states as f64);
-                consider(EvictKey { score, kind: 0, recency: kv.park_stamp(b), id: b as u64 }, Victim::Block(b));
+            let (n, lost) = kv.checkpoint_deps(b);
+            // Evicting it drops every checkpoint whose chain holds it. Under a
+            // value cap (a checkpoint write) only a block that c's chain alone
+            // holds, so nothing worth more than the cap is lost.
+            if limit.is_finite() && (n != 1 || v > limit) {
+                continue;
             }
+            let score = lost as f64 / (1.0 + self.state_pages * n as f64);
+            consider(EvictKey { score, kind: 0, recency: kv.park_stamp(b), id: b as u64 }, Victim::Block(b));
         }
         best.map(|(_, v)| v)
     }
@@ -375,22 +366,15 @@ impl Checkpoints {
     /// chain, and the non-busy checkpoints worth at most `limit` (whatever
     /// the order takes first, these stay eligible until taken).
     pub(crate) fn obtainable_under(&self, kv: &KvCacheManager, guard: u64, limit: f64) -> u64 {
-        let mut chain_parked: Vec<BlockId> = Vec::new();
-        for c in self.by_gen.values() {
-            chain_parked.extend(c.chain.iter().filter(|&&(b, g)| kv.is_parked_entry(b, g)).map(|&(b, _)| b));
-        }
-        chain_parked.sort_unstable();
-        chain_parked.dedup();
-        let plain = kv.num_cached_blocks() as u64 - chain_parked.len() as u64;
         let ckpts = self.by_gen.values().filter(|c| c.busy_step < guard && self.value(c.tokens) <= limit).count() as u64;
-        plain + ckpts * self.state_pages as u64
+        kv.num_plain_parked() as u64 + ckpts * self.state_pages as u64
     }
 
     /// Evicts live checkpoint `key` (chosen by [`Self::next_victim`]).
     pub(crate) fn evict(&mut self, kv: &mut KvCacheManager, states: &mut StatePages, key: u64) {
         let c = self.by_gen.remove(&key).expect("victim present");
         self.note_removed(&c);
-        kv.unref_checkpoint_chain(&c.chain);
+        kv.unref_checkpoint_chain(&c.chain, c.tokens as u64);
         free_state(kv, states, c.state);
         self.stats.evictions += 1;
     }
@@ -431,7 +415,7 @@ impl Checkpoints {
             for g in gone {
                 let c = self.by_gen.remove(&g).expect("present");
                 self.note_removed(&c);
-                kv.unref_checkpoint_chain(&c.chain);
+                kv.unref_checkpoint_chain(&c.chain, c.tokens as u64);
                 self.stats.drops += 1;
                 if c.busy_step < guard {
                     free_state(kv, states, c.state);

@@ -1,7 +1,9 @@
 //! The one eviction order (see `hybridserve_core::scheduler::checkpoints`),
 //! recomputed by brute force: for every eviction the scheduler made, the
 //! candidates it saw (parked blocks, live checkpoints with their chains) are
-//! scored here from scratch, and the victim must be the smallest. Plus the
+//! scored here from scratch (each block's dependents found by walking every
+//! chain, not from the prefix cache's counters), and the victim must be the
+//! smallest. Plus the
 //! transactional rule: a step that planned nothing evicted nothing.
 
 use super::oracle::Harness;
@@ -23,14 +25,22 @@ fn model_candidates(r: &EvictionRecord) -> Vec<((f64, u8, u64, u64), Victim)> {
             }
         }
     }
-    for &(b, _, stamp) in &r.parked {
+    // Chain-ending parked blocks (the last entry of some live checkpoint's chain).
+    let ends: std::collections::HashSet<(u32, u64)> = r.checkpoints.iter().filter_map(|c| c.chain.last().copied()).collect();
+    for &(b, g, stamp) in &r.parked {
         let deps = dependents.get(&b).cloned().unwrap_or_default();
-        let lost: usize = deps.iter().map(|&i| r.checkpoints[i].tokens).sum();
-        let freed = deps.iter().filter(|&&i| r.checkpoints[i].busy_step < r.guard).count();
-        let worst = deps.iter().map(|&i| value(r.checkpoints[i].tokens)).fold(0.0, f64::max);
-        if worst <= r.limit {
-            out.push(((lost as f64 / (1.0 + pps * freed as f64), 0, stamp, b as u64), Victim::Block(b)));
+        if deps.is_empty() {
+            out.push(((0.0, 0, stamp, b as u64), Victim::Block(b)));
+            continue;
         }
+        if !ends.contains(&(b, g)) {
+            continue;
+        }
+        let lost: usize = deps.iter().map(|&i| r.checkpoints[i].tokens).sum();
+        if r.limit.is_finite() && (deps.len() != 1 || value(r.checkpoints[deps[0]].tokens) > r.limit) {
+            continue;
+        }
+        out.push(((lost as f64 / (1.0 + pps * deps.len() as f64), 0, stamp, b as u64), Victim::Block(b)));
     }
     for c in r.checkpoints.iter().filter(|c| c.busy_step < r.guard) {
         if value(c.tokens) <= r.limit {
