@@ -222,36 +222,8 @@ pub fn moe_block(
         });
     }
 
-    // 4. Weighted sum per token.
-    {
-        let (ys, ys_s) = (&*ys, &*ys_s);
-        let dst = SharedMut::new(out);
-        let ids = &*routing.ids;
-        let w = &*routing.weights;
-        let chunk = 32;
-        for_each_task(t.div_ceil(chunk), rows * h, |c| {
-            let mut order: Vec<usize> = (0..k).collect();
-            for tok in c * chunk..((c + 1) * chunk).min(t) {
-                // SAFETY: row tok of out belongs to this task alone.
-                let o = unsafe { dst.slice(tok * h, h) };
-                o.fill(0.0);
-                order.sort_unstable_by_key(|&j| ids[tok * k + j]);
-                for &j in &order {
-                    let wj = w[tok * k + j];
-                    let y = &ys[pos[tok * k + j] * h..][..h];
-                    for (ov, &yv) in o.iter_mut().zip(y) {
-                        *ov += yv * wj;
-                    }
-                }
-                if !ys_s.is_empty() {
-                    let sg = shared_scale[tok];
-                    for (ov, &yv) in o.iter_mut().zip(&ys_s[tok * h..][..h]) {
-                        *ov += sg * yv;
-                    }
-                }
-            }
-        });
-    }
+    // 4. Weighted sum per token, in expert order (as HF's `index_add_` loop adds them).
+    grouping::combine(ys, ys_s, &shared_scale, routing.ids, routing.weights, &pos, k, h, true, out);
     buffers.keep_small();
     BUFFERS.with_borrow_mut(|b| *b = buffers);
     Ok(counts.into_iter().max().unwrap_or(0))

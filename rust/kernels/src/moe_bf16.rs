@@ -310,37 +310,7 @@ pub fn moe_block_bf16(
 
     // 4. Per token: the k weighted rows in float32 (slot order), rounded once, plus
     //    the gated shared row.
-    {
-        let dst = SharedMut::new(out);
-        let w = &*routing.weights;
-        let chunk = 32;
-        for_each_task(t.div_ceil(chunk), rows * h, |c| {
-            let mut acc = vec![0.0f32; h];
-            for tok in c * chunk..((c + 1) * chunk).min(t) {
-                acc.fill(0.0);
-                for j in 0..k {
-                    let wj = w[tok * k + j];
-                    let y = &ys[pos[tok * k + j] * h..][..h];
-                    for (a, &yv) in acc.iter_mut().zip(y) {
-                        *a += to_f32(from_f32(to_f32(yv) * wj));
-                    }
-                }
-                // SAFETY: row tok of out belongs to this task alone.
-                let o = unsafe { dst.slice(tok * h, h) };
-                if ys_s.is_empty() {
-                    for (ov, &a) in o.iter_mut().zip(&acc) {
-                        *ov = from_f32(a);
-                    }
-                } else {
-                    let sg = shared_scale[tok];
-                    for ((ov, &a), &yv) in o.iter_mut().zip(&acc).zip(&ys_s[tok * h..][..h]) {
-                        let s = to_f32(from_f32(sg * to_f32(yv)));
-                        *ov = from_f32(to_f32(from_f32(a)) + s);
-                    }
-                }
-            }
-        });
-    }
+    grouping::combine(&ys, &ys_s, &shared_scale, routing.ids, routing.weights, &pos, k, h, false, out);
     Ok(counts.into_iter().max().unwrap_or(0))
 }
 

@@ -165,3 +165,57 @@ pub(crate) fn gather_rows<E: Elem>(x: &Rows<'_, E>, token_of: &[usize], xs: &mut
         }
     });
 }
+
+/// Per token, its k expert rows (`ys`, grouped; pair `(t, j)` at row `pos[t * k +
+/// j]`) times their routing weights, summed in float32 with each product rounded
+/// to `E`, plus the gated shared row (`ys_s`, `[T, h]`, empty without one): `out =
+/// round(sum) + round(gate * shared)`, or the sum alone. `expert_order`: add the k
+/// rows in expert order (HF's float32 `index_add_` loop over experts), else in
+/// slot order (the bfloat16 block's transcription). For float32 every rounding is
+/// the identity and this is the plain weighted sum.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn combine<E: Elem>(
+    ys: &[E],
+    ys_s: &[E],
+    shared_scale: &[f32],
+    ids: &[i64],
+    weights: &[f32],
+    pos: &[usize],
+    k: usize,
+    h: usize,
+    expert_order: bool,
+    out: &mut [E],
+) {
+    let t = ids.len() / k.max(1);
+    let dst = SharedMut::new(out);
+    let chunk = 32;
+    for_each_task(t.div_ceil(chunk), t * k * h, |c| {
+        let mut acc = vec![0.0f32; h];
+        let mut order: Vec<usize> = (0..k).collect();
+        for tok in c * chunk..((c + 1) * chunk).min(t) {
+            acc.fill(0.0);
+            if expert_order {
+                order.sort_unstable_by_key(|&j| ids[tok * k + j]);
+            }
+            for &j in &order {
+                let wj = weights[tok * k + j];
+                let y = &ys[pos[tok * k + j] * h..][..h];
+                for (a, &yv) in acc.iter_mut().zip(y) {
+                    *a += E::round(yv.get() * wj);
+                }
+            }
+            // SAFETY: row tok of out belongs to this task alone.
+            let o = unsafe { dst.slice(tok * h, h) };
+            if ys_s.is_empty() {
+                for (ov, &a) in o.iter_mut().zip(&acc) {
+                    *ov = E::narrow(a);
+                }
+            } else {
+                let sg = shared_scale[tok];
+                for ((ov, &a), &yv) in o.iter_mut().zip(&acc).zip(&ys_s[tok * h..][..h]) {
+                    *ov = E::narrow(E::round(a) + E::round(sg * yv.get()));
+                }
+            }
+        }
+    });
+}
