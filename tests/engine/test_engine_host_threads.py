@@ -67,8 +67,9 @@ def test_host_work_on_one_thread_the_model_on_the_engines(tiny_dirs):
             raise RuntimeError("sampler broke")
 
         engine.sampler.sample_planned = broken
-        with pytest.raises(RuntimeError, match="sampler broke"):
-            engine.step()
+        failed = engine.stats()["failed_steps"]
+        engine.step()  # rolled back, its request to be retried (faults stay local)
+        assert engine.stats()["failed_steps"] == failed + 1
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(torch_threads)
