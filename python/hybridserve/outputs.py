@@ -16,6 +16,7 @@ what has been generated.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -35,6 +36,53 @@ class Logprob:
 # Per generated token: {token_id: Logprob} holding the chosen token and the top-k
 # alternatives (vLLM's SampleLogprobs).
 SampleLogprobs = list[dict[int, Logprob]]
+
+
+class PromptLogprobList(Sequence):
+    """A request's prompt logprobs, read as vLLM's ``list[dict[int, Logprob] | None]``.
+
+    Held compactly: one plain tuple per prompt position, ``(token, logprob, rank,
+    top ids, top logprobs)`` (None for the first token), and each position's
+    ``{token: Logprob}`` made when it is read. A long prompt with k alternatives would
+    otherwise keep one ``Logprob`` per (position, candidate) alive, hundreds of
+    thousands of objects the cyclic collector walks on every full collection, each a
+    pause that holds the GIL (the server's event loop included); a tuple of numbers is
+    untracked by the collector at its first look.
+    """
+
+    __slots__ = ("_rows",)
+
+    def __init__(self, rows: list[tuple | None]) -> None:
+        self._rows = rows
+
+    @staticmethod
+    def _entry(row: tuple | None) -> dict[int, Logprob] | None:
+        if row is None:
+            return None
+        tok, lp, rank, top_ids, top_lps = row
+        entry = {tok: Logprob(lp, rank=rank)}
+        for r, (alt, v) in enumerate(zip(top_ids, top_lps), start=1):
+            entry.setdefault(alt, Logprob(v, rank=r))
+        return entry
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self._entry(r) for r in self._rows[i]]
+        return self._entry(self._rows[i])
+
+    def __iter__(self):
+        return map(self._entry, self._rows)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (PromptLogprobList, list)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"PromptLogprobList({list(self)!r})"
 
 
 @dataclass(slots=True)
@@ -104,4 +152,4 @@ class DeltaCursor:
         return c.text[chars:], c.token_ids[toks:], c.logprobs[toks:] if c.logprobs is not None else None
 
 
-__all__ = ["Logprob", "SampleLogprobs", "CompletionOutput", "RequestOutput", "DeltaCursor"]
+__all__ = ["Logprob", "SampleLogprobs", "PromptLogprobList", "CompletionOutput", "RequestOutput", "DeltaCursor"]

@@ -45,7 +45,7 @@ from hybridserve.memory.layout import arena_layout
 from hybridserve.errors import ConfigError, InvalidRequest, QueueFull, UnknownRequest
 from hybridserve.model.cache import HybridCache, resolve_dtype
 from hybridserve.model.loader import load_model
-from hybridserve.outputs import CompletionOutput, RequestOutput
+from hybridserve.outputs import CompletionOutput, PromptLogprobList, RequestOutput
 from hybridserve.runner.model_runner import ModelRunner
 from hybridserve.sampler import Sampler, SamplingRow
 from hybridserve.sampling import MAX_LOGPROBS, SamplingParams
@@ -868,7 +868,7 @@ class LLMEngine:
                 continue
             out_ = state.to_output() if finished else state.delta_output(changed_samples)
             if self._prompt_logprobs and rid in self._prompt_logprobs:
-                out_.prompt_logprobs = self._prompt_logprobs[rid][1]
+                out_.prompt_logprobs = PromptLogprobList(self._prompt_logprobs[rid][1])
                 if finished:
                     del self._prompt_logprobs[rid]
             outputs.append(out_)

@@ -16,8 +16,9 @@ from hybridserve.outputs import Logprob
 # Rows of prompt logits turned into log-probabilities at a time (bounds the float32 copy).
 PROMPT_LOGPROB_SLICE = 256
 
-# request id -> (k alternatives wanted, one entry per prompt position; None before computed)
-PromptLogprobs = tuple[int, list[dict[int, Logprob] | None]]
+# request id -> (k alternatives wanted, one row per prompt position; None before computed):
+# a row is (token, logprob, rank, top ids, top logprobs), see outputs.PromptLogprobList.
+PromptLogprobs = tuple[int, list[tuple | None]]
 
 
 def prompt_logprob_rows(prompt_logprobs: dict[str, PromptLogprobs], plan: Any) -> list[int]:
@@ -61,13 +62,12 @@ def record_prompt_logprobs(requests: dict[str, RequestState], prompt_logprobs: d
                 top_v, top_i = lps.topk(k, dim=-1)
                 tv += top_v.tolist()
                 ti += top_i.tolist()
+        # Compact rows (outputs.PromptLogprobList reads them as {token: Logprob}): plain
+        # tuples of numbers, which the cyclic collector stops tracking.
         for j in range(m):
             tok = state.prompt_token_ids[start + 1 + j]
-            entry = {tok: Logprob(chosen_l[j], rank=ranks_l[j])}
-            if k:
-                for rank, (alt, lp) in enumerate(zip(ti[j], tv[j]), start=1):
-                    entry.setdefault(alt, Logprob(lp, rank=rank))
-            entries[start + 1 + j] = entry
+            entries[start + 1 + j] = (tok, chosen_l[j], ranks_l[j], tuple(ti[j]) if k else (),
+                                      tuple(tv[j]) if k else ())
 
 
 def record_logprobs(requests: dict[str, RequestState], plan: Any, step: Any, out: Any) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import logging
 import time
@@ -478,7 +479,7 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                         ids, ents = new_ids, new_lps
                         if first_echo:
                             ids = list(out.prompt_token_ids) + ids
-                            ents = list(out.prompt_logprobs or [None] * len(out.prompt_token_ids)) + ents
+                            ents = itertools.chain(out.prompt_logprobs or [None] * len(out.prompt_token_ids), ents)
                         skip_from = len(ids) - len(new_ids) if params.skip_special_tokens else None
                         args = (tt, ids, ents, k, char_pos.get(index, 0), skip_from)
                         lp = (await _off_loop_if_large(request, lambda a=args: protocol.completion_logprobs(*a), True)

@@ -9,6 +9,7 @@ Rust core, whose fixed-width fields would otherwise overflow into a 500.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import time
@@ -497,7 +498,9 @@ def completion_choice(index: int, c: CompletionOutput, out: RequestOutput, tt: T
         if echo_text is not None:
             plp = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
             ids = list(out.prompt_token_ids) + ids
-            entries = list(plp) + entries
+            # Chained, not listed: each prompt position's {token: Logprob} is made as it
+            # is read and dropped after (a list would keep them all alive for the collector).
+            entries = itertools.chain(plp, entries)
         skip_from = (len(ids) - len(c.token_ids)) if params.skip_special_tokens else None
         logprobs = completion_logprobs(tt, ids, entries, k, offset, skip_from)
     return {"index": index, "text": text, "logprobs": logprobs,
