@@ -174,14 +174,6 @@ def test_stream_edge_cases_add_up(step, reasoning):
         check_stream_adds_up(text, reasoning, "hermes", step)
 
 
-def test_xml_string_value_keeps_its_own_whitespace():
-    # Only the format's one newline each side goes (as vLLM's qwen3_coder parser does).
-    p = parser().parse(xml_call("get_time", tz="  indented\n") + "")
-    assert args(p.calls[0]) == {"tz": "  indented\n"}
-    p = parser().parse(xml_call("get_weather", days=" 3 "))
-    assert args(p.calls[0]) == {"days": 3}
-
-
 def test_convert_value_falls_back_to_text():
     assert convert_value("abc", {"type": "integer"}) == "abc"
     assert convert_value("7", {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == 7

@@ -159,14 +159,12 @@ class OutputParser:
                 args = {}
                 for p in _PARAM_RE.finditer(m.group(2)):
                     pname = p.group(1).strip()
-                    # The format puts one newline each side of a value; only those go
-                    # (vLLM's qwen3_coder parser does the same), so a string's own
-                    # leading/trailing whitespace survives.
-                    value = p.group(2)
-                    if value.startswith("\n"):
-                        value = value[1:]
-                    if value.endswith("\n"):
-                        value = value[:-1]
+                    # The whitespace around a value is the format's (Qwen writes one
+                    # newline each side; the grammar allows a little more). vLLM drops
+                    # only one newline each side, but our "required"/named-tool grammar
+                    # (xgrammar's qwen_3_5 structural tag) lets whitespace in there, so
+                    # a constrained string would break its maxLength/pattern.
+                    value = p.group(2).strip()
                     args[pname] = convert_value(value, props.get(pname))
                 calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
             return calls or None
