@@ -250,7 +250,7 @@ class _Emitter:
 
     def __init__(self) -> None:
         self.started = False
-        self.ws = ""  # trailing whitespace held back
+        self.ws: list[str] = []  # trailing whitespace held back (a list: a long run stays linear)
         self.scanned = 0
 
     def add(self, s: str) -> str:
@@ -262,9 +262,10 @@ class _Emitter:
             self.started = True
         k = len(s.rstrip())
         if k == 0:
-            self.ws += s
+            self.ws.append(s)
             return ""
-        out, self.ws = self.ws + s[:k], s[k:]
+        out = "".join(self.ws) + s[:k]
+        self.ws = [s[k:]]
         return out
 
 
