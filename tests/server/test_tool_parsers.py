@@ -99,12 +99,21 @@ def test_no_tool_parsing_without_tools():
     ("r " + xml_call("get_time", tz="A") + "</think>" + xml_call("get_time", tz="B")[:20], True),
 ])
 def test_streaming_adds_up_to_the_whole_message(text, reasoning):
-    whole = parser(reasoning=reasoning).parse(text)
-    sp = StreamingParser(parser(reasoning=reasoning))
+    check_stream_adds_up(text, reasoning)
+
+
+def stream(text, reasoning, fmt="qwen3_coder", step=1):
+    sp = StreamingParser(parser(reasoning=reasoning, fmt=fmt))
     deltas = []
-    for i in range(1, len(text) + 1):
+    for i in range(step, len(text) + step, step):
         deltas += sp.feed(text[:i], final=False)
     deltas += sp.feed(text, final=True)
+    return sp, deltas
+
+
+def check_stream_adds_up(text, reasoning, fmt="qwen3_coder", step=1):
+    whole = parser(reasoning=reasoning, fmt=fmt).parse(text)
+    sp, deltas = stream(text, reasoning, fmt, step)
     r = "".join(d.get("reasoning_content", "") for d in deltas)
     c = "".join(d.get("content", "") for d in deltas)
     calls: dict[int, dict] = {}
@@ -116,6 +125,53 @@ def test_streaming_adds_up_to_the_whole_message(text, reasoning):
     assert r == (whole.reasoning or "")
     assert c == (whole.content or "")
     assert [calls[i] for i in sorted(calls)] == [{"name": x.name, "arguments": x.arguments} for x in whole.calls]
+    return sp, whole
+
+
+def hermes_call(name: str, **params) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": params}) + "\n</tool_call>"
+
+
+def long_output(fmt: str, n: int) -> str:
+    """About n characters: reasoning with a call inside, then answers, whitespace runs,
+    near-markers, a malformed block, and calls of the given format."""
+    call = xml_call if fmt == "qwen3_coder" else hermes_call
+    parts = ["Thinking about <tool_ and </thi but not yet. ", call("get_time", tz="R"), " more thought\n"]
+    k = 0
+    while sum(map(len, parts)) < n // 3:
+        parts.append(f"reasoning step {k}: weigh < and > and </ carefully.   \n\n")
+        k += 1
+    parts.append("</think>\n\n")
+    while sum(map(len, parts)) < n:
+        parts.append(f"Answer part {k} with a <tool_call> that is broken <tool_call>nope</tool_call>\n" if k % 7 == 0
+                     else f"Answer part {k}, <b>bold</b>.\n   \n")
+        parts.append(call("get_weather", city=f"City {k}", days=str(k)))
+        k += 1
+    return "".join(parts)
+
+
+@pytest.mark.parametrize("fmt", ["qwen3_coder", "hermes"])
+def test_long_stream_is_exact_and_linear(fmt):
+    text = long_output(fmt, 20_000)
+    assert len(text) >= 20_000
+    sp, whole = check_stream_adds_up(text, True, fmt)
+    assert len(whole.calls) > 50 and whole.reasoning and whole.content
+    # Linear: the work per character is bounded (re-parsing the whole text on every
+    # character would scan about n^2/2 = 2e8 characters here) ...
+    assert sp.scanned <= 40 * len(text), sp.scanned
+    # ... and doubling the output about doubles it.
+    half = stream(long_output(fmt, 10_000), True, fmt)[0].scanned
+    assert sp.scanned <= 2.5 * half, (sp.scanned, half)
+
+
+@pytest.mark.parametrize("step", [1, 3, 17])
+@pytest.mark.parametrize("reasoning", [False, True])
+def test_stream_edge_cases_add_up(step, reasoning):
+    for text in ["   <think>  a </think>  b  ", "<thi", "  <think", "<tool_call>\n<function=get_time>\n",
+                 "x </think> y <tool_call>" + hermes_call("get_time", tz="U")[11:], "a   \n  ",
+                 "r <tool_call>abc</think> c " + xml_call("get_time", tz="Q"), "<tool_call></tool_call>"]:
+        check_stream_adds_up(text, reasoning, "qwen3_coder", step)
+        check_stream_adds_up(text, reasoning, "hermes", step)
 
 
 def test_convert_value_falls_back_to_text():

@@ -160,7 +160,10 @@ class OutputParser:
                 for p in _PARAM_RE.finditer(m.group(2)):
                     pname = p.group(1).strip()
                     # The whitespace around a value is the format's (Qwen writes one
-                    # newline each side; the grammar allows a little more).
+                    # newline each side; the grammar allows a little more). vLLM drops
+                    # only one newline each side, but our "required"/named-tool grammar
+                    # (xgrammar's qwen_3_5 structural tag) lets whitespace in there, so
+                    # a constrained string would break its maxLength/pattern.
                     value = p.group(2).strip()
                     args[pname] = convert_value(value, props.get(pname))
                 calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
@@ -240,9 +243,53 @@ class OutputParser:
         return Parsed(reasoning, content, calls)
 
 
+class _Emitter:
+    """One growing field (reasoning or content) as it streams: the text is stripped at
+    both ends in the end, so leading whitespace is dropped and trailing whitespace
+    waits until more text follows it."""
+
+    def __init__(self) -> None:
+        self.started = False
+        self.ws: list[str] = []  # trailing whitespace held back (a list: a long run stays linear)
+        self.scanned = 0
+
+    def add(self, s: str) -> str:
+        self.scanned += len(s)
+        if not self.started:
+            s = s.lstrip()
+            if not s:
+                return ""
+            self.started = True
+        k = len(s.rstrip())
+        if k == 0:
+            self.ws.append(s)
+            return ""
+        out = "".join(self.ws) + s[:k]
+        self.ws = [s[k:]]
+        return out
+
+
+def _held(text: str, start: int, end: int, markers: tuple[str, ...]) -> int:
+    """The length of the longest suffix of text[start:end] that may begin a marker."""
+    best = 0
+    for m in markers:
+        for k in range(min(len(m) - 1, end - start), best, -1):
+            if text.startswith(m[:k], end - k, end):
+                best = k
+                break
+    return best
+
+
 class StreamingParser:
     """The deltas of one streamed choice: ``feed(whole text so far)`` returns a list of
-    OpenAI delta objects (reasoning_content / content / tool_calls)."""
+    OpenAI delta objects (reasoning_content / content / tool_calls).
+
+    Incremental: between calls it keeps its position, so each call scans only the new
+    text plus a bounded lookback (a partly received marker such as ``<tool_call>`` or
+    ``</think>``); ``scanned`` counts the characters examined. Text goes out only once
+    nothing later can change it, so the pieces are prefixes of the non-streamed parse;
+    the final call parses the whole text once (linear) and sends what remains of it.
+    """
 
     def __init__(self, parser: OutputParser) -> None:
         self.parser = parser
@@ -250,11 +297,111 @@ class StreamingParser:
         self.sent_content = ""
         self.sent_calls = 0
         self.final: Parsed | None = None
+        self.scanned = 0
+        self._tools = parser.tool_parser is not None
+        self._stage = "start"  # start | reasoning | content
+        self._lead = 0  # start stage: leading whitespace skipped so far
+        self._seg_start = 0  # where the current segment's unprocessed text starts
+        self._think_from = 0  # where the next </think> search starts
+        self._call_at = -1  # an open <tool_call>'s index, or -1
+        self._end_from = 0  # where the next </tool_call> search starts
+        self._calls: list[ToolCall] = []
+        self._emit = {"reasoning": _Emitter(), "content": _Emitter()}
+
+    def _field(self, name: str, piece: str, deltas: list[dict[str, Any]]) -> None:
+        piece = self._emit[name].add(piece)
+        if not piece:
+            return
+        if name == "reasoning":
+            self.sent_reasoning += piece
+            deltas.append({"reasoning_content": piece})
+        else:
+            self.sent_content += piece
+            deltas.append({"content": piece})
+
+    def _segment(self, text: str, end: int, field_name: str, holds: tuple[str, ...],
+                 closed: bool, deltas: list[dict[str, Any]]) -> None:
+        """Processes text[self._seg_start:end] of a segment; ``closed``: the segment
+        ends at ``end`` (an open call and a held suffix become text)."""
+        pos = self._seg_start
+        while True:
+            if self._call_at >= 0:
+                a = max(self._end_from, self._call_at + len(CALL_START))
+                j = text.find(CALL_END, a, end)
+                self.scanned += max(0, end - a)
+                if j < 0:
+                    if closed:  # cut off inside the segment: the block is text
+                        self._field(field_name, text[self._call_at:end], deltas)
+                        self._call_at, pos = -1, end
+                    else:
+                        self._end_from = max(a, end - len(CALL_END) + 1)
+                    break
+                body = text[self._call_at + len(CALL_START):j]
+                self.scanned += len(body)
+                got = self.parser._parse_call(body)
+                if got is None:  # malformed: stays text
+                    self._field(field_name, text[self._call_at:j + len(CALL_END)], deltas)
+                else:
+                    for call in got:
+                        i = len(self._calls)
+                        self._calls.append(call)
+                        deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
+                                                       "function": {"name": call.name, "arguments": ""}}]})
+                        deltas.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+                self._call_at, pos = -1, j + len(CALL_END)
+                continue
+            i = text.find(CALL_START, pos, end) if self._tools else -1
+            self.scanned += max(0, end - pos)
+            if i >= 0:
+                self._field(field_name, text[pos:i], deltas)
+                self._call_at, self._end_from = i, i + len(CALL_START)
+                pos = i
+                continue
+            keep = 0 if closed else _held(text, pos, end, holds)
+            self._field(field_name, text[pos:end - keep], deltas)
+            pos = end - keep
+            break
+        self._seg_start = pos if self._call_at < 0 else self._call_at
+
+    def _advance(self, text: str) -> list[dict[str, Any]]:
+        deltas: list[dict[str, Any]] = []
+        n = len(text)
+        call_holds = (CALL_START,) if self._tools else ()
+        if self._stage == "start":
+            while self._lead < n and text[self._lead].isspace():
+                self._lead += 1
+            self.scanned += 1
+            head = text[self._lead:self._lead + len(THINK_START)]
+            if len(head) < len(THINK_START) and THINK_START.startswith(head):
+                return deltas  # may yet open <think>: wait
+            has_think = head == THINK_START
+            if self.parser.reasoning or has_think:
+                self._stage = "reasoning"
+                self._seg_start = self._lead + len(THINK_START) if has_think else 0
+                self._think_from = self._seg_start
+            else:
+                self._stage, self._seg_start = "content", 0
+        if self._stage == "reasoning":
+            a = self._think_from
+            i = text.find(THINK_END, a)
+            self.scanned += n - a
+            if i < 0:
+                self._think_from = max(a, n - len(THINK_END) + 1)
+                self._segment(text, n, "reasoning", (THINK_END, *call_holds), False, deltas)
+                return deltas
+            self._segment(text, i, "reasoning", (), True, deltas)
+            self._stage, self._seg_start, self._call_at = "content", i + len(THINK_END), -1
+        self._segment(text, n, "content", call_holds, False, deltas)
+        return deltas
 
     def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
-        p = self.parser.parse(text, final=final)
-        if final:
-            self.final = p
+        if not final:
+            return self._advance(text)
+        p = self.parser.parse(text, final=True)
+        self.scanned += len(text)
+        for call, sent in zip(p.calls, self._calls):
+            call.id = sent.id  # the ids the client already has
+        self.final = p
         deltas: list[dict[str, Any]] = []
         r = p.reasoning or ""
         if len(r) > len(self.sent_reasoning) and r.startswith(self.sent_reasoning):
@@ -264,7 +411,7 @@ class StreamingParser:
         if len(c) > len(self.sent_content) and c.startswith(self.sent_content):
             deltas.append({"content": c[len(self.sent_content):]})
             self.sent_content = c
-        for i in range(self.sent_calls, len(p.calls)):
+        for i in range(len(self._calls), len(p.calls)):
             call = p.calls[i]
             deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",
                                            "function": {"name": call.name, "arguments": ""}}]})
