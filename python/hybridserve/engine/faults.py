@@ -161,20 +161,14 @@ def error_output(engine: Any, rid: str, reason: str = "error") -> Any:
     """Ends request ``rid`` with ``finish_reason == reason`` on every unfinished sample:
     out of the scheduler (every page back), out of the engine; its final output."""
     state = engine.requests.pop(rid)
-    engine._requests_epoch += 1
-    engine._beams.pop(rid, None)
-    engine._prompt_logprobs.pop(rid, None)
-    engine._fault_retried.pop(rid, None)
-    engine.scheduler.abort(rid)
-    engine._release_sampler_rows(rid, state)
-    for s in state.samples:
-        if s.finish_reason is None:
-            s.finish_reason = reason
-            if s.completion is not None:
-                try:
-                    s.completion.finish()
-                except Exception:  # noqa: BLE001 - the detokenizer may be what failed
-                    pass
+    unfinished = [s for s in state.samples if s.finish_reason is None]
+    engine._end_request(rid, state, reason)
+    for s in unfinished:
+        if s.completion is not None:
+            try:
+                s.completion.finish()
+            except Exception:  # noqa: BLE001 - the detokenizer may be what failed
+                pass
     engine.errored_requests += 1
     try:
         return state.to_output()

@@ -545,16 +545,23 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Cancel a request in any state; its blocks and slot return to the pools."""
         state = self.requests.pop(request_id, None)
-        self._requests_epoch += 1
         if state is None:
             raise UnknownRequest(f"no request with id {request_id!r}")
+        self._end_request(request_id, state, "abort")
+
+    def _end_request(self, request_id: str, state: RequestState, reason: str) -> None:
+        """The request (already out of ``self.requests``) leaves the scheduler, every page
+        back, and the engine's per-request tables; unfinished samples end with ``reason``.
+        One path for aborts and for requests a fault ends (engine.faults)."""
+        self._requests_epoch += 1
         self._beams.pop(request_id, None)
         self._prompt_logprobs.pop(request_id, None)
+        self._fault_retried.pop(request_id, None)
         self.scheduler.abort(request_id)
         self._release_sampler_rows(request_id, state)
         for s in state.samples:
             if s.finish_reason is None:
-                s.finish_reason = "abort"
+                s.finish_reason = reason
 
     def _release_sampler_rows(self, request_id: str, state: RequestState) -> None:
         # The sampler keeps device state per (request, sample) across steps.
