@@ -290,7 +290,6 @@ class LLMEngine:
         """The CPU arena's default budget: a fraction of the host memory available now
         (the weights are loaded), at most what MAX_NUM_SEQS_CAP sequences of
         max_model_len tokens can use (more pages would never be written)."""
-        from hybridserve.engine.args import MAX_NUM_SEQS_CAP
         from hybridserve.engine.device import available_memory_bytes
 
         a = self.args
@@ -313,8 +312,6 @@ class LLMEngine:
         """max_num_seqs from the memory plan: the sequences (each its state and one KV
         block) the arena holds at once, at most MAX_NUM_SEQS_CAP; a fixed number would
         either leave a large arena idle or promise a small one more than it holds."""
-        from hybridserve.engine.args import MAX_NUM_SEQS_CAP
-
         plan = self.arena_plan
         fit = plan.num_pages // plan.layout.pages_for_sequence(1)
         return max(1, min(MAX_NUM_SEQS_CAP, fit))
