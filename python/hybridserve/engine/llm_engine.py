@@ -412,20 +412,24 @@ class LLMEngine:
             # Every prompt position must run through the model: a private prefix-cache
             # key keeps a cached prefix from skipping positions whose logits we need.
             extra["extra_key"] = int.from_bytes(os.urandom(8), "little")
-        self.scheduler.add_request(
-            request_id,
-            np.asarray(ids, dtype=np.uint32),
-            max_tokens=params.max_tokens,
-            min_tokens=params.min_tokens,
-            stop_token_ids=stop_ids,
-            ignore_eos=params.ignore_eos,
-            eos_token_ids=self.eos_token_ids,
-            n=params.n,
-            priority=priority,
-            request_class=request_class,
-            **extra,
-        ) if params.structured_outputs is None else self._scheduler_add_structured(
-            request_id, ids, params, stop_ids, priority, request_class, extra)
+        try:
+            self.scheduler.add_request(
+                request_id,
+                np.asarray(ids, dtype=np.uint32),
+                max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens,
+                stop_token_ids=stop_ids,
+                ignore_eos=params.ignore_eos,
+                eos_token_ids=self.eos_token_ids,
+                n=params.n,
+                priority=priority,
+                request_class=request_class,
+                **extra,
+            )
+        except BaseException:
+            if params.structured_outputs is not None:  # compiled above: a refusal gives it back
+                self.structured.release(request_id)
+            raise
         self.requests[request_id] = state
         self._requests_epoch += 1
         if prompt_logprobs is not None:
@@ -923,18 +927,6 @@ class LLMEngine:
 
         check_params(params)
         self.structured_decoding().add(request_id, params.structured_outputs)
-
-    def _scheduler_add_structured(self, request_id, ids, params, stop_ids, priority, request_class, extra):
-        # The grammar was compiled in _add_structured; a scheduler refusal gives it back.
-        try:
-            return self.scheduler.add_request(
-                request_id, np.asarray(ids, dtype=np.uint32), max_tokens=params.max_tokens,
-                min_tokens=params.min_tokens, stop_token_ids=stop_ids, ignore_eos=params.ignore_eos,
-                eos_token_ids=self.eos_token_ids, n=params.n, priority=priority,
-                request_class=request_class, **extra)
-        except BaseException:
-            self.structured.release(request_id)
-            raise
 
     # ----------------------------------------------------------------- helpers
     def stats(self) -> dict[str, Any]:
