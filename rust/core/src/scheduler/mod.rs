@@ -159,6 +159,8 @@ struct Entry {
     start: u32,
     k: u32,
     num_samples: u32,
+    /// Draft tokens fed after the last token (the last `drafts` of the `k` rows).
+    drafts: u32,
     /// A checkpoint written inside this chunk: (boundary in tokens, its state).
     ckpt: Option<(u32, StateId)>,
 }
@@ -231,6 +233,11 @@ pub struct Scheduler {
     finished_requests: u64,
     aborted_requests: u64,
     last_step_tokens: u32,
+    /// Speculative decoding counters: drafts scheduled, drafts accepted,
+    /// acceptances per draft position (`num_speculative_tokens` long).
+    spec_draft_tokens: u64,
+    spec_accepted_tokens: u64,
+    spec_accepted_by_position: Vec<u64>,
 }
 
 struct Snap {
@@ -293,6 +300,9 @@ impl Scheduler {
             finished_requests: 0,
             aborted_requests: 0,
             last_step_tokens: 0,
+            spec_draft_tokens: 0,
+            spec_accepted_tokens: 0,
+            spec_accepted_by_position: vec![0; cfg.num_speculative_tokens as usize],
             cfg,
         })
     }

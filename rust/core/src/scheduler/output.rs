@@ -56,6 +56,12 @@ pub struct SchedulerOutput {
     pub checkpoint_positions: Vec<i32>,
     /// `state_pages` page ids per entry with a checkpoint position, in entry order.
     pub checkpoint_pages: Vec<i32>,
+    /// Speculative decoding: how many of the entry's `num_scheduled_tokens`
+    /// rows are draft tokens, fed after its last token (0 for entries without
+    /// drafts and for prefill chunks). Such an entry has `num_samples` 1: the
+    /// caller samples its rows itself and passes the accepted count to
+    /// `update_spec`. No checkpoint is ever asked of it.
+    pub num_draft_tokens: Vec<i32>,
     /// Tokens to sample from the entry's last position: 0 (mid-prefill), 1, or n
     /// (last prompt chunk of an unforked n>1 request).
     pub num_samples: Vec<i32>,
@@ -105,6 +111,7 @@ impl SchedulerOutput {
         self.checkpoint_positions.clear();
         self.checkpoint_pages.clear();
         self.num_samples.clear();
+        self.num_draft_tokens.clear();
         self.block_table_rows.clear();
         self.bt_update_rows.clear();
         self.bt_update_cols.clear();
