@@ -34,6 +34,12 @@ use super::request::FinishReason;
 /// before any destination is written (one gather, one scatter); no two pairs
 /// write the same page.
 ///
+/// Speculative decoding: entry `b`'s last `num_draft_tokens[b]` tokens are
+/// drafts (after its last committed token, at the next positions, with slots);
+/// every entry that samples also has slots, in its block-table row, for the
+/// positions `seq_lens[b] .. seq_lens[b] + k - 1` (k = num_speculative_tokens,
+/// never reaching prompt + max_tokens), where the drafter writes.
+///
 /// Checkpoints: `checkpoint_positions[b] = k >= 1` asks the forward to write
 /// entry `b`'s DeltaNet state as it is after its first `k` scheduled tokens
 /// into the `state_pages` pages that follow in `checkpoint_pages` (in entry

@@ -7,6 +7,9 @@ use hybridserve_core::scheduler::PreemptCause;
 use std::collections::HashSet;
 
 impl Harness {
+    // is_multiple_of needs Rust 1.87 (the MSRV is 1.80); entries are indices into
+    // several parallel plan arrays.
+    #[allow(clippy::manual_is_multiple_of, clippy::needless_range_loop)]
     pub(crate) fn do_step(&mut self) {
         self.step += 1;
         let cfg = self.cfg.clone();
