@@ -419,3 +419,24 @@ def test_random_workload_with_drafts(seed):
     assert st["kv_pages"] == 0 and st["running_state_pages"] == 0
     assert st["free_pages"] + st["cached_pages"] + st["checkpoint_pages"] == num_pages
     assert (st["spec_draft_tokens"], st["spec_accepted_tokens"]) == (drafts_given, accepted_sum)
+
+
+def test_numpy_counts_and_drafts_and_none_entries():
+    s = Scheduler(64, 4, 1, 4, 32, 64, num_speculative_tokens=2)
+    assert s.num_speculative_tokens == 2
+    s.add_request("a", [1, 2, 3], max_tokens=8)
+    s.add_request("b", [4, 5, 6], max_tokens=8)
+    plan = s.schedule()
+    s.update(np.array([10, 20], dtype=np.int32), drafts=[np.array([11, 12], dtype=np.int64), None])
+    plan = s.schedule()
+    assert dict(zip(plan.request_ids, plan.num_draft_tokens.tolist())) == {"a": 2, "b": 0}
+    b_a = plan.request_ids.index("a")
+    acc = np.ones(len(plan), dtype=np.int64)
+    acc[b_a] = 2
+    sampled = []
+    for b in range(len(plan)):
+        sampled += [11, 13] if b == b_a else [21]
+    upd = s.update(np.array(sampled, dtype=np.int32), accepted=acc)
+    assert s.get_output_tokens("a", 0).tolist() == [10, 11, 13]
+    assert s.get_output_tokens("b", 0).tolist() == [20, 21]
+    assert len(upd.token_ids) == 3
