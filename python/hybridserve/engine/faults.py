@@ -31,6 +31,9 @@ refuses every later step. ``serve`` then exits non-zero.
 sampling and logprobs (just before the scheduler's update), ``output`` right after the
 update; each with that probability per step, from a generator seeded by ``seed``.
 Unset, the engine holds ``None`` and pays one attribute test per point.
+
+The functions below take the engine core (:class:`hybridserve.engine.core.EngineCore`),
+whose step loop calls them.
 """
 
 from __future__ import annotations
