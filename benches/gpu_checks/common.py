@@ -125,7 +125,7 @@ def random_weights(model_dir: str, dtype: Any = "float32", device: Any = "cpu", 
 @contextlib.contextmanager
 def random_weight_engine():
     """Engines built inside draw their weights on the device (no checkpoint files)."""
-    import hybridserve.engine.llm_engine as le
+    import hybridserve.engine.builder as le
 
     real = le.load_model
     le.load_model = random_weights

@@ -11,7 +11,7 @@ import pytest
 
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine import faults
-from hybridserve.engine import llm_engine as llm_engine_mod
+from hybridserve.engine import core as core_mod
 from hybridserve.engine.faults import FAULT_INJECT_ENV, FaultInjector
 from hybridserve.errors import ConfigError, FatalEngineError
 
@@ -52,7 +52,7 @@ def _caught_recorder(monkeypatch):
     """Records the requests of every failed step (the plan's and, after the update, the
     update's): the ones a fault caught."""
     caught: set[str] = set()
-    real = llm_engine_mod.recover_step
+    real = core_mod.recover_step
 
     def spy(engine, plan, exc, phase, update=None):
         if plan is not None:
@@ -62,7 +62,7 @@ def _caught_recorder(monkeypatch):
             caught.update(update.finished_request_ids)
         return real(engine, plan, exc, phase, update)
 
-    monkeypatch.setattr(llm_engine_mod, "recover_step", spy)
+    monkeypatch.setattr(core_mod, "recover_step", spy)
     return caught
 
 

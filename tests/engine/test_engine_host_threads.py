@@ -46,7 +46,7 @@ def test_host_work_on_one_thread_the_model_on_the_engines(tiny_dirs):
     torch_threads = torch.get_num_threads()
     try:
         engine = _engine(tiny_dirs)
-        assert engine.cpu_threads == 2 and engine._host_one_thread
+        assert engine.cpu_threads == 2 and engine.core._host_one_thread
         model = engine.runner.model = _ThreadsSeen(engine.runner.model)
         seen: list[tuple[str, int]] = []
         _watch_sampler(engine, seen)
@@ -86,10 +86,10 @@ def test_prompt_logprobs_and_large_vocabularies_keep_the_engines_threads(tiny_di
         assert [n for name, n in seen if name == "sample_planned"] == [2]
         # Logits past the limit: every step keeps the engine's threads.
         vocab = engine.model_config.vocab_size
-        import hybridserve.engine.llm_engine as llm_engine
+        from hybridserve.engine.device import HOST_PARALLEL_MIN_ELEMENTS
 
-        big = llm_engine.HOST_PARALLEL_MIN_ELEMENTS // vocab + 1
-        assert not _engine(tiny_dirs, max_num_seqs=big)._host_one_thread
+        big = HOST_PARALLEL_MIN_ELEMENTS // vocab + 1
+        assert not _engine(tiny_dirs, max_num_seqs=big).core._host_one_thread
     finally:
         torch.set_num_threads(torch_threads)
 
@@ -104,16 +104,16 @@ def test_a_steady_batch_reuses_its_sampler_rows_and_only_then(tiny_dirs):
     engine = _engine(tiny_dirs)
     rng = random.Random(3)
     hits = [0]
-    inner = engine._sampling_rows
+    inner = engine.core._sampling_rows
 
     def checked(plan, batch_index, num_samples):
-        cache_before = engine._rows_cache
+        cache_before = engine.core._rows_cache
         got = inner(plan, batch_index, num_samples)
         if cache_before is not None and got is cache_before[3]:
             hits[0] += 1
-        saved, engine._rows_cache = engine._rows_cache, None
+        saved, engine.core._rows_cache = engine.core._rows_cache, None
         want = inner(plan, batch_index, num_samples)
-        engine._rows_cache = saved
+        engine.core._rows_cache = saved
         assert len(got) == len(want)
         for a, b in zip(got, want):
             if b.num_samples > 1:  # fork rows are made fresh each step: compare their fields
@@ -122,7 +122,7 @@ def test_a_steady_batch_reuses_its_sampler_rows_and_only_then(tiny_dirs):
                 assert a is b
         return got
 
-    engine._sampling_rows = checked
+    engine.core._sampling_rows = checked
     n = 0
     for step in range(60):
         if step % 7 == 0 and n < 12:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from hybridserve.engine.args import EngineArgs
-from hybridserve.engine import llm_engine
+from hybridserve.engine import output_processor
 from hybridserve.engine.llm_engine import LLMEngine
 from hybridserve.sampler import SamplerOutput
 from hybridserve.sampling import SamplingParams
@@ -53,13 +53,13 @@ def test_steady_rows_stay_right_under_churn(tiny_dirs, monkeypatch):
                                   max_num_batched_tokens=64, max_model_len=512))
     sampler = engine.sampler = _Scripted()
     steady_calls = [0]
-    inner = llm_engine.steady_row_outputs
+    inner = output_processor.steady_row_outputs
 
     def counted(*a):
         steady_calls[0] += 1
         return inner(*a)
 
-    monkeypatch.setattr(llm_engine, "steady_row_outputs", counted)
+    monkeypatch.setattr(output_processor, "steady_row_outputs", counted)
     # Per incarnation (request id, n-th add): its outputs; which incarnation an id is.
     got: dict[tuple[str, int], list] = defaultdict(list)
     incarnation: dict[str, int] = defaultdict(int)

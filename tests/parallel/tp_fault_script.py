@@ -15,7 +15,7 @@ if how == "driver-start":
     # does not, it is another process): the worker must be stopped at once.
     import time
 
-    import hybridserve.engine.llm_engine as llm_engine
+    import hybridserve.engine.builder as builder
     from hybridserve.parallel import launcher
 
     started = []
@@ -29,7 +29,7 @@ if how == "driver-start":
         raise ValueError("tokenizer broken on the driver")
 
     launcher.WorkerLauncher.__init__ = recording_init
-    llm_engine.load_tokenizer = broken_tokenizer
+    builder.load_tokenizer = broken_tokenizer
     t0 = time.monotonic()
     try:
         LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)

@@ -3,7 +3,7 @@ wants no prompt logprobs and does not finish this step. Nearly every row of a st
 decode batch is one, so its delta output is built straight from the sample's fields
 (what ``SampleState.delta_output`` would give) and, while the batch stays the same, the
 engine walks the rows' objects kept from the last step (:func:`steady_row_outputs`)
-instead of looking each request up again (see ``LLMEngine._after_forward``)."""
+instead of looking each request up again (see ``OutputProcessor.process``)."""
 
 from __future__ import annotations
 

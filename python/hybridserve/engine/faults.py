@@ -31,6 +31,9 @@ refuses every later step. ``serve`` then exits non-zero.
 sampling and logprobs (just before the scheduler's update), ``output`` right after the
 update; each with that probability per step, from a generator seeded by ``seed``.
 Unset, the engine holds ``None`` and pays one attribute test per point.
+
+The functions below take the engine core (:class:`hybridserve.engine.core.EngineCore`),
+whose step loop calls them.
 """
 
 from __future__ import annotations
@@ -202,8 +205,9 @@ def recover_step(engine: Any, plan: Any, exc: BaseException, phase: str, update:
     requests it ended with an error. Raises FatalEngineError when the fault is fatal or
     has repeated ``max_consecutive_step_failures`` times."""
     engine._rows_cache = None
-    engine._steady_rows = None
-    engine._requests_epoch += 1
+    if engine.output_processor is not None:
+        engine.output_processor.forget_steady_rows()
+    engine.requests_epoch += 1
     if not isinstance(exc, Exception):
         # Ctrl-C or exit inside a step: leave the core consistent (no pending plan) and
         # let it propagate; the caller aborts what it started.
@@ -247,7 +251,7 @@ def recover_step(engine: Any, plan: Any, exc: BaseException, phase: str, update:
     n_retry = 0
     for rid in caught:
         state = engine.requests[rid]
-        beam_moved = phase == "sample" and rid in engine._beams
+        beam_moved = phase == "sample" and rid in engine.beams
         if phase == "output" or beam_moved or retried.get(rid) is state:
             outputs.append(error_output(engine, rid))
         else:
