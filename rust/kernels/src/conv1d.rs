@@ -273,8 +273,11 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, c0: usize) {
         // SAFETY: as for the state item: the checkpoint's page is this run's alone.
         store(unsafe { ctx.state.slice(at + c0 * hw, n * hw) }, k);
     }
-    // `hist` holds the old state, so writing the item last cannot clobber an input.
-    store(st, len);
+    // `hist` holds the old state, so writing the item last cannot clobber an input. A
+    // read-only (speculative) run leaves it as it was.
+    if !ctx.paged.is_read_only(b) {
+        store(st, len);
+    }
 }
 
 #[cfg(test)]
@@ -318,6 +321,7 @@ mod tests {
                 num_pages: pages,
                 checkpoint_positions: ck,
                 checkpoint_table: ck_table,
+                read_only: &[],
             };
         let mut whole = vec![0.0f32; t * c];
         let mut st1 = vec![9.0f32; pages * stride];
@@ -408,6 +412,7 @@ mod tests {
             num_pages: 5,
             checkpoint_positions: &ckpos,
             checkpoint_table: &cktab,
+            read_only: &[],
         };
         let varlen = Varlen {
             query_start_loc: &qsl,

@@ -175,6 +175,7 @@ fn check_mixed_batch(vd: usize) {
         num_pages,
         checkpoint_positions: &ck,
         checkpoint_table: &ck_table,
+        read_only: &[],
     };
     gated_delta_rule(
         Rows::dense(&q, 32).unwrap(),
@@ -218,6 +219,7 @@ fn one_item_pool<'a>(table: &'a [i64], ck: &'a [i64], ck_table: &'a [i64]) -> Pa
         num_pages: 2,
         checkpoint_positions: ck,
         checkpoint_table: ck_table,
+        read_only: &[],
     }
 }
 
@@ -297,6 +299,7 @@ fn bf16_inputs_equal_the_float32_kernel_on_their_values() {
             num_pages: 4,
             checkpoint_positions: &[],
             checkpoint_table: &[],
+            read_only: &[],
         };
         let varlen = Varlen {
             query_start_loc: &[0, 4, 9],
