@@ -492,7 +492,7 @@ class Qwen3_5ForServing(nn.Module):
         sequence's DeltaNet state (conv and recurrent, in its state pages) over its first
         ``accepted[b]`` rows, replayed from the step's ring, so the pages hold the state
         after those tokens as decoding them one by one leaves it. ``accepted`` int ``[B]``
-        (ignored for non-speculative entries; ``1 <= accepted[b] <` rows of b``). K/V of
+        (ignored for non-speculative entries; ``1 <= accepted[b] <=`` the rows of b). K/V of
         rejected rows stays in the cache, unreferenced once the sequence's length drops
         back. Once per forward."""
         ring = batch.spec_ring
@@ -537,7 +537,13 @@ class Qwen3_5ForServing(nn.Module):
         embedding of ``input_ids[r]`` (token t+1), writes its K/V at ``slot_mapping[r]``
         and attends causally over the sequence's MTP KV. Returns float32 logits ``[S, V]``
         for ``batch.logits_indices`` and ``mtp_hidden`` ``[R, H]``. ConfigError when the
-        model was built without the MTP layer or the cache has no room for its KV."""
+        model was built without the MTP layer or the cache has no room for its KV.
+
+        Layout (vLLM's proposer and our training, ``hybridserve.train``): the row of
+        ``h_t`` with token ``t+1`` sits at position ``t`` and writes the MTP KV slot of
+        position ``t`` (the sequence's own block table: every KV page holds the MTP
+        layer's block too); a chained draft step then runs position ``t+1`` with the
+        previous ``mtp_hidden`` and the token just drafted."""
         if self.mtp is None:
             raise ConfigError("this model was loaded without its MTP layer (load_model(..., load_mtp=True))")
         if cache.mtp_layer_index is None:
