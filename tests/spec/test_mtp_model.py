@@ -283,3 +283,18 @@ def test_page_bytes_with_mtp_grow_by_one_attention_block(preset, dtype, tmp_path
     start = k.storage_offset() * k.element_size()
     assert start == base.kv_block_bytes  # right after the trunk's attention layers
     assert k.stride(0) * k.element_size() == with_mtp.page_bytes
+
+
+@pytest.mark.parametrize("preset", ["test-a", "test-b", "moe-a", "moe-b"])
+def test_planner_counts_the_mtp_layers_weights(preset, tmp_path):
+    """mtp_param_count against the model's own MTP parameters, and the checkpoint
+    header count with mtp=True against the mtp.* tensors' bytes."""
+    from hybridserve.planner.weights import checkpoint_weight_bytes, mtp_param_count, weight_bytes
+
+    path = write_tiny_checkpoint(tmp_path / "w", preset=preset, dtype="bfloat16")
+    model, config = load_model(path, progress=False, load_mtp=True)
+    assert mtp_param_count(config) == sum(p.numel() for p in model.mtp.parameters())
+    mtp_bytes = sum(t.numel() * 2 for t in _mtp_tensors(path).values())
+    assert checkpoint_weight_bytes(path, mtp=True) - checkpoint_weight_bytes(path) == mtp_bytes
+    assert weight_bytes(config, path, mtp=True) == checkpoint_weight_bytes(path, mtp=True)
+    assert weight_bytes(config, mtp=True) - weight_bytes(config) == mtp_param_count(config) * 2

@@ -28,8 +28,14 @@ BLOCK = 4
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return str(write_tiny_checkpoint(tmp_path_factory.mktemp("spec") / "a", preset="test-a", seed=3))
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {p: str(write_tiny_checkpoint(root / p, preset=p, seed=3)) for p in ("test-a", "test-b", "moe-a")}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_dirs):
+    return tiny_dirs["test-a"]
 
 
 @pytest.fixture(params=["native", "torch"])
@@ -97,12 +103,13 @@ def kv_rows(cache, seq, upto):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_commit_leaves_the_state_of_decoding_the_accepted_tokens_one_by_one(tiny_dir, kernels, dtype, seed,
-                                                                              monkeypatch):
+@pytest.mark.parametrize("preset,dtype", [("test-a", "float32"), ("test-a", "bfloat16"), ("test-b", "float32"),
+                                          ("moe-a", "float32")])
+def test_commit_leaves_the_state_of_decoding_the_accepted_tokens_one_by_one(tiny_dirs, kernels, preset, dtype,
+                                                                              seed, monkeypatch):
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    model, config = load_model(tiny_dir, dtype=dtype, progress=False)
+    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
     cache = model.new_cache(160, BLOCK)
     free = list(range(cache.num_pages))
     rng.shuffle(free)
