@@ -143,6 +143,7 @@ def size_arena(
     num_pages: int | None = None,
     cuda_graphs: bool = False,
     max_num_seqs: int | None = None,
+    extra_attention_layers: int = 0,
 ) -> ArenaPlan:
     """The arena for ``config`` from ONE byte budget, or exactly ``num_pages`` pages.
 
@@ -153,6 +154,9 @@ def size_arena(
     (exact sizing for tests) is the scheduler's pages; scratch comes on top.
     ``config.max_position_embeddings`` is taken as max_model_len (the engine passes its
     serving config). ``max_num_seqs`` only caps the session counts reported.
+    ``extra_attention_layers``: attention layers beyond the trunk's in every KV page (1:
+    the MTP layer's KV when speculative decoding is on; see
+    :func:`~hybridserve.memory.layout.arena_layout`).
 
     Raises :class:`ConfigError` saying what to change when the arena cannot hold one
     sequence's state plus one KV block, or when neither / both sizes are given.
@@ -164,7 +168,7 @@ def size_arena(
         )
     if max_num_seqs is not None:
         positive_int("max_num_seqs", max_num_seqs)
-    layout = arena_layout(config, block_size, kv_dtype)
+    layout = arena_layout(config, block_size, kv_dtype, extra_attention_layers)
     scratch = layout.state_pages if cuda_graphs else 0
     need = layout.pages_for_sequence(1)  # one sequence: its state + one KV block
     if num_pages is not None:
@@ -208,7 +212,9 @@ def _layout_line(plan: ArenaPlan) -> str:
     lay = plan.layout
     line = (
         f"page layout ({lay.kv_dtype} cache): a page is one {lay.block_size}-token KV block of "
-        f"{_count(lay.num_attention_layers, 'attention layer')} ({format_bytes(lay.kv_block_bytes)}, padding "
+        f"{_count(lay.num_attention_layers, 'attention layer')}"
+        + (f" (incl. {lay.extra_attention_layers} MTP)" if lay.extra_attention_layers else "")
+        + f" ({format_bytes(lay.kv_block_bytes)}, padding "
         f"{format_bytes(lay.kv_padding_bytes)})"
     )
     if lay.num_linear_layers:
