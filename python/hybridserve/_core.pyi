@@ -156,7 +156,17 @@ class SchedulerOutput:
         """``state_pages`` page ids per entry with a checkpoint position, entry order."""
     @property
     def num_samples(self) -> Int32Array:
-        """Tokens to sample from the entry's last position: 0, 1, or n (an n>1 fork)."""
+        """Tokens to sample from the entry's last position: 0, 1, or n (an n>1 fork).
+        A drafted entry has 1: the caller samples all of its rows itself."""
+    @property
+    def num_draft_tokens(self) -> Int32Array:
+        """``[B]`` speculative decoding: how many of the entry's scheduled tokens are
+        drafts. Entry b's ``input_ids`` are its last committed token then
+        ``num_draft_tokens[b]`` drafts (a prefix of what ``update(drafts=...)``
+        gave, cut to the token budget and to ``max_tokens``: r outputs left, at
+        most r - 1 drafts), with positions and slots for every row. 0 for entries
+        without drafts and for prefill chunks; ``checkpoint_positions`` is -1 on a
+        drafted entry."""
     @property
     def block_table_rows(self) -> Int32Array: ...
     @property
@@ -237,7 +247,18 @@ class Scheduler:
         prefix_checkpoint_interval: int = 0,
         priority_preemption_threshold: int = 1,
         max_priority_preemptions_per_step: int = 4,
-    ) -> None: ...
+        max_request_classes: int = 16,
+        num_speculative_tokens: int = 0,
+    ) -> None:
+        """``num_speculative_tokens`` = k > 0 turns on speculative decoding (MTP):
+        decodes carry up to k drafts (see ``update``), and every entry that samples
+        (decodes, and prefill chunks ending the prompt) also gets KV slots for the
+        positions ``seq_lens[b] .. seq_lens[b] + k - 1`` (never reaching
+        ``prompt + max_tokens``; none for beam search), in its block-table row,
+        for the drafter to write before the next ``schedule()``. They count in
+        admission and preemption like any other block."""
+    @property
+    def num_speculative_tokens(self) -> int: ...
     @property
     def max_blocks_per_seq(self) -> int: ...
     @property
@@ -268,8 +289,33 @@ class Scheduler:
     def reorder_beams(self, request_id: str, parents: list[int]) -> None:
         """Between schedule() and update() of a step that decoded every beam: beam i
         continues beam ``parents[i]`` (blocks forked, state copied by the next plan)."""
-    def update(self, sampled: Tokens) -> StepUpdate:
-        """``num_samples[b]`` tokens per entry of the last plan, in batch order."""
+    def update(
+        self,
+        sampled: Tokens,
+        accepted: Sequence[int] | Int32Array | None = None,
+        drafts: Sequence[Sequence[int] | Int32Array | None] | None = None,
+    ) -> StepUpdate:
+        """``num_samples[b]`` tokens per entry of the last plan, in batch order.
+
+        Speculative decoding (``num_speculative_tokens`` > 0):
+
+        * ``accepted`` (len B, or None): entry b contributes ``accepted[b]`` tokens of
+          ``sampled`` instead of ``num_samples[b]``. For an entry that carried
+          ``d = num_draft_tokens[b] > 0`` drafts, ``1 <= accepted[b] <= d + 1``: the
+          first ``accepted[b] - 1`` drafts (their very ids) then the token the target
+          drew. Its ``num_computed_tokens`` advances by ``accepted[b]`` and the tokens
+          are committed one by one under the stop rule (eos / stop ids, min_tokens,
+          max_tokens): a stop drops the rest. Entries without drafts need
+          ``accepted[b] == num_samples[b]``. None: every entry gives
+          ``num_samples[b]`` tokens (a drafted entry accepts none of its drafts).
+        * ``drafts`` (len B, or None = no drafts): entry b's sequence's drafts for
+          its NEXT step (at most ``num_speculative_tokens``; ``[]``/None = none).
+          They replace what the sequence held; dropped on preemption,
+          ``abort_step``, finish and fork. Ignored for sequences that finished and
+          for the entry that forks an n > 1 request (its children start without
+          drafts); refused for an entry that sampled nothing or a beam request.
+
+        Anything else raises ValueError and changes nothing."""
     def finish(self, request_id: str, sample_index: int, reason: str = "stop") -> bool: ...
     def abort_step(self) -> list[str]:
         """Roll back the pending plan of a failed step; its requests wait again (recompute)."""
@@ -293,7 +339,11 @@ class Scheduler:
         """KV blocks of every live running sequence's table (tests)."""
     def free_and_cached_pages(self) -> tuple[list[int], list[int]]:
         """The free list and the parked cached blocks (tests)."""
-    def stats(self) -> dict[str, int | str]:
+    def stats(self) -> dict[str, int | str | list[int]]:
         """Arena pages by use (num_pages, free_pages, kv_pages, running_state_pages,
         checkpoint_pages, cached_pages; they sum to num_pages), available_pages,
-        admission_limited_{pages,seqs,budget} and last_admission_limit, counters."""
+        admission_limited_{pages,seqs,budget} and last_admission_limit, counters.
+        Speculative decoding: spec_draft_tokens (drafts scheduled, summed over
+        plans), spec_accepted_tokens (``accepted[b] - 1`` summed over updated
+        entries with drafts) and spec_accepted_by_position (list of
+        num_speculative_tokens ints: how often draft position i was accepted)."""

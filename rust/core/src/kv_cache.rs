@@ -408,6 +408,27 @@ impl KvCacheManager {
         Ok(())
     }
 
+    /// Gives back the reserved slots of `table` past its first `n` tokens
+    /// (speculative decoding: rejected draft positions and lookahead no longer
+    /// needed), dropping the blocks past `ceil(n / block_size)`. Those slots were
+    /// never hashed (only computed, committed tokens are), so the hash chain
+    /// stays. A no-op when `n >= num_tokens`. O(blocks dropped).
+    pub fn truncate_slots(&mut self, table: &mut BlockTable, n: usize) {
+        if n >= table.num_tokens {
+            return;
+        }
+        let bs = self.block_size as usize;
+        debug_assert!(table.chain.len() * bs <= n, "truncating into hashed (committed) blocks");
+        self.tail_waste -= self.tail_waste(table) as u64;
+        let keep = n.div_ceil(bs);
+        while table.blocks.len() > keep {
+            let b = table.blocks.pop().expect("non-empty");
+            self.drop_ref(b);
+        }
+        table.num_tokens = n;
+        self.tail_waste += self.tail_waste(table) as u64;
+    }
+
     /// Registers the table's FULL blocks not yet in its hash chain. `tokens` holds
     /// the sequence's token ids at least up to `table.num_tokens()` (fewer: only
     /// the blocks they cover). Call it once their KV is computed. Incremental:

@@ -104,6 +104,9 @@ pub struct PySchedulerOutput {
     checkpoint_pages: Py<PyArray1<i32>>,
     #[pyo3(get)]
     num_samples: Py<PyArray1<i32>>,
+    /// Draft tokens among the entry's scheduled tokens (speculative decoding).
+    #[pyo3(get)]
+    num_draft_tokens: Py<PyArray1<i32>>,
     #[pyo3(get)]
     block_table_rows: Py<PyArray1<i32>>,
     #[pyo3(get)]
@@ -200,7 +203,7 @@ impl PyScheduler {
         max_waiting_requests = None, max_waiting_tokens = None, aging_interval_steps = 256,
         reserve_max_context = false, max_finished_retained = 4096,
         prefix_checkpoint_interval = 0, priority_preemption_threshold = 1, max_priority_preemptions_per_step = 4,
-        max_request_classes = 16
+        max_request_classes = 16, num_speculative_tokens = 0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -221,6 +224,7 @@ impl PyScheduler {
         priority_preemption_threshold: u32,
         max_priority_preemptions_per_step: u32,
         max_request_classes: u32,
+        num_speculative_tokens: u32,
     ) -> PyResult<Self> {
         let mut cfg = SchedulerConfig::new(
             num_pages,
@@ -241,6 +245,7 @@ impl PyScheduler {
         cfg.priority_preemption_threshold = priority_preemption_threshold;
         cfg.max_priority_preemptions_per_step = max_priority_preemptions_per_step;
         cfg.max_request_classes = max_request_classes;
+        cfg.num_speculative_tokens = num_speculative_tokens;
         let inner = Scheduler::new(cfg).py()?;
         Ok(PyScheduler { inner, clock: Instant::now(), id_strings: Vec::new() })
     }
@@ -255,6 +260,12 @@ impl PyScheduler {
     #[getter]
     fn state_pages(&self) -> u32 {
         self.inner.config().state_pages
+    }
+
+    /// Draft tokens per decoding sequence and step (0: speculative decoding off).
+    #[getter]
+    fn num_speculative_tokens(&self) -> u32 {
+        self.inner.config().num_speculative_tokens
     }
 
     /// Pages of the arena the scheduler hands out (ids 0..num_pages).
@@ -356,6 +367,7 @@ impl PyScheduler {
             checkpoint_positions: arr(py, &out.checkpoint_positions),
             checkpoint_pages: arr(py, &out.checkpoint_pages),
             num_samples: arr(py, &out.num_samples),
+            num_draft_tokens: arr(py, &out.num_draft_tokens),
             block_table_rows: arr(py, &out.block_table_rows),
             block_table_update_rows: arr(py, &out.bt_update_rows),
             block_table_update_cols: arr(py, &out.bt_update_cols),
@@ -373,15 +385,52 @@ impl PyScheduler {
     }
 
     /// Apply the sampled tokens (num_samples[b] per entry, batch order; GIL released).
-    fn update(&mut self, py: Python<'_>, sampled: &Bound<'_, PyAny>) -> PyResult<PyStepUpdate> {
+    /// Speculative decoding: `accepted` (one count per entry) says how many tokens
+    /// each entry contributes instead, and `drafts` (one list per entry, None = [])
+    /// the drafts of each entry's sequence for its next step (see the core's
+    /// `update_spec`). A ValueError changes nothing.
+    #[pyo3(signature = (sampled, accepted = None, drafts = None))]
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        sampled: &Bound<'_, PyAny>,
+        accepted: Option<&Bound<'_, PyAny>>,
+        drafts: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyStepUpdate> {
         let tokens: Vec<i32> = if let Ok(a) = sampled.extract::<PyReadonlyArray1<'_, i32>>() {
             a.as_array().to_vec()
         } else {
             token_ids(sampled, "sampled tokens")?.into_iter().map(|t| t as i32).collect()
         };
+        let accepted: Option<Vec<i32>> = match accepted {
+            None => None,
+            Some(o) => Some(if let Ok(a) = o.extract::<PyReadonlyArray1<'_, i32>>() {
+                a.as_array().to_vec()
+            } else {
+                let v: Vec<i64> = o.extract().map_err(|_| {
+                    PyValueError::new_err("accepted must be a sequence of ints or a 1-D integer array (one count per entry)")
+                })?;
+                v.into_iter().map(|x| i32::try_from(x).unwrap_or(-1)).collect()
+            }),
+        };
+        let drafts: Option<Vec<Vec<u32>>> = match drafts {
+            None => None,
+            Some(o) => {
+                let items: Vec<Bound<'_, PyAny>> = o.extract().map_err(|_| {
+                    PyValueError::new_err("drafts must be a list with one list of draft token ids per entry")
+                })?;
+                let mut v = Vec::with_capacity(items.len());
+                for it in &items {
+                    v.push(if it.is_none() { Vec::new() } else { token_ids(it, "draft tokens")? });
+                }
+                Some(v)
+            }
+        };
         let inner = &mut self.inner;
         let ids = &self.id_strings;
-        let upd = py.detach(move || inner.update(&tokens)).map_err(sched_err)?;
+        let upd = py
+            .detach(move || inner.update_spec(&tokens, accepted.as_deref(), drafts.as_deref()))
+            .map_err(sched_err)?;
         let request_ids = PyList::new(py, upd.req_indices.iter().map(|&h| id_of(ids, py, h)))?.unbind();
         let finished_request_ids = PyList::new(py, upd.finished.iter().map(|&(h, _, _)| id_of(ids, py, h)))?.unbind();
         let finished_sample_indices: Vec<i32> = upd.finished.iter().map(|&(_, s, _)| s as i32).collect();
@@ -536,6 +585,9 @@ impl PyScheduler {
         d.set_item("checkpoint_writes_skipped", s.checkpoint_writes_skipped)?;
         d.set_item("checkpoint_evictions", s.checkpoint_evictions)?;
         d.set_item("checkpoint_drops", s.checkpoint_drops)?;
+        d.set_item("spec_draft_tokens", s.spec_draft_tokens)?;
+        d.set_item("spec_accepted_tokens", s.spec_accepted_tokens)?;
+        d.set_item("spec_accepted_by_position", s.spec_accepted_by_position)?;
         Ok(d)
     }
 }

@@ -62,7 +62,8 @@ impl Scheduler {
                 k = k.min(thresh);
             }
             left -= k;
-            need_blocks += k.div_ceil(bs);
+            let la = if k == s.tokens.len() { lookahead(&self.cfg, req.prompt_len, &req.params, k) } else { 0 };
+            need_blocks += (k + la).div_ceil(bs);
             chunks.push(k);
         }
         if chunks.first().copied().unwrap_or(0) == 0 && req.seqs[0].is_live() {
@@ -91,6 +92,8 @@ impl Scheduler {
         // off the reclaimable list, which `available_pages` then no longer
         // counts), checkpoint lookups, chunk sizes, and the exact pages needed.
         let mut n_cached_of = vec![0usize; req.seqs.len()];
+        // Lookahead slots of a chunk that samples (speculative decoding).
+        let mut la_of = vec![0usize; req.seqs.len()];
         let mut need = units as u64 * pps;
         for (si, s) in req.seqs.iter_mut().enumerate() {
             if !s.is_live() || (refork && si != leader) {
@@ -129,7 +132,10 @@ impl Scheduler {
             }
             let n_cached = (hit + k).min(s.matched).saturating_sub(hit);
             n_cached_of[si] = n_cached;
-            need += self.cache.blocks_needed(&s.table, k - n_cached) as u64;
+            if hit + k == s.tokens.len() {
+                la_of[si] = lookahead(&self.cfg, req.prompt_len, &req.params, hit + k);
+            }
+            need += self.cache.blocks_needed(&s.table, k - n_cached + la_of[si]) as u64;
         }
         // Phase 2: the reservation. Short: nothing was evicted; the matches are
         // undone below. Else the appends and states draw on it and fit.
@@ -153,7 +159,11 @@ impl Scheduler {
                 }
                 let n_cached = n_cached_of[si];
                 self.p_slots.extend(std::iter::repeat_n(-1, n_cached));
-                let r = self.cache.append_slots_reserved(res, &mut s.table, k - n_cached, &mut self.p_slots, &mut self.copies, self.step);
+                let la = la_of[si];
+                let r = self.cache.append_slots_reserved(res, &mut s.table, k - n_cached + la, &mut self.p_slots, &mut self.copies, self.step);
+                if r.is_ok() {
+                    self.p_slots.truncate(self.p_slots.len() - la);
+                }
                 if r.is_err() {
                     debug_assert!(false, "an append under a reservation was short");
                     failed = true;
@@ -261,6 +271,7 @@ impl Scheduler {
                 start: start as u32,
                 k: k as u32,
                 num_samples,
+                    drafts: 0,
                 ckpt: None,
             });
         }
@@ -275,6 +286,16 @@ impl Scheduler {
         }
         Ok(())
     }
+}
+
+/// Speculative decoding: the positions past `end` (a row that samples) that
+/// get KV slots for the drafter: `num_speculative_tokens`, never reaching
+/// `prompt + max_tokens` (no token is ever fed there); none for beams.
+pub(super) fn lookahead(cfg: &super::SchedulerConfig, prompt_len: usize, params: &super::RequestParams, end: usize) -> usize {
+    if cfg.num_speculative_tokens == 0 || params.beam_search {
+        return 0;
+    }
+    (cfg.num_speculative_tokens as usize).min((prompt_len + params.max_tokens as usize).saturating_sub(end))
 }
 
 /// How much of a prefix match admission keeps. Matched blocks nobody runs on

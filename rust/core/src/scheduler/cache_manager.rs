@@ -249,6 +249,20 @@ impl CacheManager {
         self.kv.fork(parent)
     }
 
+    /// [`KvCacheManager::truncate_slots`].
+    pub fn truncate_slots(&mut self, table: &mut BlockTable, n: usize) {
+        self.kv.truncate_slots(table, n)
+    }
+
+    /// Appends the slot ids of positions `start..start + n` of `table` (all
+    /// reserved already) to `slots`. O(n).
+    pub fn push_slots(&self, table: &BlockTable, start: usize, n: usize, slots: &mut Vec<i32>) {
+        let bs = self.kv.block_size() as usize;
+        debug_assert!(start + n <= table.num_tokens(), "slots past the reserved ones");
+        let blocks = table.blocks();
+        slots.extend((start..start + n).map(|p| (blocks[p / bs] as usize * bs + p % bs) as i32));
+    }
+
     /// Drops every block reference of `table` ([`KvCacheManager::free`]).
     pub fn free_table(&mut self, table: &mut BlockTable) {
         self.kv.free(table)

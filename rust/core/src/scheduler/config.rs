@@ -58,6 +58,13 @@ pub struct SchedulerConfig {
     /// Clients choose the values, so they are bounded like the metrics' labels
     /// (`hybridserve.metrics`, same default).
     pub max_request_classes: u32,
+    /// Speculative decoding (MTP): draft tokens per decoding sequence and step
+    /// (0 = off, the default). With k > 0 the caller hands each sequence's
+    /// drafts to `update_spec`, the next plan feeds them after the last token
+    /// (up to `1 + k` rows per decode, `num_draft_tokens`), and every entry that
+    /// samples also reserves KV slots for the `k` positions past its row (the
+    /// drafter writes there before the next plan); see `Scheduler::update_spec`.
+    pub num_speculative_tokens: u32,
 }
 
 /// The class of requests past `max_request_classes`.
@@ -90,6 +97,7 @@ impl SchedulerConfig {
             reserve_max_context: false,
             max_finished_retained: 4096,
             max_request_classes: 16,
+            num_speculative_tokens: 0,
         }
     }
 
@@ -142,6 +150,12 @@ impl SchedulerConfig {
             return bad(format!(
                 "num_pages * block_size ({}) must fit an int32 slot id; lower num_pages",
                 self.num_pages as u64 * self.block_size as u64
+            ));
+        }
+        if self.num_speculative_tokens >= self.max_model_len {
+            return bad(format!(
+                "num_speculative_tokens ({}) must be below max_model_len ({})",
+                self.num_speculative_tokens, self.max_model_len
             ));
         }
         // A request of max_model_len that cannot fit is not fatal here:

@@ -4,6 +4,7 @@
 //! pages in the next plan.
 
 use super::request::{ReqState, Request, Seq};
+use super::plan::truncate_seq_slots;
 use super::{PendingStateCopy, SchedError, Scheduler};
 use crate::StateId;
 
@@ -37,6 +38,11 @@ impl Scheduler {
         debug_assert!(!req.forked && si == 0 && toks.len() == req.params.n as usize);
         req.forked = true;
         let parent_state = req.seqs[0].state.expect("running parent has a state");
+        // The children share the parent's blocks up to what it computed, never
+        // its lookahead slots (speculative decoding): each reserves its own.
+        let computed = req.seqs[0].num_computed;
+        truncate_seq_slots(&mut self.cache, &mut req.seqs[0], computed);
+        req.seqs[0].drafts.clear();
         let spares = std::mem::take(&mut req.spare_states);
         for (i, &dst) in spares.iter().enumerate() {
             let parent = &req.seqs[0];

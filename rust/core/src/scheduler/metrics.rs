@@ -79,6 +79,13 @@ pub struct SchedulerStats {
     /// Checkpoints evicted for room / dropped with their KV chain.
     pub checkpoint_evictions: u64,
     pub checkpoint_drops: u64,
+    /// Speculative decoding: draft tokens scheduled (summed over plans), and
+    /// drafts accepted (`accepted - 1` summed over updated entries with drafts).
+    pub spec_draft_tokens: u64,
+    pub spec_accepted_tokens: u64,
+    /// How many times draft position i (0-based) was accepted
+    /// (`num_speculative_tokens` long).
+    pub spec_accepted_by_position: Vec<u64>,
 }
 
 /// One per request, the first time it is scheduled: its queue delay and class,

@@ -5,7 +5,8 @@
 //!
 //! # Step protocol
 //! `schedule(now)` returns a [`SchedulerOutput`]; the caller runs the model and
-//! passes the sampled tokens to `update(sampled)`. Then the next `schedule()`.
+//! passes the sampled tokens to `update(sampled)` (speculative decoding:
+//! `update_spec(sampled, accepted, drafts)`). Then the next `schedule()`.
 //! `add_request`, `abort`, `finish` may come at any point between calls.
 //!
 //! # Policy
@@ -57,6 +58,28 @@
 //!   plan asks the forward to write a checkpoint at a position inside a chunk
 //!   (the prompt's last full block, a branch point); see [`checkpoints`] for
 //!   where, the copy ordering and the eviction order.
+//!
+//! # Speculative decoding (`num_speculative_tokens` = k > 0)
+//! The caller drafts up to k tokens per decoding sequence after each step and
+//! hands them to `update_spec` (with how many of the last plan's drafts each
+//! entry accepted). A sequence's drafts are kept beside its tokens, never in
+//! them: only accepted tokens are committed, hashed for the prefix cache or
+//! checkpointed. The next plan feeds a decode's last token then `d' <= d` of
+//! its drafts (`num_draft_tokens`), `d'` cut to the token budget left after one
+//! row for every decode still to come, and to `max_tokens` (r outputs left: at
+//! most r - 1 drafts). Prefill chunks never carry drafts, so no checkpoint is
+//! ever asked of a drafted row. After the step `num_computed` advances by the
+//! accepted count; the accepted tokens pass the stop rule one by one.
+//! Lookahead: every entry that samples reserves KV slots up to
+//! `seq_len + k - 1` (not reaching `prompt + max_tokens`, where no token is
+//! ever fed; none for beams, which do not speculate), in its block-table row,
+//! for the drafter to write before the next plan. So a table may hold slots
+//! past `num_computed` (lookahead, rejected drafts); `update` keeps them, and
+//! the next `schedule` trims the table to that step's need and grows it, like
+//! any other allocation (admission and preemption count it). A fork shares
+//! only the computed prefix: the parent's lookahead is given back first, so no
+//! slot anyone writes is ever shared. Drafts are dropped on preemption,
+//! `abort_step`, fork and finish.
 //!
 //! # Starvation bound (aging)
 //! With aging interval A > 0, a request X of priority p that arrived at step s
@@ -159,6 +182,8 @@ struct Entry {
     start: u32,
     k: u32,
     num_samples: u32,
+    /// Draft tokens fed after the last token (the last `drafts` of the `k` rows).
+    drafts: u32,
     /// A checkpoint written inside this chunk: (boundary in tokens, its state).
     ckpt: Option<(u32, StateId)>,
 }
@@ -231,6 +256,11 @@ pub struct Scheduler {
     finished_requests: u64,
     aborted_requests: u64,
     last_step_tokens: u32,
+    /// Speculative decoding counters: drafts scheduled, drafts accepted,
+    /// acceptances per draft position (`num_speculative_tokens` long).
+    spec_draft_tokens: u64,
+    spec_accepted_tokens: u64,
+    spec_accepted_by_position: Vec<u64>,
 }
 
 struct Snap {
@@ -293,6 +323,9 @@ impl Scheduler {
             finished_requests: 0,
             aborted_requests: 0,
             last_step_tokens: 0,
+            spec_draft_tokens: 0,
+            spec_accepted_tokens: 0,
+            spec_accepted_by_position: vec![0; cfg.num_speculative_tokens as usize],
             cfg,
         })
     }

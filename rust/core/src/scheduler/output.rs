@@ -34,6 +34,12 @@ use super::request::FinishReason;
 /// before any destination is written (one gather, one scatter); no two pairs
 /// write the same page.
 ///
+/// Speculative decoding: entry `b`'s last `num_draft_tokens[b]` tokens are
+/// drafts (after its last committed token, at the next positions, with slots);
+/// every entry that samples also has slots, in its block-table row, for the
+/// positions `seq_lens[b] .. seq_lens[b] + k - 1` (k = num_speculative_tokens,
+/// never reaching prompt + max_tokens), where the drafter writes.
+///
 /// Checkpoints: `checkpoint_positions[b] = k >= 1` asks the forward to write
 /// entry `b`'s DeltaNet state as it is after its first `k` scheduled tokens
 /// into the `state_pages` pages that follow in `checkpoint_pages` (in entry
@@ -56,6 +62,12 @@ pub struct SchedulerOutput {
     pub checkpoint_positions: Vec<i32>,
     /// `state_pages` page ids per entry with a checkpoint position, in entry order.
     pub checkpoint_pages: Vec<i32>,
+    /// Speculative decoding: how many of the entry's `num_scheduled_tokens`
+    /// rows are draft tokens, fed after its last token (0 for entries without
+    /// drafts and for prefill chunks). Such an entry has `num_samples` 1: the
+    /// caller samples its rows itself and passes the accepted count to
+    /// `update_spec`. No checkpoint is ever asked of it.
+    pub num_draft_tokens: Vec<i32>,
     /// Tokens to sample from the entry's last position: 0 (mid-prefill), 1, or n
     /// (last prompt chunk of an unforked n>1 request).
     pub num_samples: Vec<i32>,
@@ -105,6 +117,7 @@ impl SchedulerOutput {
         self.checkpoint_positions.clear();
         self.checkpoint_pages.clear();
         self.num_samples.clear();
+        self.num_draft_tokens.clear();
         self.block_table_rows.clear();
         self.bt_update_rows.clear();
         self.bt_update_cols.clear();

@@ -90,7 +90,11 @@ impl Scheduler {
             out.seq_lens.push((start + k) as i32);
             t += k as i32;
             out.query_start_loc.push(t);
-            out.input_ids.extend(seq.tokens[start..start + k].iter().map(|&x| x as i32));
+            let d = e.drafts as usize;
+            out.input_ids.extend(seq.tokens[start..start + k - d].iter().map(|&x| x as i32));
+            out.input_ids.extend(seq.drafts[..d].iter().map(|&x| x as i32));
+            out.num_draft_tokens.push(d as i32);
+            self.spec_draft_tokens += d as u64;
             out.positions.extend(start as i32..(start + k) as i32);
             match e.ckpt {
                 Some((due, st)) => {
@@ -111,6 +115,19 @@ impl Scheduler {
             out.block_copies.push(d as i32);
         }
         self.last_step_tokens = t as u32;
+    }
+}
+
+/// Gives back `seq`'s reserved slots past its first `n` tokens (speculative
+/// decoding, see [`CacheManager::truncate_slots`]); the caller's buffer row is
+/// then synced only up to the blocks kept, so blocks appended later at those
+/// columns are sent again.
+pub(super) fn truncate_seq_slots(cache: &mut CacheManager, seq: &mut Seq, n: usize) {
+    cache.truncate_slots(&mut seq.table, n);
+    let kept = seq.table.num_blocks();
+    if seq.bt_synced > kept {
+        seq.bt_synced = kept;
+        seq.bt_last = seq.table.blocks().last().copied().unwrap_or(0);
     }
 }
 

@@ -1,6 +1,7 @@
 //! Preemption by recompute: priority preemption for an outranking waiting head
 //! (with its feasibility check), and giving back everything a victim holds.
 
+use super::admission::lookahead;
 use super::request::{ReqState, Request};
 use super::{release_seq, PreemptCause, Scheduler};
 use crate::BlockId;
@@ -31,8 +32,18 @@ impl Scheduler {
             running_units += q.units();
             for s in q.seqs.iter().filter(|s| s.is_live()) {
                 if s.tokens.len() - s.num_computed == 1 && s.num_computed >= q.prompt_len {
-                    decodes += 1;
-                    decode_blocks += (s.num_computed % bs == 0) as u64;
+                    if self.cfg.num_speculative_tokens == 0 {
+                        decodes += 1;
+                        decode_blocks += (s.num_computed % bs == 0) as u64;
+                    } else {
+                        // Its drafts (as many as max_tokens allows) and lookahead.
+                        let left = q.prompt_len + q.params.max_tokens as usize - s.tokens.len();
+                        let d = s.drafts.len().min(left.saturating_sub(1));
+                        let end = s.tokens.len() + d;
+                        let target = end + lookahead(&self.cfg, q.prompt_len, &q.params, end);
+                        decodes += 1 + d;
+                        decode_blocks += self.cache.blocks_needed(&s.table, target.saturating_sub(s.table.num_tokens())) as u64;
+                    }
                 }
             }
         }

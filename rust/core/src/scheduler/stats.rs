@@ -171,6 +171,9 @@ impl Scheduler {
             checkpoint_writes_skipped: ck.writes_skipped,
             checkpoint_evictions: ck.evictions,
             checkpoint_drops: ck.drops,
+            spec_draft_tokens: self.spec_draft_tokens,
+            spec_accepted_tokens: self.spec_accepted_tokens,
+            spec_accepted_by_position: self.spec_accepted_by_position.clone(),
         }
     }
 }

@@ -79,8 +79,10 @@ fn op() -> impl Strategy<Value = Op> {
     ]
 }
 
-fn run(num_pages: u32, block_size: u32, state_pages: u32, prefix: bool, interval: u32, ops: Vec<Op>, mut rng: u64) {
+#[allow(clippy::too_many_arguments)]
+fn run(num_pages: u32, block_size: u32, state_pages: u32, prefix: bool, interval: u32, spec: u32, ops: Vec<Op>, mut rng: u64) {
     let mut cfg = SchedulerConfig::new(num_pages, block_size, state_pages, 4, 24, 40);
+    cfg.num_speculative_tokens = spec;
     cfg.enable_prefix_caching = prefix;
     cfg.prefix_checkpoint_interval = interval * block_size;
     cfg.max_waiting_tokens = 1000;
@@ -131,9 +133,31 @@ fn run(num_pages: u32, block_size: u32, state_pages: u32, prefix: bool, interval
                         check(&s, "reorder_beams");
                     }
                 }
-                let total: i32 = out.num_samples.iter().sum();
-                let sampled: Vec<i32> = (0..total).map(|_| (rand() % 9) as i32).collect();
-                s.update(&sampled).expect("update");
+                // Speculative decoding: a random accepted count per drafted entry
+                // (its accepted drafts, then a token), random drafts for the next step.
+                let (mut sampled, mut accepted, mut drafts) = (Vec::new(), Vec::new(), Vec::new());
+                for e in 0..out.num_seqs() {
+                    let nd = out.num_draft_tokens[e] as usize;
+                    let ns = out.num_samples[e] as usize;
+                    if nd > 0 {
+                        let a = 1 + (rand() % (nd as u64 + 1)) as usize;
+                        let q0 = out.query_start_loc[e] as usize;
+                        sampled.extend_from_slice(&out.input_ids[q0 + 1..q0 + a]);
+                        sampled.push((rand() % 9) as i32);
+                        accepted.push(a as i32);
+                    } else {
+                        sampled.extend((0..ns).map(|_| (rand() % 9) as i32));
+                        accepted.push(ns as i32);
+                    }
+                    let beam = s.requests[out.req_indices[e] as usize].as_ref().is_some_and(|r| r.params.beam_search);
+                    let nd_next = if ns == 0 || beam { 0 } else { (rand() % (spec as u64 + 1)) as usize };
+                    drafts.push((0..nd_next).map(|_| (rand() % 9) as u32).collect::<Vec<u32>>());
+                }
+                if spec == 0 {
+                    s.update(&sampled).expect("update");
+                } else {
+                    s.update_spec(&sampled, Some(&accepted), Some(&drafts)).expect("update");
+                }
                 check(&s, "update");
             }
             Op::Abort(i) if !ids.is_empty() => {
@@ -170,9 +194,10 @@ proptest! {
         state_pages in 0u32..3,
         prefix in any::<bool>(),
         interval in prop::sample::select(vec![0u32, 1, 2]),
+        spec in prop::sample::select(vec![0u32, 0, 1, 3]),
         ops in prop::collection::vec(op(), 1..60),
         seed in any::<u64>(),
     ) {
-        run(num_pages.max(state_pages + 1), block_size, state_pages, prefix, interval, ops, seed | 1);
+        run(num_pages.max(state_pages + 1), block_size, state_pages, prefix, interval, spec, ops, seed | 1);
     }
 }

@@ -3,7 +3,8 @@
 //! `update()` applies the sampled tokens (registering the checkpoints the
 //! forward wrote, forking n > 1 requests, finishing sequences).
 
-use super::admission::MatchTrim;
+use super::admission::{lookahead, MatchTrim};
+use super::plan::truncate_seq_slots;
 use super::request::ReqState;
 use super::{sync_row, AdmitLimit, Entry, PreemptCause, SchedError, Scheduler, SchedulerOutput, Snap, StepUpdate};
 use crate::CoreError;
@@ -47,6 +48,7 @@ impl Scheduler {
         }
 
         let bs = self.cfg.block_size as usize;
+        let kspec = self.cfg.num_speculative_tokens as usize;
         let thresh = self.cfg.long_prefill_token_threshold as usize;
         let mut budget = self.cfg.max_num_batched_tokens as usize;
         let mut preempted_any = false;
@@ -71,6 +73,9 @@ impl Scheduler {
                 && req.forked
                 && req.seqs.iter().any(|s| s.is_live() && s.tokens.len() - s.num_computed > 1);
             let leader = req.leader();
+            // Positions past this never need a slot: a live sequence has fewer
+            // tokens (add_request keeps it within max_model_len).
+            let cap = req.prompt_len + req.params.max_tokens as usize;
             for si in 0..req.seqs.len() {
                 if req.waits_for_refork(si) {
                     continue;
@@ -82,12 +87,20 @@ impl Scheduler {
                 }
                 let need = seq.tokens.len() - seq.num_computed;
                 let decode = need == 1 && seq.num_computed >= req.prompt_len;
+                let mut drafts = 0usize;
                 let k = if decode {
                     pending_decodes -= 1;
                     if beams_wait {
                         continue;
                     }
-                    1
+                    if !seq.drafts.is_empty() {
+                        // Within the budget left after one row for every decode still
+                        // to come, and never past max_tokens: r outputs left, at most
+                        // r - 1 drafts (the step commits up to 1 + drafts tokens).
+                        let left = cap - seq.tokens.len();
+                        drafts = seq.drafts.len().min(left.saturating_sub(1)).min(budget.saturating_sub(pending_decodes + 1));
+                    }
+                    1 + drafts
                 } else {
                     let mut k = need.min(budget.saturating_sub(pending_decodes));
                     if req.params.beam_search && req.forked {
@@ -106,13 +119,38 @@ impl Scheduler {
                 }
                 let start = seq.num_computed;
                 let end = start + k;
+                let samples = end - drafts == seq.tokens.len();
+                // Speculative decoding: an entry that samples also reserves the
+                // k positions past its row, where the drafter writes.
+                let la = if samples { lookahead(&self.cfg, req.prompt_len, &req.params, end) } else { 0 };
                 let n_cached = end.min(seq.matched).saturating_sub(start);
                 let n_new = k - n_cached;
                 loop {
                     let slots = if decode { &mut self.d_slots } else { &mut self.p_slots };
                     let before = slots.len();
-                    slots.extend(std::iter::repeat_n(-1, n_cached));
-                    match self.cache.append_slots(&mut seq.table, n_new, slots, &mut self.copies, self.step) {
+                    let res = if decode && kspec > 0 {
+                        // The table may already reserve positions past `start` (the
+                        // last step's lookahead and rejected drafts): keep those
+                        // blocks (the drafter wrote there), drop what lies past this
+                        // step's need, grow to it, and take the row's slots.
+                        let target = end + la;
+                        truncate_seq_slots(&mut self.cache, seq, target);
+                        let grow = target - seq.table.num_tokens();
+                        let r = self.cache.append_slots(&mut seq.table, grow, slots, &mut self.copies, self.step);
+                        if r.is_ok() {
+                            slots.truncate(before);
+                            self.cache.push_slots(&seq.table, start, k, slots);
+                        }
+                        r
+                    } else {
+                        slots.extend(std::iter::repeat_n(-1, n_cached));
+                        let r = self.cache.append_slots(&mut seq.table, n_new + la, slots, &mut self.copies, self.step);
+                        if r.is_ok() {
+                            slots.truncate(slots.len() - la);
+                        }
+                        r
+                    };
+                    match res {
                         Ok(()) => break,
                         Err(CoreError::OutOfBlocks { .. }) => {
                             slots.truncate(before);
@@ -142,7 +180,7 @@ impl Scheduler {
                 if self_preempt {
                     break;
                 }
-                let num_samples = if end == seq.tokens.len() {
+                let num_samples = if samples {
                     if !req.forked { req.params.n } else { 1 }
                 } else {
                     0
@@ -161,6 +199,7 @@ impl Scheduler {
                     start: start as u32,
                     k: k as u32,
                     num_samples,
+                    drafts: drafts as u32,
                     ckpt: None,
                 };
                 if decode {
@@ -234,11 +273,43 @@ impl Scheduler {
     /// Applies the tokens sampled for the last plan: `num_samples[b]` tokens per
     /// entry, concatenated in batch order. Entries whose request was aborted or
     /// finished since are skipped. O(entries + new full blocks hashed).
+    /// (`update_spec(sampled, None, None)`.)
     pub fn update(&mut self, sampled: &[i32]) -> Result<&StepUpdate, SchedError> {
+        self.update_spec(sampled, None, None)
+    }
+
+    /// [`Self::update`] for speculative decoding (`num_speculative_tokens` > 0).
+    ///
+    /// `accepted` (one count per entry of the last plan, or None): entry `b`
+    /// contributes `accepted[b]` tokens of `sampled` (in entry order) instead of
+    /// `num_samples[b]`. For an entry that carried `d = num_draft_tokens[b] > 0`
+    /// drafts, `1 <= accepted[b] <= d + 1`: its first `accepted[b] - 1` drafts
+    /// (the same token ids) then the token the target drew; its sequence's
+    /// `num_computed` advances by `accepted[b]` and the tokens are committed one
+    /// by one under the stop rule (a stop drops the rest). For other entries
+    /// `accepted[b] == num_samples[b]`. None: every entry contributes
+    /// `num_samples[b]` (a drafted entry then accepts none of its drafts).
+    ///
+    /// `drafts` (one list per entry, or None = none at all): the drafts of the
+    /// entry's sequence for its NEXT step, at most `num_speculative_tokens`
+    /// each; they replace what the sequence held. Ignored for sequences that
+    /// finished (here or since the plan) and for the entry that forks an n > 1
+    /// request (its children start without drafts); refused for entries that
+    /// sample nothing and for beam-search requests.
+    ///
+    /// Any mismatch is an `InvalidArgument` and changes nothing.
+    pub fn update_spec(
+        &mut self,
+        sampled: &[i32],
+        accepted: Option<&[i32]>,
+        drafts: Option<&[Vec<u32>]>,
+    ) -> Result<&StepUpdate, SchedError> {
         if !self.plan_pending {
             return Err(SchedError::InvalidArgument("update() called without a schedule() before it".into()));
         }
-        if sampled.len() != self.plan_samples {
+        if accepted.is_some() || drafts.is_some() {
+            self.check_spec_args(sampled.len(), accepted, drafts)?;
+        } else if sampled.len() != self.plan_samples {
             return Err(SchedError::InvalidArgument(format!(
                 "update() got {} sampled tokens but the last plan asks for {} (the sum of num_samples); \
                  pass exactly num_samples[b] tokens per entry in batch order",
@@ -251,6 +322,26 @@ impl Scheduler {
                 "update() got a negative token id ({bad}); pass the sampled token ids"
             )));
         }
+        if let Some(acc) = accepted {
+            // The accepted drafts are fed tokens: the sampled ids must be them.
+            let (mut off, mut q0) = (0usize, 0usize);
+            for (b, e) in self.plan.iter().enumerate() {
+                let a = acc[b] as usize;
+                if e.drafts > 0 {
+                    let fed = &self.out.input_ids[q0 + 1..q0 + a];
+                    if let Some(j) = (0..a - 1).find(|&j| sampled[off + j] != fed[j]) {
+                        return Err(SchedError::InvalidArgument(format!(
+                            "update(): entry {b} accepted {a} tokens, but its token {j} ({}) is not draft {j} ({}); \
+                             pass the accepted drafts themselves, then the target's token",
+                            sampled[off + j],
+                            fed[j]
+                        )));
+                    }
+                }
+                off += a;
+                q0 += e.k as usize;
+            }
+        }
         self.plan_pending = false;
         for st in self.states_in_plan.drain(..) {
             self.cache.free_state(st);
@@ -262,9 +353,18 @@ impl Scheduler {
         let mut any_done = false;
         for pi in 0..self.plan.len() {
             let e = self.plan[pi];
-            let ns = e.num_samples as usize;
+            let ns = match accepted {
+                Some(acc) => acc[pi] as usize,
+                None => e.num_samples as usize,
+            };
             let toks = &sampled[off..off + ns];
             off += ns;
+            if e.drafts > 0 {
+                self.spec_accepted_tokens += ns as u64 - 1;
+                for c in &mut self.spec_accepted_by_position[..ns - 1] {
+                    *c += 1;
+                }
+            }
             let Some(mut req) = self.requests[e.req as usize].take() else { continue };
             let si = e.seq as usize;
             let valid = req.state == ReqState::Running
@@ -277,7 +377,32 @@ impl Scheduler {
                 continue;
             }
             let extra_key = req.params.extra_key;
-            {
+            if e.drafts > 0 {
+                // A verified speculative row: the first `ns` rows' inputs are now
+                // in the cache (the last token, then the accepted drafts); the
+                // accepted tokens are committed one by one under the stop rule.
+                let seq = &mut req.seqs[si];
+                let mut stop = None;
+                for &t in toks {
+                    let t = t as u32;
+                    seq.tokens.push(t);
+                    self.upd.req_indices.push(e.req);
+                    self.upd.sample_indices.push(seq.sample_index as i32);
+                    self.upd.tokens.push(t as i32);
+                    if let Some(reason) = req.params.check_stop(seq.tokens.len() - req.prompt_len, t) {
+                        stop = Some(reason);
+                        break;
+                    }
+                }
+                seq.num_computed = seq.tokens.len() - 1;
+                if self.cfg.enable_prefix_caching && seq.num_computed / bs > seq.table.num_hashed_blocks() {
+                    self.cache.cache_full_blocks(&mut seq.table, &seq.tokens[..seq.num_computed], extra_key);
+                }
+                if let Some(reason) = stop {
+                    self.finish_seq(&mut req, si, reason);
+                    self.upd.finished.push((e.req, req.seqs[si].sample_index, reason));
+                }
+            } else {
                 let seq = &mut req.seqs[si];
                 seq.num_computed += e.k as usize;
                 if self.cfg.enable_prefix_caching && seq.num_computed / bs > seq.table.num_hashed_blocks() {
@@ -298,23 +423,33 @@ impl Scheduler {
                     seq.ckpt_next = seq.ckpt_after;
                     seq.ckpt_after = 0;
                 }
-            }
-            if req.refork && si == req.leader() && req.seqs[si].num_computed >= req.prompt_len {
-                self.refork(&mut req, e.req, si);
-            }
-            if ns == 1 {
-                let t = toks[0] as u32;
-                let seq = &mut req.seqs[si];
-                seq.tokens.push(t);
-                self.upd.req_indices.push(e.req);
-                self.upd.sample_indices.push(seq.sample_index as i32);
-                self.upd.tokens.push(t as i32);
-                if let Some(reason) = req.params.check_stop(seq.tokens.len() - req.prompt_len, t) {
-                    self.finish_seq(&mut req, si, reason);
-                    self.upd.finished.push((e.req, req.seqs[si].sample_index, reason));
+                if req.refork && si == req.leader() && req.seqs[si].num_computed >= req.prompt_len {
+                    self.refork(&mut req, e.req, si);
                 }
-            } else if ns > 1 {
-                self.fork(&mut req, e.req, si, toks);
+                if ns == 1 {
+                    let t = toks[0] as u32;
+                    let seq = &mut req.seqs[si];
+                    seq.tokens.push(t);
+                    self.upd.req_indices.push(e.req);
+                    self.upd.sample_indices.push(seq.sample_index as i32);
+                    self.upd.tokens.push(t as i32);
+                    if let Some(reason) = req.params.check_stop(seq.tokens.len() - req.prompt_len, t) {
+                        self.finish_seq(&mut req, si, reason);
+                        self.upd.finished.push((e.req, req.seqs[si].sample_index, reason));
+                    }
+                } else if ns > 1 {
+                    self.fork(&mut req, e.req, si, toks);
+                }
+            }
+            if self.cfg.num_speculative_tokens > 0 && e.num_samples == 1 {
+                // Drafts for the next step replace the old ones (none given: none).
+                let seq = &mut req.seqs[si];
+                seq.drafts.clear();
+                if seq.is_live() {
+                    if let Some(d) = drafts {
+                        seq.drafts.extend_from_slice(&d[pi]);
+                    }
+                }
             }
             if req.all_finished() {
                 any_done = true;
@@ -331,5 +466,68 @@ impl Scheduler {
                 .retain(|&r| reqs[r as usize].as_ref().is_some_and(|q| q.state == ReqState::Running));
         }
         Ok(&self.upd)
+    }
+
+    /// The shape checks of `update_spec`'s speculative arguments (nothing changes).
+    fn check_spec_args(&self, n_sampled: usize, accepted: Option<&[i32]>, drafts: Option<&[Vec<u32>]>) -> Result<(), SchedError> {
+        let bad = |m: String| Err(SchedError::InvalidArgument(m));
+        let b = self.plan.len();
+        let mut want = 0usize;
+        if let Some(acc) = accepted {
+            if acc.len() != b {
+                return bad(format!("update(): accepted has {} counts but the last plan has {b} entries; pass one per entry", acc.len()));
+            }
+            for (i, (e, &a)) in self.plan.iter().zip(acc).enumerate() {
+                if e.drafts > 0 {
+                    if a < 1 || a as u32 > e.drafts + 1 {
+                        return bad(format!(
+                            "update(): accepted[{i}] = {a} but entry {i} carried {} drafts; it must be in [1, {}] \
+                             (the accepted drafts plus the target's token)",
+                            e.drafts,
+                            e.drafts + 1
+                        ));
+                    }
+                } else if a != e.num_samples as i32 {
+                    return bad(format!(
+                        "update(): accepted[{i}] = {a} but entry {i} carried no drafts; it must equal num_samples[{i}] = {}",
+                        e.num_samples
+                    ));
+                }
+                want += a as usize;
+            }
+        } else {
+            want = self.plan_samples;
+        }
+        if n_sampled != want {
+            return bad(format!(
+                "update() got {n_sampled} sampled tokens but the last plan with these counts asks for {want} \
+                 (the sum of accepted, else of num_samples); pass exactly that many in batch order"
+            ));
+        }
+        if let Some(d) = drafts {
+            if d.len() != b {
+                return bad(format!("update(): drafts has {} lists but the last plan has {b} entries; pass one per entry", d.len()));
+            }
+            let kmax = self.cfg.num_speculative_tokens as usize;
+            for (i, (e, l)) in self.plan.iter().zip(d).enumerate() {
+                if l.is_empty() {
+                    continue;
+                }
+                if l.len() > kmax {
+                    return bad(format!(
+                        "update(): drafts[{i}] has {} tokens, more than num_speculative_tokens ({kmax})",
+                        l.len()
+                    ));
+                }
+                if e.num_samples == 0 {
+                    return bad(format!("update(): drafts[{i}] given for an entry that sampled nothing (mid-prefill); pass []"));
+                }
+                let req = self.requests[e.req as usize].as_ref();
+                if req.is_some_and(|r| r.params.beam_search) {
+                    return bad(format!("update(): drafts[{i}] given for a beam-search request; beams do not speculate, pass []"));
+                }
+            }
+        }
+        Ok(())
     }
 }

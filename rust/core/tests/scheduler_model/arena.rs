@@ -98,7 +98,13 @@ impl Harness {
                 if cfg.long_prefill_token_threshold > 0 {
                     chunk = chunk.min(cfg.long_prefill_token_threshold as usize);
                 }
-                let need = r.params.n as u64 * pps as u64 + chunk.div_ceil(cfg.block_size as usize) as u64;
+                // A chunk that samples also takes its lookahead slots.
+                let la = if cfg.num_speculative_tokens > 0 && !r.params.beam_search && chunk == r.tokens(0).len() {
+                    (cfg.num_speculative_tokens as usize).min(r.prompt.len() + r.params.max_tokens as usize - chunk)
+                } else {
+                    0
+                };
+                let need = r.params.n as u64 * pps as u64 + (chunk + la).div_ceil(cfg.block_size as usize) as u64;
                 let could = st.last_admission_available_pages;
                 assert!(could <= st.available_pages + out.checkpoint_pages.len() as u64, "pages appeared from nowhere");
                 assert!(could < need, "{} refused for pages with {could} available, needing at most {need}; chunk {chunk} stats {st:?} out {out:?}", r.id);

@@ -100,12 +100,14 @@ struct Cfg {
     interval_blocks: u32,
     prio_threshold: u32,
     prio_bound: u32,
+    /// num_speculative_tokens.
+    spec: u32,
 }
 
 fn cfg_strategy() -> impl Strategy<Value = Cfg> {
-    let prio = (prop::sample::select(vec![0u32, 1, 2]), prop::sample::select(vec![0u32, 1, 4]));
+    let prio = (prop::sample::select(vec![0u32, 1, 2]), prop::sample::select(vec![0u32, 1, 4]), prop::sample::select(vec![0u32, 0, 1, 2, 3]));
     ((prop_oneof![3 => 6u32..60, 1 => 200u32..260], prop::sample::select(vec![1u32, 2, 4]), 1u32..4, 1u32..6, 0u32..24, any::<bool>(), prop::sample::select(vec![0u32, 3, 8]), prop::sample::select(vec![0u32, 2]), 2u32..12, prop::bool::weighted(0.2), prop::sample::select(vec![0u32, 0, 1, 3])), prio)
-        .prop_map(|((num_pages, block_size, state_pages, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve, interval_blocks), (prio_threshold, prio_bound))| Cfg {
+        .prop_map(|((num_pages, block_size, state_pages, max_num_seqs, extra_budget, prefix, thresh, aging, max_waiting, reserve, interval_blocks), (prio_threshold, prio_bound, spec))| Cfg {
             num_pages,
             block_size,
             state_pages,
@@ -119,6 +121,7 @@ fn cfg_strategy() -> impl Strategy<Value = Cfg> {
             interval_blocks,
             prio_threshold,
             prio_bound,
+            spec,
         })
 }
 
@@ -133,6 +136,7 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     cfg.prefix_checkpoint_interval = c.interval_blocks * c.block_size;
     cfg.priority_preemption_threshold = c.prio_threshold;
     cfg.max_priority_preemptions_per_step = c.prio_bound;
+    cfg.num_speculative_tokens = c.spec;
     let mut s = Scheduler::new(cfg.clone()).unwrap();
     s.record_evictions(true);
     let mbps = cfg.max_blocks_per_seq() as usize;
@@ -150,6 +154,9 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
         step: 0,
         beam_reorders: 0,
         evictions_checked: 0,
+        spec_drafts: 0,
+        spec_accepted: 0,
+        spec_by_pos: vec![0; c.spec as usize],
     };
     let mut next = 0;
     for op in ops {
@@ -213,10 +220,15 @@ fn run(c: Cfg, ops: Vec<Op>, seed: u64) {
     assert_eq!(st.checkpoint_pages as usize, h.s.checkpoints().len() * h.cfg.state_pages as usize);
     assert_eq!(st.available_pages, st.num_pages as u64, "a page is not reclaimable after the drain");
     assert_eq!(st.reserved_pages, 0);
+    assert_eq!(
+        (st.spec_draft_tokens, st.spec_accepted_tokens, &st.spec_accepted_by_position),
+        (h.spec_drafts, h.spec_accepted, &h.spec_by_pos),
+        "speculative decoding counters"
+    );
     if std::env::var("SCHED_COVERAGE").is_ok() {
         eprintln!(
-            "COV evictions_checked={} reorders={} steps={} preempt={} prio={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
-            h.evictions_checked, h.beam_reorders, h.step, st.preemptions, st.preemptions_priority, st.prefix_hit_tokens, st.cow_copies,
+            "COV spec_drafts={} spec_accepted={} evictions_checked={} reorders={} steps={} preempt={} prio={} hit_tokens={} cow={} forks={} reqs={} aborted={} evict={} ck_hits={} skipped={} ck_writes={} ck_evict={} ck_drops={}",
+            h.spec_drafts, h.spec_accepted, h.evictions_checked, h.beam_reorders, h.step, st.preemptions, st.preemptions_priority, st.prefix_hit_tokens, st.cow_copies,
             h.reqs.iter().filter(|r| r.forked).count(), h.reqs.len(), st.aborted_requests, st.evictions,
             st.checkpoint_hits, st.prefix_skipped_tokens, st.checkpoint_writes, st.checkpoint_evictions, st.checkpoint_drops
         );

@@ -16,6 +16,8 @@ pub(crate) struct OReq {
     pub(crate) out: Vec<Vec<u32>>,
     pub(crate) done: Vec<bool>,
     pub(crate) computed: Vec<usize>,
+    /// Speculative decoding: the drafts the last update gave each sample.
+    pub(crate) drafts: Vec<Vec<u32>>,
     pub(crate) first_step: Option<u64>,
     pub(crate) order: usize,
     pub(crate) arrival_step: u64,
@@ -50,6 +52,11 @@ pub(crate) struct Harness {
     pub(crate) step: u64,
     pub(crate) beam_reorders: u64,
     pub(crate) evictions_checked: u64,
+    /// Speculative decoding, counted here: drafts scheduled, drafts accepted,
+    /// acceptances per draft position.
+    pub(crate) spec_drafts: u64,
+    pub(crate) spec_accepted: u64,
+    pub(crate) spec_by_pos: Vec<u64>,
 }
 
 impl Harness {
@@ -103,6 +110,7 @@ impl Harness {
                     out: vec![vec![]; n],
                     done: vec![false; n],
                     computed: vec![0; n],
+                    drafts: vec![vec![]; n],
                     first_step: None,
                     order,
                     arrival_step: self.step,

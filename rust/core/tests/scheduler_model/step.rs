@@ -7,6 +7,9 @@ use hybridserve_core::scheduler::PreemptCause;
 use std::collections::HashSet;
 
 impl Harness {
+    // is_multiple_of needs Rust 1.87 (the MSRV is 1.80); entries are indices into
+    // several parallel plan arrays.
+    #[allow(clippy::manual_is_multiple_of, clippy::needless_range_loop)]
     pub(crate) fn do_step(&mut self) {
         self.step += 1;
         let cfg = self.cfg.clone();
@@ -34,6 +37,8 @@ impl Harness {
             assert_eq!(r.st, St::Running, "preempted a request that was not running");
             r.st = St::Waiting;
             r.computed.iter_mut().for_each(|c| *c = 0);
+            // A preemption drops the drafts.
+            r.drafts.iter_mut().for_each(|d| d.clear());
         }
         // Budget.
         let b = out.num_seqs();
@@ -103,6 +108,14 @@ impl Harness {
         let mut seen_seq = HashSet::new();
         let mut in_prefill_part = false;
         let mut ck_off = 0usize;
+        let kspec = cfg.num_speculative_tokens as usize;
+        let beams_running = self.reqs.iter().any(|r| r.params.beam_search && r.st == St::Running);
+        // Per entry: the tokens it feeds (committed, then its drafts) and its
+        // state pages (a drafted entry's state is set to the accepted prefix
+        // after update, as the engine's rollback does).
+        let mut fed_of: Vec<Vec<u32>> = Vec::with_capacity(b);
+        let mut st_row_of: Vec<Vec<i32>> = Vec::with_capacity(b);
+        assert_eq!(out.num_draft_tokens.len(), b);
         for e in 0..b {
             let i = self.by_handle[&out.req_indices[e]];
             let sm = out.sample_indices[e] as usize;
@@ -113,8 +126,30 @@ impl Harness {
             }
             assert_eq!(r.st, St::Running);
             assert!(!r.done[sm], "scheduled a finished sample");
-            let toks = r.tokens(sm);
+            let committed = r.tokens(sm);
             let (start, k) = (out.num_computed_tokens[e] as usize, out.num_scheduled_tokens[e] as usize);
+            // Drafts: only on decodes, a prefix of what the last update gave,
+            // within max_tokens (r outputs left: at most r - 1), cut short only
+            // when the token budget is full.
+            let nd = out.num_draft_tokens[e] as usize;
+            let mut toks = committed.clone();
+            if nd > 0 {
+                assert!(kspec > 0 && !r.params.beam_search, "drafts scheduled without speculative decoding");
+                assert_eq!(start + 1, committed.len(), "drafts on a non-decode entry");
+                assert_eq!(k, 1 + nd);
+                assert_eq!(out.checkpoint_positions[e], -1, "a checkpoint asked of a drafted entry");
+                assert!(nd <= r.drafts[sm].len(), "more drafts scheduled than given");
+                toks.extend_from_slice(&r.drafts[sm][..nd]);
+            }
+            let is_dec = k == 1 + nd && start >= r.prompt.len() && start + 1 == committed.len();
+            if is_dec && !r.drafts[sm].is_empty() {
+                let left = r.params.max_tokens as usize - r.out[sm].len();
+                let want = r.drafts[sm].len().min(left - 1);
+                assert!(nd <= want, "drafted past max_tokens");
+                if nd < want && out.preempted.is_empty() && !beams_running {
+                    assert_eq!(out.num_tokens(), cfg.max_num_batched_tokens as usize, "drafts cut although the budget was not full");
+                }
+            }
             let q0 = out.query_start_loc[e] as usize;
             assert_eq!(out.query_start_loc[e + 1] as usize, q0 + k);
             assert!(k >= 1);
@@ -133,8 +168,8 @@ impl Harness {
             let st_row = self.st_rows[out.block_table_rows[e] as usize].clone();
             assert!(st_row.iter().all(|p| !ckpt_pages.contains(p)), "a sequence runs on a checkpoint's pages");
             assert_eq!(out.seq_lens[e] as usize, start + k);
-            assert!(start + k <= toks.len());
-            let is_decode = k == 1 && start >= r.prompt.len() && start + 1 == toks.len();
+            assert!(start + k - nd <= committed.len());
+            let is_decode = is_dec;
             if e < out.num_decodes {
                 assert!(is_decode, "a non-decode among the decodes");
             } else {
@@ -147,7 +182,7 @@ impl Harness {
             if r.params.beam_search && r.forked && !is_decode {
                 assert!(start + k < toks.len(), "a beam's recompute must leave its last token to the joint decode");
             }
-            let want_samples = if start + k == toks.len() { if r.forked { 1 } else { r.params.n as i32 } } else { 0 };
+            let want_samples = if start + k - nd == committed.len() { if r.forked { 1 } else { r.params.n as i32 } } else { 0 };
             assert_eq!(out.num_samples[e], want_samples);
             for &p in &st_row {
                 assert!(seen_slots.insert(p), "state page {p} shared by two entries");
@@ -168,6 +203,8 @@ impl Harness {
                 }
                 self.state_mem.insert(p, toks[..start + k].to_vec());
             }
+            fed_of.push(toks.clone());
+            st_row_of.push(st_row.clone());
             // A checkpoint written inside the chunk: the state after its first `pos` tokens.
             let pos = out.checkpoint_positions[e];
             if pos >= 0 {
@@ -211,8 +248,7 @@ impl Harness {
         }
         // KV writes of the whole step, then every entry reads its full context.
         for e in 0..b {
-            let i = self.by_handle[&out.req_indices[e]];
-            let toks = self.reqs[i].tokens(out.sample_indices[e] as usize);
+            let toks = &fed_of[e];
             let (start, k, q0) = (out.num_computed_tokens[e] as usize, out.num_scheduled_tokens[e] as usize, out.query_start_loc[e] as usize);
             for j in 0..k {
                 let s = out.slot_mapping[q0 + j];
@@ -224,7 +260,7 @@ impl Harness {
         let (width, dense) = self.s.block_tables();
         for e in 0..b {
             let i = self.by_handle[&out.req_indices[e]];
-            let toks = self.reqs[i].tokens(out.sample_indices[e] as usize);
+            let toks = &fed_of[e];
             let row = &self.rows[out.block_table_rows[e] as usize];
             let len = out.seq_lens[e] as usize;
             for p in 0..len {
@@ -232,6 +268,31 @@ impl Harness {
                 assert_eq!(blk, dense[e * width + p / bs], "buffer row differs from the block table");
                 let slot = blk * bs as i32 + (p % bs) as i32;
                 assert_eq!(self.kv_mem.get(&slot).map(|v| v.as_slice()), Some(&toks[..=p]), "attention would read wrong KV at pos {p}");
+            }
+            // No slot collisions: every slot this entry writes is in a block no
+            // other table holds.
+            let q0 = out.query_start_loc[e] as usize;
+            for j in 0..out.num_scheduled_tokens[e] as usize {
+                let sl = out.slot_mapping[q0 + j];
+                if sl >= 0 {
+                    assert_eq!(self.s.kv().refcount(sl as u32 / bs as u32), 1, "a written slot's block is shared");
+                }
+            }
+            // Lookahead: an entry that samples has slots, in its buffer row, for
+            // the k positions past its row (not reaching prompt + max_tokens),
+            // in blocks of its own.
+            let r = &self.reqs[i];
+            if kspec > 0 && out.num_samples[e] > 0 && !r.params.beam_search {
+                let end = (len + kspec).min(r.prompt.len() + r.params.max_tokens as usize);
+                assert!(end <= cfg.max_model_len as usize);
+                let nblk = end.div_ceil(bs);
+                assert!(width >= nblk, "lookahead slots missing: {nblk} blocks needed, table has fewer");
+                for c in len / bs..nblk {
+                    let blk = dense[e * width + c];
+                    assert!(blk >= 0, "lookahead block missing");
+                    assert_eq!(row[c], blk, "lookahead block not in the caller's buffer row");
+                    assert_eq!(self.s.kv().refcount(blk as u32), 1, "a lookahead block is shared");
+                }
             }
         }
         // Beams decode together: all live beams of a forked beam request, or none.
@@ -264,15 +325,66 @@ impl Harness {
             r.out = parents.iter().map(|&p| r.out[p as usize].clone()).collect();
             self.beam_reorders += 1;
         }
-        // Sample and update.
+        // Sample and update. A drafted entry accepts a random count: that many
+        // of its drafts (0..=d), then a token of the target.
         let mut sampled = Vec::new();
+        let mut accepted = Vec::with_capacity(b);
         for e in 0..b {
-            for _ in 0..out.num_samples[e] {
-                let t = (self.rand() % 9) as i32; // 0..8: EOS (7) and STOP (5) happen
-                sampled.push(t);
+            let nd = out.num_draft_tokens[e] as usize;
+            if nd > 0 {
+                let a = 1 + (self.rand() % (nd as u64 + 1)) as usize;
+                let start = out.num_computed_tokens[e] as usize;
+                sampled.extend(fed_of[e][start + 1..start + a].iter().map(|&t| t as i32));
+                sampled.push((self.rand() % 9) as i32);
+                accepted.push(a as i32);
+            } else {
+                for _ in 0..out.num_samples[e] {
+                    let t = (self.rand() % 9) as i32; // 0..8: EOS (7) and STOP (5) happen
+                    sampled.push(t);
+                }
+                accepted.push(out.num_samples[e]);
             }
         }
-        let upd = self.s.update(&sampled).expect("update").clone();
+        // Drafts for the next step: for every entry that sampled (a forking
+        // entry's are ignored), 0..=k random tokens.
+        let drafts: Vec<Vec<u32>> = (0..b)
+            .map(|e| {
+                let beam = self.reqs[self.by_handle[&out.req_indices[e]]].params.beam_search;
+                if kspec == 0 || out.num_samples[e] == 0 || beam {
+                    return vec![];
+                }
+                let n = (self.rand() % (kspec as u64 + 1)) as usize;
+                (0..n).map(|_| (self.rand() % 9) as u32).collect()
+            })
+            .collect();
+        let mut gave_drafts = false;
+        let upd = if kspec == 0 {
+            self.s.update(&sampled).expect("update").clone()
+        } else {
+            // Now and then a bad call first: refused, nothing changed.
+            if self.rand() % 6 == 0 && b > 0 {
+                let before = self.s.stats();
+                let mut bad_acc = accepted.clone();
+                let mut bad_sampled = sampled.clone();
+                let mut bad_drafts = drafts.clone();
+                let e = (self.rand() % b as u64) as usize;
+                match self.rand() % 5 {
+                    0 => bad_acc[e] = if out.num_draft_tokens[e] > 0 { out.num_draft_tokens[e] + 2 } else { out.num_samples[e] + 1 },
+                    1 => bad_acc[e] = if out.num_draft_tokens[e] > 0 { 0 } else { out.num_samples[e] + 1 },
+                    2 => { bad_acc.pop(); }
+                    3 if out.num_samples[e] == 0 => bad_drafts[e] = vec![1],
+                    3 => bad_drafts[e] = vec![1; kspec + 1],
+                    _ => bad_sampled.push(1),
+                }
+                let r = self.s.update_spec(&bad_sampled, Some(&bad_acc), Some(&bad_drafts));
+                assert!(r.is_err(), "a bad update_spec was accepted");
+                assert_eq!(self.s.stats(), before, "a refused update_spec changed something");
+            }
+            let with_drafts = self.rand() % 4 != 0;
+            gave_drafts = with_drafts;
+            let acc = if out.num_draft_tokens.iter().all(|&d| d == 0) && self.rand() % 2 == 0 { None } else { Some(&accepted[..]) };
+            self.s.update_spec(&sampled, acc, with_drafts.then_some(&drafts[..])).expect("update").clone()
+        };
         let mut want_rows = Vec::new();
         let mut want_fin = HashSet::new();
         let mut off = 0;
@@ -280,16 +392,42 @@ impl Harness {
             let i = self.by_handle[&out.req_indices[e]];
             let r = &mut self.reqs[i];
             let sm = out.sample_indices[e] as usize;
-            let ns = out.num_samples[e] as usize;
+            let ns = accepted[e] as usize;
+            let nd = out.num_draft_tokens[e] as usize;
             let k = out.num_scheduled_tokens[e] as usize;
             let toks = &sampled[off..off + ns];
             off += ns;
-            if ns > 1 {
+            if nd > 0 {
+                self.spec_drafts += nd as u64;
+                self.spec_accepted += ns as u64 - 1;
+                for c in &mut self.spec_by_pos[..ns - 1] {
+                    *c += 1;
+                }
+                // Committed one by one; a stop drops the rest.
+                for &t in toks {
+                    r.out[sm].push(t as u32);
+                    r.computed[sm] += 1;
+                    want_rows.push((out.req_indices[e], sm as i32, t));
+                    if let Some(why) = Self::stop_rule(&r.params, r.out[sm].len(), t as u32) {
+                        r.done[sm] = true;
+                        want_fin.insert((out.req_indices[e], sm as u32, why));
+                        break;
+                    }
+                }
+                // The engine leaves the state at the last accepted position.
+                if !r.done[sm] {
+                    let c = r.tokens(sm)[..r.computed[sm]].to_vec();
+                    for &p in &st_row_of[e] {
+                        self.state_mem.insert(p, c.clone());
+                    }
+                }
+            } else if ns > 1 {
                 r.forked = true;
                 let c = r.computed[0] + k;
                 for (j, &t) in toks.iter().enumerate() {
                     r.computed[j] = c;
                     r.out[j].push(t as u32);
+                    r.drafts[j].clear();
                     want_rows.push((out.req_indices[e], j as i32, t));
                     if let Some(why) = Self::stop_rule(&r.params, r.out[j].len(), t as u32) {
                         r.done[j] = true;
@@ -308,6 +446,10 @@ impl Harness {
                     }
                 }
             }
+            if out.num_samples[e] == 1 {
+                r.drafts[sm] = if gave_drafts && !r.done[sm] { drafts[e].clone() } else { vec![] };
+            }
+            assert!(r.out.iter().all(|o| o.len() <= r.params.max_tokens as usize), "past max_tokens");
             if r.done.iter().all(|&d| d) {
                 r.st = St::Done;
             }
