@@ -66,6 +66,7 @@ class SpecDecoder:
         self.accepted_by_position = [0] * self.k
         self.drafted_by_position = [0] * self.k
         self.verify_steps = 0
+        self.verify_entries = 0
         self.steps_not_drafting = 0
 
     # ------------------------------------------------------------------ per step
@@ -151,6 +152,7 @@ class SpecDecoder:
             accept(engine.sampler, step.draft_logits, entries, first, first_lp)
             accepted = num_samples.astype(np.int32).copy()
             self.verify_steps += 1
+            self.verify_entries += len(spec)
             for b, e in zip(spec.tolist(), entries):
                 per_entry[b] = e.tokens
                 accepted[b] = len(e.tokens)
@@ -190,7 +192,7 @@ class SpecDecoder:
             committed = np.where(nd > 0, accepted, committed)
         next_tokens = np.full(B, -1, dtype=np.int64)
         want = np.zeros(B, dtype=np.int64)
-        beams = getattr(engine, "_beams", {})
+        beams = engine.beams
         for b in range(B):
             rid = req_ids[b]
             state = requests.get(rid)
@@ -230,7 +232,9 @@ class SpecDecoder:
             "spec_accepted_tokens": self.accepted_tokens,
             "spec_acceptance_rate": self.accepted_tokens / self.draft_tokens if self.draft_tokens else None,
             "spec_acceptance_by_position": rate,
-            "spec_mean_accepted_length": (1 + self.accepted_tokens / self.verify_steps) if self.verify_steps else None,
+            "spec_accepted_by_position_counts": list(self.accepted_by_position),
+            "spec_verify_entries": self.verify_entries,
+            "spec_mean_accepted_length": (1 + self.accepted_tokens / self.verify_entries) if self.verify_entries else None,
             "spec_verify_steps": self.verify_steps,
             "spec_steps_not_drafting": self.steps_not_drafting,
         }

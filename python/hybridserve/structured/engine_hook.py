@@ -68,6 +68,10 @@ class StructuredDecoding:
         self.wait_seconds = 0.0
         self.submit_seconds = 0.0  # the engine thread's share of starting each step's job
 
+    def constrained_ids(self) -> set[str]:
+        """Ids of the requests decoding under a grammar (they do not draft: see hybridserve.spec)."""
+        return set(self._grammars)
+
     @property
     def active(self) -> bool:
         return bool(self._grammars)
