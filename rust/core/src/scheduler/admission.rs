@@ -253,7 +253,9 @@ impl Scheduler {
             if k == 0 || !s.is_live() {
                 continue;
             }
-            s.row = Some(self.free_rows.pop().expect("a row per running sequence (max_num_seqs)"));
+            let row = self.free_rows.pop().expect("a row per running sequence (max_num_seqs)");
+            self.row_drafts[row as usize].clear();
+            s.row = Some(row);
             s.bt_synced = 0;
             s.st_synced = false;
             sync_row(s, &self.cache, &mut self.out);
@@ -271,7 +273,6 @@ impl Scheduler {
                 start: start as u32,
                 k: k as u32,
                 num_samples,
-                    drafts: 0,
                 ckpt: None,
             });
         }

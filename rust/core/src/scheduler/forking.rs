@@ -42,7 +42,9 @@ impl Scheduler {
         // its lookahead slots (speculative decoding): each reserves its own.
         let computed = req.seqs[0].num_computed;
         truncate_seq_slots(&mut self.cache, &mut req.seqs[0], computed);
-        req.seqs[0].drafts.clear();
+        if let Some(row) = req.seqs[0].row {
+            self.row_drafts[row as usize].clear();
+        }
         let spares = std::mem::take(&mut req.spare_states);
         for (i, &dst) in spares.iter().enumerate() {
             let parent = &req.seqs[0];

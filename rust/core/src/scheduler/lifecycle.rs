@@ -349,5 +349,4 @@ pub(super) fn release_seq(cache: &mut CacheManager, free_rows: &mut Vec<u32>, s:
     }
     s.bt_synced = 0;
     s.st_synced = false;
-    s.drafts.clear();
 }

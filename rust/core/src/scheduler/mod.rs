@@ -182,8 +182,6 @@ struct Entry {
     start: u32,
     k: u32,
     num_samples: u32,
-    /// Draft tokens fed after the last token (the last `drafts` of the `k` rows).
-    drafts: u32,
     /// A checkpoint written inside this chunk: (boundary in tokens, its state).
     ckpt: Option<(u32, StateId)>,
 }
@@ -261,6 +259,14 @@ pub struct Scheduler {
     spec_draft_tokens: u64,
     spec_accepted_tokens: u64,
     spec_accepted_by_position: Vec<u64>,
+    /// Speculative decoding: the draft tokens the caller gave each running
+    /// sequence for its next step, by its buffer row (kept outside `Seq`, so
+    /// the plain decode walk touches no more memory). Fed after its last token
+    /// by the next plan, replaced by every update that applies one of its
+    /// entries, cleared when the row is handed to a sequence (so a preempted
+    /// or finished sequence's drafts die with its row) and when it forks.
+    /// Never in `tokens`: only accepted tokens are committed and hashed.
+    row_drafts: Vec<Vec<u32>>,
 }
 
 struct Snap {
@@ -326,6 +332,7 @@ impl Scheduler {
             spec_draft_tokens: 0,
             spec_accepted_tokens: 0,
             spec_accepted_by_position: vec![0; cfg.num_speculative_tokens as usize],
+            row_drafts: vec![Vec::new(); cfg.max_num_seqs as usize],
             cfg,
         })
     }

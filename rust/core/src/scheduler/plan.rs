@@ -40,6 +40,15 @@ impl Scheduler {
     /// fork copies, checkpoint reconciliation), then the output arrays:
     /// decodes first, then prefill chunks. O(entries + tokens + copies).
     pub(super) fn assemble_plan(&mut self) {
+        if self.cfg.num_speculative_tokens == 0 {
+            self.assemble_plan_impl::<false>()
+        } else {
+            self.assemble_plan_impl::<true>()
+        }
+    }
+
+    /// [`Self::assemble_plan`], monomorphised on speculative decoding.
+    fn assemble_plan_impl<const SPEC: bool>(&mut self) {
         // Checkpoint pages for this plan's chunks, now that every sequence and
         // admission has its room: from free or reclaimable pages only.
         self.plan_ckpt_states = 0;
@@ -78,7 +87,8 @@ impl Scheduler {
         self.plan.clear();
         self.plan_samples = 0;
         let mut t = 0i32;
-        for e in self.d_entries.iter().chain(self.p_entries.iter()) {
+        let n_decodes = self.d_entries.len();
+        for (i, e) in self.d_entries.iter().chain(self.p_entries.iter()).enumerate() {
             let req = self.requests[e.req as usize].as_ref().expect("planned handle");
             let seq = &req.seqs[e.seq as usize];
             let (start, k) = (e.start as usize, e.k as usize);
@@ -90,11 +100,17 @@ impl Scheduler {
             out.seq_lens.push((start + k) as i32);
             t += k as i32;
             out.query_start_loc.push(t);
-            let d = e.drafts as usize;
+            // A decode's rows past its last token are drafts; prefill chunks carry none.
+            let d = if SPEC && i < n_decodes { k - 1 } else { 0 };
             out.input_ids.extend(seq.tokens[start..start + k - d].iter().map(|&x| x as i32));
-            out.input_ids.extend(seq.drafts[..d].iter().map(|&x| x as i32));
-            out.num_draft_tokens.push(d as i32);
-            self.spec_draft_tokens += d as u64;
+            if SPEC {
+                if d > 0 {
+                    let row = seq.row.expect("scheduled sequence has a row") as usize;
+                    out.input_ids.extend(self.row_drafts[row][..d].iter().map(|&x| x as i32));
+                }
+                out.num_draft_tokens.push(d as i32);
+                self.spec_draft_tokens += d as u64;
+            }
             out.positions.extend(start as i32..(start + k) as i32);
             match e.ckpt {
                 Some((due, st)) => {
@@ -107,6 +123,9 @@ impl Scheduler {
             out.block_table_rows.push(seq.row.expect("scheduled sequence has a row") as i32);
             self.plan.push(*e);
             self.plan_samples += e.num_samples as usize;
+        }
+        if !SPEC {
+            out.num_draft_tokens.resize(self.plan.len(), 0);
         }
         out.slot_mapping.extend_from_slice(&self.d_slots);
         out.slot_mapping.extend_from_slice(&self.p_slots);

@@ -38,7 +38,8 @@ impl Scheduler {
                     } else {
                         // Its drafts (as many as max_tokens allows) and lookahead.
                         let left = q.prompt_len + q.params.max_tokens as usize - s.tokens.len();
-                        let d = s.drafts.len().min(left.saturating_sub(1));
+                        let held = s.row.map_or(0, |row| self.row_drafts[row as usize].len());
+                        let d = held.min(left.saturating_sub(1));
                         let end = s.tokens.len() + d;
                         let target = end + lookahead(&self.cfg, q.prompt_len, &q.params, end);
                         decodes += 1 + d;

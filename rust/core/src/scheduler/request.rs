@@ -122,12 +122,6 @@ pub(crate) struct Seq {
     /// Value last sent for column `bt_synced - 1` (a copy-on-write changes it).
     pub bt_last: BlockId,
     pub finished: Option<FinishReason>,
-    /// Speculative decoding: the draft tokens the caller gave for this
-    /// sequence's next step (`update_spec`); fed after its last token by the
-    /// next plan, replaced by every update that applies one of its entries,
-    /// dropped when it is preempted, forks or finishes. Never in `tokens`:
-    /// only accepted tokens are committed (and hashed for the prefix cache).
-    pub drafts: Vec<u32>,
 }
 
 impl Seq {
@@ -148,7 +142,6 @@ impl Seq {
             bt_synced: 0,
             bt_last: 0,
             finished: None,
-            drafts: Vec::new(),
         }
     }
 

@@ -51,6 +51,58 @@ impl Scheduler {
         let kspec = self.cfg.num_speculative_tokens as usize;
         let thresh = self.cfg.long_prefill_token_threshold as usize;
         let mut budget = self.cfg.max_num_batched_tokens as usize;
+        let preempted_any = if kspec == 0 {
+            self.walk_running::<false>(&mut budget, &mut pending_decodes, &mut running_units)
+        } else {
+            self.walk_running::<true>(&mut budget, &mut pending_decodes, &mut running_units)
+        };
+
+        // A block preemption means the running set is short of room: admitting
+        // would only evict again. Room made for a higher priority is for it.
+        self.last_admission_limit = None;
+        self.last_limit_room = (0, 0);
+        if !preempted_any || priority_preempted > 0 {
+            while let Some(r) = self.waiting.first() {
+                if budget == 0 {
+                    self.note_admission_limit(AdmitLimit::TokenBudget, running_units);
+                    break;
+                }
+                let mut req = self.requests[r as usize].take().expect("waiting handle");
+                let mut res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, MatchTrim::Full);
+                if self.cache.prefix_caching_enabled() {
+                    // A prefix match longer than the first chunk holds pages the
+                    // chunk does not need yet: try again without them; and since
+                    // the matched blocks before a state hit are taken off the
+                    // reclaimable list too, last without any match.
+                    for trim in [MatchTrim::ToChunk, MatchTrim::Off] {
+                        if res != Err(AdmitLimit::Pages) {
+                            break;
+                        }
+                        res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, trim);
+                    }
+                }
+                self.requests[r as usize] = Some(req);
+                if let Err(limit) = res {
+                    self.note_admission_limit(limit, running_units);
+                    break;
+                }
+            }
+        }
+
+        self.assemble_plan();
+        self.plan_pending = true;
+        Ok(&self.out)
+    }
+
+    /// The walk over the running requests in key order (see [`Self::schedule`]):
+    /// decodes and prefill chunks, preempting for room. Returns whether it
+    /// preempted. Monomorphised on speculative decoding, so that without it
+    /// (`SPEC = false`) none of that work is in the loop.
+    fn walk_running<const SPEC: bool>(&mut self, budget_io: &mut usize, pending_io: &mut usize, units_io: &mut u32) -> bool {
+        let thresh = self.cfg.long_prefill_token_threshold as usize;
+        let mut budget = *budget_io;
+        let mut pending_decodes = *pending_io;
+        let mut running_units = *units_io;
         let mut preempted_any = false;
         let mut i = 0;
         while i < self.running.len() {
@@ -73,9 +125,6 @@ impl Scheduler {
                 && req.forked
                 && req.seqs.iter().any(|s| s.is_live() && s.tokens.len() - s.num_computed > 1);
             let leader = req.leader();
-            // Positions past this never need a slot: a live sequence has fewer
-            // tokens (add_request keeps it within max_model_len).
-            let cap = req.prompt_len + req.params.max_tokens as usize;
             for si in 0..req.seqs.len() {
                 if req.waits_for_refork(si) {
                     continue;
@@ -93,12 +142,13 @@ impl Scheduler {
                     if beams_wait {
                         continue;
                     }
-                    if !seq.drafts.is_empty() {
+                    let held = if SPEC { seq.row.map_or(0, |row| self.row_drafts[row as usize].len()) } else { 0 };
+                    if held > 0 {
                         // Within the budget left after one row for every decode still
                         // to come, and never past max_tokens: r outputs left, at most
                         // r - 1 drafts (the step commits up to 1 + drafts tokens).
-                        let left = cap - seq.tokens.len();
-                        drafts = seq.drafts.len().min(left.saturating_sub(1)).min(budget.saturating_sub(pending_decodes + 1));
+                        let left = req.prompt_len + req.params.max_tokens as usize - seq.tokens.len();
+                        drafts = held.min(left.saturating_sub(1)).min(budget.saturating_sub(pending_decodes + 1));
                     }
                     1 + drafts
                 } else {
@@ -122,13 +172,13 @@ impl Scheduler {
                 let samples = end - drafts == seq.tokens.len();
                 // Speculative decoding: an entry that samples also reserves the
                 // k positions past its row, where the drafter writes.
-                let la = if samples { lookahead(&self.cfg, req.prompt_len, &req.params, end) } else { 0 };
+                let la = if SPEC && samples { lookahead(&self.cfg, req.prompt_len, &req.params, end) } else { 0 };
                 let n_cached = end.min(seq.matched).saturating_sub(start);
                 let n_new = k - n_cached;
                 loop {
                     let slots = if decode { &mut self.d_slots } else { &mut self.p_slots };
                     let before = slots.len();
-                    let res = if decode && kspec > 0 {
+                    let res = if SPEC && decode {
                         // The table may already reserve positions past `start` (the
                         // last step's lookahead and rejected drafts): keep those
                         // blocks (the drafter wrote there), drop what lies past this
@@ -145,7 +195,7 @@ impl Scheduler {
                     } else {
                         slots.extend(std::iter::repeat_n(-1, n_cached));
                         let r = self.cache.append_slots(&mut seq.table, n_new + la, slots, &mut self.copies, self.step);
-                        if r.is_ok() {
+                        if SPEC && la > 0 && r.is_ok() {
                             slots.truncate(slots.len() - la);
                         }
                         r
@@ -186,7 +236,11 @@ impl Scheduler {
                     0
                 };
                 if seq.row.is_none() {
-                    seq.row = Some(self.free_rows.pop().expect("a row per running sequence (max_num_seqs)"));
+                    let row = self.free_rows.pop().expect("a row per running sequence (max_num_seqs)");
+                    if SPEC {
+                        self.row_drafts[row as usize].clear();
+                    }
+                    seq.row = Some(row);
                     seq.bt_synced = 0;
                     seq.st_synced = false;
                 }
@@ -199,7 +253,6 @@ impl Scheduler {
                     start: start as u32,
                     k: k as u32,
                     num_samples,
-                    drafts: drafts as u32,
                     ckpt: None,
                 };
                 if decode {
@@ -232,42 +285,10 @@ impl Scheduler {
             self.requests[r as usize] = Some(req);
             i += 1;
         }
-
-        // A block preemption means the running set is short of room: admitting
-        // would only evict again. Room made for a higher priority is for it.
-        self.last_admission_limit = None;
-        self.last_limit_room = (0, 0);
-        if !preempted_any || priority_preempted > 0 {
-            while let Some(r) = self.waiting.first() {
-                if budget == 0 {
-                    self.note_admission_limit(AdmitLimit::TokenBudget, running_units);
-                    break;
-                }
-                let mut req = self.requests[r as usize].take().expect("waiting handle");
-                let mut res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, MatchTrim::Full);
-                if self.cache.prefix_caching_enabled() {
-                    // A prefix match longer than the first chunk holds pages the
-                    // chunk does not need yet: try again without them; and since
-                    // the matched blocks before a state hit are taken off the
-                    // reclaimable list too, last without any match.
-                    for trim in [MatchTrim::ToChunk, MatchTrim::Off] {
-                        if res != Err(AdmitLimit::Pages) {
-                            break;
-                        }
-                        res = self.try_admit(&mut req, r, &mut budget, &mut running_units, now, bs, thresh, trim);
-                    }
-                }
-                self.requests[r as usize] = Some(req);
-                if let Err(limit) = res {
-                    self.note_admission_limit(limit, running_units);
-                    break;
-                }
-            }
-        }
-
-        self.assemble_plan();
-        self.plan_pending = true;
-        Ok(&self.out)
+        *budget_io = budget;
+        *pending_io = pending_decodes;
+        *units_io = running_units;
+        preempted_any
     }
 
     /// Applies the tokens sampled for the last plan: `num_samples[b]` tokens per
@@ -275,7 +296,11 @@ impl Scheduler {
     /// finished since are skipped. O(entries + new full blocks hashed).
     /// (`update_spec(sampled, None, None)`.)
     pub fn update(&mut self, sampled: &[i32]) -> Result<&StepUpdate, SchedError> {
-        self.update_spec(sampled, None, None)
+        if self.cfg.num_speculative_tokens == 0 {
+            self.update_impl::<false>(sampled, None, None)
+        } else {
+            self.update_impl::<true>(sampled, None, None)
+        }
     }
 
     /// [`Self::update`] for speculative decoding (`num_speculative_tokens` > 0).
@@ -304,6 +329,22 @@ impl Scheduler {
         accepted: Option<&[i32]>,
         drafts: Option<&[Vec<u32>]>,
     ) -> Result<&StepUpdate, SchedError> {
+        if self.cfg.num_speculative_tokens == 0 && accepted.is_none() && drafts.is_none() {
+            self.update_impl::<false>(sampled, None, None)
+        } else {
+            self.update_impl::<true>(sampled, accepted, drafts)
+        }
+    }
+
+    /// `update_spec`, monomorphised on speculative decoding: without it
+    /// (`SPEC = false`: no drafts can be in the plan, no counts or drafts
+    /// given) the loop is the plain one.
+    fn update_impl<const SPEC: bool>(
+        &mut self,
+        sampled: &[i32],
+        accepted: Option<&[i32]>,
+        drafts: Option<&[Vec<u32>]>,
+    ) -> Result<&StepUpdate, SchedError> {
         if !self.plan_pending {
             return Err(SchedError::InvalidArgument("update() called without a schedule() before it".into()));
         }
@@ -327,7 +368,7 @@ impl Scheduler {
             let (mut off, mut q0) = (0usize, 0usize);
             for (b, e) in self.plan.iter().enumerate() {
                 let a = acc[b] as usize;
-                if e.drafts > 0 {
+                if self.out.num_draft_tokens[b] > 0 {
                     let fed = &self.out.input_ids[q0 + 1..q0 + a];
                     if let Some(j) = (0..a - 1).find(|&j| sampled[off + j] != fed[j]) {
                         return Err(SchedError::InvalidArgument(format!(
@@ -354,12 +395,13 @@ impl Scheduler {
         for pi in 0..self.plan.len() {
             let e = self.plan[pi];
             let ns = match accepted {
-                Some(acc) => acc[pi] as usize,
-                None => e.num_samples as usize,
+                Some(acc) if SPEC => acc[pi] as usize,
+                _ => e.num_samples as usize,
             };
             let toks = &sampled[off..off + ns];
             off += ns;
-            if e.drafts > 0 {
+            let nd = if SPEC { self.out.num_draft_tokens[pi] as u32 } else { 0 };
+            if nd > 0 {
                 self.spec_accepted_tokens += ns as u64 - 1;
                 for c in &mut self.spec_accepted_by_position[..ns - 1] {
                     *c += 1;
@@ -377,7 +419,7 @@ impl Scheduler {
                 continue;
             }
             let extra_key = req.params.extra_key;
-            if e.drafts > 0 {
+            if nd > 0 {
                 // A verified speculative row: the first `ns` rows' inputs are now
                 // in the cache (the last token, then the accepted drafts); the
                 // accepted tokens are committed one by one under the stop rule.
@@ -441,13 +483,14 @@ impl Scheduler {
                     self.fork(&mut req, e.req, si, toks);
                 }
             }
-            if self.cfg.num_speculative_tokens > 0 && e.num_samples == 1 {
+            if SPEC && e.num_samples == 1 {
                 // Drafts for the next step replace the old ones (none given: none).
-                let seq = &mut req.seqs[si];
-                seq.drafts.clear();
-                if seq.is_live() {
+                // (A finished sequence gave its row back: nothing to keep.)
+                if let Some(row) = req.seqs[si].row {
+                    let held = &mut self.row_drafts[row as usize];
+                    held.clear();
                     if let Some(d) = drafts {
-                        seq.drafts.extend_from_slice(&d[pi]);
+                        held.extend_from_slice(&d[pi]);
                     }
                 }
             }
@@ -478,13 +521,14 @@ impl Scheduler {
                 return bad(format!("update(): accepted has {} counts but the last plan has {b} entries; pass one per entry", acc.len()));
             }
             for (i, (e, &a)) in self.plan.iter().zip(acc).enumerate() {
-                if e.drafts > 0 {
-                    if a < 1 || a as u32 > e.drafts + 1 {
+                let nd = self.out.num_draft_tokens[i] as u32;
+                if nd > 0 {
+                    if a < 1 || a as u32 > nd + 1 {
                         return bad(format!(
                             "update(): accepted[{i}] = {a} but entry {i} carried {} drafts; it must be in [1, {}] \
                              (the accepted drafts plus the target's token)",
-                            e.drafts,
-                            e.drafts + 1
+                            nd,
+                            nd + 1
                         ));
                     }
                 } else if a != e.num_samples as i32 {
