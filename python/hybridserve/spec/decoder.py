@@ -199,12 +199,17 @@ class SpecDecoder:
             if state is None:
                 continue
             si = int(sample_indices[b])
-            if b in per_entry:
+            if b in per_entry and num_samples[b] > 1:
+                # The entry that forks an n > 1 request: its children share the prompt's
+                # blocks but not the token after it, so the drafter's row at the last
+                # prompt position (which depends on that token) is left out.
+                committed[b] = sched[b] - 1
+                next_tokens[b] = int(plan.input_ids[qsl[b + 1] - 1])
+            elif b in per_entry:
                 toks = per_entry[b]
                 # The drafter's next token is the step's last kept token; it then drafts
                 # what follows it.
                 next_tokens[b] = toks[-1]
-                committed[b] = committed[b] if accepted is not None and num_samples[b] == 1 else sched[b]
                 if (num_samples[b] == 1 and len(state.samples) == 1 and rid not in beams
                         and rid not in constrained
                         and self._may_draft(rid, si, len(state.samples[si].token_ids) + len(toks))):
