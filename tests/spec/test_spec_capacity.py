@@ -238,3 +238,24 @@ def test_speculation_with_tensor_parallelism_is_refused(ckpt, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert "tensor parallelism" in err and "--speculative-config" in err, err
+
+
+def test_lookahead_never_reaches_past_max_model_len_and_is_nothing_when_off(ckpt):
+    from hybridserve.errors import ConfigError
+    from hybridserve.planner import format_arena_log
+
+    config = dataclasses.replace(_config(ckpt), max_position_embeddings=64)
+    _, state = _pages(config, mtp=True)
+    on = size_arena(config, block_size=BLOCK, kv_dtype="float32", num_pages=100, speculative_tokens=3)
+    # 60 tokens + 3 drafts + 3 lookahead would be 66 positions, but prompt + max_tokens <=
+    # max_model_len (the scheduler refuses more) and no slot is reserved at or past it.
+    assert on.pages_while_decoding(60) == state + 4 == on.pages_for_sequence(64)
+    assert on.pages_while_decoding(58) == state + 4 and on.pages_for_sequence(58) == state + 4
+    assert on.pages_while_decoding(42) == state + 3  # 48 positions
+    assert on.pages_while_decoding(43) == state + 4  # 49
+    off = size_arena(config, block_size=BLOCK, kv_dtype="float32", num_pages=100)
+    assert all(off.sessions_while_decoding(n) == off.sessions(n) for n in (1, 16, 17, 63, 64))
+    assert not any("speculative" in line for line in format_arena_log(off))
+    assert "3 drafts + 3 lookahead slots" in format_arena_log(on)[-1]
+    with pytest.raises(ConfigError, match="speculative_tokens must be a non-negative integer"):
+        size_arena(config, block_size=BLOCK, num_pages=100, speculative_tokens=-1)
