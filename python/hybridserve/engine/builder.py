@@ -240,7 +240,8 @@ def _plan_arena(config: ResolvedConfig, kv_dtype: str, use_cuda_graphs: bool) ->
     # With speculation every KV page also holds the MTP layer's block (its own paged KV).
     common = dict(block_size=a.block_size, kv_dtype=kv_dtype, cuda_graphs=use_cuda_graphs,
                   max_num_seqs=a.max_num_seqs,
-                  extra_attention_layers=1 if a.speculative_config is not None else 0)
+                  speculative_tokens=(a.speculative_config.num_speculative_tokens
+                                      if a.speculative_config is not None else 0))
     num_pages = a.num_pages
     if a.num_gpu_blocks is not None:
         state_pages = arena_layout(config.layout_config, a.block_size, kv_dtype).state_pages
@@ -295,7 +296,8 @@ def _cpu_pool_from_memory(config: ResolvedConfig, kv_dtype: str, use_cuda_graphs
     avail, source = available_memory_bytes()
     share = int(avail * a.cpu_memory_fraction)
     layout = arena_layout(config.layout_config, a.block_size, kv_dtype,
-                          extra_attention_layers=1 if a.speculative_config is not None else 0)
+                          speculative_tokens=(a.speculative_config.num_speculative_tokens
+                                      if a.speculative_config is not None else 0))
     useful = (MAX_NUM_SEQS_CAP * layout.pages_for_sequence(config.max_model_len)
               + (layout.state_pages if use_cuda_graphs else 0)) * layout.page_bytes
     budget = min(share, useful)
