@@ -411,9 +411,8 @@ class EngineCore:
         extra_logprobs: dict = {}
         if self.spec is not None:
             # Verify rounds, the DeltaNet commit of the kept rows, the next drafts.
-            constrained = self.structured.constrained_ids() if self.structured is not None else ()
             sampled, accepted, drafts, extra_logprobs = self.spec.after_sampling(
-                self, plan, step, out, sampled, constrained)
+                self, plan, step, out, sampled, self.structured)
         t_sample = time.perf_counter()
         if self.fault_injector is not None:
             self.fault_injector.point("sample")

@@ -47,6 +47,8 @@ class VerifyEntry:
     rows: list[int]
     row: SamplingRow
     history: list[int]
+    # (request id, sample index): the grammar's key for constrained requests.
+    key: tuple | None = None
     # Filled by accept(): the tokens drawn (accepted drafts, then the target's token),
     # and per drawn token its (logprob, rank, top list) when the row asked for logprobs.
     tokens: list[int] = field(default_factory=list)
@@ -59,6 +61,8 @@ def plain_greedy(row: SamplingRow, extra: int) -> bool:
     p = row.params
     if not p.greedy or p.logit_bias or p.has_penalties or p.logprobs is not None:
         return False
+    if getattr(p, "structured_outputs", None) is not None:
+        return False  # a grammar masks each row
     if p.min_tokens and len(row.output_token_ids) < p.min_tokens + extra:
         return False  # min_tokens bans EOS / stop ids on some of those rows
     allowed = getattr(p, "allowed_token_ids", None)
@@ -74,10 +78,12 @@ def _argmax(x: torch.Tensor) -> np.ndarray:
 
 
 def accept(sampler: Any, logits: torch.Tensor, entries: Sequence[VerifyEntry], first: Sequence[int],
-           first_logprobs: Sequence[tuple | None] | None = None) -> None:
+           first_logprobs: Sequence[tuple | None] | None = None, masker: Any = None) -> None:
     """Fills each entry's ``tokens`` (and ``logprobs``): ``first[i]`` is the token round 0
     drew for entry i (and ``first_logprobs[i]`` its logprob record, or None);
-    ``logits`` holds the draft rows (``VerifyEntry.rows`` index it)."""
+    ``logits`` holds the draft rows (``VerifyEntry.rows`` index it). ``masker(alive,
+    logits_rows)``, if given, masks each round's rows in place before the draw (a
+    grammar's allowed tokens after the entry's tokens so far)."""
     for i, e in enumerate(entries):
         e.tokens = [int(first[i])]
         e.logprobs = [first_logprobs[i]] if first_logprobs is not None and first_logprobs[i] is not None else []
@@ -101,7 +107,10 @@ def accept(sampler: Any, logits: torch.Tensor, entries: Sequence[VerifyEntry], f
     while alive:
         rows = [replace(e.row, output_token_ids=e.history + e.tokens) for e in alive]
         idx = torch.tensor([e.rows[j - 1] for e in alive], dtype=torch.int64, device=logits.device)
-        out = sampler(logits.index_select(0, idx), rows)
+        lg = logits.index_select(0, idx)
+        if masker is not None:
+            masker(alive, lg)
+        out = sampler(lg, rows)
         nxt = []
         for s, (e, t) in enumerate(zip(alive, out.token_ids)):
             t = int(t)

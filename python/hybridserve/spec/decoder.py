@@ -10,8 +10,8 @@ The engine core calls, per step:
    (:class:`~hybridserve.spec.proposer.MTPProposer`); it returns what
    ``Scheduler.update(sampled, accepted, drafts)`` takes.
 
-Who drafts: a running single-sample request (not a beam, not grammar-constrained:
-both run without drafts), while the step's decoding batch is below
+Who drafts: a running single-sample request that is not a beam (beams run without
+drafts), while the step's decoding batch is below
 ``disable_by_batch_size`` and the request's recent acceptance is not below
 ``min_acceptance_rate`` (then it rests ``PROBE_AFTER`` tokens and tries again).
 """
@@ -102,7 +102,7 @@ class SpecDecoder:
         return True
 
     def after_sampling(self, engine: Any, plan: Any, step: Any, out: Any, sampled: np.ndarray,
-                       constrained: Any = ()) -> tuple[np.ndarray, np.ndarray | None, list | None, dict]:
+                       structured: Any = None) -> tuple[np.ndarray, np.ndarray | None, list | None, dict]:
         """Verify rounds, DeltaNet commit and drafting. Returns ``(sampled, accepted,
         drafts, extra_logprobs)`` for the scheduler's update: ``accepted`` is None when
         no entry carried drafts, ``drafts`` None when none were made;
@@ -141,7 +141,7 @@ class SpecDecoder:
                     row = engine._sampling_rows(plan, np.asarray([b]), np.asarray([1]))[0]
                 drafts = ids[qsl[b] + 1: qsl[b] + 1 + d].tolist()
                 entries.append(VerifyEntry(drafts=drafts, rows=list(range(at, at + d)), row=row,
-                                           history=list(sample.token_ids)))
+                                           history=list(sample.token_ids), key=(rid, si)))
                 at += d
                 first.append(per_entry[b][0])
                 if out is not None and out.logprobs is not None and sample.logprobs is not None:
@@ -149,7 +149,12 @@ class SpecDecoder:
                     first_lp.append((out.logprobs[i], out.ranks[i] if out.ranks else None, out.top_logprobs[i]))
                 else:
                     first_lp.append(None)
-            accept(engine.sampler, step.draft_logits, entries, first, first_lp)
+            masker = None
+            if structured is not None and structured.active:
+                def masker(alive, lg):
+                    structured.mask_rows_after(
+                        [(i, e.key[0], e.key[1], e.history, e.tokens) for i, e in enumerate(alive)], lg)
+            accept(engine.sampler, step.draft_logits, entries, first, first_lp, masker)
             accepted = num_samples.astype(np.int32).copy()
             self.verify_steps += 1
             self.verify_entries += len(spec)
@@ -173,11 +178,11 @@ class SpecDecoder:
         flat = np.asarray([t for b in sorted(per_entry) for t in per_entry[b]], dtype=np.int32)
         drafts = None
         if self.drafting and step is not None and step.hidden is not None:
-            drafts = self._draft(engine, plan, step, per_entry, accepted, constrained)
+            drafts = self._draft(engine, plan, step, per_entry, accepted, structured)
         return flat, accepted, drafts, extra_lp
 
     def _draft(self, engine: Any, plan: Any, step: Any, per_entry: dict, accepted: Any,
-               constrained: Any) -> list | None:
+               structured: Any) -> list | None:
         requests = engine.requests
         req_ids = plan.request_ids
         sample_indices = np.asarray(plan.sample_indices)
@@ -211,7 +216,6 @@ class SpecDecoder:
                 # what follows it.
                 next_tokens[b] = toks[-1]
                 if (num_samples[b] == 1 and len(state.samples) == 1 and rid not in beams
-                        and rid not in constrained
                         and self._may_draft(rid, si, len(state.samples[si].token_ids) + len(toks))):
                     want[b] = self.k
             else:
@@ -225,10 +229,21 @@ class SpecDecoder:
                     out_ids = state.samples[si].token_ids
                     if pos - len(prompt) < len(out_ids):
                         next_tokens[b] = out_ids[pos - len(prompt)]
-        return self.proposer.propose(
+        drafts = self.proposer.propose(
             self.runner.last_batch, step.hidden, query_start_loc=qsl, num_computed=computed,
             committed=committed, next_tokens=next_tokens, table_rows=np.asarray(plan.block_table_rows),
             num_drafts=want)
+        if structured is not None and structured.active:
+            # A draft past what the grammar allows could never be accepted (the verify
+            # row's mask forbids it): cut there, so the step does not verify it.
+            for b, d in enumerate(drafts):
+                if d and b in per_entry:
+                    rid, si = req_ids[b], int(sample_indices[b])
+                    state = requests.get(rid)
+                    if state is not None:
+                        hist = list(state.samples[si].token_ids) + list(per_entry[b])
+                        drafts[b] = d[: structured.valid_draft_prefix(rid, si, hist, d)]
+        return drafts
 
     def stats(self) -> dict[str, Any]:
         rate = [a / d if d else None for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
