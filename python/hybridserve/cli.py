@@ -106,6 +106,7 @@ def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     )
     cli_args.add_block_size(p)
     cli_args.add_kv_cache_dtype(p, old_spelling=True, planning=True)
+    cli_args.add_speculative_config(p)
     p.add_argument(
         "--omit-conv-state", action="store_true",
         help="leave the DeltaNet conv state out of the seed's byte counts, as the seed does "
@@ -189,8 +190,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         n=args.n,
         prompt_len=args.prompt_len,
         tensor_parallel=args.tensor_parallel_size,
+        speculative_tokens=(args.speculative_config.num_speculative_tokens
+                            if args.speculative_config is not None else 0),
     )
     d = report.to_dict()
+    d["speculative_config"] = None if args.speculative_config is None else args.speculative_config.to_dict()
     d["config"] = os.fspath(args.config)
     if args.json:
         print(json.dumps(d, indent=2))

@@ -139,6 +139,23 @@ def add_kv_cache_dtype(group: Any, *, old_spelling: bool = False, planning: bool
                            help="deprecated spelling of --kv-cache-dtype (default: auto)")
 
 
+def speculative_config(text: str) -> Any:
+    """``--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}'`` (vLLM's)."""
+    from hybridserve.errors import ConfigError
+    from hybridserve.spec.config import SpeculativeConfig
+
+    try:
+        return SpeculativeConfig.parse(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_speculative_config(group: Any) -> None:
+    group.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                       help="speculative decoding with the checkpoint's MTP layer, vLLM's JSON: "
+                            "'{\"method\": \"mtp\", \"num_speculative_tokens\": 2}' (default: off)")
+
+
 def add_block_size(group: Any) -> None:
     group.add_argument("--block-size", type=block_size, default=16,
                        help="tokens per KV block, a power of two (default: 16)")
@@ -162,5 +179,5 @@ def resolve_model(name: str | None) -> str:
     return name
 
 
-__all__ = ["memory_bytes", "block_size", "kv_cache_dtype", "add_memory_budget", "add_kv_cache_dtype",
+__all__ = ["speculative_config", "add_speculative_config", "memory_bytes", "block_size", "kv_cache_dtype", "add_memory_budget", "add_kv_cache_dtype",
            "add_block_size", "add_seed_and_tokenizer", "resolve_model"]

@@ -195,6 +195,32 @@ class _CoreCollector:
         from hybridserve.structured.metrics import families
 
         yield from families(PREFIX, snap.get("structured"))
+        yield from _spec_families(snap)
+
+
+def _spec_families(snap: dict[str, Any]):
+    """Speculative decoding (vLLM's spec_decode_* names), when the engine drafts."""
+    if "spec_draft_tokens" not in snap or "spec_verify_entries" not in snap:
+        return
+    for key, name, doc in (
+        ("spec_draft_tokens", "spec_decode_num_draft_tokens", "Draft tokens verified"),
+        ("spec_accepted_tokens", "spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+        ("spec_verify_entries", "spec_decode_num_drafts", "Verify runs (one per drafted sequence and step)"),
+        ("spec_steps_not_drafting", "spec_decode_steps_not_drafting",
+         "Steps that did not draft: the decoding batch reached disable_by_batch_size"),
+    ):
+        c = CounterMetricFamily(PREFIX + name, doc)
+        c.add_metric([], float(snap.get(key) or 0))
+        yield c
+    c = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                            "Draft tokens accepted, by draft position (0 = the first draft)", labels=["position"])
+    for i, n in enumerate(snap.get("spec_accepted_by_position_counts") or ()):
+        c.add_metric([str(i)], float(n))
+    yield c
+    g = GaugeMetricFamily(PREFIX + "spec_decode_mean_accepted_length",
+                          "Tokens kept per verify run (1 + accepted drafts), since start")
+    g.add_metric([], float(snap.get("spec_mean_accepted_length") or 0.0))
+    yield g
 
 
 class EngineMetrics:

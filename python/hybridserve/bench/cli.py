@@ -78,6 +78,7 @@ def _add_throughput_arguments(p: argparse.ArgumentParser) -> None:
 
     cli_args.add_block_size(e)
     cli_args.add_kv_cache_dtype(e)
+    cli_args.add_speculative_config(e)
     e.add_argument("--tokenizer", default=None, metavar="DIR",
                    help="tokenizer directory, if not the checkpoint's (default: the checkpoint's)")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
@@ -204,6 +205,8 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
     if args.kv_cache_memory_bytes:
         engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     engine_kwargs.update(kv_cache_dtype=args.kv_cache_dtype, tokenizer=args.tokenizer)
+    if args.speculative_config is not None:
+        engine_kwargs["speculative_config"] = args.speculative_config
 
     if args.seed_scenario:
         print(f"torch intra-op threads: {threads}", file=sys.stderr)

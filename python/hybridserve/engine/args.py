@@ -91,8 +91,14 @@ class EngineArgs:
     # Failed steps in a row after which the engine gives up (fails every open request,
     # raises FatalEngineError; serve exits non-zero). 0: never for this reason.
     max_consecutive_step_failures: int = 3
+    # vLLM's speculative_config: {"method": "mtp", "num_speculative_tokens": k} (a dict,
+    # a JSON string or a SpeculativeConfig); None = no speculation (hybridserve.spec).
+    speculative_config: Any = None
 
     def __post_init__(self) -> None:
+        from hybridserve.spec.config import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         for name in ("block_size", "max_num_batched_tokens", "tensor_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

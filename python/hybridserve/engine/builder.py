@@ -193,10 +193,16 @@ def _close_ranks(parallel: Any) -> None:
 def load_weights(config: ResolvedConfig) -> LoadedWeights:
     args = config.args
     torch.manual_seed(args.seed)
+    spec = args.speculative_config
     if config.parallel is not None:
+        if spec is not None:
+            raise ConfigError("speculative decoding (speculative_config) does not run under tensor parallelism "
+                              "yet; use tensor_parallel_size=1 or leave speculative_config unset")
         model = config.parallel.load_model(args.model, config.dtype, config.device)
     else:
-        model, _ = load_model(args.model, dtype=config.dtype, device=config.device)
+        # Speculation drafts with the checkpoint's MTP layer: loaded only then (a
+        # checkpoint without one is refused here, naming what is missing).
+        model, _ = load_model(args.model, dtype=config.dtype, device=config.device, load_mtp=spec is not None)
     model.eval()
     tokenizer = load_tokenizer(args.tokenizer or args.model)
     eos_token_ids = list(config.model_config.eos_token_ids)
@@ -231,8 +237,11 @@ def _plan_arena(config: ResolvedConfig, kv_dtype: str, use_cuda_graphs: bool) ->
     """The one arena: exact pages (``num_pages``, or the deprecated block/slot pair
     converted to the same bytes), else pages cut from the one byte budget."""
     a = config.args
+    # With speculation every KV page also holds the MTP layer's block (its own paged KV).
     common = dict(block_size=a.block_size, kv_dtype=kv_dtype, cuda_graphs=use_cuda_graphs,
-                  max_num_seqs=a.max_num_seqs)
+                  max_num_seqs=a.max_num_seqs,
+                  speculative_tokens=(a.speculative_config.num_speculative_tokens
+                                      if a.speculative_config is not None else 0))
     num_pages = a.num_pages
     if a.num_gpu_blocks is not None:
         state_pages = arena_layout(config.layout_config, a.block_size, kv_dtype).state_pages
@@ -286,7 +295,9 @@ def _cpu_pool_from_memory(config: ResolvedConfig, kv_dtype: str, use_cuda_graphs
     a = config.args
     avail, source = available_memory_bytes()
     share = int(avail * a.cpu_memory_fraction)
-    layout = arena_layout(config.layout_config, a.block_size, kv_dtype)
+    layout = arena_layout(config.layout_config, a.block_size, kv_dtype,
+                          speculative_tokens=(a.speculative_config.num_speculative_tokens
+                                      if a.speculative_config is not None else 0))
     useful = (MAX_NUM_SEQS_CAP * layout.pages_for_sequence(config.max_model_len)
               + (layout.state_pages if use_cuda_graphs else 0)) * layout.page_bytes
     budget = min(share, useful)
@@ -332,6 +343,8 @@ def create_arena(plan: MemoryPlan) -> Arena:
         max_waiting_requests=args.max_waiting_requests + args.max_num_seqs,
         max_waiting_tokens=args.max_waiting_tokens,
         reserve_max_context=args.admission_policy == "reserve_max",
+        num_speculative_tokens=(args.speculative_config.num_speculative_tokens
+                                if args.speculative_config is not None else 0),
     )
     return Arena(plan=plan, cache=cache, scheduler=scheduler)
 

@@ -107,6 +107,8 @@ class EngineCore:
         # waits without the GIL). Its time counts in this step's process_outputs.
         self.before_forward: Callable[[], None] | None = None
         self._before_forward_seconds = 0.0
+        # Speculative decoding (hybridserve.spec): set by from_parts when asked for.
+        self.spec: Any = None
 
     # ---------------------------------------------------------------- requests
     def has_request(self, request_id: str) -> bool:
@@ -218,6 +220,8 @@ class EngineCore:
             self.structured.release(request_id)
         for i in range(len(state.samples)):
             self.sampler.release((request_id, i))
+        if self.spec is not None:
+            self.spec.release(request_id, len(state.samples))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -340,6 +344,8 @@ class EngineCore:
         runner.extra_views = None
         if self.structured is not None and self.structured.active:
             self._structured_job = self.structured.begin_step(plan, self.requests)
+        if self.spec is not None:
+            self.spec.before_forward(plan)
         try:
             # The one-argument call in the common case keeps runner wrappers (tests,
             # benches) that take only the plan working.
@@ -401,15 +407,27 @@ class EngineCore:
             beams_ended = ()
         if prep is not None:  # planned rows the step did not sample
             self.sampler.discard(prep)
+        accepted = drafts = None
+        extra_logprobs: dict = {}
+        if self.spec is not None:
+            # Verify rounds, the DeltaNet commit of the kept rows, the next drafts.
+            sampled, accepted, drafts, extra_logprobs = self.spec.after_sampling(
+                self, plan, step, out, sampled, self.structured)
         t_sample = time.perf_counter()
         if self.fault_injector is not None:
             self.fault_injector.point("sample")
-        update = self.scheduler.update(sampled)
+        if accepted is None and drafts is None:
+            update = self.scheduler.update(sampled)
+        else:
+            update = self.scheduler.update(sampled, accepted, drafts)
         self._fault_update, self._fault_phase = update, "output"
         if self.fault_injector is not None:
             self.fault_injector.point("output")
         now = time.monotonic()
-        outputs = self.output_processor.process(update, changed, beams_ended, now)
+        if accepted is not None:
+            self.output_processor.forget_steady_rows()
+        outputs = self.output_processor.process(update, changed, beams_ended, now,
+                                                extra_logprobs=extra_logprobs if accepted is not None else None)
         self.step_count += 1
         t_end = time.perf_counter()
         phases = (t_sched - t0, t_prep - t_sched - handoff, t_fwd - t_prep, t_sample - t_fwd,
@@ -454,14 +472,22 @@ class EngineCore:
         d["errored_requests"] = self.errored_requests
         if self.structured is not None:
             d["structured"] = self.structured.stats()
+        if self.spec is not None:
+            d.update(self.spec.stats())
         return d
 
     @classmethod
     def from_parts(cls, parts: Any) -> "EngineCore":
         """The core over the start-up builder's :class:`~hybridserve.engine.builder.EngineParts`."""
         args = parts.args
-        return cls(parts.scheduler, parts.runner, parts.sampler, vocab_size=parts.model_config.vocab_size,
+        core = cls(parts.scheduler, parts.runner, parts.sampler, vocab_size=parts.model_config.vocab_size,
                    device=parts.device, eos_token_ids=parts.eos_token_ids, arena_layout=parts.arena_plan.layout,
                    max_num_seqs=args.max_num_seqs, max_waiting_requests=args.max_waiting_requests,
                    max_consecutive_step_failures=args.max_consecutive_step_failures, parallel=parts.parallel,
                    host_one_thread=parts.host_one_thread)
+        if args.speculative_config is not None:
+            from hybridserve.spec.decoder import SpecDecoder
+
+            core.spec = SpecDecoder(args.speculative_config, parts.model, parts.cache, parts.runner,
+                                    args.block_size)
+        return core

@@ -20,7 +20,7 @@ import numpy as np
 
 from hybridserve.engine.common_rows import common_row_output, steady_row_outputs
 from hybridserve.engine.request_state import RequestState
-from hybridserve.outputs import CompletionOutput, PromptLogprobList, RequestOutput
+from hybridserve.outputs import Logprob, CompletionOutput, PromptLogprobList, RequestOutput
 
 
 class OutputProcessor:
@@ -44,9 +44,17 @@ class OutputProcessor:
     def forget_steady_rows(self) -> None:
         self._steady_rows = None
 
-    def process(self, update: Any, changed: dict[str, set[int]], beams_ended: Any, now: float) -> list[RequestOutput]:
+    def process(self, update: Any, changed: dict[str, set[int]], beams_ended: Any, now: float,
+                extra_logprobs: dict | None = None) -> list[RequestOutput]:
         """The outputs of the scheduler's ``update``; ``changed`` holds the requests the
-        step changed before it (request id -> sample indices) and gets this step's."""
+        step changed before it (request id -> sample indices) and gets this step's.
+
+        ``extra_logprobs`` (a speculative step, see hybridserve.spec; None otherwise):
+        a sample may get several tokens this step; ``extra_logprobs[(rid, si)]`` holds
+        the logprob records of its tokens after the first, appended for the tokens it
+        keeps. A stop string ends a sample at the token that completes it and the
+        step's later tokens of that sample are dropped."""
+        multi = extra_logprobs is not None
         core = self.core
         requests = core.requests
         # Outputs of this step. A running single-sample request that is not a beam,
@@ -61,7 +69,13 @@ class OutputProcessor:
         tokens = np.asarray(update.token_ids).tolist()
         steady, self._steady_rows = self._steady_rows, None
         rows: list[tuple] | None = None
-        if (steady is not None and fast and not finishing and steady[0] == core.requests_epoch
+        if multi:
+            # Several tokens per sample: the general path, one delta per request.
+            fast = False
+            rows = None
+            general: Any = zip(ids, np.asarray(update.sample_indices).tolist(), tokens)
+            kept: dict[tuple[str, int], int] = {}
+        elif (steady is not None and fast and not finishing and steady[0] == core.requests_epoch
                 and steady[1] == ids):
             # The same common rows as the last step (no request added, aborted or
             # finished since, the same batch in the same order): their objects are
@@ -79,6 +93,10 @@ class OutputProcessor:
                 continue
             samples = state.samples
             sample = samples[si]
+            if multi:
+                if sample.finish_reason is not None:
+                    continue  # a stop string ended it at an earlier token of this step
+                kept[(rid, si)] = kept.get((rid, si), 0) + 1
             token_ids = sample.token_ids
             token_ids.append(tok)
             m = state.metrics
@@ -112,6 +130,21 @@ class OutputProcessor:
                 changed[rid] = {si}
             else:
                 got.add(si)
+        if multi and extra_logprobs:
+            for key, records in extra_logprobs.items():
+                state = requests.get(key[0])
+                n = kept.get(key, 0) - 1
+                if state is None or n <= 0:
+                    continue
+                sample = state.samples[key[1]]
+                if sample.logprobs is None:
+                    continue
+                for lp, rank, top in records[:n]:
+                    entry = {sample.token_ids[len(sample.logprobs)]: Logprob(lp, rank=rank)}
+                    for r, (alt, alp) in enumerate(top, start=1):
+                        entry.setdefault(alt, Logprob(alp, rank=r))
+                    sample.logprobs.append(entry)
+                    sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + lp
         for rid, si, reason in zip(
             update.finished_request_ids, update.finished_sample_indices, update.finished_reasons
         ):

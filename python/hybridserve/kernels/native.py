@@ -152,7 +152,7 @@ class Varlen:
     shared by every layer)."""
 
     def __init__(self, query_start_loc, state_pages, has_initial_state, checkpoint_positions=None,
-                 checkpoint_pages=None):
+                 checkpoint_pages=None, read_only=None):
         self.qsl = _i64(query_start_loc)
         self.table = _i64(state_pages)
         self.init = _bool(has_initial_state)
@@ -161,6 +161,13 @@ class Varlen:
             pos = _i64(checkpoint_positions)
             if (pos >= 0).any():
                 self.checkpoints = dict(checkpoint_positions=pos, checkpoint_pages=_i64(checkpoint_pages))
+        # What the state kernels write besides each run's state: checkpoints, and which
+        # runs write nothing back (speculative verify runs, ``read_only``).
+        self.writes = dict(self.checkpoints)
+        if read_only is not None:
+            ro = _bool(read_only)
+            if ro.any():
+                self.writes["read_only"] = ro
 
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
@@ -174,7 +181,7 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(x.shape, dtype=torch.float32)
     _k.causal_conv1d(_np(x), _np(weight.contiguous()), None if bias is None else _np(bias), _np(conv_state),
                      varlen.qsl, varlen.table, varlen.init, _np(out), item_base=int(item_base),
-                     silu=activation is not None, **varlen.checkpoints)
+                     silu=activation is not None, **varlen.writes)
     return out
 
 
@@ -188,7 +195,7 @@ def causal_conv1d_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     out = torch.empty(x.shape, dtype=_BF16)
     _k.causal_conv1d_bf16(_bits(x), _bits(weight.contiguous()), None if bias is None else _bits(bias),
                           _bits(conv_state), varlen.qsl, varlen.table, varlen.init, _bits(out),
-                          item_base=int(item_base), silu=activation is not None, **varlen.checkpoints)
+                          item_base=int(item_base), silu=activation is not None, **varlen.writes)
     return out
 
 
@@ -223,7 +230,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: t
     rule(view(q), view(k), view(v), _np(state), varlen.qsl, varlen.table, varlen.init, view(out),
          item_base=int(item_base), key_heads=key_heads, value_heads=value_heads,
          scale=float(scale), l2norm=bool(use_qk_l2norm), norm_eps=float(norm_eps),
-         **varlen.checkpoints, **opt)
+         **varlen.writes, **opt)
     return out
 
 

@@ -19,6 +19,7 @@ from hybridserve.kernels.cache_write import write_kv_ref
 from hybridserve.kernels.causal_conv1d import Conv1dPlan, causal_conv1d_cpu
 from hybridserve.kernels.gated_delta_rule import DeltaRulePlan, gated_delta_rule_cpu
 from hybridserve.kernels.paged_attention import AttentionPlan, paged_attention_cpu
+from hybridserve.kernels.state_pages import item_coords
 
 # --- Triton dispatch (owned by the kernels/Triton work; keep it to this block) ---
 _TRITON_IMPORTS: bool | None = None
@@ -67,9 +68,33 @@ def _plan(plans, key, build):
 
 
 def _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
-            checkpoint_pages) -> native.Varlen:
-    return _plan(plans, ("varlen",), lambda: native.Varlen(
-        query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages))
+            checkpoint_pages, read_only=None) -> native.Varlen:
+    return _plan(plans, ("varlen", read_only is not None), lambda: native.Varlen(
+        query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages, read_only))
+
+
+class _KeepItems:
+    """The read-only (speculative) runs' state items, saved before a kernel that has no
+    read-only flag (the PyTorch and Triton paths) and put back after it: the same
+    result as the native kernels' flag, for one copy of those runs' items of the layer.
+    A no-op without read-only runs."""
+
+    def __init__(self, pool, state_pages, item_base: int, n_items: int, read_only):
+        self.saved = None
+        if read_only is None:
+            return
+        ro = torch.as_tensor(read_only, device=pool.device)
+        if not bool(ro.any()):
+            return
+        seqs = torch.nonzero(ro).flatten()
+        rows = torch.as_tensor(state_pages, device=pool.device).index_select(0, seqs)
+        pages, within = item_coords(rows, item_base, n_items, pool.shape[1])
+        self.saved = (pool, pages, within, pool[pages, within].clone())
+
+    def restore(self) -> None:
+        if self.saved is not None:
+            pool, pages, within, items = self.saved
+            pool[pages, within] = items
 
 
 def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
@@ -89,61 +114,72 @@ def paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables
 
 def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_pages, has_initial_state,
                   activation="silu", plans: dict | None = None, *, item_base: int,
-                  checkpoint_positions=None, checkpoint_pages=None) -> torch.Tensor:
+                  checkpoint_positions=None, checkpoint_pages=None, read_only=None) -> torch.Tensor:
     """See :func:`hybridserve.kernels.causal_conv1d.causal_conv1d_ref` (state through the
-    state page table, :mod:`hybridserve.kernels.state_pages`)."""
+    state page table, :mod:`hybridserve.kernels.state_pages`). ``read_only`` bool ``[B]``
+    (or None): those runs read their conv state but leave it as it was (speculative
+    verify runs)."""
     ck = dict(item_base=item_base, checkpoint_positions=checkpoint_positions, checkpoint_pages=checkpoint_pages)
+    if native.usable(x, weight, conv_state) and (bias is None or native.usable(bias)):
+        return native.causal_conv1d(x, weight, bias, conv_state, _varlen(
+            plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages,
+            read_only), activation, item_base=item_base)
+    if native.usable_bf16(x, weight, conv_state) and (bias is None or native.usable_bf16(bias)):
+        return native.causal_conv1d_bf16(x, weight, bias, conv_state, _varlen(
+            plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages,
+            read_only), activation, item_base=item_base)
+    keep = _KeepItems(conv_state, state_pages, item_base, 1, read_only)
     if _use_triton(x) and 2 <= weight.shape[-1] <= 4:
         from hybridserve.kernels.causal_conv1d_triton import causal_conv1d_triton
 
-        return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_pages,
-                                    has_initial_state, activation, **ck)
-    if native.usable(x, weight, conv_state) and (bias is None or native.usable(bias)):
-        return native.causal_conv1d(x, weight, bias, conv_state, _varlen(
-            plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages),
-            activation, item_base=item_base)
-    if native.usable_bf16(x, weight, conv_state) and (bias is None or native.usable_bf16(bias)):
-        return native.causal_conv1d_bf16(x, weight, bias, conv_state, _varlen(
-            plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages),
-            activation, item_base=item_base)
-    plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
-        query_start_loc, has_initial_state, weight.shape[-1], x.device, checkpoint_positions))
-    return causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_pages,
-                             has_initial_state, activation, plan, **ck)
+        y = causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_pages,
+                                 has_initial_state, activation, **ck)
+    else:
+        plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
+            query_start_loc, has_initial_state, weight.shape[-1], x.device, checkpoint_positions))
+        y = causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_pages,
+                              has_initial_state, activation, plan, **ck)
+    keep.restore()
+    return y
 
 
 def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state,
                      scale, use_qk_l2norm=True, plans: dict | None = None, *, item_base: int,
-                     checkpoint_positions=None, checkpoint_pages=None) -> torch.Tensor:
+                     checkpoint_positions=None, checkpoint_pages=None, read_only=None) -> torch.Tensor:
     """See :func:`hybridserve.kernels.gated_delta_rule.gated_delta_rule_recurrent_ref`;
     ``q``/``k`` may have ``Hk`` heads dividing the ``H`` of ``v`` (grouped heads, read
-    without expanding them)."""
+    without expanding them). ``read_only`` bool ``[B]`` (or None): those runs start from
+    their state but leave it as it was (speculative verify runs)."""
     ck = dict(item_base=item_base, checkpoint_positions=checkpoint_positions, checkpoint_pages=checkpoint_pages)
-    if _use_triton(q):
-        # Per sequence: recurrent kernel under 16 tokens (decode), chunked kernel above.
-        from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_triton
-
-        return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_pages,
-                                       has_initial_state, scale, use_qk_l2norm, **ck)
-    if native.usable(q, k, v, g, beta, state):
+    if not _use_triton(q) and native.usable(q, k, v, g, beta, state):
         t, hk, kd = q.shape
         h, vd = v.shape[1], v.shape[2]
         o = native.gated_delta_rule(
             q.reshape(t, hk * kd), k.reshape(t, hk * kd), v.reshape(t, h * vd), state,
             _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
-                    checkpoint_pages), key_heads=hk, value_heads=h,
+                    checkpoint_pages, read_only), key_heads=hk, value_heads=h,
             scale=scale, use_qk_l2norm=use_qk_l2norm, g=g, beta=beta, item_base=item_base)
         return o.view(t, h, vd)
-    plan = _plan(plans, ("delta_rule",), lambda: DeltaRulePlan(
-        query_start_loc, has_initial_state, device=q.device, checkpoint_positions=checkpoint_positions))
-    return gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_pages,
-                                has_initial_state, scale, use_qk_l2norm, plan=plan, **ck)
+    keep = _KeepItems(state, state_pages, item_base, v.shape[1], read_only)
+    if _use_triton(q):
+        # Per sequence: recurrent kernel under 16 tokens (decode), chunked kernel above.
+        from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_triton
+
+        o = gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_pages,
+                                    has_initial_state, scale, use_qk_l2norm, **ck)
+    else:
+        plan = _plan(plans, ("delta_rule",), lambda: DeltaRulePlan(
+            query_start_loc, has_initial_state, device=q.device, checkpoint_positions=checkpoint_positions))
+        o = gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_pages,
+                                 has_initial_state, scale, use_qk_l2norm, plan=plan, **ck)
+    keep.restore()
+    return o
 
 
 def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_eps, state, query_start_loc,
                           state_pages, has_initial_state, scale, *, key_heads: int, value_heads: int,
                           item_base: int, checkpoint_positions=None, checkpoint_pages=None,
-                          plans: dict | None = None) -> torch.Tensor | None:
+                          plans: dict | None = None, read_only=None) -> torch.Tensor | None:
     """Gated DeltaNet after its conv, fused: gates from ``a``/``b``, the delta rule, and
     the gated output norm, all ``[T, X]`` (column ranges of the projections allowed);
     returns ``[T, H * V]``. Only where the native kernels run (float32 CPU, or
@@ -154,14 +190,14 @@ def gated_delta_net_mixer(q, k, v, a, b, A_log, dt_bias, z, norm_weight, norm_ep
         # recurrent state (as HF keeps it); the output is bfloat16 for the output projection.
         return native.gated_delta_rule(
             q, k, v, state, _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
-                                    checkpoint_pages),
+                                    checkpoint_pages, read_only),
             key_heads=key_heads, value_heads=value_heads, scale=scale, a=a, b=b, A_log=A_log, dt_bias=dt_bias,
             z=z, norm_weight=norm_weight, norm_eps=norm_eps, item_base=item_base)
     if not native.usable(q, k, v, a, b, z, state, norm_weight):
         return None
     return native.gated_delta_rule(
         q, k, v, state, _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions,
-                                checkpoint_pages),
+                                checkpoint_pages, read_only),
         key_heads=key_heads, value_heads=value_heads, scale=scale, a=a, b=b,
         A_log=A_log.float(), dt_bias=dt_bias.float(), z=z, norm_weight=norm_weight, norm_eps=norm_eps,
         item_base=item_base)

@@ -67,6 +67,10 @@ class ArenaLayout:
     conv_per_page: int
     recurrent_pages: int
     conv_pages: int
+    #: Attention layers outside the trunk whose K/V the page also holds, after the
+    #: trunk's (the MTP layer of speculative decoding: 1). Counted in
+    #: ``num_attention_layers`` and ``kv_block_bytes``.
+    extra_attention_layers: int = 0
 
     # ---- per sequence -----------------------------------------------------------
     @property
@@ -118,14 +122,21 @@ class ArenaLayout:
         return d
 
 
-def arena_layout(config: ModelConfig, block_size: int = 16, kv_dtype: str | None = None) -> ArenaLayout:
+def arena_layout(config: ModelConfig, block_size: int = 16, kv_dtype: str | None = None,
+                 extra_attention_layers: int = 0) -> ArenaLayout:
     """The page layout for ``config`` with blocks of ``block_size`` tokens and the KV/conv
-    cache in ``kv_dtype`` (default: the model dtype). ConfigError for a bad block size."""
+    cache in ``kv_dtype`` (default: the model dtype). ``extra_attention_layers``: full
+    attention layers beyond the trunk's whose KV the pages also hold (1 for the MTP
+    layer when speculative decoding is on), so a KV page grows by one layer's block
+    each. ConfigError for a bad block size."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
+    if isinstance(extra_attention_layers, bool) or not isinstance(extra_attention_layers, int) \
+            or extra_attention_layers < 0:
+        raise ConfigError(f"extra_attention_layers must be a non-negative integer, got {extra_attention_layers!r}")
     kv_dtype = config.torch_dtype if kv_dtype is None else kv_dtype
     el = dtype_bytes(kv_dtype)
-    A = config.num_full_attention_layers
+    A = config.num_full_attention_layers + extra_attention_layers
     D = config.num_linear_attention_layers
     Hv = config.linear_num_value_heads
     layer_block = 2 * block_size * config.num_key_value_heads * config.head_dim * el
@@ -141,4 +152,5 @@ def arena_layout(config: ModelConfig, block_size: int = 16, kv_dtype: str | None
         num_value_heads=Hv, recurrent_item_bytes=rec_item, conv_item_bytes=conv_item,
         recurrent_per_page=rec_per_page, conv_per_page=conv_per_page,
         recurrent_pages=_ceil_div(D * Hv, rec_per_page), conv_pages=_ceil_div(D, conv_per_page),
+        extra_attention_layers=extra_attention_layers,
     )

@@ -33,6 +33,14 @@ class ForwardBatch:
     * ``logits_indices`` int64 ``[S]``: rows of ``T`` whose logits are wanted, in the
       order the logits come back; only these rows go through the final norm's output
       projection (the LM head).
+    * ``speculative`` bool ``[B]`` or None: True = a verify run of speculative decoding
+      (the last accepted token plus the drafts). Its DeltaNet layers read the sequence's
+      conv and recurrent state from the pages but do not write them back; instead each
+      layer keeps the run's inputs in :attr:`spec_ring`, and
+      :meth:`~hybridserve.model.qwen3_5.Qwen3_5ForServing.commit_speculative` replays the
+      accepted rows into the pages once acceptance is known. Attention layers write K/V
+      for every row as usual. Never with a checkpoint (``checkpoint_positions[b]``
+      must be -1 there).
     """
 
     input_ids: torch.Tensor
@@ -46,6 +54,12 @@ class ForwardBatch:
     logits_indices: torch.Tensor
     checkpoint_positions: torch.Tensor | None = None
     checkpoint_pages: torch.Tensor | None = None
+    speculative: torch.Tensor | None = None
+    # Filled by the forward of a batch with speculative runs: per DeltaNet layer index,
+    # what commit_speculative replays (the pre-conv inputs and the gate inputs a, b of
+    # the speculative runs' rows; see Qwen3_5ForServing.commit_speculative). Per step:
+    # dropped with the batch.
+    spec_ring: dict | None = field(default=None, repr=False, compare=False)
     # Host copies the caller may already have; unused by the model today (the CPU
     # reference ops read the tensors), kept so a runner can avoid device syncs later.
     query_start_loc_host: list[int] | None = field(default=None, repr=False)
@@ -54,6 +68,12 @@ class ForwardBatch:
     # indices), built by the first layer that needs one and reused by the others
     # (see hybridserve.kernels.ops). Tied to this step: build a new batch per step.
     op_plans: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def speculative_seqs(self) -> list[int]:
+        """Indices of the speculative sequences (host list; empty when none)."""
+        if self.speculative is None:
+            return []
+        return torch.nonzero(self.speculative.cpu()).flatten().tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -80,6 +100,14 @@ class ForwardBatch:
                     self.state_pages.shape):
                 raise ValueError("ForwardBatch.checkpoint_positions must be [B] and checkpoint_pages shaped "
                                  "like state_pages")
+        if self.speculative is not None:
+            if tuple(self.speculative.shape) != (b,) or self.speculative.dtype != torch.bool:
+                raise ValueError(f"ForwardBatch.speculative must be bool [B={b}], got "
+                                 f"{self.speculative.dtype} {tuple(self.speculative.shape)}")
+            if self.checkpoint_positions is not None and bool(
+                    ((self.checkpoint_positions >= 0) & self.speculative).any()):
+                raise ValueError("ForwardBatch: a speculative sequence cannot take a state checkpoint "
+                                 "(checkpoints go at accepted positions only)")
         if self.block_tables.dim() != 2 or self.block_tables.shape[0] != b:
             raise ValueError(
                 f"ForwardBatch.block_tables must be [B={b}, max_blocks], got {tuple(self.block_tables.shape)}"
@@ -113,6 +141,7 @@ class ForwardBatch:
         logits_indices: Sequence[int],
         checkpoint_positions: Sequence[int] | None = None,
         checkpoint_pages: Sequence[Sequence[int]] | None = None,
+        speculative: Sequence[bool] | None = None,
         device: torch.device | str = "cpu",
     ) -> "ForwardBatch":
         """Build a batch from host lists; ragged ``block_tables`` are padded with 0."""
@@ -136,6 +165,7 @@ class ForwardBatch:
             checkpoint_positions=None if checkpoint_positions is None else t(checkpoint_positions, torch.int32),
             checkpoint_pages=None if checkpoint_pages is None else torch.tensor(
                 [list(r) for r in checkpoint_pages], dtype=torch.int32, device=device).reshape(len(checkpoint_pages), -1),
+            speculative=None if speculative is None else t(speculative, torch.bool),
             query_start_loc_host=list(query_start_loc),
             seq_lens_host=list(seq_lens),
         )

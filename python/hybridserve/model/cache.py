@@ -59,7 +59,9 @@ class HybridCache:
       ``v_caches[a]`` ``[num_pages, block_size, num_kv_heads, head_dim]`` in the cache
       dtype, page stride ``page_bytes``; bytes ``[a * L, (a + 1) * L)`` of each page with
       ``L = layout.kv_layer_block_bytes``, K then V. Token at flat slot ``s`` lives at
-      ``[s // block_size, s % block_size]`` as before.
+      ``[s // block_size, s % block_size]`` as before. With
+      ``layout.extra_attention_layers`` (the MTP layer), those follow the trunk's:
+      :meth:`kv` takes layer index ``num_hidden_layers`` for it (:attr:`mtp_k_cache`).
     * ``recurrent_pool`` float32 ``[num_pages, recurrent_per_page, key_head_dim,
       value_head_dim]`` and ``conv_pool`` (cache dtype) ``[num_pages, conv_per_page,
       conv_dim, conv_kernel - 1]``: the state items a page can hold. A sequence's state
@@ -89,6 +91,11 @@ class HybridCache:
         self.device = torch.device(device)
         c = config
         self.attn_layer_ordinal = {layer: i for i, layer in enumerate(c.full_attention_layers)}
+        # Attention layers beyond the trunk (the MTP layer) are numbered after it, as
+        # vLLM numbers them (layer index num_hidden_layers + i), and their K/V come
+        # after the trunk's in each page.
+        for i in range(layout.extra_attention_layers):
+            self.attn_layer_ordinal[c.num_hidden_layers + i] = len(c.full_attention_layers) + i
         self.linear_layer_ordinal = {layer: i for i, layer in enumerate(c.linear_attention_layers)}
         pb = layout.page_bytes
         self.arena = torch.zeros(num_pages * pb, dtype=torch.uint8, device=self.device)
@@ -110,6 +117,22 @@ class HybridCache:
         cd, hw = c.linear_conv_dim, c.linear_conv_kernel_dim - 1
         self.conv_pool = typed.as_strided((num_pages, layout.conv_per_page, cd, hw), (page_el, cd * hw, hw, 1))
         self._conv_base = layout.recurrent_pages * layout.conv_per_page
+
+    @property
+    def mtp_layer_index(self) -> int | None:
+        """The layer index :meth:`kv` takes for the MTP layer's K/V, or None when the
+        arena holds none (``layout.extra_attention_layers == 0``)."""
+        return self.config.num_hidden_layers if self.layout.extra_attention_layers else None
+
+    @property
+    def mtp_k_cache(self) -> torch.Tensor | None:
+        i = self.mtp_layer_index
+        return None if i is None else self.kv(i)[0]
+
+    @property
+    def mtp_v_cache(self) -> torch.Tensor | None:
+        i = self.mtp_layer_index
+        return None if i is None else self.kv(i)[1]
 
     @property
     def state_pages(self) -> int:

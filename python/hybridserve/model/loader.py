@@ -18,6 +18,11 @@ from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 _LM_PREFIXES = ("model.language_model.", "model.")
 # Weights of other parts of a VL / MTP checkpoint that serving text does not use.
 _SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+# The MTP layer's tensors. The released checkpoints (causal-LM and VL alike) keep them at
+# the top level, ``mtp.*``, beside ``model.*`` / ``model.language_model.*``: vLLM's
+# Qwen3_5MTP.load_weights (vllm/model_executor/models/qwen3_5_mtp.py) maps exactly the
+# names starting with ``mtp.``. ``model.mtp.*`` is accepted too (a re-saved wrapper's).
+_MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
 def checkpoint_files(model_dir: str) -> list[str]:
@@ -46,8 +51,13 @@ def checkpoint_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in found]
 
 
-def local_name(name: str) -> str | None:
-    """Checkpoint tensor name -> model parameter name; None for tensors serving skips."""
+def local_name(name: str, mtp: bool = False) -> str | None:
+    """Checkpoint tensor name -> model parameter name; None for tensors serving skips
+    (the MTP layer's unless ``mtp``: then ``mtp.*`` -> the model's ``mtp.*``)."""
+    if mtp:
+        for prefix in _MTP_PREFIXES:
+            if name.startswith(prefix):
+                return "mtp." + name[len(prefix):]
     if name.startswith(_SKIPPED_PREFIXES):
         return None
     if name == "lm_head.weight":
@@ -97,14 +107,50 @@ def _name_missing(expected, loaded: set[str], aliases: dict[str, tuple[torch.Ten
     return sorted(gone, key=lambda n: order.get(n, -1))
 
 
+def has_mtp_layer(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether the checkpoint carries an MTP layer: ``mtp_num_hidden_layers >= 1`` in its
+    config and ``mtp.*`` tensors in its files."""
+    model_dir = os.fspath(model_dir)
+    config = ModelConfig.from_json(model_dir)
+    if int(config.raw.get("mtp_num_hidden_layers", 0) or 0) < 1:
+        return False
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            if any(n.startswith(_MTP_PREFIXES) for n in f.keys()):
+                return True
+    return False
+
+
+def _refuse_without_mtp(model_dir: str, config: ModelConfig, files: list[str]) -> None:
+    n = int(config.raw.get("mtp_num_hidden_layers", 0) or 0)
+    if n < 1:
+        raise ConfigError(
+            f"checkpoint {model_dir!r} has no MTP layer (its config has mtp_num_hidden_layers "
+            f"{config.raw.get('mtp_num_hidden_layers', 'unset')}), so speculative decoding with "
+            "method 'mtp' cannot be used: turn speculative decoding off or use a checkpoint that ships mtp.*")
+    if n > 1:
+        raise ConfigError(f"checkpoint {model_dir!r} has mtp_num_hidden_layers {n}; hybridserve serves "
+                          "MTP with one layer (as every Qwen3.5 checkpoint ships it)")
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            if any(name.startswith(_MTP_PREFIXES) for name in f.keys()):
+                return
+    raise ConfigError(
+        f"checkpoint {model_dir!r} has no MTP layer (no mtp.* tensors in its weights), so speculative "
+        "decoding with method 'mtp' cannot be used: turn speculative decoding off or use a checkpoint "
+        "that ships mtp.*")
+
+
 def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
-               device: str | torch.device = "cpu", progress: bool = True,
+               device: str | torch.device = "cpu", progress: bool = True, load_mtp: bool = False,
                ) -> tuple[Qwen3_5ForServing, ModelConfig]:
     """Load config + weights; every parameter is checked for presence and shape.
 
     Raises ConfigError (from :class:`ModelConfig`) for an unsupported ``model_type``,
     CheckpointError naming the tensor for a missing or mis-shaped one. Tensors of the
     vision tower and MTP head are skipped; unknown tensors are ignored with a warning.
+    ``load_mtp``: also load the MTP layer (``mtp.*``) into ``model.mtp`` (speculative
+    decoding's drafter); ConfigError when the checkpoint has none.
     Weights are cast to ``dtype`` on the way in; peak extra memory is one tensor. MoE
     experts come per expert (``mlp.experts.{e}.gate_proj.weight`` ...) or as HF's fused
     3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; either is copied straight into the
@@ -118,8 +164,10 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     files = checkpoint_files(model_dir)
+    if load_mtp:
+        _refuse_without_mtp(model_dir, config, files)
 
-    model = Qwen3_5ForServing(config, dtype=dtype, device="meta")
+    model = Qwen3_5ForServing(config, dtype=dtype, device="meta", mtp=load_mtp)
     model.to_empty(device=device)
     model.tie_weights()
     # HF name -> the parameter (or rows of a fused one) it fills.
@@ -140,7 +188,7 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    local = local_name(name)
+                    local = local_name(name, mtp=load_mtp)
                     if local is None:
                         continue
                     if local in aliases:
@@ -168,7 +216,7 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise CheckpointError(
             f"checkpoint {model_dir!r} is missing {len(missing)} tensor(s): {shown}{more} "
-            "(names relative to 'model.' / 'model.language_model.')"
+            "(names relative to 'model.' / 'model.language_model.'; the MTP layer's to the top level)"
         )
     if unknown:
         warnings.warn(f"ignored {len(unknown)} unexpected tensor(s) in {model_dir}: {unknown[:5]}",

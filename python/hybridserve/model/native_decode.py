@@ -216,9 +216,12 @@ class NativeDecodeStep:
         self._cache = cache
 
     def takes(self, batch) -> bool:
-        """A pure-decode step (every sequence one token) of at most :attr:`max_rows` rows."""
+        """A pure-decode step (every sequence one token) of at most :attr:`max_rows` rows,
+        without speculative runs (their state must not be written and their inputs go to
+        the step's ring: the module path's)."""
         t = batch.input_ids.shape[0]
-        return 0 < t <= self.max_rows and batch.seq_lens.shape[0] == t and batch.input_ids.device.type == "cpu"
+        return (0 < t <= self.max_rows and batch.seq_lens.shape[0] == t and batch.input_ids.device.type == "cpu"
+                and batch.spec_ring is None)
 
     def run(self, batch, cache) -> torch.Tensor | None:
         """The step's float32 logits ``[S, vocab]`` for ``batch.logits_indices``; the
@@ -273,6 +276,9 @@ class NativeDecodeStep:
         # The last residual add and the final norm, row-wise (so every row, then the
         # sampled ones: the same values as selecting first), then the LM head.
         norm(b.mlp_out_np, self.final_norm, eps, normed, res, True)
+        # Every row's post-norm state (the MTP's input): valid until the next step of
+        # this row count overwrites the buffer; the model copies it out when asked.
+        self.last_hidden = b.normed
         rows = batch.logits_indices
         if rows.shape[0] == t and bool((rows == self._arange(t)).all()):
             sel, sel_np = b.normed, b.normed_np

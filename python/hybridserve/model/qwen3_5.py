@@ -15,6 +15,7 @@ fused module maps every HF name to a row range of its weight
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -30,6 +31,7 @@ from hybridserve.model.cache import HybridCache, dtype_name, resolve_dtype
 from hybridserve.model.hugepages import huge_page_copy, transposed_copy
 from hybridserve.model.layers import MLP, GatedRMSNorm, Projection, ZeroCenteredRMSNorm, _Fused
 from hybridserve.model.moe import SparseMoeBlock
+from hybridserve.model.mtp import MultiTokenPredictor
 from hybridserve.model.native_decode import NativeDecodeStep
 
 
@@ -145,27 +147,45 @@ class GatedDeltaNet(_Fused, nn.Module):
         self.out_proj = Projection(self.value_dim, c.hidden_size, bias=False)
 
     def forward(self, x, batch: ForwardBatch, cache: HybridCache):
-        t = x.shape[0]
-        # The layer's state: items of the arena's pools, found through each sequence's
-        # state page table row (batch.state_pages) from the layer's first item.
-        st = cache.state(self.layer_idx)
-        ck = dict(checkpoint_positions=batch.checkpoint_positions, checkpoint_pages=batch.checkpoint_pages)
         proj = self.in_proj(x)
         mixed, z, b, a = torch.split(
             proj, [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads], dim=-1)
+        ring = batch.spec_ring
+        read_only = None
+        if ring is not None:
+            # Speculative runs: their state is read, not written; what a replay of their
+            # accepted rows needs goes to the step's ring (see
+            # Qwen3_5ForServing.commit_speculative): the conv's inputs and the gates' b, a
+            # (adjacent columns of the projection), only those runs' rows.
+            read_only = batch.speculative
+            rows = ring["rows"]
+            ring[self.layer_idx] = (mixed.index_select(0, rows),
+                                    proj[:, self.conv_dim + self.value_dim:].index_select(0, rows))
+        ck = dict(checkpoint_positions=batch.checkpoint_positions, checkpoint_pages=batch.checkpoint_pages,
+                  read_only=read_only)
+        o = self._mix(mixed, z, b, a, batch.query_start_loc, batch.state_pages, batch.has_initial_state,
+                      cache, batch.op_plans, ck)
+        return self.out_proj(o)
+
+    def _mix(self, mixed, z, b, a, query_start_loc, state_pages, has_initial_state, cache, plans, ck):
+        """Conv, gates, delta rule and gated output norm over ``[T, *]`` inputs (column
+        ranges allowed); returns ``[T, value_dim]`` for the output projection."""
+        t = mixed.shape[0]
+        # The layer's state: items of the arena's pools, found through each sequence's
+        # state page table row (state_pages) from the layer's first item.
+        st = cache.state(self.layer_idx)
         mixed = ops.causal_conv1d(mixed, self.conv1d.weight[:, 0, :], None, st.conv_pool,
-                                  batch.query_start_loc, batch.state_pages,
-                                  batch.has_initial_state, "silu", plans=batch.op_plans,
+                                  query_start_loc, state_pages, has_initial_state, "silu", plans=plans,
                                   item_base=st.conv_item_base, **ck)
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         # float32 on the CPU: gates, delta rule and output norm in one native kernel.
         o = ops.gated_delta_net_mixer(
             q, k, v, a, b, self.A_log, self.dt_bias, z, self.norm.weight, self.norm.eps, st.recurrent_pool,
-            batch.query_start_loc, batch.state_pages, batch.has_initial_state, self.head_k_dim ** -0.5,
+            query_start_loc, state_pages, has_initial_state, self.head_k_dim ** -0.5,
             key_heads=self.num_k_heads, value_heads=self.num_v_heads, item_base=st.recurrent_item_base,
-            plans=batch.op_plans, **ck)
+            plans=plans, **ck)
         if o is not None:
-            return self.out_proj(o)
+            return o
         # Key head j serves value heads j*rep .. j*rep+rep-1 (HF's repeat_interleave); the
         # op reads the grouped heads directly.
         q = q.view(t, self.num_k_heads, self.head_k_dim)
@@ -174,12 +194,23 @@ class GatedDeltaNet(_Fused, nn.Module):
         beta = torch.sigmoid(b)
         # In float32: in fp16 exp(A_log) could overflow.
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        o = ops.gated_delta_rule(q, k, v, g, beta, st.recurrent_pool, batch.query_start_loc,
-                                 batch.state_pages, batch.has_initial_state,
-                                 self.head_k_dim ** -0.5, True, plans=batch.op_plans,
+        o = ops.gated_delta_rule(q, k, v, g, beta, st.recurrent_pool, query_start_loc,
+                                 state_pages, has_initial_state,
+                                 self.head_k_dim ** -0.5, True, plans=plans,
                                  item_base=st.recurrent_item_base, **ck)
         o = self.norm(o.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(o.reshape(t, self.value_dim))
+        return o.reshape(t, self.value_dim)
+
+    def replay(self, mixed, ba, query_start_loc, state_pages, has_initial_state, cache, plans) -> None:
+        """Advance the state pages over rows recorded by a speculative forward: ``mixed``
+        the conv inputs ``[R, conv_dim]``, ``ba`` the gate inputs ``[R, 2 H]`` (b then a)
+        of the accepted rows, runs by ``query_start_loc``. The same kernels as the
+        forward, so the state is what decoding those rows would leave; the output
+        (computed against a zero gate ``z``: the state does not depend on it) is dropped."""
+        hv = self.num_v_heads
+        z = mixed.new_zeros(mixed.shape[0], self.value_dim)
+        self._mix(mixed, z, ba[:, :hv], ba[:, hv:], query_start_loc, state_pages, has_initial_state, cache,
+                  plans, {})
 
 
 class DecoderLayer(nn.Module):
@@ -243,7 +274,7 @@ class Qwen3_5ForServing(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, dtype: str | torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", mtp: bool = False):
         super().__init__()
         _check_supported(config)
         self.config = config
@@ -253,11 +284,23 @@ class Qwen3_5ForServing(nn.Module):
             self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
             self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
             self.lm_head = Projection(config.hidden_size, config.vocab_size, bias=False)
+            # The MTP layer (speculative decoding's drafter): parameters ``mtp.*`` as the
+            # checkpoints name them; its attention is cache layer num_hidden_layers.
+            self.mtp = MultiTokenPredictor(config, self._mtp_decoder_layer(config)) if mtp else None
         self.tie_weights()
         self.rotary = RotaryEmbedding(config)
         self.to(dtype)
         self.requires_grad_(False)
         self.eval()
+
+    @staticmethod
+    def _mtp_decoder_layer(config: ModelConfig) -> DecoderLayer:
+        """The MTP's decoder layer: the trunk's layer shape as full attention (an MoE
+        block in an MoE model), its K/V at cache layer index ``num_hidden_layers``."""
+        one = dataclasses.replace(config, num_hidden_layers=1, layer_types=(FULL_ATTENTION,))
+        layer = DecoderLayer(one, 0)
+        layer.self_attn.layer_idx = config.num_hidden_layers
+        return layer
 
     def tie_weights(self) -> None:
         """Make the LM head the embedding matrix when the config ties them (again after
@@ -296,8 +339,10 @@ class Qwen3_5ForServing(nn.Module):
 
     def new_cache(self, num_pages: int, block_size: int) -> HybridCache:
         """A zeroed :class:`HybridCache` arena of ``num_pages`` pages in this model's dtype
-        and on its device."""
-        layout = arena_layout(self.config, block_size, dtype_name(self.dtype))
+        and on its device; with the MTP layer loaded, every KV page also holds its K/V
+        (one more attention layer's block, ``cache.mtp_k_cache`` / ``mtp_v_cache``)."""
+        layout = arena_layout(self.config, block_size, dtype_name(self.dtype),
+                              extra_attention_layers=1 if self.mtp is not None else 0)
         return HybridCache(self.config, layout, num_pages, self.dtype, self.device)
 
     @property
@@ -380,25 +425,35 @@ class Qwen3_5ForServing(nn.Module):
         return step if step.ok and step.takes(batch) else None
 
     @torch.no_grad()
-    def forward(self, batch: ForwardBatch, cache: HybridCache) -> torch.Tensor:
-        """Run one step; returns float32 logits ``[S, vocab]`` for ``batch.logits_indices``.
+    def forward(self, batch: ForwardBatch, cache: HybridCache, return_hidden: bool = False):
+        """Run one step; returns float32 logits ``[S, vocab]`` for ``batch.logits_indices``,
+        with ``return_hidden`` also ``hidden`` ``[T, H]``: every row's trunk output after
+        the final norm (the MTP layer's input ``h_t``, see :mod:`hybridserve.model.mtp`).
 
         Writes the step's K/V into ``cache`` at ``batch.slot_mapping`` and leaves every
         scheduled sequence's DeltaNet state (conv + recurrent) in its state pages
         advanced past the scheduled tokens, so the next step continues with
-        ``has_initial_state=True``; requested checkpoints go to their pages.
+        ``has_initial_state=True``; requested checkpoints go to their pages. Speculative
+        sequences (``batch.speculative``) are the exception: their state pages are read,
+        not written, and :meth:`commit_speculative` advances them over the accepted rows.
         """
+        self._open_ring(batch)
         fast = self._native_decode_for(batch)
         if fast is not None:
             logits = fast.run(batch, cache)
             if logits is not None:
-                return logits
+                return (logits, fast.last_hidden.clone()) if return_hidden else logits
         x = self.embed_tokens(batch.input_ids)
         self._moe_rows = x.shape[0]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, batch, cache)
+        if return_hidden:
+            # Row-wise, so the sampled rows' values are those of the path below.
+            h = x if residual is None else residual + x
+            hidden = self.norm(h)
+            return self.lm_head(hidden.index_select(0, batch.logits_indices)).float(), hidden
         # Only the sampled rows need the last residual add, the final norm and the
         # (large) LM head.
         rows = batch.logits_indices
@@ -406,3 +461,92 @@ class Qwen3_5ForServing(nn.Module):
         if residual is not None:  # None only for a model without layers
             h = residual.index_select(0, rows) + h
         return self.lm_head(self.norm(h)).float()
+
+    # ---- speculative decoding -------------------------------------------------
+    @staticmethod
+    def _open_ring(batch: ForwardBatch) -> None:
+        """Set up ``batch.spec_ring`` when the batch has speculative runs: the rows the
+        DeltaNet layers record (those runs' rows, in batch order)."""
+        seqs = batch.speculative_seqs()
+        if not seqs:
+            batch.spec_ring = None
+            return
+        qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
+        lens = [qsl[b + 1] - qsl[b] for b in seqs]
+        rows = [r for b in seqs for r in range(qsl[b], qsl[b + 1])]
+        batch.spec_ring = {"seqs": seqs, "lens": lens,
+                           "rows": torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)}
+
+    def spec_ring_bytes(self, batch: ForwardBatch) -> int:
+        """Bytes the batch's ring holds (0 when it has none): per speculative row and
+        DeltaNet layer, the conv input (``linear_conv_dim``) and the gate inputs
+        (``2 * linear_num_value_heads``) in the model dtype."""
+        ring = batch.spec_ring
+        if not ring:
+            return 0
+        return sum(t.numel() * t.element_size() for k, v in ring.items() if isinstance(k, int) for t in v)
+
+    @torch.no_grad()
+    def commit_speculative(self, batch: ForwardBatch, cache: HybridCache, accepted) -> None:
+        """After :meth:`forward` of a batch with speculative runs: advance each speculative
+        sequence's DeltaNet state (conv and recurrent, in its state pages) over its first
+        ``accepted[b]`` rows, replayed from the step's ring, so the pages hold the state
+        after those tokens as decoding them one by one leaves it. ``accepted`` int ``[B]``
+        (ignored for non-speculative entries; ``1 <= accepted[b] <=`` the rows of b). K/V of
+        rejected rows stays in the cache, unreferenced once the sequence's length drops
+        back. Once per forward."""
+        ring = batch.spec_ring
+        if ring is None:
+            if batch.speculative_seqs():
+                raise ValueError("commit_speculative: run forward on this batch first (its ring is empty), "
+                                 "and commit once")
+            return
+        acc = torch.as_tensor(accepted).reshape(-1).tolist()
+        if len(acc) != batch.num_seqs:
+            raise ValueError(f"commit_speculative: accepted has {len(acc)} entries, the batch {batch.num_seqs} "
+                             "sequences")
+        sel, qsl, off = [], [0], 0
+        for b, n in zip(ring["seqs"], ring["lens"]):
+            k = int(acc[b])
+            if not 1 <= k <= n:
+                raise ValueError(f"commit_speculative: accepted[{b}] = {k} must lie in 1..{n} (the sequence's rows)")
+            sel.extend(range(off, off + k))
+            qsl.append(qsl[-1] + k)
+            off += n
+        dev = batch.input_ids.device
+        sel_t = torch.tensor(sel, dtype=torch.long, device=dev)
+        seqs = torch.tensor(ring["seqs"], dtype=torch.long, device=dev)
+        pages = batch.state_pages.index_select(0, seqs)
+        init = batch.has_initial_state.index_select(0, seqs)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
+        plans: dict = {}
+        for layer in self.layers:
+            if not layer.is_attention:
+                d = layer.linear_attn
+                mixed, ba = ring[d.layer_idx]
+                d.replay(mixed.index_select(0, sel_t), ba.index_select(0, sel_t), qsl_t, pages, init, cache, plans)
+        batch.spec_ring = None
+
+    @torch.no_grad()
+    def mtp_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch,
+                    cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MTP pass over the R rows ``batch`` lays out (its slot_mapping and block
+        tables address the MTP layer's own KV, ``cache.mtp_k_cache``): row r combines
+        ``hidden[r]`` (the trunk's post-norm state h_t from ``forward(...,
+        return_hidden=True)``, or the previous chained step's ``mtp_hidden``) with the
+        embedding of ``input_ids[r]`` (token t+1), writes its K/V at ``slot_mapping[r]``
+        and attends causally over the sequence's MTP KV. Returns float32 logits ``[S, V]``
+        for ``batch.logits_indices`` and ``mtp_hidden`` ``[R, H]``. ConfigError when the
+        model was built without the MTP layer or the cache has no room for its KV.
+
+        Layout (vLLM's proposer and our training, ``hybridserve.train``): the row of
+        ``h_t`` with token ``t+1`` sits at position ``t`` and writes the MTP KV slot of
+        position ``t`` (the sequence's own block table: every KV page holds the MTP
+        layer's block too); a chained draft step then runs position ``t+1`` with the
+        previous ``mtp_hidden`` and the token just drafted."""
+        if self.mtp is None:
+            raise ConfigError("this model was loaded without its MTP layer (load_model(..., load_mtp=True))")
+        if cache.mtp_layer_index is None:
+            raise ConfigError("the cache holds no MTP KV: build it with model.new_cache() of a model "
+                              "loaded with load_mtp=True")
+        return self.mtp(self, hidden, input_ids, batch, cache)

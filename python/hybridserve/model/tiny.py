@@ -189,12 +189,32 @@ def random_state_dict(config: ModelConfig, seed: int = 0, shared_gate_scale: flo
     return out
 
 
-def fuse_experts(tensors: dict[str, torch.Tensor], config: ModelConfig, prefix: str) -> dict[str, torch.Tensor]:
+def random_mtp_state_dict(config: ModelConfig, seed: int = 0, shared_gate_scale: float = 1.0
+                          ) -> dict[str, torch.Tensor]:
+    """Deterministic float32 weights of a complete MTP layer (``mtp.*`` names, as the
+    released checkpoints store them; an MoE block for an MoE config), drawn from their
+    own generator so the trunk's weights are the same with or without them."""
+    from hybridserve.model.qwen3_5 import Qwen3_5ForServing
+
+    shapes = {n: s for n, s in Qwen3_5ForServing(config, device="meta", mtp=True).checkpoint_shapes().items()
+              if n.startswith("mtp.")}
+    gen = torch.Generator().manual_seed(seed + 7919)
+    out = {name: _init_tensor(name.removeprefix("mtp."), shape, config, gen).contiguous()
+           for name, shape in shapes.items()}
+    for name in out:
+        if name.endswith("shared_expert_gate.weight"):
+            out[name] = out[name] * shared_gate_scale
+    return out
+
+
+def fuse_experts(tensors: dict[str, torch.Tensor], config: ModelConfig, prefix: str,
+                 num_layers: int | None = None) -> dict[str, torch.Tensor]:
     """Per-expert tensors -> HF's in-memory fused layout (``experts.gate_up_proj``
     ``[E, 2I, H]``, ``experts.down_proj`` ``[E, H, I]``), as a checkpoint saved from
-    transformers' fused modules carries them."""
+    transformers' fused modules carries them. ``num_layers``: of ``prefix`` (default the
+    trunk's; 1 for the MTP layer's ``mtp.``)."""
     out = dict(tensors)
-    for layer in range(config.num_hidden_layers):
+    for layer in range(config.num_hidden_layers if num_layers is None else num_layers):
         base = f"{prefix}layers.{layer}.mlp.experts."
         gu, dn = [], []
         for e in range(config.num_experts):
@@ -251,7 +271,7 @@ def write_tokenizer(out_dir: str, vocab_size: int, model_max_length: int = 4096,
 def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "test-a", seed: int = 0,
                           dtype: str = "float32", shards: int = 1, vl_naming: bool = False,
                           fused_experts: bool = False, shared_gate_scale: float = 1.0,
-                          qwen_chat: bool = False, **overrides: Any) -> str:
+                          qwen_chat: bool = False, mtp: bool = True, **overrides: Any) -> str:
     """Write a complete tiny checkpoint to ``out_dir`` (created) and return its path.
 
     ``overrides`` replace fields of the preset's text config. Same ``preset``,
@@ -262,11 +282,17 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
     expert tensors instead of per-expert ones; ``shared_gate_scale`` see
     :func:`random_state_dict`. ``qwen_chat``: the tokenizer also has Qwen's ``<think>`` and
     ``<tool_call>`` markers and Qwen3.5's real chat template (see :func:`write_tokenizer`).
+    ``mtp``: a complete random MTP layer (``mtp.*`` at the top level under either naming,
+    as the released checkpoints keep it; ``mtp_num_hidden_layers: 1`` in the config),
+    from its own generator (:func:`random_mtp_state_dict`); without it the config has
+    ``mtp_num_hidden_layers: 0`` (a VL checkpoint still gets one stray ``mtp.*``
+    tensor, which a text server must skip).
     """
     out_dir = os.fspath(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     text = text_config(preset, **overrides)
     text["dtype"] = dtype
+    text["mtp_num_hidden_layers"] = 1 if mtp else 0
     config = ModelConfig.from_dict(text)
     tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     local = random_state_dict(config, seed, shared_gate_scale=shared_gate_scale)
@@ -275,11 +301,18 @@ def write_tiny_checkpoint(out_dir: str | os.PathLike[str], *, preset: str = "tes
                for n, t in local.items()}
     if fused_experts and config.is_moe:
         tensors = fuse_experts(tensors, config, prefix)
+    if mtp:
+        extra = {n: t.to(tdtype) for n, t in random_mtp_state_dict(config, seed, shared_gate_scale).items()}
+        if fused_experts and config.is_moe:
+            extra = fuse_experts(extra, config, "mtp.", num_layers=1)
+        tensors.update(extra)
     moe = config.is_moe
     if vl_naming:
         gen = torch.Generator().manual_seed(seed + 1)
         tensors["model.visual.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 4, 4, generator=gen).to(tdtype)
-        tensors["mtp.fc.weight"] = torch.randn(4, 8, generator=gen).to(tdtype)
+        stray = torch.randn(4, 8, generator=gen).to(tdtype)
+        if not mtp:
+            tensors["mtp.fc.weight"] = stray
         cfg = {
             "model_type": "qwen3_5_moe" if moe else "qwen3_5",
             "architectures": ["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],

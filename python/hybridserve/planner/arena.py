@@ -61,6 +61,10 @@ class ArenaPlan:
     #: The byte budget the arena was cut from; None when sized in pages exactly.
     budget_bytes: int | None = None
     max_num_seqs: int | None = None
+    #: Speculative decoding's k (0: off). Every page then also holds the MTP layer's KV
+    #: block (``layout.extra_attention_layers``); k only matters to sequences still
+    #: decoding, see :meth:`sessions_while_decoding`.
+    speculative_tokens: int = 0
 
     @property
     def total_pages(self) -> int:
@@ -118,6 +122,26 @@ class ArenaPlan:
             )
         return self._fit(context_len, self.pages_for_sequence(context_len))
 
+    def pages_while_decoding(self, context_len: int) -> int:
+        """Pages a sequence holding ``context_len`` tokens takes during a step when it
+        goes on decoding past them with speculation on: the scheduler feeds its last
+        token plus up to k drafts and reserves k lookahead slots past them for the
+        drafter, so its table covers up to ``context_len + 2k`` positions (never past
+        max_model_len). Without speculation, :meth:`pages_for_sequence`.
+
+        A sequence that ends at ``context_len`` (prompt + max_tokens) never holds more
+        than :meth:`pages_for_sequence`: the scheduler reserves no slot at or past
+        ``prompt + max_tokens``, so :meth:`sessions` is exact for it."""
+        span = min(context_len + 2 * self.speculative_tokens, self.max_model_len)
+        return self.layout.pages_for_sequence(max(span, context_len))
+
+    def sessions_while_decoding(self, context_len: int) -> SessionFit:
+        """Sequences holding ``context_len`` tokens each and still decoding, all in one
+        speculative step (see :meth:`pages_while_decoding`); equals :meth:`sessions`
+        without speculation. O(1)."""
+        self.sessions(context_len)  # the same checks
+        return self._fit(context_len, self.pages_while_decoding(context_len))
+
     def sessions_reserved_max(self) -> SessionFit:
         """Sequences running at once when each reserves ``max_model_len`` at admission
         (the baseline policy), whatever their actual lengths. O(1)."""
@@ -130,7 +154,8 @@ class ArenaPlan:
             "arena_bytes": self.arena_bytes, "budget_bytes": self.budget_bytes,
             "unused_bytes": self.unused_bytes, "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs, "reserved_pages_per_sequence":
-            self.reserved_pages_per_sequence, "layout": self.layout.to_dict(),
+            self.reserved_pages_per_sequence, "speculative_tokens": self.speculative_tokens,
+            "layout": self.layout.to_dict(),
         }
 
 
@@ -143,6 +168,8 @@ def size_arena(
     num_pages: int | None = None,
     cuda_graphs: bool = False,
     max_num_seqs: int | None = None,
+    extra_attention_layers: int = 0,
+    speculative_tokens: int = 0,
 ) -> ArenaPlan:
     """The arena for ``config`` from ONE byte budget, or exactly ``num_pages`` pages.
 
@@ -153,6 +180,11 @@ def size_arena(
     (exact sizing for tests) is the scheduler's pages; scratch comes on top.
     ``config.max_position_embeddings`` is taken as max_model_len (the engine passes its
     serving config). ``max_num_seqs`` only caps the session counts reported.
+    ``extra_attention_layers``: attention layers beyond the trunk's in every KV page (1:
+    the MTP layer's KV when speculative decoding is on; see
+    :func:`~hybridserve.memory.layout.arena_layout`). ``speculative_tokens``: k of
+    speculative decoding (0: off); > 0 implies the MTP layer's KV (at least one extra
+    attention layer) and adds the lookahead to :meth:`ArenaPlan.sessions_while_decoding`.
 
     Raises :class:`ConfigError` saying what to change when the arena cannot hold one
     sequence's state plus one KV block, or when neither / both sizes are given.
@@ -164,7 +196,12 @@ def size_arena(
         )
     if max_num_seqs is not None:
         positive_int("max_num_seqs", max_num_seqs)
-    layout = arena_layout(config, block_size, kv_dtype)
+    if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+        raise ConfigError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
+    if speculative_tokens:
+        # The drafter's own KV lives in every page beside the trunk's.
+        extra_attention_layers = max(extra_attention_layers, 1)
+    layout = arena_layout(config, block_size, kv_dtype, extra_attention_layers)
     scratch = layout.state_pages if cuda_graphs else 0
     need = layout.pages_for_sequence(1)  # one sequence: its state + one KV block
     if num_pages is not None:
@@ -187,7 +224,7 @@ def size_arena(
     return ArenaPlan(
         layout=layout, num_pages=pages, scratch_pages=scratch,
         max_model_len=config.max_position_embeddings, budget_bytes=budget_bytes,
-        max_num_seqs=max_num_seqs,
+        max_num_seqs=max_num_seqs, speculative_tokens=speculative_tokens,
     )
 
 
@@ -208,7 +245,9 @@ def _layout_line(plan: ArenaPlan) -> str:
     lay = plan.layout
     line = (
         f"page layout ({lay.kv_dtype} cache): a page is one {lay.block_size}-token KV block of "
-        f"{_count(lay.num_attention_layers, 'attention layer')} ({format_bytes(lay.kv_block_bytes)}, padding "
+        f"{_count(lay.num_attention_layers, 'attention layer')}"
+        + (f" (incl. {lay.extra_attention_layers} MTP)" if lay.extra_attention_layers else "")
+        + f" ({format_bytes(lay.kv_block_bytes)}, padding "
         f"{format_bytes(lay.kv_padding_bytes)})"
     )
     if lay.num_linear_layers:
@@ -249,4 +288,21 @@ def format_arena_log(plan: ArenaPlan, context_len: int | None = None) -> list[st
     table = "sessions that fit by context length (paged): " + " | ".join(
         f"{n:,}: {_fit_text(plan.sessions(n))}" for n in context_lens_for(plan, [L])
     )
-    return [first, _layout_line(plan), fits, table]
+    lines = [first, _layout_line(plan), fits, table]
+    lay = plan.layout
+    if lay.extra_attention_layers:
+        k = plan.speculative_tokens
+        spec = (
+            "speculative decoding: every page also holds the MTP layer's KV block "
+            f"({format_bytes(lay.kv_layer_block_bytes * lay.extra_attention_layers)} of "
+            f"{format_bytes(lay.kv_block_bytes)}), counted in the sessions above, which end at "
+            "their context (no slot is reserved past prompt + max_tokens)"
+        )
+        if k:
+            dec = plan.sessions_while_decoding(L)
+            spec += (
+                f"; with k={k} a sequence still decoding at {L:,} tokens also holds up to {k} drafts "
+                f"+ {k} lookahead slots: {_fit_text(dec)} such sessions ({dec.pages_per_session:,} pages each)"
+            )
+        lines.append(spec)
+    return lines

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.config import ModelConfig
+from hybridserve.config import ModelConfig, dtype_bytes
 from hybridserve.errors import ConfigError
 from hybridserve.planner.arena import ArenaPlan, size_arena
 from hybridserve.planner.budget import usable_after_weights
@@ -47,6 +47,7 @@ from hybridserve.planner.sizes import (
     matrix_state_bytes,
 )
 from hybridserve.planner.units import GiB, positive_int
+from hybridserve.planner.weights import mtp_param_count
 
 
 def shard_config(config: ModelConfig, n: int) -> ModelConfig | None:
@@ -116,14 +117,23 @@ def device_share(
     cuda_graphs: bool = True,
     budget_bytes: int | None = None,
     max_num_seqs: int | None = None,
+    speculative_tokens: int = 0,
 ) -> DeviceShare:
     """What ``n`` devices hold and run: each device's budget is ``budget_bytes`` when
     given (an explicit per-device arena budget), else what ``device_memory`` leaves after
     the device's weights (see the rule). ConfigError naming the dimension when ``n`` is
-    not a valid degree for this model."""
+    not a valid degree for this model. ``speculative_tokens`` k > 0: speculative decoding
+    with the MTP layer (its weights on the device, its KV in every page); the engine runs
+    it on one device only, so ``n`` > 1 is a ConfigError."""
+    if speculative_tokens and n > 1:
+        raise ConfigError(
+            f"speculative decoding does not run under tensor parallelism yet ({n} devices asked); "
+            "plan it on one device or leave --speculative-config out")
     shard = rank_config(config, n)
     split = rank_param_split(config, n).values()
     weights = rank_weight_bytes(config, n)
+    if speculative_tokens:
+        weights += mtp_param_count(config) * dtype_bytes(config.torch_dtype)
     if budget_bytes is not None:
         budget = positive_int("per-device arena budget in bytes", budget_bytes)
     elif device_memory is None:
@@ -136,7 +146,8 @@ def device_share(
     if budget > 0:
         try:
             arena = size_arena(shard, block_size=block_size, kv_dtype=kv_dtype, budget_bytes=budget,
-                               cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
+                               cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,
+                               speculative_tokens=speculative_tokens)
         except ConfigError:
             arena = None  # the budget holds not even one sequence: sessions stay 0
         if arena is not None:
@@ -186,17 +197,21 @@ def devices_needed(
     block_size: int = DEFAULT_BLOCK_SIZE,
     kv_dtype: str | None = None,
     cuda_graphs: bool = True,
+    speculative_tokens: int = 0,
 ) -> DevicePlan:
     """Walk the valid degrees from 1 (:func:`~hybridserve.planner.rank.valid_degrees`)
-    until one runs ``min_sessions`` sessions of ``context_len`` tokens. O(64)."""
+    until one runs ``min_sessions`` sessions of ``context_len`` tokens. O(64). With
+    speculative decoding (``speculative_tokens`` > 0) only one device is considered: the
+    engine does not speculate under tensor parallelism."""
     positive_int("minimum sessions", min_sessions)
     shares: list[DeviceShare] = []
     needed = None
-    for n in valid_degrees(config, MAX_TENSOR_PARALLEL):
+    degrees = [1] if speculative_tokens else valid_degrees(config, MAX_TENSOR_PARALLEL)
+    for n in degrees:
         share = device_share(
             config, n, device_memory=device_memory, context_len=context_len,
             utilization=utilization, reserve=reserve, block_size=block_size,
-            kv_dtype=kv_dtype, cuda_graphs=cuda_graphs,
+            kv_dtype=kv_dtype, cuda_graphs=cuda_graphs, speculative_tokens=speculative_tokens,
         )
         shares.append(share)
         if share.sessions >= min_sessions:

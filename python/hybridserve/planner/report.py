@@ -9,11 +9,12 @@ start-up for the same budget.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from hybridserve.config import ModelConfig, dtype_bytes
+from hybridserve.config import FULL_ATTENTION, ModelConfig, dtype_bytes
 from hybridserve.errors import ConfigError
 from hybridserve.planner.arena import ArenaPlan, SessionFit, context_lens_for, format_arena_log, size_arena
 from hybridserve.planner.budget import describe_budget, usable_after_weights
@@ -43,7 +44,7 @@ from hybridserve.planner.sizes import (
     matrix_state_bytes,
 )
 from hybridserve.planner.units import GiB, MiB, format_bytes, format_mib, positive_int
-from hybridserve.planner.weights import active_param_count, param_count, weight_bytes
+from hybridserve.planner.weights import active_param_count, mtp_param_count, param_count, weight_bytes
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,13 @@ class CapacityReport:
     tensor_parallel_budget_source: str = ""
     shared_prefix: SharingPlan | None = None
     parallel_sampling: ParallelSamplingPlan | None = None
+    #: Speculative decoding's k (0: off): the weights include the MTP layer's
+    #: (``mtp_weight_bytes`` of them) and every arena page its KV block.
+    speculative_tokens: int = 0
+    mtp_weight_bytes: int = 0
+    #: Sessions of ``context_len`` tokens still decoding in one speculative step (each
+    #: holding up to k drafts + k lookahead slots more); = ``sessions_paged`` when off.
+    sessions_paged_while_decoding: int = 0
 
     @property
     def sessions_paged_without_conv(self) -> int:
@@ -141,6 +149,7 @@ def capacity_report(
     n: int = 1,
     prompt_len: int | None = None,
     tensor_parallel: int | None = None,
+    speculative_tokens: int = 0,
 ) -> CapacityReport:
     """The full capacity picture at ``context_len``.
 
@@ -157,17 +166,34 @@ def capacity_report(
     adds what each of N devices holds and runs
     (:func:`~hybridserve.planner.devices.device_share`; with ``pool_bytes`` that is each
     device's arena budget); ConfigError naming the dimension when N does not shard the
-    model.
+    model. ``speculative_tokens`` k > 0 (``--speculative-config``) plans speculative
+    decoding with the MTP layer as the engine runs it: the MTP weights count in the
+    weights, the MTP layer's KV block in every page (so pages are larger and fewer), and
+    sessions still decoding hold up to k drafts + k lookahead slots more
+    (``sessions_paged_while_decoding``); one device only (ConfigError for tensor
+    parallelism, which the engine refuses with speculation).
     """
     kv_dtype = cache_dtype(config, kv_dtype)
     check_context(config, context_len)
+    if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
+        raise ConfigError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
+    spec = speculative_tokens > 0
+    if spec and tensor_parallel is not None and tensor_parallel > 1:
+        raise ConfigError(
+            f"speculative decoding does not run under tensor parallelism yet (--tensor-parallel-size "
+            f"{tensor_parallel}); plan it on one device or leave --speculative-config out")
     params = param_count(config)
-    weights = weight_bytes(config, checkpoint_dir)
-    weight_source = (
-        f"safetensors tensors in {os.fspath(checkpoint_dir)}"
-        if checkpoint_dir is not None
-        else f"{params:,} parameters x {dtype_bytes(config.torch_dtype)} B ({config.torch_dtype})"
-    )
+    weights = weight_bytes(config, checkpoint_dir, mtp=spec)
+    mtp_weights = (weights - weight_bytes(config, checkpoint_dir)) if spec else 0
+    # The byte arithmetic below counts the MTP layer's KV as one more attention layer,
+    # as the arena's pages hold it.
+    kv_config = with_mtp_layer(config) if spec else config
+    if checkpoint_dir is not None:
+        weight_source = f"safetensors tensors in {os.fspath(checkpoint_dir)}" + (
+            f", incl. the MTP layer's {format_bytes(mtp_weights)}" if spec else "")
+    else:
+        counted = f"({params:,} + {mtp_param_count(config):,} MTP) parameters" if spec else f"{params:,} parameters"
+        weight_source = f"{counted} x {dtype_bytes(config.torch_dtype)} B ({config.torch_dtype})"
     devices = None
     if pool_bytes is not None:
         positive_int("pool size in bytes", pool_bytes)
@@ -180,7 +206,7 @@ def capacity_report(
         devices = devices_needed(
             config, device_memory=device_memory, context_len=context_len, utilization=utilization,
             reserve=reserve, block_size=block_size, kv_dtype=kv_dtype, cuda_graphs=cuda_graphs,
-            min_sessions=min_sessions,
+            min_sessions=min_sessions, speculative_tokens=speculative_tokens,
         )
     tp_share, tp_source = None, ""
     if tensor_parallel is not None:
@@ -188,6 +214,7 @@ def capacity_report(
             config, tensor_parallel, device_memory=device_memory, budget_bytes=pool_bytes,
             context_len=context_len, utilization=utilization, reserve=reserve, block_size=block_size,
             kv_dtype=kv_dtype, cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,
+            speculative_tokens=speculative_tokens,
         )
         tp_source = ("given explicitly, for each device" if pool_bytes is not None else
                      describe_budget(device_memory, utilization, tp_share.weight_bytes_per_device, reserve))
@@ -195,7 +222,8 @@ def capacity_report(
     if pool > 0:
         try:
             arena = size_arena(config, block_size=block_size, kv_dtype=kv_dtype, budget_bytes=pool,
-                               cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs)
+                               cuda_graphs=cuda_graphs, max_num_seqs=max_num_seqs,
+                               speculative_tokens=speculative_tokens)
         except ConfigError:
             if devices is None:
                 raise  # an explicit pool too small for one sequence: say so
@@ -206,19 +234,19 @@ def capacity_report(
             raise ConfigError("the shared-prefix scenario needs both a prefix length and a session count")
         shared = (
             arena_sharing_plan(arena, context_len, shared_prefix_len, sessions) if arena else
-            sharing_plan(config, sharing_pool, context_len, shared_prefix_len, sessions, block_size,
+            sharing_plan(kv_config, sharing_pool, context_len, shared_prefix_len, sessions, block_size,
                          kv_dtype, include_conv)
         )
     sampling = None
     if n != 1:
         sampling = (
             arena_parallel_sampling_plan(arena, context_len, n, prompt_len) if arena else
-            parallel_sampling_plan(config, sharing_pool, context_len, n, prompt_len, block_size,
+            parallel_sampling_plan(kv_config, sharing_pool, context_len, n, prompt_len, block_size,
                                    kv_dtype, include_conv)
         )
     elif prompt_len is not None:
         raise ConfigError("a prompt length only matters with n > 1 samples per request")
-    bb = block_bytes(config, block_size, kv_dtype)
+    bb = block_bytes(kv_config, block_size, kv_dtype)
     fits = arena.sessions(context_len) if arena else None
     return CapacityReport(
         model_type=config.model_type,
@@ -230,10 +258,10 @@ def capacity_report(
         block_size=block_size,
         kv_dtype=kv_dtype,
         model_dtype=config.torch_dtype,
-        kv_bytes_per_token=kv_bytes_per_token(config, kv_dtype),
+        kv_bytes_per_token=kv_bytes_per_token(kv_config, kv_dtype),
         block_bytes=bb,
         kv_bytes_per_sequence=blocks_for_tokens(context_len, block_size) * bb,
-        kv_bytes_at_native_max=config.max_position_embeddings * kv_bytes_per_token(config, kv_dtype),
+        kv_bytes_at_native_max=config.max_position_embeddings * kv_bytes_per_token(kv_config, kv_dtype),
         state_bytes_per_sequence=matrix_state_bytes(config),
         conv_state_bytes_per_sequence=conv_state_bytes(config, kv_dtype),
         conv_state_counted=include_conv,
@@ -245,17 +273,17 @@ def capacity_report(
         weight_source=weight_source,
         pool_bytes=pool,
         pool_source=pool_source,
-        session_bytes_paged=paged_sequence_bytes(config, context_len, block_size, kv_dtype, include_conv),
+        session_bytes_paged=paged_sequence_bytes(kv_config, context_len, block_size, kv_dtype, include_conv),
         session_bytes_paged_without_conv=paged_sequence_bytes(
-            config, context_len, block_size, kv_dtype, include_conv=False
+            kv_config, context_len, block_size, kv_dtype, include_conv=False
         ),
-        session_bytes_reserved_max=reserved_sequence_bytes(config, block_size, kv_dtype, include_conv),
-        seed_sessions_paged=sessions_paged(config, sharing_pool, context_len, block_size, kv_dtype, include_conv),
+        session_bytes_reserved_max=reserved_sequence_bytes(kv_config, block_size, kv_dtype, include_conv),
+        seed_sessions_paged=sessions_paged(kv_config, sharing_pool, context_len, block_size, kv_dtype, include_conv),
         seed_sessions_paged_without_conv=sessions_paged(
-            config, sharing_pool, context_len, block_size, kv_dtype, include_conv=False
+            kv_config, sharing_pool, context_len, block_size, kv_dtype, include_conv=False
         ),
         seed_sessions_reserved_max=sessions_reserved_max(
-            config, sharing_pool, block_size, kv_dtype, include_conv
+            kv_config, sharing_pool, block_size, kv_dtype, include_conv
         ),
         arena=arena,
         sessions_paged=fits.sessions if fits else 0,
@@ -267,7 +295,19 @@ def capacity_report(
         tensor_parallel_budget_source=tp_source,
         shared_prefix=shared,
         parallel_sampling=sampling,
+        speculative_tokens=speculative_tokens,
+        mtp_weight_bytes=mtp_weights,
+        sessions_paged_while_decoding=arena.sessions_while_decoding(context_len).sessions if arena else 0,
     )
+
+
+def with_mtp_layer(config: ModelConfig) -> ModelConfig:
+    """``config`` with the MTP layer's attention counted as one more full-attention
+    layer: what a token's KV, a block and a session cost with speculative decoding
+    (the MTP layer keeps its own paged KV beside the trunk's). For KV arithmetic only:
+    its parameters are :func:`~hybridserve.planner.weights.mtp_param_count`'s."""
+    return dataclasses.replace(config, layer_types=config.layer_types + (FULL_ATTENTION,),
+                               num_hidden_layers=config.num_hidden_layers + 1)
 
 
 def _billions(n: int) -> str:
@@ -318,13 +358,16 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
              f"{r.num_linear_attention_layers} Gated DeltaNet")
     if r.num_experts:
         model += f"; MoE: {r.num_experts} experts, {r.num_experts_per_tok} routed per token"
+    mtp = " incl. the MTP layer's" if r.speculative_tokens else ""
+    if r.speculative_tokens:
+        model += "; + 1 MTP layer (the drafter: its own KV, counted as an attention layer below)"
     rows: list[tuple[str, str]] = [
         ("layers", model),
         ("parameters", f"{r.param_count:,} ({_billions(r.param_count)}; "
                        f"{_billions(r.active_param_count)} active per token)"),
-        (f"KV per token ({r.kv_dtype})", f"{r.kv_bytes_per_token:,} B ({fb(r.kv_bytes_per_token)})"),
+        (f"KV per token ({r.kv_dtype}{mtp})", f"{r.kv_bytes_per_token:,} B ({fb(r.kv_bytes_per_token)})"),
         (f"KV per sequence at the native {r.max_position_embeddings:,} tokens", fb(r.kv_bytes_at_native_max)),
-        (f"one {r.block_size}-token block (all attention layers)", fb(r.block_bytes)),
+        (f"one {r.block_size}-token block (all attention layers{' + MTP' if mtp else ''})", fb(r.block_bytes)),
         ("DeltaNet matrix state per sequence (float32)", fb(r.state_bytes_per_sequence)),
         (f"DeltaNet conv state per sequence ({r.kv_dtype}, the cache dtype; {conv_note})",
          fb(r.conv_state_bytes_per_sequence)),
@@ -339,6 +382,18 @@ def render_plan(report: CapacityReport, config_name: str = "") -> str:
          + (f" ({format_mib(r.session_bytes_paged_without_conv)} without conv)" if r.conv_state_counted else "")),
         ("one session reserving the native maximum", format_mib(r.session_bytes_reserved_max)),
         (f"sessions that fit at {L:,} tokens, paged", f"{r.sessions_paged:,}"),
+    ]
+    if r.speculative_tokens:
+        k = r.speculative_tokens
+        a = r.arena
+        rows.append((f"speculative decoding (MTP, k={k})",
+                     f"MTP weights {fb(r.mtp_weight_bytes)} counted in the weights"
+                     + (f"; its KV ({fb(a.layout.kv_layer_block_bytes)} a block) in every "
+                        f"{fb(a.page_bytes)} page" if a is not None else "")))
+        rows.append((f"  sessions still decoding at {L:,} tokens (+{k} drafts, +{k} lookahead)",
+                     f"{r.sessions_paged_while_decoding:,} (the count above is for sessions that end at "
+                     f"{L:,} tokens: no slot is reserved past prompt + max_tokens)"))
+    rows += [
         ("sessions that fit, reserving the native maximum", f"{r.sessions_reserved_max:,}"),
         ("(the seed's byte arithmetic: paged, reserved)",
          f"{r.seed_sessions_paged:,}, {r.seed_sessions_reserved_max:,} (no page padding, no scratch state)"),

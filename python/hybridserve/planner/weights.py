@@ -9,6 +9,7 @@ or **replicated** under tensor parallelism (:func:`param_split`), the rule
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -100,6 +101,22 @@ def param_split(config: ModelConfig) -> dict[str, ParamSplit]:
     }
 
 
+def mtp_param_count(config: ModelConfig) -> int:
+    """Parameters of the MTP layer (speculative decoding's drafter, ``mtp.*``): ``fc``
+    [H, 2H], one full-attention decoder layer with the trunk's MLP or MoE block, its two
+    RMSNorms, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden`` and ``norm``. The
+    embedding and LM head are the trunk's."""
+    parts = param_split(config)
+    h = config.hidden_size
+    layers = config.num_hidden_layers
+    attn = parts["full_attention"].total // max(1, config.num_full_attention_layers)
+    if not config.num_full_attention_layers:  # a shape without attention layers still drafts with one
+        one = dataclasses.replace(config, layer_types=("full_attention",), num_hidden_layers=1)
+        attn = param_split(one)["full_attention"].total
+    ffn = parts["moe" if config.num_experts > 0 else "mlp"].total // max(1, layers)
+    return 2 * h * h + attn + ffn + 5 * h
+
+
 def param_breakdown(config: ModelConfig) -> dict[str, int]:
     """Parameter count of the language model by part (see :func:`param_split`)."""
     return {k: v.total for k, v in param_split(config).items()}
@@ -123,15 +140,18 @@ def active_param_count(config: ModelConfig) -> int:
 
 #: Tensors of a checkpoint that a text-only engine never loads.
 _NOT_LOADED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+#: The MTP layer's tensors (hybridserve.model.loader loads them with load_mtp).
+_MTP_PREFIXES = ("mtp.", "model.mtp.")
 
 
-def checkpoint_weight_bytes(path: str | os.PathLike[str], *, text_only: bool = True) -> int:
+def checkpoint_weight_bytes(path: str | os.PathLike[str], *, text_only: bool = True, mtp: bool = False) -> int:
     """Bytes of tensor data in a checkpoint's ``*.safetensors`` files (headers excluded).
 
     Reads only each file's JSON header (no tensor data, no torch). With ``text_only``,
     tensors the text engine does not load (vision tower, multi-token-prediction head)
-    are left out. Raises :class:`CheckpointError` if there are no safetensors files or
-    a header is malformed.
+    are left out; ``mtp`` keeps the MTP layer's (loaded for speculative decoding).
+    Raises :class:`CheckpointError` if there are no safetensors files or a header is
+    malformed.
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -154,7 +174,8 @@ def checkpoint_weight_bytes(path: str | os.PathLike[str], *, text_only: bool = T
             for key, info in header.items():
                 if key == "__metadata__":
                     continue
-                if text_only and key.startswith(_NOT_LOADED_PREFIXES):
+                if text_only and key.startswith(_NOT_LOADED_PREFIXES) and not (
+                        mtp and key.startswith(_MTP_PREFIXES)):
                     continue
                 begin, end = info["data_offsets"]
                 total += int(end) - int(begin)
@@ -163,9 +184,11 @@ def checkpoint_weight_bytes(path: str | os.PathLike[str], *, text_only: bool = T
     return total
 
 
-def weight_bytes(config: ModelConfig, checkpoint_dir: str | os.PathLike[str] | None = None) -> int:
+def weight_bytes(config: ModelConfig, checkpoint_dir: str | os.PathLike[str] | None = None,
+                 mtp: bool = False) -> int:
     """Device bytes of the weights: the checkpoint's tensor bytes if a directory is
-    given, else :func:`param_count` x the model dtype's size."""
+    given, else :func:`param_count` x the model dtype's size; ``mtp``: with the MTP
+    layer's (speculative decoding)."""
     if checkpoint_dir is not None:
-        return checkpoint_weight_bytes(checkpoint_dir)
-    return param_count(config) * dtype_bytes(config.torch_dtype)
+        return checkpoint_weight_bytes(checkpoint_dir, mtp=mtp)
+    return (param_count(config) + (mtp_param_count(config) if mtp else 0)) * dtype_bytes(config.torch_dtype)

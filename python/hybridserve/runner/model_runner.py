@@ -56,6 +56,13 @@ class StepLogits:
     # (prompt logprobs), rows in plan order; spans are (batch index, first row, count).
     prompt_logits: torch.Tensor | None = None
     prompt_spans: list[tuple[int, int, int]] | None = None
+    # Speculative steps (see hybridserve.spec): the logits of the draft rows (rows 1..d
+    # of each entry that carried d drafts, entries in plan order), those entries'
+    # batch indices, and the trunk's post-norm hidden state at every row of the batch
+    # (the MTP drafter's input) when the engine asked for it.
+    draft_logits: torch.Tensor | None = None
+    spec_entries: np.ndarray | None = None
+    hidden: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -104,6 +111,12 @@ class ModelRunner:
         # call (the async engine hands the previous step's outputs to its event loop
         # there, so that the loop's work overlaps the forward).
         self.before_forward: Any = None
+        # Set before execute() by a speculating engine: return the trunk's hidden states
+        # with the logits (the MTP drafter's input). The step's ForwardBatch stays in
+        # last_batch until the next execute() (the engine commits the DeltaNet state of
+        # speculative rows and lays out the drafter's batch from it).
+        self.want_hidden = False
+        self.last_batch: ForwardBatch | None = None
         # Set before execute(): more int64 segments for the step's one staging copy;
         # their device views are in extra_views afterwards (None if none were staged).
         self.extra_segments: list | None = None
@@ -128,11 +141,26 @@ class ModelRunner:
         sampling = np.nonzero(num_samples > 0)[0]
         # The last token of each sampling sequence is the row whose logits we need.
         logits_indices = qsl[1:][sampling] - 1
+        drafts = getattr(plan, "num_draft_tokens", None)
+        nd = np.asarray(drafts, dtype=np.int64) if drafts is not None and len(drafts) else None
+        spec = np.nonzero(nd > 0)[0] if nd is not None else np.zeros(0, np.int64)
+        if len(spec):
+            # An entry with d drafts samples first where a plain decode would (its row 0,
+            # the last committed token); its rows 1..d come after everything else.
+            if not np.all(num_samples[spec] == 1):
+                raise ValueError("an entry carrying drafts must sample exactly one token")
+            first = qsl[:-1].copy()
+            logits_indices = np.where(nd[sampling] > 0, first[sampling], logits_indices)
         if len(all_positions):
             # Then every position of the sequences that want prompt logprobs.
             logits_indices = np.concatenate(
                 [logits_indices] + [np.arange(qsl[b], qsl[b + 1], dtype=np.int64) for b in all_positions]
             )
+        self._num_prompt_rows = len(logits_indices) - len(sampling)
+        if len(spec):
+            logits_indices = np.concatenate(
+                [logits_indices] + [np.arange(qsl[b] + 1, qsl[b + 1], dtype=np.int64) for b in spec])
+        self._spec = spec
         # KV copy-on-write and state copies are all whole-page copies in one arena.
         page_copies = np.concatenate([np.asarray(plan.block_copies, dtype=np.int64).reshape(-1),
                                       np.asarray(plan.state_copies, dtype=np.int64).reshape(-1)])
@@ -221,6 +249,10 @@ class ModelRunner:
             logits_indices=s["logits_indices"],
             **ck,
         )
+        if len(self._spec):
+            flags = np.zeros(len(seq_lens), dtype=bool)
+            flags[self._spec] = True
+            batch.speculative = torch.from_numpy(flags).to(self.device)
         return batch, sampling, num_samples
 
     def _host_views(self, plan: Any, seq_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -273,12 +305,25 @@ class ModelRunner:
             self.before_forward()
         # The engine's step timer splits "prepare inputs" from "forward" here.
         self.inputs_ready_at = time.perf_counter()
-        if self.graphs is not None and not len(all_positions) and self.graphs.can_run(batch):
+        spec = self._spec
+        hidden = None
+        self.last_batch = batch
+        if self.want_hidden:
+            logits, hidden = self.model(batch, self.cache, return_hidden=True)
+        elif (self.graphs is not None and not len(all_positions) and not len(spec)
+              and self.graphs.can_run(batch)):
             logits = self.graphs.run(batch, self.block_table_buf, self._staged["block_table_rows"])
         else:
             logits = self.model(batch, self.cache)
+        draft_logits = None
+        if len(spec):
+            end = len(sampling) + self._num_prompt_rows
+            draft_logits, logits = logits[end:], logits[:end]
         if not len(all_positions):
-            return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples)
+            if draft_logits is None and hidden is None:
+                return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples)
+            return StepLogits(logits=logits, batch_index=sampling, num_samples=num_samples,
+                              draft_logits=draft_logits, spec_entries=spec, hidden=hidden)
         qsl = np.asarray(plan.query_start_loc)
         spans, row = [], 0  # rows of prompt_logits
         for b in all_positions:
@@ -286,4 +331,5 @@ class ModelRunner:
             spans.append((int(b), row, count))
             row += count
         return StepLogits(logits=logits[: len(sampling)], batch_index=sampling, num_samples=num_samples,
-                          prompt_logits=logits[len(sampling):], prompt_spans=spans)
+                          prompt_logits=logits[len(sampling):], prompt_spans=spans,
+                          draft_logits=draft_logits, spec_entries=spec, hidden=hidden)

@@ -162,6 +162,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     cli_args.add_block_size(eng)
     cli_args.add_seed_and_tokenizer(eng)
     cli_args.add_kv_cache_dtype(eng)
+    cli_args.add_speculative_config(eng)
     eng.add_argument("--max-num-seqs", type=positive_int, default=None,
                      help="most sequences in one step's batch (default: from the memory plan, the sequences "
                           "the cache arena holds at once, at most 256)")
@@ -532,6 +533,7 @@ def run_serve(args: argparse.Namespace) -> int:
             num_state_slots=args.num_state_slots,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes,
             kv_cache_dtype=args.kv_cache_dtype,
+            speculative_config=args.speculative_config,
             seed=args.seed,
             tokenizer=args.tokenizer,
             gpu_memory_utilization=args.gpu_memory_utilization,

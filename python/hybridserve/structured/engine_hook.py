@@ -68,6 +68,71 @@ class StructuredDecoding:
         self.wait_seconds = 0.0
         self.submit_seconds = 0.0  # the engine thread's share of starting each step's job
 
+    def constrained_ids(self) -> set[str]:
+        """Ids of the requests decoding under a grammar."""
+        return set(self._grammars)
+
+    # ------------------------------------------------------------ speculation
+    # Speculative decoding (hybridserve.spec) asks two things of the grammar, both on the
+    # engine thread after the step's mask job is done: how much of a draft the grammar
+    # allows (drafts are cut there, so a verify row never carries a token the
+    # constraint forbids), and the mask of a verify row after tokens not yet committed.
+    # Both accept the extra tokens into the sample's matcher and roll them back.
+
+    def valid_draft_prefix(self, rid: str, si: int, token_ids: list[int], drafts: list[int]) -> int:
+        """How many leading ``drafts`` the grammar accepts after ``token_ids``."""
+        if rid not in self._grammars:
+            return len(drafts)
+        mt = self._matcher(rid, si, token_ids)
+        if mt.dead:
+            return 0
+        m, n = mt.m, 0
+        for t in drafts:
+            if m.is_terminated() or not m.accept_token(int(t)):
+                break
+            n += 1
+        if n:
+            m.rollback(n)
+        return n
+
+    def mask_rows_after(self, items: list, logits: torch.Tensor) -> None:
+        """``items``: ``(row, rid, si, token_ids, extra)``: sets row ``row`` of ``logits`` to
+        what the grammar allows after ``token_ids + extra`` (rows of unconstrained
+        requests are skipped)."""
+        t0 = time.perf_counter()
+        work = [it for it in items if it[1] in self._grammars]
+        if not work:
+            return
+        words = (self.vocab_size + 31) // 32
+        bm = self._bitmask
+        if bm is None or bm.shape[0] < logits.shape[0] or bm.shape[1] != words:
+            bm = self._bitmask = self.xgr.allocate_token_bitmask(max(logits.shape[0], 8), self.vocab_size)
+        rows = []
+        for row, rid, si, token_ids, extra in work:
+            mt = self._matcher(rid, si, token_ids)
+            m, n, dead = mt.m, 0, mt.dead
+            for t in extra:
+                if dead or m.is_terminated() or not m.accept_token(int(t)):
+                    dead = True
+                    break
+                n += 1
+            if dead or m.is_terminated():
+                self._stop_only(bm, row)
+            else:
+                m.fill_next_token_bitmask(bm, row)
+            if n:
+                m.rollback(n)
+            rows.append(row)
+        self.mask_rows += len(work)
+        self.mask_seconds += time.perf_counter() - t0
+        apply_bitmask(logits, bm[: logits.shape[0]], sorted(rows), min(self.vocab_size, logits.shape[-1]))
+
+    def _stop_only(self, bm: torch.Tensor, row: int) -> None:
+        bm[row].zero_()
+        for t in self.stop_token_ids:
+            if t < self.vocab_size:
+                bm[row, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -(1 << 31)
+
     @property
     def active(self) -> bool:
         return bool(self._grammars)
@@ -149,10 +214,7 @@ class StructuredDecoding:
         elif matchers:
             matchers[0].fill_next_token_bitmask(bm, rows[0])
         for row in stop_rows:
-            bm[row].zero_()
-            for t in self.stop_token_ids:
-                if t < self.vocab_size:
-                    bm[row, t // 32] |= (1 << (t % 32)) if t % 32 != 31 else -(1 << 31)
+            self._stop_only(bm, row)
         self.mask_rows += len(work)
         self.mask_seconds += time.perf_counter() - t0
         return bm, sorted(rows + stop_rows)

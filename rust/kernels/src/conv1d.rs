@@ -273,8 +273,11 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, c0: usize) {
         // SAFETY: as for the state item: the checkpoint's page is this run's alone.
         store(unsafe { ctx.state.slice(at + c0 * hw, n * hw) }, k);
     }
-    // `hist` holds the old state, so writing the item last cannot clobber an input.
-    store(st, len);
+    // `hist` holds the old state, so writing the item last cannot clobber an input. A
+    // read-only (speculative) run leaves it as it was.
+    if !ctx.paged.is_read_only(b) {
+        store(st, len);
+    }
 }
 
 #[cfg(test)]
@@ -318,6 +321,7 @@ mod tests {
                 num_pages: pages,
                 checkpoint_positions: ck,
                 checkpoint_table: ck_table,
+                read_only: &[],
             };
         let mut whole = vec![0.0f32; t * c];
         let mut st1 = vec![9.0f32; pages * stride];
@@ -408,6 +412,7 @@ mod tests {
             num_pages: 5,
             checkpoint_positions: &ckpos,
             checkpoint_table: &cktab,
+            read_only: &[],
         };
         let varlen = Varlen {
             query_start_loc: &qsl,
@@ -441,5 +446,68 @@ mod tests {
         assert_eq!(s16, bits(&s32), "state and checkpoint");
         // One loop for both: the same float32 sums in the same order, rounded once.
         assert_eq!(o16, bits(&o32), "outputs");
+    }
+
+    /// Read-only (speculative) runs: the outputs of a run that writes, their conv item
+    /// untouched, the other runs written as usual; the general path (several rows per
+    /// run) and the decode path (one row each).
+    #[test]
+    fn read_only_runs_compute_the_same_and_write_nothing() {
+        let (c, w) = (300usize, 4usize);
+        let item = c * (w - 1);
+        let mut seed = 9u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        };
+        let weight: Vec<f32> = (0..c * w).map(|_| rnd()).collect();
+        let state: Vec<f32> = (0..3 * item).map(|_| rnd()).collect();
+        let x: Vec<f32> = (0..10 * c).map(|_| rnd()).collect();
+        for qsl in [[0i64, 2, 9, 10], [0, 1, 2, 3]] {
+            let t = qsl[3] as usize;
+            let table = [2i64, 0, 1];
+            let init = [true, false, true];
+            let run = |read_only: &[bool]| {
+                let paged = PagedState {
+                    table: &table,
+                    cols: 1,
+                    item_base: 0,
+                    per_page: 1,
+                    page_stride: item,
+                    item_len: item,
+                    num_pages: 3,
+                    checkpoint_positions: &[],
+                    checkpoint_table: &[],
+                    read_only,
+                };
+                let varlen = Varlen {
+                    query_start_loc: &qsl,
+                    has_initial_state: &init,
+                };
+                let (mut s, mut o) = (state.clone(), vec![0.0f32; t * c]);
+                causal_conv1d(
+                    Rows::dense(&x[..t * c], c).unwrap(),
+                    &weight,
+                    None,
+                    true,
+                    &mut s,
+                    paged,
+                    varlen,
+                    &mut o,
+                )
+                .unwrap();
+                (s, o)
+            };
+            let (s_w, o_w) = run(&[]);
+            let (s_r, o_r) = run(&[true, false, true]);
+            assert_eq!(o_r, o_w, "outputs ({qsl:?})");
+            for (b, ro) in [(0usize, true), (1, false), (2, true)] {
+                let p = table[b] as usize;
+                let span = p * item..(p + 1) * item;
+                let want = if ro { &state[span.clone()] } else { &s_w[span.clone()] };
+                assert_eq!(&s_r[span.clone()], want, "sequence {b} ({qsl:?})");
+                assert!(s_w[span.clone()] != state[span], "a writing run changes its item");
+            }
+        }
     }
 }

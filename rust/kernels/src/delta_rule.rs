@@ -404,7 +404,15 @@ mod avx2 {
         let (start, end) = ctx.varlen.run(b);
         // SAFETY: this (sequence, head) item is this task's alone (pages distinct among
         // the runs and their checkpoints, validated; one task per head).
-        let s = ctx.state.slice(ctx.paged.item(b, head), kd * vd);
+        let item = ctx.state.slice(ctx.paged.item(b, head), kd * vd);
+        // A read-only (speculative) run advances a private copy: its item stays as it was.
+        let mut private: Vec<f32>;
+        let s: &mut [f32] = if ctx.paged.is_read_only(b) {
+            private = item.to_vec();
+            &mut private
+        } else {
+            item
+        };
         if !ctx.varlen.has_initial_state[b] {
             s.fill(0.0);
         }
@@ -499,7 +507,15 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
     let (start, end) = ctx.varlen.run(b);
     // SAFETY: this (sequence, head) item is this task's alone: pages are distinct among
     // running sequences and their checkpoints (validated) and each head is one task.
-    let s = unsafe { ctx.state.slice(ctx.paged.item(b, head), kd * vd) };
+    let item = unsafe { ctx.state.slice(ctx.paged.item(b, head), kd * vd) };
+    // A read-only (speculative) run advances a private copy: its item stays as it was.
+    let mut private: Vec<f32>;
+    let s: &mut [f32] = if ctx.paged.is_read_only(b) {
+        private = item.to_vec();
+        &mut private
+    } else {
+        item
+    };
     if !ctx.varlen.has_initial_state[b] {
         s.fill(0.0);
     }

@@ -201,6 +201,10 @@ pub struct PagedState<'a> {
     pub checkpoint_positions: &'a [i64],
     /// `[B, cols]`, read only where `checkpoint_positions[b] >= 0`.
     pub checkpoint_table: &'a [i64],
+    /// `[B]`: `true` = sequence `b` reads its state from its items but never writes them
+    /// back (a speculative verify run: the state advances only once acceptance is known,
+    /// by a replay of the accepted rows). Empty = every run writes its state.
+    pub read_only: &'a [bool],
 }
 
 impl PagedState<'_> {
@@ -215,6 +219,12 @@ impl PagedState<'_> {
     #[inline(always)]
     pub fn item(&self, b: usize, h: usize) -> usize {
         self.at(self.table, b, h)
+    }
+
+    /// Whether sequence `b` leaves its state items untouched (see `read_only`).
+    #[inline(always)]
+    pub fn is_read_only(&self, b: usize) -> bool {
+        self.read_only.get(b).copied().unwrap_or(false)
     }
 
     /// `(k, offset)`: the checkpoint of sequence `b`'s item `h`, if it has one.
@@ -262,6 +272,20 @@ impl PagedState<'_> {
                 "checkpoint positions must be [B={b}] and checkpoint pages [B, {}]",
                 self.cols
             )));
+        }
+        if !self.read_only.is_empty() && self.read_only.len() != b {
+            return Err(KernelError::new(format!(
+                "read_only must be [B={b}], got {} entries",
+                self.read_only.len()
+            )));
+        }
+        if has_ckpt {
+            if let Some(s) = (0..b).find(|&s| self.is_read_only(s) && self.checkpoint_positions[s] >= 0) {
+                return Err(KernelError::new(format!(
+                    "sequence {s} is read-only (speculative) and asks for a checkpoint: checkpoints are \
+                     written only at accepted positions"
+                )));
+            }
         }
         let first = self.item_base / self.per_page;
         let last = (self.item_base + n_items.max(1) - 1) / self.per_page;

@@ -67,7 +67,15 @@ fn seq_body<T: Elem>(d: &Decode<'_, T>, b: usize, state: SharedMut<T>, out: Shar
     // SAFETY: sequence b's item (and its checkpoint's) is written by this task alone
     // (distinct pages among runs and checkpoints, validated by the caller); the output
     // row is b's own.
-    let st = unsafe { state.slice(d.paged.item(b, 0), c * hw) };
+    let item = unsafe { state.slice(d.paged.item(b, 0), c * hw) };
+    // A read-only (speculative) run shifts a private copy: its item stays as it was.
+    let mut private: Vec<T>;
+    let st: &mut [T] = if d.paged.is_read_only(b) {
+        private = item.to_vec();
+        &mut private
+    } else {
+        item
+    };
     let fresh = !d.varlen.has_initial_state[b];
     let x = d.x.row(row);
     let mut acc = vec![0.0f32; c];

@@ -175,6 +175,7 @@ fn check_mixed_batch(vd: usize) {
         num_pages,
         checkpoint_positions: &ck,
         checkpoint_table: &ck_table,
+        read_only: &[],
     };
     gated_delta_rule(
         Rows::dense(&q, 32).unwrap(),
@@ -218,6 +219,7 @@ fn one_item_pool<'a>(table: &'a [i64], ck: &'a [i64], ck_table: &'a [i64]) -> Pa
         num_pages: 2,
         checkpoint_positions: ck,
         checkpoint_table: ck_table,
+        read_only: &[],
     }
 }
 
@@ -297,6 +299,7 @@ fn bf16_inputs_equal_the_float32_kernel_on_their_values() {
             num_pages: 4,
             checkpoint_positions: &[],
             checkpoint_table: &[],
+            read_only: &[],
         };
         let varlen = Varlen {
             query_start_loc: &[0, 4, 9],
@@ -347,5 +350,80 @@ fn bf16_inputs_equal_the_float32_kernel_on_their_values() {
         .unwrap();
         assert_eq!(s16, s32, "state (vd {vd})");
         assert_eq!(o16, bits(&o32), "output (vd {vd})");
+    }
+}
+
+/// Read-only (speculative) runs: the same output as a run that writes, their state
+/// items left bit-for-bit as they were (fresh and continued runs), the other runs of
+/// the call written as usual; a checkpoint on a read-only run is refused. Portable
+/// (12) and AVX2 (32) tasks.
+#[test]
+fn read_only_runs_compute_the_same_and_write_nothing() {
+    for vd in [12usize, 32] {
+        let heads = Heads {
+            key_heads: 1,
+            value_heads: 2,
+            key_dim: 16,
+            value_dim: vd,
+        };
+        let (t, item) = (12usize, 16 * vd);
+        let mut rng = Lcg(7 + vd as u64);
+        let (q, k, v) = (rng.vec(t * 16), rng.vec(t * 16), rng.vec(t * 2 * vd));
+        let g: Vec<f32> = rng.vec(t * 2).iter().map(|x| -x.abs()).collect();
+        let beta: Vec<f32> = rng.vec(t * 2).iter().map(|x| x.abs()).collect();
+        let state0: Vec<f32> = Lcg(5).vec(6 * item);
+        let table = [0i64, 1, 2, 3, 4, 5];
+        let varlen = Varlen {
+            query_start_loc: &[0, 4, 9, 12],
+            has_initial_state: &[false, true, true],
+        };
+        let run = |read_only: &[bool], ck: &[i64], ck_table: &[i64]| {
+            let paged = PagedState {
+                table: &table,
+                cols: 2,
+                item_base: 0,
+                per_page: 1,
+                page_stride: item,
+                item_len: item,
+                num_pages: 6,
+                checkpoint_positions: ck,
+                checkpoint_table: ck_table,
+                read_only,
+            };
+            let (mut s, mut o) = (state0.clone(), vec![0.0f32; t * 2 * vd]);
+            fn d(x: &[f32], w: usize) -> Rows<'_, f32> {
+                Rows::dense(x, w).unwrap()
+            }
+            gated_delta_rule(
+                d(&q, 16),
+                d(&k, 16),
+                d(&v, 2 * vd),
+                Gates::Direct {
+                    g: d(&g, 2),
+                    beta: d(&beta, 2),
+                },
+                None,
+                heads,
+                0.25,
+                true,
+                &mut s,
+                paged,
+                varlen,
+                &mut o,
+            )
+            .map(|_| (s, o))
+        };
+        let (s_w, o_w) = run(&[], &[], &[]).unwrap();
+        let (s_r, o_r) = run(&[true, false, true], &[], &[]).unwrap();
+        assert_eq!(o_r, o_w, "output (vd {vd})");
+        // Sequence b's items are pages 2b, 2b+1 (two heads, one item per page).
+        for (b, ro) in [(0usize, true), (1, false), (2, true)] {
+            let span = 2 * b * item..(2 * b + 2) * item;
+            let want = if ro { &state0[span.clone()] } else { &s_w[span.clone()] };
+            assert_eq!(&s_r[span], want, "sequence {b} (vd {vd})");
+        }
+        assert!(s_w[..2 * item] != state0[..2 * item], "the writing run must change the state");
+        let err = run(&[true, false, true], &[1, -1, -1], &[1, 0, 0, 0, 0, 0]).unwrap_err();
+        assert!(format!("{err:?}").contains("read-only"), "{err:?}");
     }
 }

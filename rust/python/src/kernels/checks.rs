@@ -67,6 +67,7 @@ pub(super) struct DeltaRuleArrays<'py, T: Dtype> {
     pub(super) norm_weight: Option<PyReadonlyArrayDyn<'py, T>>,
     pub(super) checkpoint_positions: Option<PyReadonlyArray1<'py, i64>>,
     pub(super) checkpoint_pages: Option<PyReadonlyArray2<'py, i64>>,
+    pub(super) read_only: Option<PyReadonlyArray1<'py, bool>>,
 }
 
 pub(super) type DeltaRuleKernel<T> = fn(
@@ -156,6 +157,7 @@ pub(super) fn delta_rule_with<T: Dtype>(
         (pages, per_page, stride, item),
         &arr.checkpoint_positions,
         &arr.checkpoint_pages,
+        &arr.read_only,
     )?;
     let out = contiguous_mut_of("out", &mut arr.out)?;
     py.detach(|| {
@@ -191,8 +193,11 @@ pub(super) fn conv1d_with<T: Dtype>(
     has_initial_state: PyReadonlyArray1<'_, bool>,
     mut out: PyReadwriteArrayDyn<'_, T>,
     (item_base, silu): (usize, bool),
-    checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
-    checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
+    (checkpoint_positions, checkpoint_pages, read_only): (
+        Option<PyReadonlyArray1<'_, i64>>,
+        Option<PyReadonlyArray2<'_, i64>>,
+        Option<PyReadonlyArray1<'_, bool>>,
+    ),
     kernel: ConvKernel<T>,
 ) -> PyResult<()> {
     let x = rows("x", &x)?;
@@ -220,6 +225,7 @@ pub(super) fn conv1d_with<T: Dtype>(
         (pages, per_page, stride, item),
         &checkpoint_positions,
         &checkpoint_pages,
+        &read_only,
     )?;
     let out = contiguous_mut_of("out", &mut out)?;
     py.detach(|| kernel(x, weight, bias, silu, state, paged, varlen, out))

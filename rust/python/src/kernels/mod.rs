@@ -161,7 +161,14 @@ fn paged_state<'a>(
     layout: (usize, usize, usize, usize),
     checkpoint_positions: &'a Option<PyReadonlyArray1<'_, i64>>,
     checkpoint_pages: &'a Option<PyReadonlyArray2<'_, i64>>,
+    read_only: &'a Option<PyReadonlyArray1<'_, bool>>,
 ) -> PyResult<PagedState<'a>> {
+    let read_only: &[bool] = match read_only {
+        Some(r) => r.as_slice().map_err(|_| {
+            PyValueError::new_err("read_only must be a C-contiguous bool [B] array")
+        })?,
+        None => &[],
+    };
     let (tab, cols) = table("state_pages", state_pages)?;
     let (num_pages, per_page, page_stride, item_len) = layout;
     let (ck, ck_tab) = match (checkpoint_positions, checkpoint_pages) {
@@ -191,6 +198,7 @@ fn paged_state<'a>(
         num_pages,
         checkpoint_positions: ck,
         checkpoint_table: ck_tab,
+        read_only,
     })
 }
 

@@ -16,7 +16,8 @@ macro_rules! delta_rule_binding {
         #[pyo3(signature = (q, k, v, state, query_start_loc, state_pages, has_initial_state, out, *,
                             item_base, key_heads, value_heads, scale, l2norm=true, g=None, beta=None,
                             a=None, b=None, a_log=None, dt_bias=None, z=None, norm_weight=None,
-                            norm_eps=1e-6, checkpoint_positions=None, checkpoint_pages=None))]
+                            norm_eps=1e-6, checkpoint_positions=None, checkpoint_pages=None,
+                            read_only=None))]
         #[allow(clippy::too_many_arguments)]
         pub(super) fn $name(
             py: Python<'_>,
@@ -44,10 +45,11 @@ macro_rules! delta_rule_binding {
             norm_eps: f32,
             checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
             checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
+            read_only: Option<PyReadonlyArray1<'_, bool>>,
         ) -> PyResult<()> {
             let arrays = DeltaRuleArrays {
                 q, k, v, state, query_start_loc, state_pages, has_initial_state, out, g, beta, a, b,
-                a_log, dt_bias, z, norm_weight, checkpoint_positions, checkpoint_pages,
+                a_log, dt_bias, z, norm_weight, checkpoint_positions, checkpoint_pages, read_only,
             };
             delta_rule_with(py, arrays, item_base, key_heads, value_heads, scale, l2norm, norm_eps, $kernel)
         }
@@ -60,7 +62,8 @@ macro_rules! conv1d_binding {
         $(#[$doc])*
         #[pyfunction]
         #[pyo3(signature = (x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out, *,
-                            item_base, silu=true, checkpoint_positions=None, checkpoint_pages=None))]
+                            item_base, silu=true, checkpoint_positions=None, checkpoint_pages=None,
+                            read_only=None))]
         #[allow(clippy::too_many_arguments)]
         pub(super) fn $name(
             py: Python<'_>,
@@ -76,10 +79,11 @@ macro_rules! conv1d_binding {
             silu: bool,
             checkpoint_positions: Option<PyReadonlyArray1<'_, i64>>,
             checkpoint_pages: Option<PyReadonlyArray2<'_, i64>>,
+            read_only: Option<PyReadonlyArray1<'_, bool>>,
         ) -> PyResult<()> {
             conv1d_with(
                 py, x, weight, bias, state, query_start_loc, state_pages, has_initial_state, out,
-                (item_base, silu), checkpoint_positions, checkpoint_pages, $kernel,
+                (item_base, silu), (checkpoint_positions, checkpoint_pages, read_only), $kernel,
             )
         }
     };

@@ -1,0 +1,133 @@
+"""MTP speculative decoding end to end (issue 34): tokens per second with drafts against
+without, in one run, on the same engine settings and the same requests.
+
+    OMP_NUM_THREADS=2 python benches/spec_decode.py [--model DIR] [--ks 1,2,3,4] [--max-tokens 256]
+                                                    [--batch 1] [--batch-large 32] [--reps 3]
+
+Parts (one run prints them all; medians of ``--reps`` interleaved runs):
+
+1. **Batch 1** on the trained default model (``hybridserve.default_model``, whose MTP
+   layer was trained with it): one greedy request of ``--max-tokens`` output tokens, for
+   speculation off and k = 1..4: decode tokens/s (output tokens after the first over
+   the time after the first), the acceptance rate and the mean accepted length, and
+   the ratio on/off. Target: >= 1.5x with the best k.
+2. **Batch ``--batch-large``** (32): that many concurrent requests, off against the best
+   k with the default adaptive switch (``disable_by_batch_size``): on/off >= 0.95x.
+
+The model-side costs (a k+1-row verify step against a 1-token decode step, the draft
+passes, the commit) at the 0.8B shape are ``benches/spec_commit.py``'s.
+Greedy outputs are compared on/off in every run (they must be identical).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve import default_model
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    texts = [
+        "import os\nimport sys\n\n\ndef main(argv):\n    ",
+        "class Queue:\n    \"\"\"A first-in first-out queue.\"\"\"\n\n    def __init__(self):\n        ",
+        "def parse_args(args=None):\n    parser = argparse.ArgumentParser(",
+        "    def __repr__(self):\n        return ",
+    ]
+    return [tok.encode(texts[i % len(texts)]) for i in range(n)]
+
+
+def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int) -> tuple[float, list, dict]:
+    kw = dict(dtype="auto", max_model_len=1024, cpu_threads=threads, max_num_seqs=max(len(prompts), 1))
+    if k is not None:
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+    llm = LLM(model, **kw)
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    # Warm-up (allocations, first-call paths), not timed.
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                   ignore_eos=True))
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", p, params)
+    t_first = None
+    done = {}
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            if t_first is None and any(c.token_ids for c in o.outputs):
+                t_first = time.perf_counter()
+            if o.finished:
+                done[o.request_id] = o
+    t_end = time.perf_counter()
+    toks = [done[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+    produced = sum(len(t) for t in toks) - len(prompts)
+    return produced / (t_end - t_first), toks, eng.stats()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--batch-large", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    ap.add_argument("--skip-large", action="store_true")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model = a.model or default_model.path()
+    from hybridserve.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(model)
+    ks = [int(x) for x in a.ks.split(",")]
+    print(f"model {model}; torch threads {torch.get_num_threads()}; {a.reps} reps (medians); greedy, "
+          f"{a.max_tokens} output tokens", flush=True)
+
+    p1 = _prompts(tok, 1)
+    rates: dict = {}
+    stats: dict = {}
+    ref = None
+    for _ in range(a.reps):
+        for k in [None] + ks:
+            r, toks, st = _run(model, p1, a.max_tokens, k, a.threads)
+            rates.setdefault(k, []).append(r)
+            stats[k] = st
+            if k is None:
+                ref = toks
+            elif toks != ref:
+                sys.exit(f"greedy output with k={k} differs from speculation off")
+    base = statistics.median(rates[None])
+    print("\nbatch 1:")
+    print(f"  off      {base:8.1f} tok/s")
+    best = None
+    for k in ks:
+        m = statistics.median(rates[k])
+        st = stats[k]
+        acc = st.get("spec_acceptance_rate")
+        by = ", ".join("-" if x is None else f"{x:.2f}" for x in st.get("spec_acceptance_by_position") or [])
+        print(f"  k={k}      {m:8.1f} tok/s  {m / base:5.2f}x   acceptance {acc if acc is None else f'{acc:.3f}'}"
+              f"  by position [{by}]  mean accepted length {st.get('spec_mean_accepted_length') or 0:.2f}")
+        if best is None or m > statistics.median(rates[best]):
+            best = k
+    if a.skip_large:
+        return
+    pl = _prompts(tok, a.batch_large)
+    large: dict = {}
+    for _ in range(a.reps):
+        for k in (None, best):
+            r, toks, st = _run(model, pl, a.max_tokens // 2, k, a.threads)
+            large.setdefault(k, []).append(r)
+            stats[("large", k)] = st
+    lb = statistics.median(large[None])
+    lo = statistics.median(large[best])
+    print(f"\nbatch {a.batch_large}: off {lb:.1f} tok/s, k={best} {lo:.1f} tok/s: {lo / lb:.2f}x "
+          f"(steps not drafting: {stats[('large', best)].get('spec_steps_not_drafting')})")
+
+
+if __name__ == "__main__":
+    main()

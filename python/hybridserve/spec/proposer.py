@@ -1,0 +1,127 @@
+"""The MTP drafter: k draft tokens per decoding sequence from the checkpoint's own
+multi-token-prediction layer, reused k times (as vLLM does with ``mtp_num_hidden_layers: 1``).
+
+After every step the layer first runs over the rows the step committed (the "MTP
+prefill"): row p combines the trunk's hidden state at p with the embedding of token
+p+1 and writes the layer's K/V at p, in the layer's own paged KV (one more attention
+layer in the arena, same block tables and slots as the trunk). That keeps the layer's
+context complete for every position, prompts included, so its first draft sees what the
+trunk saw. Its last row per sequence predicts draft 1; each further draft is one more
+row per sequence, fed the layer's own output state and the previous draft, at the next
+position (the scheduler reserves those lookahead slots).
+
+Drafts are the layer's argmax (a one-hot draft distribution; see
+:mod:`hybridserve.spec.acceptance` for why the output law is still exactly the target's).
+They never change what is emitted, only how many tokens a step can keep: a stale or
+missing entry in the layer's KV lowers acceptance and nothing else, which is why a step
+that does not draft (a large batch) may skip the layer entirely.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from hybridserve.model.batch import ForwardBatch
+
+
+class MTPProposer:
+    def __init__(self, model: Any, cache: Any, block_table_buf: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.cache = cache
+        self.block_table_buf = block_table_buf
+        self.block_size = block_size
+        self.device = block_table_buf.device
+
+    @torch.inference_mode()
+    def propose(self, batch: ForwardBatch, hidden: torch.Tensor, *, query_start_loc: np.ndarray,
+                num_computed: np.ndarray, committed: np.ndarray, next_tokens: np.ndarray,
+                table_rows: np.ndarray, num_drafts: np.ndarray) -> list[list[int]]:
+        """Drafts per batch entry (``[]`` where ``num_drafts[b] == 0``).
+
+        Per entry ``b`` of the step just run: ``committed[b]`` rows (from its first) are now
+        in the cache, ``next_tokens[b]`` is the token after them (-1: none, the entry is
+        left out), ``num_computed[b]`` tokens were in the cache before the step,
+        ``table_rows[b]`` its block-table row. ``batch``/``hidden`` are the step's
+        ForwardBatch and the trunk's post-norm hidden states ``[T, H]``."""
+        B = len(committed)
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        take = (np.asarray(committed) > 0) & (np.asarray(next_tokens) >= 0)
+        ents = np.nonzero(take)[0]
+        if not len(ents):
+            return [[] for _ in range(B)]
+        n = np.asarray(committed, dtype=np.int64)[ents]
+        starts = qsl[:-1][ents]
+        # Row r of the drafter's batch reads trunk row src[r]; its token is the trunk
+        # input of the next row, or next_tokens at an entry's last committed row.
+        src = np.concatenate([np.arange(s, s + c, dtype=np.int64) for s, c in zip(starts, n)])
+        m_qsl = np.zeros(len(ents) + 1, dtype=np.int64)
+        np.cumsum(n, out=m_qsl[1:])
+        last = m_qsl[1:] - 1
+        ids_host = batch.input_ids.index_select(0, torch.from_numpy(src + 1).clamp_(max=batch.num_tokens - 1)
+                                                .to(self.device)).cpu().numpy().copy()
+        ids_host[last] = np.asarray(next_tokens, dtype=np.int64)[ents]
+        src_t = torch.from_numpy(src).to(self.device)
+        seq_lens = np.asarray(num_computed, dtype=np.int64)[ents] + n
+        rows_t = torch.from_numpy(np.asarray(table_rows, dtype=np.int64)[ents]).to(self.device)
+        tables = self.block_table_buf.index_select(0, rows_t)
+        drafting = np.asarray(num_drafts, dtype=np.int64)[ents]
+        want = np.nonzero(drafting > 0)[0]
+        mb = ForwardBatch(
+            input_ids=torch.from_numpy(ids_host).to(self.device),
+            positions=batch.positions.index_select(0, src_t),
+            slot_mapping=batch.slot_mapping.index_select(0, src_t),
+            query_start_loc=torch.from_numpy(m_qsl.astype(np.int32)).to(self.device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(self.device),
+            block_tables=tables,
+            state_pages=batch.state_pages.index_select(0, torch.from_numpy(ents).to(self.device)),
+            has_initial_state=torch.ones(len(ents), dtype=torch.bool, device=self.device),
+            logits_indices=torch.from_numpy(last[want]).to(self.device),
+        )
+        logits, mtp_hidden = self.model.mtp_forward(hidden.index_select(0, src_t), mb.input_ids, mb, self.cache)
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        if not len(want):
+            return drafts
+        tok = logits.argmax(dim=-1)
+        h = mtp_hidden.index_select(0, torch.from_numpy(last[want]).to(self.device))
+        ents_w = ents[want]
+        need = drafting[want]
+        pos = seq_lens[want] - 1  # the last committed row's position
+        tables_w = tables.index_select(0, torch.from_numpy(want).to(self.device))
+        toks = [tok.cpu().numpy()]
+        alive = np.arange(len(want))
+        bs = self.block_size
+        for j in range(1, int(need.max())):
+            alive = alive[need[alive] > j]
+            if not len(alive):
+                break
+            a_t = torch.from_numpy(alive).to(self.device)
+            p = pos[alive] + j
+            cols = torch.from_numpy(p // bs).to(self.device)
+            blocks = tables_w.index_select(0, a_t).gather(1, cols[:, None])[:, 0].to(torch.int64)
+            slots = blocks * bs + torch.from_numpy(p % bs).to(self.device)
+            ids = torch.from_numpy(toks[-1][alive] if j == 1 else prev[alive]).to(self.device)
+            cb = ForwardBatch(
+                input_ids=ids.to(torch.int64),
+                positions=torch.from_numpy(p).to(self.device),
+                slot_mapping=slots,
+                query_start_loc=torch.arange(len(alive) + 1, dtype=torch.int32, device=self.device),
+                seq_lens=torch.from_numpy((p + 1).astype(np.int32)).to(self.device),
+                block_tables=tables_w.index_select(0, a_t),
+                state_pages=mb.state_pages.index_select(0, torch.from_numpy(want[alive]).to(self.device)),
+                has_initial_state=torch.ones(len(alive), dtype=torch.bool, device=self.device),
+                logits_indices=torch.arange(len(alive), dtype=torch.int64, device=self.device),
+            )
+            lg, h_new = self.model.mtp_forward(h.index_select(0, a_t), cb.input_ids, cb, self.cache)
+            full = np.full(len(want), -1, dtype=np.int64)
+            full[alive] = lg.argmax(dim=-1).cpu().numpy()
+            toks.append(full)
+            prev = full
+            h_full = h.clone()
+            h_full.index_copy_(0, a_t, h_new)
+            h = h_full
+        for i, e in enumerate(ents_w.tolist()):
+            drafts[e] = [int(t[i]) for t in toks[: need[i]]]
+        return drafts

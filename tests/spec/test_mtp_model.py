@@ -1,0 +1,300 @@
+"""The MTP layer (issue 34) against an independent reference, and its loading.
+
+Oracle: ``hybridserve.train.mtp.MTP`` (HF's ``Qwen3_5DecoderLayer``; for MoE the same
+with HF's ``Qwen3_5MoeDecoderLayer``) holding the checkpoint's ``mtp.*`` weights, fed
+HF's post-norm ``last_hidden_state`` and HF's rotary embeddings, whole sequences with
+a causal mask. Ours runs through the paged path: the trunk's ``forward(...,
+return_hidden=True)`` gives h_t, and ``mtp_forward`` runs the rows in a prefill chunk,
+then one row per step (its own KV in the arena), then a chained draft step fed the
+MTP's own output.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from hybridserve.errors import ConfigError
+from hybridserve.kernels import native
+from hybridserve.memory.layout import arena_layout
+from hybridserve.model import ForwardBatch, load_model
+from hybridserve.model.loader import checkpoint_files, has_mtp_layer
+from hybridserve.model.tiny import write_tiny_checkpoint
+from hybridserve.planner.arena import size_arena
+
+BLOCK = 4
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    if request.param == "native":
+        if not native.available():
+            pytest.skip("the native kernels are not built")
+    else:
+        monkeypatch.setattr(native, "_DISABLED", True)
+    return request.param
+
+
+def _mtp_tensors(path):
+    out = {}
+    for f in checkpoint_files(path):
+        with safe_open(f, framework="pt") as st:
+            for n in st.keys():
+                if n.startswith("mtp."):
+                    out[n[len("mtp."):]] = st.get_tensor(n).float()
+    return out
+
+
+def _hf(path, moe, vl):
+    import transformers
+
+    if moe:
+        cls = transformers.Qwen3_5MoeForConditionalGeneration if vl else transformers.Qwen3_5MoeForCausalLM
+    else:
+        cls = transformers.Qwen3_5ForConditionalGeneration if vl else transformers.Qwen3_5ForCausalLM
+    m = cls.from_pretrained(path, dtype=torch.float32).eval()
+    if vl:
+        lm = m.model.language_model
+        return lm, m.lm_head, m.config.text_config
+    return m.model, m.lm_head, m.config
+
+
+def _reference_mtp(path, text_config, moe):
+    from hybridserve.train.mtp import MTP, mtp_layer_config
+
+    if moe:
+        # train.mtp's MTP with HF's MoE decoder layer in place of the dense one.
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import (
+            Qwen3_5MoeDecoderLayer, Qwen3_5MoeRMSNorm)
+
+        mtp = MTP.__new__(MTP)
+        torch.nn.Module.__init__(mtp)
+        h, eps = text_config.hidden_size, text_config.rms_norm_eps
+        mtp.config = mtp_layer_config(text_config)
+        mtp.fc = torch.nn.Linear(2 * h, h, bias=False)
+        mtp.pre_fc_norm_embedding = Qwen3_5MoeRMSNorm(h, eps=eps)
+        mtp.pre_fc_norm_hidden = Qwen3_5MoeRMSNorm(h, eps=eps)
+        mtp.layers = torch.nn.ModuleList([Qwen3_5MoeDecoderLayer(mtp.config, 0)])
+        mtp.norm = Qwen3_5MoeRMSNorm(h, eps=eps)
+    else:
+        mtp = MTP(text_config)
+    sd = _mtp_tensors(path)
+    if moe and "layers.0.mlp.experts.gate_up_proj" not in sd:
+        e = text_config.num_experts
+        base = "layers.0.mlp.experts."
+        sd[base + "gate_up_proj"] = torch.stack([torch.cat([sd.pop(f"{base}{i}.gate_proj.weight"),
+                                                           sd.pop(f"{base}{i}.up_proj.weight")]) for i in range(e)])
+        sd[base + "down_proj"] = torch.stack([sd.pop(f"{base}{i}.down_proj.weight") for i in range(e)])
+    mtp.load_state_dict(sd, strict=True)
+    return mtp.float().eval()
+
+
+def _batch(ids, positions, slots, lens, tables, logits):
+    qsl = [0]
+    for n in lens:
+        qsl.append(qsl[-1] + n)
+    return ForwardBatch.from_lists(input_ids=ids, positions=positions, slot_mapping=slots, query_start_loc=qsl,
+                                   seq_lens=[p[-1] + 1 for p in _split(positions, lens)], block_tables=tables,
+                                   state_pages=[[0]] * len(lens), has_initial_state=[True] * len(lens),
+                                   logits_indices=logits)
+
+
+def _split(xs, lens):
+    out, at = [], 0
+    for n in lens:
+        out.append(list(xs[at:at + n]))
+        at += n
+    return out
+
+
+CASES = [("test-a", False, False), ("test-b", True, False), ("moe-a", False, True), ("moe-b", True, True)]
+
+
+@pytest.mark.parametrize("preset,vl,fused", CASES)
+def test_mtp_forward_equals_the_reference_through_the_paged_path(preset, vl, fused, kernels, tmp_path):
+    torch.manual_seed(0)
+    path = write_tiny_checkpoint(tmp_path / preset, preset=preset, seed=11, vl_naming=vl, fused_experts=fused)
+    moe = preset.startswith("moe")
+    model, config = load_model(path, progress=False, load_mtp=True)
+    lm, lm_head, text_config = _hf(path, moe, vl)
+    ref = _reference_mtp(path, text_config, moe)
+
+    # Two sequences of different lengths, trunk prefilled whole.
+    seqs = [torch.randint(0, config.vocab_size, (n,)).tolist() for n in (11, 7)]
+    nb = [-(-n // BLOCK) for n in map(len, seqs)]
+    sp = arena_layout(config, BLOCK, "float32").state_pages
+    cache = model.new_cache(sum(nb) + 2 * sp + 1, BLOCK)
+    assert cache.mtp_k_cache is not None
+    tables = [list(range(nb[0])), list(range(nb[0], nb[0] + nb[1]))]
+    states = [[sum(nb) + i * sp + j for j in range(sp)] for i in range(2)]
+    ids = seqs[0] + seqs[1]
+    pos = list(range(len(seqs[0]))) + list(range(len(seqs[1])))
+    slots = [tables[s][p // BLOCK] * BLOCK + p % BLOCK for s in range(2) for p in range(len(seqs[s]))]
+    trunk = ForwardBatch.from_lists(input_ids=ids, positions=pos, slot_mapping=slots,
+                                    query_start_loc=[0, len(seqs[0]), len(ids)], seq_lens=[len(s) for s in seqs],
+                                    block_tables=tables, state_pages=states, has_initial_state=[False, False],
+                                    logits_indices=[len(seqs[0]) - 1, len(ids) - 1])
+    logits, hidden = model(trunk, cache, return_hidden=True)
+    assert hidden.shape == (len(ids), config.hidden_size)
+    hs = _split(hidden, [len(s) for s in seqs])
+
+    with torch.no_grad():
+        want_h = [lm(input_ids=torch.tensor([s])).last_hidden_state[0] for s in seqs]
+        for h, w in zip(hs, want_h):
+            torch.testing.assert_close(torch.stack(h), w, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits, torch.stack([lm_head(w[-1]) for w in want_h]), rtol=1e-4, atol=1e-4)
+
+    def reference(hid, toks, n):
+        """The oracle's normed states for rows 0..n-1: hid [n, H], toks the t+1 ids."""
+        with torch.no_grad():
+            p = torch.arange(n)[None]
+            h = hid[None]
+            e = lm.embed_tokens(torch.tensor([toks]))
+            return ref(h, e, lm.rotary_emb(h, p), p)[0]
+
+    # MTP row j of a sequence: h_j with token j+1 at position j (vLLM's and training's
+    # layout). Step 1: a prefill chunk of the first rows of both sequences; then one row
+    # per step; the logits of every row are checked.
+    n_rows = [len(s) - 1 for s in seqs]
+    first = [5, 3]
+    got_out = [[], []]
+    got_logits = [[], []]
+    done = [0, 0]
+
+    def run(counts):
+        b_ids, b_pos, b_slots, b_hid, lens, tabs, rows = [], [], [], [], [], [], []
+        for s, c in enumerate(counts):
+            if not c:
+                continue
+            for j in range(done[s], done[s] + c):
+                b_ids.append(seqs[s][j + 1])
+                b_pos.append(j)
+                b_slots.append(tables[s][j // BLOCK] * BLOCK + j % BLOCK)
+                b_hid.append(hs[s][j])
+            lens.append(c)
+            tabs.append(tables[s])
+        rows = list(range(len(b_ids)))
+        batch = _batch(b_ids, b_pos, b_slots, lens, tabs, rows)
+        lg, out = model.mtp_forward(torch.stack(b_hid), batch.input_ids, batch, cache)
+        at = 0
+        for s, c in enumerate(counts):
+            if c:
+                got_out[s].extend(out[at:at + c])
+                got_logits[s].extend(lg[at:at + c])
+                at += c
+                done[s] += c
+        return lg, out
+
+    run(first)
+    while done != n_rows:
+        run([1 if done[s] < n_rows[s] else 0 for s in range(2)])
+    for s in range(2):
+        want = reference(torch.stack(hs[s][:n_rows[s]]), seqs[s][1:], n_rows[s])
+        torch.testing.assert_close(torch.stack(got_out[s]), want, rtol=1e-4, atol=1e-4)
+        with torch.no_grad():
+            torch.testing.assert_close(torch.stack(got_logits[s]), lm_head(want), rtol=1e-4, atol=1e-4)
+
+    # A chained draft step: row n_rows (position n_rows) fed the MTP's own last output
+    # and the token it drafts; the oracle sees the same inputs appended to the sequence.
+    s = 0
+    last = got_out[s][-1]
+    draft = int(got_logits[s][-1].argmax())
+    j = n_rows[s]
+    batch = _batch([draft], [j], [tables[s][j // BLOCK] * BLOCK + j % BLOCK], [1], [tables[s]], [0])
+    lg, out = model.mtp_forward(last[None], batch.input_ids, batch, cache)
+    want = reference(torch.stack(hs[s][:j] + [last]), seqs[s][1:] + [draft], j + 1)
+    torch.testing.assert_close(out[0], want[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("preset,vl,fused", CASES)
+def test_loading_the_mtp_layer_plain_and_vl_naming(preset, vl, fused, tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "m", preset=preset, seed=2, vl_naming=vl, fused_experts=fused)
+    assert has_mtp_layer(path)
+    model, config = load_model(path, progress=False, load_mtp=True)
+    want = _mtp_tensors(path)
+    got = {k[len("mtp."):]: v for k, v in model.checkpoint_tensors().items() if k.startswith("mtp.")}
+    fused_views = {k[len("mtp."):]: t for k, (t, _) in model.checkpoint_aliases().items() if k.startswith("mtp.")}
+    assert want, "the checkpoint has no mtp.* tensors"
+    for name, t in want.items():
+        target = got.get(name, fused_views.get(name))
+        assert target is not None, f"{name} not loaded"
+        torch.testing.assert_close(target.float(), t, rtol=0, atol=0)
+    assert (config.num_experts > 0) == any(".experts." in n for n in want)
+    # Without load_mtp the MTP tensors stay skipped (and no MTP KV in the arena).
+    plain, _ = load_model(path, progress=False)
+    assert plain.mtp is None
+    assert plain.new_cache(8, BLOCK).mtp_k_cache is None
+    with pytest.raises(ConfigError, match="MTP"):
+        plain.mtp_forward(torch.zeros(1, config.hidden_size), torch.zeros(1, dtype=torch.long), None,
+                          plain.new_cache(8, BLOCK))
+
+
+@pytest.mark.parametrize("vl", [False, True])
+def test_load_mtp_without_an_mtp_layer_is_refused(vl, tmp_path):
+    path = write_tiny_checkpoint(tmp_path / "n", preset="test-a", vl_naming=vl, mtp=False)
+    assert not has_mtp_layer(path)
+    with pytest.raises(ConfigError, match="no MTP layer.*speculative decoding"):
+        load_model(path, progress=False, load_mtp=True)
+    # The config says one layer, the weights have none.
+    import json
+    import os
+
+    cfg_path = os.path.join(path, "config.json")
+    cfg = json.load(open(cfg_path))
+    (cfg.get("text_config") or cfg)["mtp_num_hidden_layers"] = 1
+    json.dump(cfg, open(cfg_path, "w"))
+    if vl:
+        # The VL checkpoint's one stray mtp.* tensor is not an MTP layer: its shape is wrong.
+        from hybridserve.errors import CheckpointError
+
+        with pytest.raises(CheckpointError):
+            load_model(path, progress=False, load_mtp=True)
+    else:
+        with pytest.raises(ConfigError, match=r"no mtp\.\* tensors"):
+            load_model(path, progress=False, load_mtp=True)
+
+
+@pytest.mark.parametrize("preset", ["test-a", "test-b", "moe-a"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_page_bytes_with_mtp_grow_by_one_attention_block(preset, dtype, tmp_path):
+    from hybridserve.config import ModelConfig, dtype_bytes
+    from hybridserve.model.tiny import text_config
+
+    config = ModelConfig.from_dict(text_config(preset))
+    block = 16
+    one = 2 * block * config.num_key_value_heads * config.head_dim * dtype_bytes(dtype)
+    base = arena_layout(config, block, dtype)
+    with_mtp = arena_layout(config, block, dtype, extra_attention_layers=1)
+    assert with_mtp.kv_block_bytes == base.kv_block_bytes + one
+    assert with_mtp.num_attention_layers == config.num_full_attention_layers + 1
+    # Pages are the KV block rounded up to 64 bytes (or the largest state item).
+    assert with_mtp.page_bytes == max(-(-with_mtp.kv_block_bytes // 64) * 64, base.page_bytes)
+    plan = size_arena(config, block_size=block, kv_dtype=dtype, budget_bytes=1 << 24, extra_attention_layers=1)
+    assert plan.layout == with_mtp
+    assert plan.num_pages == (1 << 24) // with_mtp.page_bytes
+    # The model's cache: the MTP layer's K/V views land in the new block of each page.
+    path = write_tiny_checkpoint(tmp_path / "c", preset=preset, dtype=dtype)
+    model, _ = load_model(path, dtype=dtype, progress=False, load_mtp=True)
+    cache = model.new_cache(3, block)
+    assert cache.layout == with_mtp
+    k = cache.mtp_k_cache
+    assert k.shape == (3, block, config.num_key_value_heads, config.head_dim)
+    start = k.storage_offset() * k.element_size()
+    assert start == base.kv_block_bytes  # right after the trunk's attention layers
+    assert k.stride(0) * k.element_size() == with_mtp.page_bytes
+
+
+@pytest.mark.parametrize("preset", ["test-a", "test-b", "moe-a", "moe-b"])
+def test_planner_counts_the_mtp_layers_weights(preset, tmp_path):
+    """mtp_param_count against the model's own MTP parameters, and the checkpoint
+    header count with mtp=True against the mtp.* tensors' bytes."""
+    from hybridserve.planner.weights import checkpoint_weight_bytes, mtp_param_count, weight_bytes
+
+    path = write_tiny_checkpoint(tmp_path / "w", preset=preset, dtype="bfloat16")
+    model, config = load_model(path, progress=False, load_mtp=True)
+    assert mtp_param_count(config) == sum(p.numel() for p in model.mtp.parameters())
+    mtp_bytes = sum(t.numel() * 2 for t in _mtp_tensors(path).values())
+    assert checkpoint_weight_bytes(path, mtp=True) - checkpoint_weight_bytes(path) == mtp_bytes
+    assert weight_bytes(config, path, mtp=True) == checkpoint_weight_bytes(path, mtp=True)
+    assert weight_bytes(config, mtp=True) - weight_bytes(config) == mtp_param_count(config) * 2

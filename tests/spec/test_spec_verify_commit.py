@@ -1,0 +1,233 @@
+"""Speculative verify rows and their commit (issue 34): the DeltaNet state after a
+rollback equals decoding the accepted tokens one by one.
+
+A verify batch mixes speculative runs (k+1 rows: the last accepted token plus k drafts)
+with a prefill chunk and a plain decode. Its DeltaNet layers must read the speculative
+runs' state without writing it, and ``commit_speculative`` must then leave, for random
+accepted counts, the recurrent state, the conv state and the K/V of the kept positions
+as a reference leaves them: the same model decoding exactly the accepted tokens, one
+token per step, from a copy of the arena taken before the verify step. The verify
+rows' logits must equal the one-by-one logits at every row (they do not depend on what
+is accepted). Every CPU path: the native kernels (module path; the native decode step
+declines speculative batches), and the plain-PyTorch ops (HYBRIDSERVE_NO_NATIVE).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hybridserve.kernels import native
+from hybridserve.model import ForwardBatch, load_model
+from hybridserve.model.native_decode import NativeDecodeStep
+from hybridserve.model.tiny import write_tiny_checkpoint
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec")
+    return {p: str(write_tiny_checkpoint(root / p, preset=p, seed=3)) for p in ("test-a", "test-b", "moe-a")}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_dirs):
+    return tiny_dirs["test-a"]
+
+
+@pytest.fixture(params=["native", "torch"])
+def kernels(request, monkeypatch):
+    if request.param == "native":
+        if not native.available():
+            pytest.skip("the native kernels are not built")
+    else:
+        monkeypatch.setattr(native, "_DISABLED", True)
+    return request.param
+
+
+class Seq:
+    def __init__(self, tokens, blocks, state):
+        self.tokens = list(tokens)
+        self.blocks = blocks
+        self.state = state
+        self.computed = 0
+
+
+def make_batch(sched, speculative=None, all_logits=False):
+    """``sched`` = [(seq, n)]: rows seq.tokens[computed:computed+n] (seq.computed is not
+    advanced). Logits for every row with ``all_logits``, else each run's last row."""
+    ids, pos, slots, qsl, lens, tables, states, init, rows = [], [], [], [0], [], [], [], [], []
+    for seq, n in sched:
+        for p in range(seq.computed, seq.computed + n):
+            ids.append(seq.tokens[p])
+            pos.append(p)
+            slots.append(seq.blocks[p // BLOCK] * BLOCK + p % BLOCK)
+        qsl.append(qsl[-1] + n)
+        lens.append(seq.computed + n)
+        tables.append(seq.blocks)
+        states.append(seq.state)
+        init.append(seq.computed > 0)
+        rows.extend(range(qsl[-2], qsl[-1]) if all_logits else [qsl[-1] - 1])
+    b = ForwardBatch.from_lists(input_ids=ids, positions=pos, slot_mapping=slots, query_start_loc=qsl,
+                                seq_lens=lens, block_tables=tables, state_pages=states, has_initial_state=init,
+                                logits_indices=rows, speculative=speculative)
+    b.validate()
+    return b
+
+
+def state_items(cache, seq):
+    """(recurrent items, conv items) of every DeltaNet layer of ``seq``."""
+    rec, conv = [], []
+    for layer in cache.config.linear_attention_layers:
+        st = cache.state(layer)
+        per_r, per_c = st.recurrent_pool.shape[1], st.conv_pool.shape[1]
+        for h in range(cache.layout.num_value_heads):
+            i = st.recurrent_item_base + h
+            rec.append(st.recurrent_pool[seq.state[i // per_r], i % per_r].clone())
+        i = st.conv_item_base
+        conv.append(st.conv_pool[seq.state[i // per_c], i % per_c].clone())
+    return torch.stack(rec), torch.stack(conv)
+
+
+def kv_rows(cache, seq, upto):
+    out = []
+    for layer in cache.config.full_attention_layers:
+        k, v = cache.kv(layer)
+        for p in range(upto):
+            blk, off = seq.blocks[p // BLOCK], p % BLOCK
+            out.append(torch.cat([k[blk, off].flatten(), v[blk, off].flatten()]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("preset,dtype", [("test-a", "float32"), ("test-a", "bfloat16"), ("test-b", "float32"),
+                                          ("moe-a", "float32")])
+def test_commit_leaves_the_state_of_decoding_the_accepted_tokens_one_by_one(tiny_dirs, kernels, preset, dtype,
+                                                                              seed, monkeypatch):
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
+    cache = model.new_cache(160, BLOCK)
+    free = list(range(cache.num_pages))
+    rng.shuffle(free)
+
+    def new_seq(n_tokens):
+        blocks = [free.pop() for _ in range(-(-n_tokens // BLOCK))]
+        return Seq([rng.randrange(config.vocab_size) for _ in range(n_tokens)], blocks,
+                   [free.pop() for _ in range(cache.state_pages)])
+
+    ks = [rng.randint(1, 4), rng.randint(0, 4)]  # drafts of the two speculative sequences
+    spec = [new_seq(rng.randint(3, 9) + k + 1) for k in ks]
+    chunk = new_seq(12)
+    plain = new_seq(rng.randint(2, 6) + 1)
+    # Prefill: every speculative sequence up to its verify rows, the plain one up to its
+    # last token, the chunked one not at all.
+    pre = [(s, len(s.tokens) - k - 1) for s, k in zip(spec, ks)] + [(plain, len(plain.tokens) - 1)]
+    model(make_batch(pre), cache)
+    for s, n in pre:
+        s.computed = n
+    before = cache.arena.clone()
+
+    # The verify step: spec run 0, the prefill chunk, the plain decode, spec run 1.
+    order = [(spec[0], ks[0] + 1), (chunk, 5), (plain, 1), (spec[1], ks[1] + 1)]
+    flags = [True, False, False, True]
+    verify = make_batch(order, speculative=flags, all_logits=True)
+    seen = {"native_step": 0}
+    real_run = NativeDecodeStep.run
+
+    def counting_run(self, batch, c):
+        seen["native_step"] += 1
+        return real_run(self, batch, c)
+
+    monkeypatch.setattr(NativeDecodeStep, "run", counting_run)
+    logits = model(verify, cache)
+    assert seen["native_step"] == 0, "the native decode step must decline speculative batches"
+    # The speculative runs' state pages are untouched by the verify forward.
+    after_verify = cache.arena.view(cache.num_pages, -1)
+    for s in spec:
+        for p in s.state:
+            assert torch.equal(after_verify[p], before.view(cache.num_pages, -1)[p])
+    accepted = [rng.randint(1, k + 1) for k in ks]
+    model.commit_speculative(verify, cache, torch.tensor([accepted[0], 0, 0, accepted[1]]))
+    got_state = [state_items(cache, s) for s in spec + [chunk, plain]]
+    got_kv = [kv_rows(cache, s, s.computed + a) for s, a in zip(spec, accepted)]
+
+    # Reference: from the arena before the verify step, the chunk and the plain decode
+    # as in the batch, then each speculative sequence's tokens one per step.
+    ref = model.new_cache(160, BLOCK)
+    ref.arena.copy_(before)
+    model(make_batch([(chunk, 5), (plain, 1)]), ref)
+    want_logits = {}
+    for i, (s, k) in enumerate(zip(spec, ks)):
+        c0 = s.computed
+        rows = []
+        for j in range(k + 1):
+            rows.append(model(make_batch([(s, 1)]), ref)[0])
+            s.computed += 1
+            if j + 1 == accepted[i]:
+                want_state = state_items(ref, s)
+                want_kv = kv_rows(ref, s, s.computed)
+                # Keep the state at the accepted position for the comparison below
+                # (the remaining rows only produce logits).
+                snap = (want_state, want_kv)
+        want_logits[i] = torch.stack(rows)
+        s.computed = c0
+        torch.testing.assert_close(got_state[i][0], snap[0][0], rtol=1e-4, atol=1e-5)
+        # The conv state holds projection outputs: a GEMM over the verify step's rows may
+        # round differently from a one-row one (BLAS on the PyTorch path).
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(got_state[i][1].float(), snap[0][1].float(), **tol)
+        torch.testing.assert_close(got_kv[i].float(), snap[1].float(), rtol=1e-4 if dtype == "float32" else 2e-2,
+                                   atol=1e-5 if dtype == "float32" else 2e-2)
+    for j, s in enumerate([chunk, plain]):
+        want = state_items(ref, s)
+        tol = dict(rtol=1e-4, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(got_state[2 + j][0], want[0], **tol)
+        torch.testing.assert_close(got_state[2 + j][1].float(), want[1].float(), **tol)
+    # Verify logits: spec 0's rows come first, spec 1's last.
+    n0 = ks[0] + 1
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == "float32" else dict(rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(logits[:n0], want_logits[0], **tol)
+    torch.testing.assert_close(logits[-(ks[1] + 1):], want_logits[1], **tol)
+    if dtype == "float32":
+        assert torch.equal(logits[:n0].argmax(-1), want_logits[0].argmax(-1))
+
+
+def test_verify_without_commit_leaves_every_state_page_as_it_was(tiny_dir, kernels):
+    """The ring is the only record: the state pages of speculative runs are exactly the
+    pre-step bytes after the forward (no write of any kind), also for a one-row run."""
+    model, config = load_model(tiny_dir, progress=False)
+    cache = model.new_cache(64, BLOCK)
+    rng = random.Random(9)
+    seqs = []
+    nxt = iter(range(cache.num_pages))
+    for n in (6, 7):
+        seqs.append(Seq([rng.randrange(config.vocab_size) for _ in range(n)],
+                        [next(nxt) for _ in range(-(-n // BLOCK))], [next(nxt) for _ in range(cache.state_pages)]))
+    model(make_batch([(seqs[0], 4), (seqs[1], 6)]), cache)
+    seqs[0].computed, seqs[1].computed = 4, 6
+    before = cache.arena.clone().view(cache.num_pages, -1)
+    b = make_batch([(seqs[0], 2), (seqs[1], 1)], speculative=[True, True])
+    model(b, cache)
+    now = cache.arena.view(cache.num_pages, -1)
+    for s in seqs:
+        for p in s.state:
+            assert torch.equal(now[p], before[p])
+    assert model.spec_ring_bytes(b) > 0
+    with pytest.raises(ValueError, match="accepted"):
+        model.commit_speculative(b, cache, [3, 1])
+    model.commit_speculative(b, cache, [2, 1])
+    with pytest.raises(ValueError, match="commit once"):
+        model.commit_speculative(b, cache, [2, 1])
+
+
+def test_a_checkpoint_on_a_speculative_run_is_refused():
+    b = ForwardBatch.from_lists(input_ids=[1, 2], positions=[3, 4], slot_mapping=[3, 4], query_start_loc=[0, 2],
+                                seq_lens=[5], block_tables=[[0, 1]], state_pages=[[2]], has_initial_state=[True],
+                                logits_indices=[1], checkpoint_positions=[1], checkpoint_pages=[[3]],
+                                speculative=[True])
+    with pytest.raises(ValueError, match="checkpoint"):
+        b.validate()
