@@ -280,3 +280,26 @@ def test_seed_scenario_concurrency_matches_the_plan(model_dir, tmp_path):
     assert s["policies"]["reserve_max"]["peak_concurrent_sessions"] == s["plan"]["sessions_reserved_max"]
     assert s["ratio_matches_plan"] and math.isclose(s["concurrency_ratio"], s["plan_ratio"])
     assert all(p["completed"] == 12 and p["failed"] == 0 for p in s["policies"].values())
+
+
+def test_bench_throughput_with_speculation_reports_drafts_and_the_same_tokens_as_hf(model_dir, tmp_path, capsys):
+    """--speculative-config on bench: greedy tokens still equal HF's (the oracle), and the
+    report carries the drafts verified and accepted (the engine's counters)."""
+    out = tmp_path / "s.json"
+    rc = main(["bench", "throughput", model_dir, "--num-prompts", "3", "--prompt-len", "8-16",
+               "--output-len", "6-10", "--compare-hf", "--hf-batch-size", "1", "--threads", "1",
+               "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2, "disable_by_batch_size": 0}',
+               "--output", str(out), "--no-progress"])
+    assert rc == 0
+    rep = json.loads(out.read_text())
+    c = rep["compare_hf"]
+    assert c["tokens_vs_hf_single"]["all_identical"], c["tokens_vs_hf_single"]["mismatches"]
+    srv = rep["server"]
+    assert srv["spec_draft_tokens"] > 0 and 0 <= srv["spec_accepted_tokens"] <= srv["spec_draft_tokens"]
+    assert srv["spec_verify_runs"] > 0
+    assert "speculative decoding: " in capsys.readouterr().out
+
+
+def test_bench_refuses_a_bad_speculative_config(model_dir, capsys):
+    assert main(["bench", "throughput", model_dir, "--speculative-config", '{"method": "ngram"}']) == 2
+    assert "speculative_config method 'ngram' is not supported" in capsys.readouterr().err

@@ -174,6 +174,8 @@ def _finish(report: dict[str, Any], args: argparse.Namespace, extra_text: list[s
 def _config(args: argparse.Namespace, workload: Any, threads: int | None) -> dict[str, Any]:
     skip = {"_run", "_parser", "command", "bench_mode", "_given"}
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k not in skip}
+    if getattr(args, "speculative_config", None) is not None:
+        cfg["speculative_config"] = args.speculative_config.to_dict()
     cfg["request_rate"] = workload.description["request_rate"]
     cfg["workload"] = workload.description
     cfg["torch_threads"] = threads
@@ -206,7 +208,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
         engine_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory_bytes
     engine_kwargs.update(kv_cache_dtype=args.kv_cache_dtype, tokenizer=args.tokenizer)
     if args.speculative_config is not None:
-        engine_kwargs["speculative_config"] = args.speculative_config
+        engine_kwargs["speculative_config"] = args.speculative_config.to_dict()
 
     if args.seed_scenario:
         print(f"torch intra-op threads: {threads}", file=sys.stderr)

@@ -202,6 +202,10 @@ def run_engine(
         "prefix_tokens_skipped": int(s1.get(skip_key, 0) - stats0.get(skip_key, 0)),
         "prefix_tokens_skipped_source": skip_source,
     }
+    if "spec_draft_tokens" in s1 and "spec_verify_entries" in s1:
+        for key, stat in (("spec_draft_tokens", "spec_draft_tokens"), ("spec_accepted_tokens", "spec_accepted_tokens"),
+                          ("spec_verify_runs", "spec_verify_entries")):
+            server[key] = int((s1.get(stat) or 0) - (stats0.get(stat) or 0))
     server["step_phases"] = phase_report(stats0.get("step_phase_seconds", {}),
                                          s1.get("step_phase_seconds", {}), steps, seq_steps)
     if breakdown:

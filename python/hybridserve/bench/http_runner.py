@@ -74,6 +74,12 @@ _GAUGES = [
 ]
 _COUNTERS = [
     ("preemptions", "hybridserve:num_preemptions_total", "vllm:num_preemptions_total"),
+    # Speculative decoding (servers that draft; vLLM's names as the fallback).
+    ("spec_draft_tokens", "hybridserve:spec_decode_num_draft_tokens_total",
+     "vllm:spec_decode_num_draft_tokens_total"),
+    ("spec_accepted_tokens", "hybridserve:spec_decode_num_accepted_tokens_total",
+     "vllm:spec_decode_num_accepted_tokens_total"),
+    ("spec_verify_runs", "hybridserve:spec_decode_num_drafts_total", "vllm:spec_decode_num_drafts_total"),
 ]
 
 

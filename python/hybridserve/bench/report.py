@@ -168,6 +168,15 @@ def render_table(report: dict[str, Any]) -> str:
             srv.get("prefix_tokens_skipped_source") or "not reported",
         )
     )
+    drafts = srv.get("spec_draft_tokens")
+    if drafts is not None:
+        kept = srv.get("spec_accepted_tokens") or 0
+        runs = srv.get("spec_verify_runs") or 0
+        lines.append(
+            "speculative decoding: {} drafts, {} accepted ({}) | mean accepted length {}".format(
+                _num(drafts, "{:,}"), _num(kept, "{:,}"),
+                f"{100 * kept / drafts:.1f} %" if drafts else "-",
+                f"{1 + kept / runs:.2f}" if runs else "-"))
     phases = srv.get("step_phases")
     if phases:
         lines.append("step phases, us per step / per sequence: " + " | ".join(

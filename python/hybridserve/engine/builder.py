@@ -296,8 +296,7 @@ def _cpu_pool_from_memory(config: ResolvedConfig, kv_dtype: str, use_cuda_graphs
     avail, source = available_memory_bytes()
     share = int(avail * a.cpu_memory_fraction)
     layout = arena_layout(config.layout_config, a.block_size, kv_dtype,
-                          speculative_tokens=(a.speculative_config.num_speculative_tokens
-                                      if a.speculative_config is not None else 0))
+                          extra_attention_layers=1 if a.speculative_config is not None else 0)
     useful = (MAX_NUM_SEQS_CAP * layout.pages_for_sequence(config.max_model_len)
               + (layout.state_pages if use_cuda_graphs else 0)) * layout.page_bytes
     budget = min(share, useful)
