@@ -138,6 +138,17 @@ def convert_value(raw: str, schema: Any) -> Any:
         return raw
 
 
+def _unwrap_value(raw: str) -> str:
+    """A parameter's VALUE: the text between ``<parameter=P>`` and ``</parameter>``
+    less the one newline the format puts on each side (a value written without them,
+    by an unconstrained model, is taken as it is)."""
+    if raw.startswith("\n"):
+        raw = raw[1:]
+    if raw.endswith("\n"):
+        raw = raw[:-1]
+    return raw
+
+
 class OutputParser:
     """Parses one completion's text; ``tools`` maps a function name to its parameter
     schema (None: no tool parsing)."""
@@ -159,12 +170,11 @@ class OutputParser:
                 args = {}
                 for p in _PARAM_RE.finditer(m.group(2)):
                     pname = p.group(1).strip()
-                    # The whitespace around a value is the format's (Qwen writes one
-                    # newline each side; the grammar allows a little more). vLLM drops
-                    # only one newline each side, but our "required"/named-tool grammar
-                    # (xgrammar's qwen_3_5 structural tag) lets whitespace in there, so
-                    # a constrained string would break its maxLength/pattern.
-                    value = p.group(2).strip()
+                    # The template writes one newline each side of a value, and the
+                    # tool grammar (structured.grammar.qwen_xml_arguments_format)
+                    # allows exactly that: only those two are the format's, the rest
+                    # of the whitespace is the value's (as vLLM's qwen3_coder reads it).
+                    value = _unwrap_value(p.group(2))
                     args[pname] = convert_value(value, props.get(pname))
                 calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
             return calls or None
