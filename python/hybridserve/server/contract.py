@@ -187,10 +187,10 @@ class Contract:
         sp = self.streams.get(index)
         if sp is None:
             sp = self.streams[index] = StreamingParser(self._parser())
-            sp.text = ""  # type: ignore[attr-defined]
-        sp.text += text  # type: ignore[attr-defined]
         done = finish_reason is not None
-        deltas = sp.feed(sp.text, final=done)  # type: ignore[attr-defined]
+        # The new text only: the parser keeps what it still needs (re-joining the whole
+        # text here on every delta would copy O(n^2) characters over a long stream).
+        deltas = sp.feed_delta(text, final=done)
         if not self.include_reasoning:
             deltas = [d for d in deltas if "reasoning_content" not in d]
         if done and sp.final is not None and sp.final.calls and finish_reason == "stop":
