@@ -29,3 +29,45 @@ def test_colliding_byte_tokens_stay_distinct(tiny_dir):
     assert len(top) == 3  # one key per token id, none overwritten
     assert sorted(top.values()) == [-2.0, -1.0, -0.5]
     assert top["\ufffd"] == -0.5 and top[f"token_id:{b}"] == -1.0 and top[f"token_id:{c}"] == -2.0
+
+
+def test_lazy_logprobs_encode_to_the_same_text_as_the_whole_body(tiny_dir):
+    """A large body is built and encoded a slice of positions at a time: the pieces add
+    up to exactly ``json.dumps`` of the body built whole (the oracle), across slice
+    edges, with special tokens skipped from a position inside a slice, a None first
+    entry, NaN-free negative infinities, and both endpoints' block shapes."""
+    import json
+    import random
+
+    from hybridserve.outputs import CompletionOutput, RequestOutput
+    from hybridserve.sampling import SamplingParams
+
+    tok = load_tokenizer(tiny_dir)
+    tt = protocol.TokenText(tok)
+    rng = random.Random(3)
+    specials = sorted(tt.special_ids)
+    n = protocol.LOGPROBS_SLICE * 3 + 17
+
+    def entry(t):
+        alts = rng.sample(range(250), 5)
+        e = {t: Logprob(rng.uniform(-9, 0) if rng.random() > 0.02 else float("-inf"), rank=rng.randint(1, 9))}
+        for r, a in enumerate(alts, start=1):
+            e.setdefault(a, Logprob(-rng.random() * r, rank=r))
+        return e
+
+    prompt = [rng.randrange(250) for _ in range(n)]
+    prompt[protocol.LOGPROBS_SLICE + 3] = specials[0] if specials else prompt[0]
+    out_ids = [rng.randrange(250) for _ in range(40)] + ([specials[0]] if specials else [])
+    plp = [None] + [entry(t) for t in prompt[1:]]
+    c = CompletionOutput(0, "xyz", out_ids, -3.0, [entry(t) for t in out_ids], "length", None)
+    out = RequestOutput("r", None, prompt, [c], True, prompt_logprobs=plp)
+    for skip in (True, False):
+        params = SamplingParams(max_tokens=40, logprobs=5, skip_special_tokens=skip)
+        whole = protocol.completion_body("id", "m", [out], tt, params, ["echo "])
+        lazy = protocol.completion_body("id", "m", [out], tt, params, ["echo "], lazy=True)
+        lazy["created"] = whole["created"]
+        assert "".join(protocol.json_pieces(lazy)) == json.dumps(whole)
+        chat_whole = protocol.chat_body("id", "m", out, tt, params)
+        chat_lazy = protocol.chat_body("id", "m", out, tt, params, lazy=True)
+        chat_lazy["created"] = chat_whole["created"]
+        assert "".join(protocol.json_pieces(chat_lazy)) == json.dumps(chat_whole)
