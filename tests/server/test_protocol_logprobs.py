@@ -81,8 +81,9 @@ def test_lazy_logprobs_encode_to_the_same_text_as_the_whole_body(tiny_dir):
 
 
 def test_sliced_encoding_hands_the_loop_back_between_slices(tiny_dir, monkeypatch):
-    """On the event loop, a large body is encoded a slice at a time and every other task
-    runs between slices (counted, not timed); the chunks add up to the whole body."""
+    """In the "sliced-loop" mode, a large body is encoded on the event loop a slice at a
+    time and every other task runs between slices (counted, not timed); the chunks add
+    up to the whole body."""
     import asyncio
     import json
 

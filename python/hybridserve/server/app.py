@@ -362,17 +362,19 @@ def dumps_yielding(obj: Any, slice_len: int = 512) -> str:
     return json.dumps(obj)
 
 
-# How a large non-streamed body (logprobs, echo) is built (benches/echo_stall.py
-# compares them side by side):
-# * "sliced-loop" (the default): its logprobs blocks are built and encoded a slice of
-#   positions at a time (protocol.LazyLogprobs) on the event loop, which is handed back
-#   to the other streams every LARGE_BODY_SLICE_S; then written in chunks, each write
-#   waiting for the socket. Only the loop and the engine thread want the GIL.
-# * "sliced-thread": the same slices on the tokenizer pool, the GIL let go between them.
+# How a large body (logprobs, echo) is built (benches/echo_stall.py compares them side
+# by side; see benches/RESULTS.md):
+# * "sliced-thread" (the default): its logprobs blocks are built and encoded a slice of
+#   positions at a time (protocol.LazyLogprobs) on the tokenizer pool, which lets go of
+#   the GIL every LARGE_BODY_SLICE_S (the loop, waiting for it, gets it then instead of
+#   a whole switch interval later); then written in chunks, each write waiting for the
+#   socket.
+# * "sliced-loop": the same slices on the event loop itself, every other ready callback
+#   run between slices.
 # * "thread": the whole body built in one call on the tokenizer pool (a third thread
 #   competing for the GIL: the loop waits whole switch intervals behind it).
 # * "loop": the whole body in one call on the loop (what every stream then waits).
-LARGE_BODY_MODE = "sliced-loop"
+LARGE_BODY_MODE = "sliced-thread"
 LARGE_BODY_SLICE_S = 0.002
 # Bytes per write of a large body.
 LARGE_BODY_CHUNK = 1 << 18
