@@ -180,7 +180,7 @@ def engines(tok_dir: Path, batch: int, reps: int) -> list[dict]:
     return rows
 
 
-def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3) -> dict:
+def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, temperature: float = 1.0) -> dict:
     """Constrained against unconstrained decoding of the same requests, like with like.
 
     The constrained run ends each sequence where its JSON ends, the unconstrained one
@@ -202,7 +202,7 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3) -> di
     prompts = [f"Record {i} as JSON:" for i in range(batch)]
 
     def constrained() -> list:
-        return [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1 + i,
+        return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=1 + i,
                                structured_outputs={"json": SCHEMA}) for i in range(batch)]
 
     sd = llm.engine.structured_decoding()
@@ -215,7 +215,7 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3) -> di
         compile_s.append(time.perf_counter() - t0)
     warm = llm.generate(prompts, constrained())  # compiles SCHEMA itself, warms both paths
     lengths = [len(r.outputs[0].token_ids) for r in warm]
-    matched = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0, seed=1 + i)
+    matched = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature, seed=1 + i)
                for i, n in enumerate(lengths)]
     llm.generate(prompts, matched)
     runs: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
@@ -269,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (fixed, printed)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                    help="end to end: one row per sampling temperature (0: greedy)")
     ap.add_argument("--skip-engines", action="store_true")
     ap.add_argument("--work", default=None, help="folder for the tokenizer and models (default: a temp dir)")
     a = ap.parse_args(argv)
@@ -299,16 +301,17 @@ def main(argv: list[str] | None = None) -> int:
             (Path(d) / f).write_bytes((tok_dir / f).read_bytes())
         models.append((f"test-a with Qwen's vocabulary ({QWEN_VOCAB_SIZE})", d))
     print(f"\n## end to end, {a.batch} concurrent requests, max_tokens {a.max_tokens}, CPU, the unconstrained twin "
-          "of each request held to the constrained one's token count (ignore_eos, min_tokens = max_tokens)")
-    print("| model | tokens per run | compile (ms/schema) | unconstrained ms/token | constrained ms/token | "
+          "of each request held to the constrained one's token count (max_tokens = that count, ignore_eos)")
+    print("| model | sampling | tokens per run | compile (ms/schema) | unconstrained ms/token | constrained ms/token | "
           "ratio (median) | ratio per pair | steps but outputs, ms/token: unconstrained / constrained (ratio) | "
           "process_outputs ms/token: unconstrained / constrained | mask fill us/seq-step (its thread) | "
           "grammar on the engine thread us/seq-step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, d in models:
-        r = end_to_end(d, a.batch, a.max_tokens, a.reps)
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (name, d), temp in [(m, t) for m in models for t in a.temperatures]:
+        r = end_to_end(d, a.batch, a.max_tokens, a.reps, temp)
         u, c = r["unconstrained"], r["constrained"]
-        print(f"| {name} | {r['tokens']} | {r['compile_ms']:.1f} | {u['ms_per_token']:.3f} | "
+        how = "greedy" if temp == 0 else f"seeded, temperature {temp:g}"
+        print(f"| {name} | {how} | {r['tokens']} | {r['compile_ms']:.1f} | {u['ms_per_token']:.3f} | "
               f"{c['ms_per_token']:.3f} | {r['ratio']:.3f} | "
               f"{', '.join(f'{x:.3f}' for x in r['ratios'])} | {u['steps_ms']:.3f} / {c['steps_ms']:.3f} "
               f"({r['steps_ratio']:.3f}) | {u['outputs_ms']:.3f} / {c['outputs_ms']:.3f} | "
