@@ -121,3 +121,57 @@ def test_sliced_encoding_hands_the_loop_back_between_slices(tiny_dir, monkeypatc
     positions = len(out.prompt_token_ids) + len(out.outputs[0].token_ids)
     assert ticks >= positions // protocol.LOGPROBS_SLICE  # the neighbour ran between slices
     assert len(chunks) > 2
+
+
+def test_sliced_thread_build_shortens_the_switch_interval_and_restores_it(tiny_dir, monkeypatch):
+    """On the pool ("sliced-thread"), the GIL's switch interval is short while the body is
+    built (threads waiting for the GIL get it sooner) and back to what it was after,
+    also when the build fails; the chunks add up to the whole body."""
+    import asyncio
+    import json
+    import sys
+
+    from hybridserve.sampling import SamplingParams
+    from hybridserve.server import app as app_mod
+
+    monkeypatch.setattr(app_mod, "LARGE_BODY_MODE", "sliced-thread")
+    tt = protocol.TokenText(load_tokenizer(tiny_dir))
+    out = _echo_output(tt)
+    params = SamplingParams(max_tokens=40, logprobs=5)
+    whole = protocol.completion_body("id", "m", [out], tt, params, ["echo "])
+    lazy = protocol.completion_body("id", "m", [out], tt, params, ["echo "], lazy=True)
+    lazy["created"] = whole["created"]
+    seen: list[float] = []
+    real = protocol.json_pieces
+
+    def watched(obj):
+        for p in real(obj):
+            seen.append(sys.getswitchinterval())
+            yield p
+
+    class Engine:
+        async def run_off_engine(self, fn):
+            return await asyncio.to_thread(fn)
+
+    class Request:
+        app = {app_mod.ENGINE_KEY: Engine()}
+
+    before = sys.getswitchinterval()
+    monkeypatch.setattr(protocol, "json_pieces", watched)
+    chunks = asyncio.run(app_mod._encode_sliced(Request(), lazy))
+    assert b"".join(chunks) == json.dumps(whole).encode()
+    assert seen and max(seen) == min(app_mod.LARGE_BODY_SWITCH_S, before)
+    assert sys.getswitchinterval() == before
+
+    def broken(obj):
+        yield "{"
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(protocol, "json_pieces", broken)
+    try:
+        asyncio.run(app_mod._encode_sliced(Request(), lazy))
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("the build's error was lost")
+    assert sys.getswitchinterval() == before

@@ -16,10 +16,13 @@ server must run with ``handler_cancellation=True``, see :func:`runner_kwargs`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
 import logging
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -378,6 +381,32 @@ LARGE_BODY_MODE = "sliced-thread"
 LARGE_BODY_SLICE_S = 0.002
 # Bytes per write of a large body.
 LARGE_BODY_CHUNK = 1 << 18
+# The GIL's switch interval while a large body is built on the pool (None: leave it).
+# A thread that wants the GIL (the engine thread after each native kernel, the loop after
+# each poll) otherwise waits up to the default 5 ms for the builder to be made to drop
+# it, several times per engine step: the neighbours' steps stretched by tens of ms.
+LARGE_BODY_SWITCH_S: float | None = 0.0005
+_switch_lock = threading.Lock()
+_switch_users = [0, 0.0]  # builders running, the interval before the first
+
+
+@contextlib.contextmanager
+def _short_switch_interval() -> Any:
+    if LARGE_BODY_SWITCH_S is None:
+        yield
+        return
+    with _switch_lock:
+        if _switch_users[0] == 0:
+            _switch_users[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(LARGE_BODY_SWITCH_S, _switch_users[1]))
+        _switch_users[0] += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users[0] -= 1
+            if _switch_users[0] == 0:
+                sys.setswitchinterval(_switch_users[1])
 
 
 def _chunks(pieces: Any) -> Any:
@@ -404,15 +433,16 @@ async def _encode_sliced(request: web.Request, body: dict[str, Any]) -> list[byt
     out: list[bytes] = []
     if LARGE_BODY_MODE == "sliced-thread":
         def run() -> list[bytes]:
-            t0 = time.perf_counter()
-            for c in gen:
-                if c is not None:
-                    out.append(c)
-                elif time.perf_counter() - t0 >= LARGE_BODY_SLICE_S:
-                    # A sleep lets go of the GIL long enough for a waiting thread (the
-                    # loop) to take it; a bare release is retaken by this thread at once.
-                    time.sleep(0.0002)
-                    t0 = time.perf_counter()
+            with _short_switch_interval():
+                t0 = time.perf_counter()
+                for c in gen:
+                    if c is not None:
+                        out.append(c)
+                    elif time.perf_counter() - t0 >= LARGE_BODY_SLICE_S:
+                        # A sleep lets go of the GIL long enough for a waiting thread (the
+                        # loop) to take it; a bare release is retaken by this thread at once.
+                        time.sleep(0.0002)
+                        t0 = time.perf_counter()
             return out
 
         return await request.app[ENGINE_KEY].run_off_engine(run)
