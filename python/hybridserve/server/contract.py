@@ -9,7 +9,9 @@ OpenAI message (``reasoning_content``, ``content``, ``tool_calls``), whole or st
 
 Constraints: ``response_format`` / ``structured_outputs`` compile to a grammar; with
 tools, ``tool_choice="required"`` or a named function is enforced by xgrammar's Qwen
-structural tag (the call is always well formed, its arguments follow the schema), and
+structural tag (the call is always well formed, its arguments follow the schema; for
+Qwen3.5's XML calls the arguments are written exactly as the chat template writes them,
+``structured.grammar.qwen_xml_arguments_format``), and
 ``"auto"`` constrains a call's arguments once the model opens ``<tool_call>``. When the
 prompt opened ``<think>`` (Qwen3.5 with thinking on), the constraint starts after
 ``</think>``: the reasoning is free.
