@@ -54,7 +54,7 @@ def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int) -> t
     llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0.0, max_tokens=8,
                                                                    ignore_eos=True))
     for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        eng.add_request(f"r{i}", p, params)
     t_first = None
     done = {}
     while eng.has_unfinished_requests():

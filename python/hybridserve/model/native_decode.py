@@ -45,6 +45,26 @@ def _hooked(modules) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
+def rows_as_decodes(qsl, seq_lens, expand) -> tuple[list[int], list[int], list[int]]:
+    """An attention layout where the sequences with ``expand[b]`` become one decode query
+    per row: row ``j`` of an ``n``-row run sees ``seq_lens[b] - (n-1-j)`` positions (the
+    causal mask of the run, as decodes). Returns ``(query_start_loc, seq_lens, seq)``
+    of the entries, ``seq[i]`` the sequence whose block-table row entry ``i`` reads."""
+    q_e, l_e, s_e = [0], [], []
+    for b, length in enumerate(seq_lens):
+        n = qsl[b + 1] - qsl[b]
+        if expand[b]:
+            for j in range(n):
+                q_e.append(q_e[-1] + 1)
+                l_e.append(length - (n - 1 - j))
+                s_e.append(b)
+        else:
+            q_e.append(q_e[-1] + n)
+            l_e.append(length)
+            s_e.append(b)
+    return q_e, l_e, s_e
+
+
 def _view(t: torch.Tensor) -> np.ndarray:
     """The tensor's memory as numpy, no copy (bfloat16 as uint16 bits)."""
     t = t.detach()
@@ -71,8 +91,11 @@ class _Buffers:
         if c.linear_attention_layers:
             kd, vd, hv = c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
             cd = c.linear_conv_dim
-            _, p = buf(cd + vd + 2 * hv)
+            self.proj, p = buf(cd + vd + 2 * hv)
             self.proj_np = p
+            # What a speculative step's ring records (GatedDeltaNet.forward): the conv
+            # inputs and the gate inputs b, a (adjacent columns).
+            self.ring_mixed, self.ring_ba = self.proj[:, :cd], self.proj[:, cd + vd:]
             # in_proj's rows: [conv input | z | b | a] (see GatedDeltaNet.forward's split).
             self.mixed_np, self.z_np = p[:, :cd], p[:, cd:cd + vd]
             self.b_np, self.a_np = p[:, cd + vd:cd + vd + hv], p[:, cd + vd + hv:]
@@ -216,12 +239,14 @@ class NativeDecodeStep:
         self._cache = cache
 
     def takes(self, batch) -> bool:
-        """A pure-decode step (every sequence one token) of at most :attr:`max_rows` rows,
-        without speculative runs (their state must not be written and their inputs go to
-        the step's ring: the module path's)."""
+        """A step of at most :attr:`max_rows` rows where every row is a decode query: a
+        pure-decode step (every sequence one token), or a speculative verify step whose
+        other sequences are one-token decodes (:meth:`run` checks the layout the model's
+        ``_open_ring`` made: one attention entry per row)."""
         t = batch.input_ids.shape[0]
-        return (0 < t <= self.max_rows and batch.seq_lens.shape[0] == t and batch.input_ids.device.type == "cpu"
-                and batch.spec_ring is None)
+        if not (0 < t <= self.max_rows and batch.input_ids.device.type == "cpu"):
+            return False
+        return batch.seq_lens.shape[0] == t if batch.spec_ring is None else True
 
     def run(self, batch, cache) -> torch.Tensor | None:
         """The step's float32 logits ``[S, vocab]`` for ``batch.logits_indices``; the
@@ -232,10 +257,19 @@ class NativeDecodeStep:
             # of another kv_cache_dtype is the module path's (it converts per layer).
             return None
         t = int(batch.input_ids.shape[0])
-        varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
-                               batch.checkpoint_positions, batch.checkpoint_pages)
-        if not np.array_equal(varlen.qsl, self._qsl(t)):
-            return None
+        ring = batch.spec_ring
+        if ring is None:
+            varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
+                                   batch.checkpoint_positions, batch.checkpoint_pages)
+            if not np.array_equal(varlen.qsl, self._qsl(t)):
+                return None
+        else:
+            # Speculative runs (several rows each) next to one-token decodes: every row
+            # one attention entry, else a prefill chunk is in the step (module path).
+            if ring["attn"][1].shape[0] != t:
+                return None
+            varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
+                                   batch.checkpoint_positions, batch.checkpoint_pages, batch.speculative)
         self._bind_cache(cache)
         b = self._buffers.get(t)
         if b is None:
@@ -243,7 +277,8 @@ class NativeDecodeStep:
             # mode, other callers under no_grad only, and both write these buffers.
             with torch.inference_mode(False):
                 b = self._buffers[t] = _Buffers(self.model, t)
-        ck = varlen.checkpoints
+        # Checkpoints, and with speculative runs their read-only flags.
+        ck = varlen.writes
         qsl, table, init = varlen.qsl, varlen.table, varlen.init
         eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
         torch.index_select(self.embed, 0, batch.input_ids, out=b.residual)
@@ -262,6 +297,9 @@ class NativeDecodeStep:
                 self._attention(e, b, attn_args)
             else:
                 gemm(normed, e["in_w"], b.proj_np)
+                if ring is not None:
+                    rows_r = ring["rows"]
+                    ring[e["idx"]] = (b.ring_mixed.index_select(0, rows_r), b.ring_ba.index_select(0, rows_r))
                 self.k_conv(b.mixed_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, b.conv_np,
                             item_base=e["conv_base"], silu=True, **ck)
                 self.k_rule(b.q_np, b.k_np, b.v_np, e["rec_pool"], qsl, table, init, b.rule_out_np,
@@ -314,11 +352,16 @@ class NativeDecodeStep:
         slots, and the decode kernel's rows, lengths and block tables."""
         t = b.residual.shape[0]
         cos, sin = self.model.rotary.cos_sin(batch.positions, self.model.dtype)
-        tables = batch.block_tables
+        if batch.spec_ring is None:
+            lens, tables = batch.seq_lens, batch.block_tables
+        else:
+            # One decode query per row (row j of an n-row run sees seq_len - (n-1-j)
+            # positions), as the module path's attention runs a speculative step.
+            _, lens, tables = batch.spec_ring["attn"]
         if tables.dtype != torch.int32 or not tables.is_contiguous():
             tables = tables.to(torch.int32).contiguous()
         return (_view(cos), _view(sin), batch.slot_mapping.numpy().astype(np.int64, copy=False),
-                self._qsl(t)[:t], batch.seq_lens.numpy().astype(np.int64), tables.numpy(),
+                self._qsl(t)[:t], lens.numpy().astype(np.int64), tables.numpy(),
                 (cos, sin, tables))
 
     def _attention(self, e: dict, b: _Buffers, args) -> None:

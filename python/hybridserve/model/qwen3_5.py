@@ -32,7 +32,7 @@ from hybridserve.model.hugepages import huge_page_copy, transposed_copy
 from hybridserve.model.layers import MLP, GatedRMSNorm, Projection, ZeroCenteredRMSNorm, _Fused
 from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.mtp import MultiTokenPredictor
-from hybridserve.model.native_decode import NativeDecodeStep
+from hybridserve.model.native_decode import NativeDecodeStep, rows_as_decodes
 
 
 class RotaryEmbedding:
@@ -109,8 +109,12 @@ class Attention(_Fused, nn.Module):
             k = RotaryEmbedding.apply(k, cos, sin)
         k_cache, v_cache = cache.kv(self.layer_idx)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = ops.paged_attention(q.contiguous(), k_cache, v_cache, batch.query_start_loc,
-                                batch.seq_lens, batch.block_tables, self.scale, plans=batch.op_plans)
+        # A speculative step's runs attend as one decode query per row (the layout its
+        # ring carries): the native decode step's attention, bit for bit.
+        qsl, lens, tables = (batch.query_start_loc, batch.seq_lens, batch.block_tables) \
+            if batch.spec_ring is None else batch.spec_ring["attn"]
+        o = ops.paged_attention(q.contiguous(), k_cache, v_cache, qsl, lens, tables, self.scale,
+                                plans=batch.op_plans)
         o = (o.view(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)).view(t, -1)
         return self.o_proj(o)
 
@@ -474,8 +478,17 @@ class Qwen3_5ForServing(nn.Module):
         qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
         lens = [qsl[b + 1] - qsl[b] for b in seqs]
         rows = [r for b in seqs for r in range(qsl[b], qsl[b + 1])]
+        dev = batch.input_ids.device
+        spec = set(seqs)
+        q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(),
+                                        [b in spec for b in range(batch.num_seqs)])
+        tables = batch.block_tables if s_e == list(range(batch.num_seqs)) else \
+            batch.block_tables.index_select(0, torch.tensor(s_e, dtype=torch.long, device=dev))
         batch.spec_ring = {"seqs": seqs, "lens": lens,
-                           "rows": torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)}
+                           "rows": torch.tensor(rows, dtype=torch.long, device=dev),
+                           # The attention layout of the step (see Attention.forward).
+                           "attn": (torch.tensor(q_e, dtype=torch.int32, device=dev),
+                                    torch.tensor(l_e, dtype=torch.int32, device=dev), tables)}
 
     def spec_ring_bytes(self, batch: ForwardBatch) -> int:
         """Bytes the batch's ring holds (0 when it has none): per speculative row and
