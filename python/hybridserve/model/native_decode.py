@@ -45,6 +45,25 @@ def _hooked(modules) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
+# The key of ``ForwardBatch.op_plans`` under which a step's attention layout with runs
+# as one decode query per row lies (query_start_loc, seq_lens, block tables; see
+# :func:`decode_rows_layout`): every attention layer of the step, module path and
+# native step alike, reads it instead of the batch's own layout.
+DECODE_ROWS = "rows_as_decodes"
+
+
+def decode_rows_layout(batch, expand) -> None:
+    """Put the layout of :func:`rows_as_decodes` (sequences with ``expand[b]`` as decodes)
+    into ``batch.op_plans[DECODE_ROWS]``."""
+    qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
+    q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(), expand)
+    dev = batch.input_ids.device
+    tables = batch.block_tables if s_e == list(range(len(s_e))) and len(s_e) == batch.block_tables.shape[0] \
+        else batch.block_tables.index_select(0, torch.tensor(s_e, dtype=torch.long, device=dev))
+    batch.op_plans[DECODE_ROWS] = (torch.tensor(q_e, dtype=torch.int32, device=dev),
+                                   torch.tensor(l_e, dtype=torch.int32, device=dev), tables)
+
+
 def rows_as_decodes(qsl, seq_lens, expand) -> tuple[list[int], list[int], list[int]]:
     """An attention layout where the sequences with ``expand[b]`` become one decode query
     per row: row ``j`` of an ``n``-row run sees ``seq_lens[b] - (n-1-j)`` positions (the
@@ -188,6 +207,10 @@ class NativeDecodeStep:
                 yield layer.linear_attn.out_proj
             yield layer.mlp.gate_up_proj
             yield layer.mlp.down_proj
+        if m.mtp is not None:
+            ml = m.mtp.layers[0]
+            yield from (m.mtp.fc, ml.self_attn.qkv_proj, ml.self_attn.o_proj, ml.mlp.gate_up_proj,
+                        ml.mlp.down_proj)
         yield m.lm_head
 
     def _weights_fingerprint(self) -> list[int]:
@@ -199,27 +222,36 @@ class NativeDecodeStep:
         return (self._fingerprint == self._weights_fingerprint() and self.model.lm_head.weight is self._weights[-1]
                 and not _hooked(self._modules))
 
-    def _build_layers(self) -> list[dict]:
-        m = self.model
-        layers = []
-        for layer in m.layers:
-            e = {"attn": layer.is_attention,
+    @staticmethod
+    def _layer_entry(layer) -> dict:
+        e = {"attn": layer.is_attention,
                  "in_norm": _view(layer.input_layernorm.weight),
                  "post_norm": _view(layer.post_attention_layernorm.weight),
-                 "gate_up": _view(layer.mlp.gate_up_proj.weight), "down": _view(layer.mlp.down_proj.weight)}
-            if layer.is_attention:
-                a = layer.self_attn
-                e.update(idx=a.layer_idx, qkv_w=_view(a.qkv_proj.weight), o_w=_view(a.o_proj.weight),
-                         heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim, scale=a.scale,
-                         q_norm=_view(a.q_norm.weight), k_norm=_view(a.k_norm.weight),
-                         q_eps=a.q_norm.eps, k_eps=a.k_norm.eps)
-            else:
-                d = layer.linear_attn
-                e.update(idx=d.layer_idx, in_w=_view(d.in_proj.weight), out_w=_view(d.out_proj.weight),
-                         conv_w=_view(d.conv1d.weight[:, 0, :]), a_log=_view(d.A_log), dt_bias=_view(d.dt_bias),
-                         norm_w=_view(d.norm.weight), norm_eps=d.norm.eps, key_heads=d.num_k_heads,
-                         value_heads=d.num_v_heads, scale=d.head_k_dim ** -0.5)
-            layers.append(e)
+             "gate_up": _view(layer.mlp.gate_up_proj.weight), "down": _view(layer.mlp.down_proj.weight)}
+        if layer.is_attention:
+            a = layer.self_attn
+            e.update(idx=a.layer_idx, qkv_w=_view(a.qkv_proj.weight), o_w=_view(a.o_proj.weight),
+                     heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim, scale=a.scale,
+                     q_norm=_view(a.q_norm.weight), k_norm=_view(a.k_norm.weight),
+                     q_eps=a.q_norm.eps, k_eps=a.k_norm.eps)
+        else:
+            d = layer.linear_attn
+            e.update(idx=d.layer_idx, in_w=_view(d.in_proj.weight), out_w=_view(d.out_proj.weight),
+                     conv_w=_view(d.conv1d.weight[:, 0, :]), a_log=_view(d.A_log), dt_bias=_view(d.dt_bias),
+                     norm_w=_view(d.norm.weight), norm_eps=d.norm.eps, key_heads=d.num_k_heads,
+                     value_heads=d.num_v_heads, scale=d.head_k_dim ** -0.5)
+        return e
+
+    def _build_layers(self) -> list[dict]:
+        m = self.model
+        layers = [self._layer_entry(layer) for layer in m.layers]
+        self._mtp = None
+        if m.mtp is not None:
+            t = m.mtp
+            self._mtp = {"layer": self._layer_entry(t.layers[0]), "fc": _view(t.fc.weight),
+                         "norm_e": _view(t.pre_fc_norm_embedding.weight),
+                         "norm_h": _view(t.pre_fc_norm_hidden.weight), "norm": _view(t.norm.weight)}
+        self._mtp_buffers: dict[int, tuple[_Buffers, dict]] = {}
         self.final_norm = _view(m.norm.weight)
         self.lm_head = _view(m.lm_head.weight)
         self.embed = m.embed_tokens.weight
@@ -228,7 +260,8 @@ class NativeDecodeStep:
     def _bind_cache(self, cache) -> None:
         if self._cache is cache:
             return
-        for e in self._layers:
+        mtp = [self._mtp["layer"]] if self._mtp is not None and cache.mtp_layer_index is not None else []
+        for e in self._layers + mtp:
             if e["attn"]:
                 kc, vc = cache.kv(e["idx"])
                 e["kc"], e["vc"] = _view(kc), _view(vc)
@@ -266,7 +299,8 @@ class NativeDecodeStep:
         else:
             # Speculative runs (several rows each) next to one-token decodes: every row
             # one attention entry, else a prefill chunk is in the step (module path).
-            if ring["attn"][1].shape[0] != t:
+            lay = batch.op_plans.get(DECODE_ROWS)
+            if lay is None or lay[1].shape[0] != t:
                 return None
             varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
                                    batch.checkpoint_positions, batch.checkpoint_pages, batch.speculative)
@@ -317,7 +351,58 @@ class NativeDecodeStep:
         # Every row's post-norm state (the MTP's input): valid until the next step of
         # this row count overwrites the buffer; the model copies it out when asked.
         self.last_hidden = b.normed
-        rows = batch.logits_indices
+        return self._lm_head(b, batch.logits_indices, t)
+
+    def run_mtp(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch, cache):
+        """One MTP pass (:meth:`Qwen3_5ForServing.mtp_forward`'s contract) on the native
+        kernels, the same kernels in the same order as the module path
+        (:class:`~hybridserve.model.mtp.MultiTokenPredictor` with its attention as one
+        decode query per row), so bit-identical to it: ``(logits, mtp_hidden)``, or
+        ``None`` (nothing run) where that path must run: no MTP layer, more rows than
+        the native GEMM takes, no per-row decode layout in ``batch.op_plans``."""
+        m = self._mtp
+        t = int(input_ids.shape[0])
+        if m is None or cache.dtype != self.model.dtype or cache.mtp_layer_index is None:
+            return None
+        lay = batch.op_plans.get(DECODE_ROWS)
+        if not 0 < t <= self.max_rows or lay is None or lay[1].shape[0] != t or input_ids.device.type != "cpu":
+            return None
+        self._bind_cache(cache)
+        got = self._mtp_buffers.get(t)
+        if got is None:
+            with torch.inference_mode(False):
+                dt, h = self.model.dtype, self.model.config.hidden_size
+                extra = {name: torch.empty(t, w, dtype=dt) for name, w in (("emb", h), ("cat", 2 * h))}
+                extra.update({name + "_np": _view(x) for name, x in list(extra.items())})
+                extra["e_np"], extra["h_np"] = extra["cat_np"][:, :h], extra["cat_np"][:, h:]
+                extra["e_norm_np"] = _view(torch.empty(t, h, dtype=dt))
+                extra["h_norm_np"] = _view(torch.empty(t, h, dtype=dt))
+                got = self._mtp_buffers[t] = (_Buffers(self.model, t), extra)
+        b, x = got
+        eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
+        hidden = hidden.detach()
+        if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
+            hidden = hidden.to(self.model.dtype).contiguous()
+        torch.index_select(self.embed, 0, input_ids, out=x["emb"])
+        # [pre_fc_norm_embedding(embed) | pre_fc_norm_hidden(hidden)], then fc.
+        norm(x["emb_np"], m["norm_e"], eps, x["e_norm_np"], None, True)
+        norm(_view(hidden), m["norm_h"], eps, x["h_norm_np"], None, True)
+        x["e_np"][...] = x["e_norm_np"]
+        x["h_np"][...] = x["h_norm_np"]
+        gemm(x["cat_np"], m["fc"], b.residual_np)
+        e = m["layer"]
+        res, normed = b.residual_np, b.normed_np
+        norm(res, e["in_norm"], eps, normed, None, True)
+        self._attention(e, b, self._attention_inputs(batch, b))
+        norm(b.mixer_out_np, e["post_norm"], eps, normed, res, True)
+        gemm(normed, e["gate_up"], b.gate_up_np)
+        self.k_silu_mul(b.gate_up_np, self.inter)
+        gemm(b.act_np, e["down"], b.mlp_out_np)
+        norm(b.mlp_out_np, m["norm"], eps, normed, res, True)
+        return self._lm_head(b, batch.logits_indices, t), b.normed.clone()
+
+    def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int) -> torch.Tensor:
+        """float32 logits of ``rows`` of ``b.normed``."""
         if rows.shape[0] == t and bool((rows == self._arange(t)).all()):
             sel, sel_np = b.normed, b.normed_np
         else:
@@ -325,13 +410,14 @@ class NativeDecodeStep:
             sel_np = _view(sel)
         if self.bf16:
             if sel is b.normed:
-                gemm(sel_np, self.lm_head, b.logits_np)
-                return b.logits.float()
+                gemm_out = b.logits
+                self.k_gemm(sel_np, self.lm_head, b.logits_np)
+                return gemm_out.float()
             logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=_BF16)
-            gemm(sel_np, self.lm_head, _view(logits))
+            self.k_gemm(sel_np, self.lm_head, _view(logits))
             return logits.float()
         logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=torch.float32)
-        gemm(sel_np, self.lm_head, logits.numpy())
+        self.k_gemm(sel_np, self.lm_head, logits.numpy())
         return logits
 
     def _qsl(self, t: int) -> np.ndarray:
@@ -351,13 +437,15 @@ class NativeDecodeStep:
         """What every attention layer of the step shares: rope's cos/sin, the cache
         slots, and the decode kernel's rows, lengths and block tables."""
         t = b.residual.shape[0]
+        # (An MTP pass has no speculative runs: its layout is in op_plans alone.)
         cos, sin = self.model.rotary.cos_sin(batch.positions, self.model.dtype)
-        if batch.spec_ring is None:
+        lay = batch.op_plans.get(DECODE_ROWS)
+        if lay is None:
             lens, tables = batch.seq_lens, batch.block_tables
         else:
             # One decode query per row (row j of an n-row run sees seq_len - (n-1-j)
-            # positions), as the module path's attention runs a speculative step.
-            _, lens, tables = batch.spec_ring["attn"]
+            # positions), as the module path's attention runs such a step.
+            _, lens, tables = lay
         if tables.dtype != torch.int32 or not tables.is_contiguous():
             tables = tables.to(torch.int32).contiguous()
         return (_view(cos), _view(sin), batch.slot_mapping.numpy().astype(np.int64, copy=False),

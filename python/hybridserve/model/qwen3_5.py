@@ -32,7 +32,7 @@ from hybridserve.model.hugepages import huge_page_copy, transposed_copy
 from hybridserve.model.layers import MLP, GatedRMSNorm, Projection, ZeroCenteredRMSNorm, _Fused
 from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.mtp import MultiTokenPredictor
-from hybridserve.model.native_decode import NativeDecodeStep, rows_as_decodes
+from hybridserve.model.native_decode import DECODE_ROWS, NativeDecodeStep, decode_rows_layout
 
 
 class RotaryEmbedding:
@@ -109,10 +109,10 @@ class Attention(_Fused, nn.Module):
             k = RotaryEmbedding.apply(k, cos, sin)
         k_cache, v_cache = cache.kv(self.layer_idx)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        # A speculative step's runs attend as one decode query per row (the layout its
-        # ring carries): the native decode step's attention, bit for bit.
-        qsl, lens, tables = (batch.query_start_loc, batch.seq_lens, batch.block_tables) \
-            if batch.spec_ring is None else batch.spec_ring["attn"]
+        # A speculative step's runs (and a short MTP pass's) attend as one decode query
+        # per row: the native decode step's attention, bit for bit.
+        lay = batch.op_plans.get(DECODE_ROWS)
+        qsl, lens, tables = (batch.query_start_loc, batch.seq_lens, batch.block_tables) if lay is None else lay
         o = ops.paged_attention(q.contiguous(), k_cache, v_cache, qsl, lens, tables, self.scale,
                                 plans=batch.op_plans)
         o = (o.view(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)).view(t, -1)
@@ -417,6 +417,11 @@ class Qwen3_5ForServing(nn.Module):
 
     def _native_decode_for(self, batch: ForwardBatch):
         """The :class:`NativeDecodeStep` that runs this step, or None (module path)."""
+        step = self._usable_native_step()
+        return step if step is not None and step.takes(batch) else None
+
+    def _usable_native_step(self):
+        """The model's usable :class:`NativeDecodeStep`, or None (module path)."""
         if not self.native_decode:
             return None
         step = self.__dict__.get("_native_step")
@@ -426,7 +431,7 @@ class Qwen3_5ForServing(nn.Module):
                 self.__dict__["_native_step"] = None
                 return None
             step = self.__dict__["_native_step"] = NativeDecodeStep(self)
-        return step if step.ok and step.takes(batch) else None
+        return step if step.ok else None
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: HybridCache, return_hidden: bool = False):
@@ -474,21 +479,16 @@ class Qwen3_5ForServing(nn.Module):
         seqs = batch.speculative_seqs()
         if not seqs:
             batch.spec_ring = None
+            batch.op_plans.pop(DECODE_ROWS, None)
             return
         qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
         lens = [qsl[b + 1] - qsl[b] for b in seqs]
         rows = [r for b in seqs for r in range(qsl[b], qsl[b + 1])]
-        dev = batch.input_ids.device
         spec = set(seqs)
-        q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(),
-                                        [b in spec for b in range(batch.num_seqs)])
-        tables = batch.block_tables if s_e == list(range(batch.num_seqs)) else \
-            batch.block_tables.index_select(0, torch.tensor(s_e, dtype=torch.long, device=dev))
+        # The speculative runs attend as decodes, one per row (see Attention.forward).
+        decode_rows_layout(batch, [b in spec for b in range(batch.num_seqs)])
         batch.spec_ring = {"seqs": seqs, "lens": lens,
-                           "rows": torch.tensor(rows, dtype=torch.long, device=dev),
-                           # The attention layout of the step (see Attention.forward).
-                           "attn": (torch.tensor(q_e, dtype=torch.int32, device=dev),
-                                    torch.tensor(l_e, dtype=torch.int32, device=dev), tables)}
+                           "rows": torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)}
 
     def spec_ring_bytes(self, batch: ForwardBatch) -> int:
         """Bytes the batch's ring holds (0 when it has none): per speculative row and
@@ -562,4 +562,19 @@ class Qwen3_5ForServing(nn.Module):
         if cache.mtp_layer_index is None:
             raise ConfigError("the cache holds no MTP KV: build it with model.new_cache() of a model "
                               "loaded with load_mtp=True")
+        rows = int(input_ids.shape[0])
+        if batch.input_ids.device.type == "cpu" and rows <= self._mtp_decode_rows():
+            # A pass of few rows (the draft passes, the MTP prefill of a step's accepted
+            # rows) attends as one decode query per row on both paths, so the native
+            # step below and the module path are bit-identical.
+            decode_rows_layout(batch, [True] * batch.num_seqs)
+            fast = self._usable_native_step()
+            if fast is not None and hidden.shape[0] == rows:
+                out = fast.run_mtp(hidden, input_ids, batch, cache)
+                if out is not None:
+                    return out
         return self.mtp(self, hidden, input_ids, batch, cache)
+
+    def _mtp_decode_rows(self) -> int:
+        """The most rows an MTP pass attends as decodes (where the native GEMM runs)."""
+        return Projection.NATIVE_MAX_ROWS_BF16 if self.dtype == torch.bfloat16 else Projection.NATIVE_MAX_ROWS
