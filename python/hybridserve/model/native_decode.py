@@ -252,6 +252,7 @@ class NativeDecodeStep:
                          "norm_e": _view(t.pre_fc_norm_embedding.weight),
                          "norm_h": _view(t.pre_fc_norm_hidden.weight), "norm": _view(t.norm.weight)}
         self._mtp_buffers: dict[int, tuple[_Buffers, dict]] = {}
+        self._replay_buffers: dict[int, tuple] = {}
         self.final_norm = _view(m.norm.weight)
         self.lm_head = _view(m.lm_head.weight)
         self.embed = m.embed_tokens.weight
@@ -400,6 +401,46 @@ class NativeDecodeStep:
         gemm(b.act_np, e["down"], b.mlp_out_np)
         norm(b.mlp_out_np, m["norm"], eps, normed, res, True)
         return self._lm_head(b, batch.logits_indices, t), b.normed.clone()
+
+    def replay(self, ring: dict, sel: torch.Tensor | None, query_start_loc, state_pages, has_initial_state,
+               cache) -> bool:
+        """:meth:`Qwen3_5ForServing.commit_speculative`'s replay on the native kernels:
+        every DeltaNet layer's conv and delta rule over the ring's rows ``sel`` (None:
+        all of them), runs by ``query_start_loc`` over ``state_pages``, the same kernel
+        calls on the same inputs as :meth:`GatedDeltaNet.replay`, so the state pages end
+        bit-identical. False (nothing run) where that path must run."""
+        if cache.dtype != self.model.dtype or not self._layers:
+            return False
+        self._bind_cache(cache)
+        varlen = native.Varlen(query_start_loc, state_pages, has_initial_state)
+        qsl, table, init = varlen.qsl, varlen.table, varlen.init
+        n = int(qsl[-1])
+        b = self._replay_buffers.get(n)
+        if b is None:
+            with torch.inference_mode(False):
+                c, dt = self.model.config, self.model.dtype
+                conv = _view(torch.empty(n, c.linear_conv_dim, dtype=dt))
+                kd = c.linear_key_dim
+                # z = 0: the state does not depend on the output gate (the output is dropped).
+                b = self._replay_buffers[n] = (conv, conv[:, :kd], conv[:, kd:2 * kd], conv[:, 2 * kd:],
+                                               _view(torch.empty(n, c.linear_value_dim, dtype=dt)),
+                                               _view(torch.zeros(n, c.linear_value_dim, dtype=dt)))
+        conv, q, k, v, out, z = b
+        for e in self._layers:
+            if e["attn"]:
+                continue
+            mixed, ba = ring[e["idx"]]
+            if sel is not None:
+                mixed, ba = mixed.index_select(0, sel), ba.index_select(0, sel)
+            m_np, ba_np = _view(mixed), _view(ba)
+            hv = e["value_heads"]
+            self.k_conv(m_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, conv,
+                        item_base=e["conv_base"], silu=True)
+            self.k_rule(q, k, v, e["rec_pool"], qsl, table, init, out, item_base=e["rec_base"],
+                        key_heads=e["key_heads"], value_heads=hv, scale=e["scale"], l2norm=True,
+                        norm_eps=e["norm_eps"], a=ba_np[:, hv:], b=ba_np[:, :hv], a_log=e["a_log"],
+                        dt_bias=e["dt_bias"], z=z, norm_weight=e["norm_w"])
+        return True
 
     def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int) -> torch.Tensor:
         """float32 logits of ``rows`` of ``b.normed``."""

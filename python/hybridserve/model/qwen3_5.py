@@ -527,10 +527,21 @@ class Qwen3_5ForServing(nn.Module):
             qsl.append(qsl[-1] + k)
             off += n
         dev = batch.input_ids.device
-        sel_t = torch.tensor(sel, dtype=torch.long, device=dev)
-        seqs = torch.tensor(ring["seqs"], dtype=torch.long, device=dev)
-        pages = batch.state_pages.index_select(0, seqs)
-        init = batch.has_initial_state.index_select(0, seqs)
+        seqs = ring["seqs"]
+        if seqs == list(range(batch.num_seqs)):
+            pages, init = batch.state_pages, batch.has_initial_state
+        else:
+            seqs_t = torch.tensor(seqs, dtype=torch.long, device=dev)
+            pages = batch.state_pages.index_select(0, seqs_t)
+            init = batch.has_initial_state.index_select(0, seqs_t)
+        # Every row accepted: the ring as it is.
+        sel_t = None if len(sel) == off else torch.tensor(sel, dtype=torch.long, device=dev)
+        fast = self._usable_native_step() if dev.type == "cpu" else None
+        if fast is not None and fast.replay(ring, sel_t, qsl, pages, init, cache):
+            batch.spec_ring = None
+            return
+        if sel_t is None:
+            sel_t = torch.arange(off, device=dev)
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
         plans: dict = {}
         for layer in self.layers:
