@@ -11,7 +11,9 @@ Side by side in one run, medians of interleaved repetitions, from the same cache
 * ``plain``: the same k+1 rows (all their logits, as verify) as an ordinary
   (non-speculative) chunk, which writes the state directly (what "all rows accepted may write directly" would cost instead of
   verify + commit(k+1));
-* ``mtp``: one MTP draft pass (1 row).
+* ``mtp``: one MTP draft pass (1 row) over the full vocabulary, ``mtp V``: over a reduced
+  draft vocabulary of the first V token ids (``--draft-vocab``), and ``--k`` of each
+  in total (the draft passes of one step).
 
 Weights are random (timing only). Prints the ring's bytes per step. Usage::
 
@@ -40,8 +42,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-vocab", default="32768", help="comma-separated draft vocabulary sizes to time")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    vocabs = [int(v) for v in a.draft_vocab.split(",") if v]
     torch.manual_seed(0)
     config = ModelConfig.from_dict(text_config(a.preset))
     model = Qwen3_5ForServing(config, dtype=a.dtype, mtp=True)
@@ -98,8 +102,9 @@ def main() -> None:
                 model.commit_speculative(vb, cache, [acc])
                 times.setdefault(f"commit {acc}" + ("" if _ else " (1st)"), []).append(time.perf_counter() - t0)
                 vb.spec_ring = ring
-        mb = batch(n_ctx, 1)
-        timed("mtp", lambda: model.mtp_forward(hidden, mb.input_ids, mb, cache))
+        for v in [None] + vocabs:
+            mb = batch(n_ctx, 1)
+            timed("mtp" if v is None else f"mtp {v}", lambda: model.mtp_forward(hidden, mb.input_ids, mb, cache, v))
     base = statistics.median(times["decode"])
     print(f"preset {a.preset} {a.dtype}, k={k}, context {n_ctx}, torch threads {torch.get_num_threads()}, "
           f"{a.reps} reps (medians)")
@@ -109,6 +114,9 @@ def main() -> None:
     for name, ts in times.items():
         m = statistics.median(ts)
         print(f"  {name:10s} {m * 1e3:8.2f} ms  {m / base:5.2f}x decode")
+    for name in [n for n in times if n.startswith("mtp")]:
+        m = statistics.median(times[name])
+        print(f"  {k} x {name:10s} {k * m * 1e3:8.2f} ms  {k * m / base:5.2f}x decode (the k draft passes)")
 
 
 if __name__ == "__main__":

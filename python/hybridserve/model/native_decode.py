@@ -170,6 +170,9 @@ class NativeDecodeStep:
         # The GEMM weights (Parameters) and where their memory was when the views were
         # made: a re-layout (``weight.data = ...``) moves it, and :meth:`current` sees that.
         self._modules = list(model.modules())
+        # Every module's hook dicts (registering a hook adds to them in place): checked
+        # on every call, in C, not module by module.
+        self._hook_dicts = [d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         owners = list(self._weight_owners())
         self._weights = [p.weight for p in owners]
         self._fingerprint = self._weights_fingerprint()
@@ -219,8 +222,11 @@ class NativeDecodeStep:
     def current(self) -> bool:
         """The views still describe the model's weights (none was moved or re-laid out)
         and no module got a forward hook since they were made."""
+        from torch.nn.modules import module as mm
+
         return (self._fingerprint == self._weights_fingerprint() and self.model.lm_head.weight is self._weights[-1]
-                and not _hooked(self._modules))
+                and not any(self._hook_dicts) and not mm._global_forward_hooks
+                and not mm._global_forward_pre_hooks)
 
     @staticmethod
     def _layer_entry(layer) -> dict:
@@ -354,7 +360,7 @@ class NativeDecodeStep:
         self.last_hidden = b.normed
         return self._lm_head(b, batch.logits_indices, t)
 
-    def run_mtp(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch, cache):
+    def run_mtp(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch, cache, vocab: int | None = None):
         """One MTP pass (:meth:`Qwen3_5ForServing.mtp_forward`'s contract) on the native
         kernels, the same kernels in the same order as the module path
         (:class:`~hybridserve.model.mtp.MultiTokenPredictor` with its attention as one
@@ -400,7 +406,7 @@ class NativeDecodeStep:
         self.k_silu_mul(b.gate_up_np, self.inter)
         gemm(b.act_np, e["down"], b.mlp_out_np)
         norm(b.mlp_out_np, m["norm"], eps, normed, res, True)
-        return self._lm_head(b, batch.logits_indices, t), b.normed.clone()
+        return self._lm_head(b, batch.logits_indices, t, vocab), b.normed.clone()
 
     def replay(self, ring: dict, sel: torch.Tensor | None, query_start_loc, state_pages, has_initial_state,
                cache) -> bool:
@@ -442,23 +448,24 @@ class NativeDecodeStep:
                         dt_bias=e["dt_bias"], z=z, norm_weight=e["norm_w"])
         return True
 
-    def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int) -> torch.Tensor:
-        """float32 logits of ``rows`` of ``b.normed``."""
+    def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int, vocab: int | None = None) -> torch.Tensor:
+        """float32 logits of ``rows`` of ``b.normed`` (of token ids below ``vocab`` only:
+        the LM head's first rows, a reduced draft vocabulary)."""
+        head = self.lm_head if vocab is None else self.lm_head[:vocab]
         if rows.shape[0] == t and bool((rows == self._arange(t)).all()):
             sel, sel_np = b.normed, b.normed_np
         else:
             sel = b.normed.index_select(0, rows)
             sel_np = _view(sel)
         if self.bf16:
-            if sel is b.normed:
-                gemm_out = b.logits
-                self.k_gemm(sel_np, self.lm_head, b.logits_np)
-                return gemm_out.float()
-            logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=_BF16)
-            self.k_gemm(sel_np, self.lm_head, _view(logits))
+            if sel is b.normed and vocab is None:
+                self.k_gemm(sel_np, head, b.logits_np)
+                return b.logits.float()
+            logits = torch.empty(sel.shape[0], head.shape[0], dtype=_BF16)
+            self.k_gemm(sel_np, head, _view(logits))
             return logits.float()
-        logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=torch.float32)
-        self.k_gemm(sel_np, self.lm_head, logits.numpy())
+        logits = torch.empty(sel.shape[0], head.shape[0], dtype=torch.float32)
+        self.k_gemm(sel_np, head, logits.numpy())
         return logits
 
     def _qsl(self, t: int) -> np.ndarray:

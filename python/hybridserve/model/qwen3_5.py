@@ -553,14 +553,17 @@ class Qwen3_5ForServing(nn.Module):
 
     @torch.no_grad()
     def mtp_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch,
-                    cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+                    cache: HybridCache, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP pass over the R rows ``batch`` lays out (its slot_mapping and block
         tables address the MTP layer's own KV, ``cache.mtp_k_cache``): row r combines
         ``hidden[r]`` (the trunk's post-norm state h_t from ``forward(...,
         return_hidden=True)``, or the previous chained step's ``mtp_hidden``) with the
         embedding of ``input_ids[r]`` (token t+1), writes its K/V at ``slot_mapping[r]``
         and attends causally over the sequence's MTP KV. Returns float32 logits ``[S, V]``
-        for ``batch.logits_indices`` and ``mtp_hidden`` ``[R, H]``. ConfigError when the
+        for ``batch.logits_indices`` and ``mtp_hidden`` ``[R, H]``; with ``vocab`` the
+        logits of token ids ``0 .. vocab-1`` only (``[S, vocab]``: a reduced draft
+        vocabulary, the LM head's first rows, see :mod:`hybridserve.spec.proposer`).
+        ConfigError when the
         model was built without the MTP layer or the cache has no room for its KV.
 
         Layout (vLLM's proposer and our training, ``hybridserve.train``): the row of
@@ -573,6 +576,10 @@ class Qwen3_5ForServing(nn.Module):
         if cache.mtp_layer_index is None:
             raise ConfigError("the cache holds no MTP KV: build it with model.new_cache() of a model "
                               "loaded with load_mtp=True")
+        v = self.config.vocab_size
+        if vocab is not None and not 1 <= vocab <= v:
+            raise ValueError(f"mtp_forward: vocab must lie in 1..{v}, got {vocab}")
+        vocab = None if vocab == v else vocab
         rows = int(input_ids.shape[0])
         if batch.input_ids.device.type == "cpu" and rows <= self._mtp_decode_rows():
             # A pass of few rows (the draft passes, the MTP prefill of a step's accepted
@@ -581,10 +588,24 @@ class Qwen3_5ForServing(nn.Module):
             decode_rows_layout(batch, [True] * batch.num_seqs)
             fast = self._usable_native_step()
             if fast is not None and hidden.shape[0] == rows:
-                out = fast.run_mtp(hidden, input_ids, batch, cache)
+                out = fast.run_mtp(hidden, input_ids, batch, cache, vocab)
                 if out is not None:
                     return out
-        return self.mtp(self, hidden, input_ids, batch, cache)
+        return self.mtp(self, hidden, input_ids, batch, cache, self._draft_head(vocab))
+
+    def _draft_head(self, vocab: int | None) -> Projection:
+        """The LM head over token ids ``0 .. vocab-1`` (its first rows, no copy), cached
+        while the LM head's weight stays where it is."""
+        w = self.lm_head.weight
+        if vocab is None:
+            return self.lm_head
+        got = self.__dict__.get("_draft_heads", {}).get(vocab)
+        if got is None or got.weight.data_ptr() != w.data_ptr() or got.weight.dtype != w.dtype:
+            with torch.device("meta"):
+                got = Projection(self.config.hidden_size, vocab, bias=False)
+            got.weight = nn.Parameter(w.detach()[:vocab], requires_grad=False)
+            self.__dict__.setdefault("_draft_heads", {})[vocab] = got
+        return got
 
     def _mtp_decode_rows(self) -> int:
         """The most rows an MTP pass attends as decodes (where the native GEMM runs)."""
