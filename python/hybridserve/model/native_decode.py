@@ -18,7 +18,14 @@ once per step, and each layer is a straight run of native calls.
 
 It takes pure-decode steps (every scheduled sequence one token) of a dense model on
 the CPU in float32 or bfloat16, up to the row count where :class:`Projection` still
-uses the native GEMM (so the GEMM choice is the module path's); everything else
+uses the native GEMM (so the GEMM choice is the module path's), and the same for
+speculative decoding (issue 34): verify steps whose speculative runs (1 + d rows each)
+sit next to one-token decodes (the DeltaNet kernels read those runs' state without
+writing it and the step's ring records their inputs, as the module path does; every
+row attends as one decode query, on both paths: :data:`DECODE_ROWS`), the MTP layer's
+passes (:meth:`NativeDecodeStep.run_mtp`) and the replay that commits the accepted rows
+(:meth:`NativeDecodeStep.replay`), each bit-identical to its module path
+(``tests/spec/test_spec_verify_commit.py``, ``tests/spec/test_mtp_model.py``); everything else
 (prefill, mixed steps, MoE, biases, a weight not in the row-major layout, tensor
 parallelism or any forward hook, ``HYBRIDSERVE_NO_NATIVE``) takes the module path.
 """

@@ -144,14 +144,19 @@ class MTPProposer:
                 has_initial_state=torch.ones(len(alive), dtype=torch.bool, device=self.device),
                 logits_indices=torch.arange(len(alive), dtype=torch.int64, device=self.device),
             )
-            lg, h_new = self.model.mtp_forward(h.index_select(0, a_t), cb.input_ids, cb, self.cache, self.draft_vocab)
+            every = len(alive) == len(want)  # (every drafting entry still drafts: the usual case)
+            lg, h_new = self.model.mtp_forward(h if every else h.index_select(0, a_t), cb.input_ids, cb,
+                                               self.cache, self.draft_vocab)
             full = np.full(len(want), -1, dtype=np.int64)
             full[alive] = lg.argmax(dim=-1).cpu().numpy()
             toks.append(full)
             prev = full
-            h_full = h.clone()
-            h_full.index_copy_(0, a_t, h_new)
-            h = h_full
+            if every:
+                h = h_new
+            else:
+                h_full = h.clone()
+                h_full.index_copy_(0, a_t, h_new)
+                h = h_full
         for i, e in enumerate(ents_w.tolist()):
             drafts[e] = [int(t[i]) for t in toks[: need[i]]]
         return drafts
