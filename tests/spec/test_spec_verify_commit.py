@@ -297,3 +297,30 @@ def test_native_verify_step_equals_the_module_path_bit_for_bit(tiny_dirs, preset
         assert torch.equal(m[3], nat[3]) and torch.equal(m[4], nat[4])
         # Reused pages: the next round starts from this arena.
         free.extend(p for s in seqs for p in s.blocks + s.state)
+
+
+@pytest.mark.parametrize("native_step", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_logits_equal_decoding_one_by_one_bit_for_bit(tiny_dirs, dtype, native_step):
+    """On the native kernels a verify run's rows are computed as decode steps compute
+    them (per-row GEMMs, the decode attention kernel per row, the state carried in
+    float32 row by row), so its logits equal decoding the same tokens one per step
+    exactly: greedy speculation then reproduces greedy decoding token for token, ties
+    included. (The plain-PyTorch path's BLAS GEMMs round by row count: tolerance above.)"""
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    model, config = load_model(tiny_dirs["test-a"], dtype=dtype, progress=False)
+    model.native_decode = native_step
+    cache = model.new_cache(64, BLOCK)
+    rng = random.Random(4)
+    s = Seq([rng.randrange(config.vocab_size) for _ in range(17)], list(range(5)), list(range(5, 5 + cache.state_pages)))
+    model(make_batch([(s, 12)]), cache)
+    s.computed = 12
+    before = cache.arena.clone()
+    got = model(make_batch([(s, 5)], speculative=[True], all_logits=True), cache)
+    cache.arena.copy_(before)
+    want = []
+    for _ in range(5):
+        want.append(model(make_batch([(s, 1)]), cache)[0])
+        s.computed += 1
+    assert torch.equal(got, torch.stack(want))
