@@ -9,11 +9,16 @@ Side by side in one run, medians of interleaved repetitions, from the same cache
   first call after the verify forward apart (``(1st)``), then two more of the same
   replay (the state pages are rewritten with the same values);
 * ``plain``: the same k+1 rows (all their logits, as verify) as an ordinary
-  (non-speculative) chunk, which writes the state directly (what "all rows accepted may write directly" would cost instead of
-  verify + commit(k+1));
-* ``mtp``: one MTP draft pass (1 row).
+  (non-speculative) chunk, which writes the state directly (what "all rows accepted may
+  write directly" would cost instead of verify + commit(k+1));
+* ``mtp``: one MTP draft pass (1 row) over the full vocabulary, ``mtp V``: over a reduced
+  draft vocabulary of the first V token ids (``--draft-vocab``), and ``--k`` of each
+  in total (the draft passes of one step).
 
-Weights are random (timing only). Prints the ring's bytes per step. Usage::
+Weights are random (timing only). Prints the ring's bytes per step. Besides wall time
+each line gives the thread's CPU time (``time.thread_time``; one torch thread, and the
+native kernels run on the calling thread at one thread): on a shared machine, waiting
+for a core inflates wall times, not CPU time. Usage::
 
     OMP_NUM_THREADS=1 python benches/spec_commit.py --preset peer-0.8b --dtype bfloat16 --k 4
 """
@@ -21,6 +26,7 @@ Weights are random (timing only). Prints the ring's bytes per step. Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -40,8 +46,10 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft-vocab", default="32768", help="comma-separated draft vocabulary sizes to time")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    vocabs = [int(v) for v in a.draft_vocab.split(",") if v]
     torch.manual_seed(0)
     config = ModelConfig.from_dict(text_config(a.preset))
     model = Qwen3_5ForServing(config, dtype=a.dtype, mtp=True)
@@ -73,11 +81,14 @@ def main() -> None:
     snapshot = cache.arena.clone()
     times: dict[str, list[float]] = {}
 
+    cpu: dict[str, list[float]] = {}
+
     def timed(name, fn):
         cache.arena.copy_(snapshot)
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         out = fn()
         times.setdefault(name, []).append(time.perf_counter() - t0)
+        cpu.setdefault(name, []).append(time.thread_time() - c0)
         return out
 
     ring_bytes = 0
@@ -94,21 +105,30 @@ def main() -> None:
             model(vb, cache)
             ring = vb.spec_ring
             for _ in range(3):  # (the first replay after a forward is timed apart: caches are cold)
-                t0 = time.perf_counter()
+                c0, t0 = time.thread_time(), time.perf_counter()
                 model.commit_speculative(vb, cache, [acc])
-                times.setdefault(f"commit {acc}" + ("" if _ else " (1st)"), []).append(time.perf_counter() - t0)
+                name = f"commit {acc}" + ("" if _ else " (1st)")
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+                cpu.setdefault(name, []).append(time.thread_time() - c0)
                 vb.spec_ring = ring
-        mb = batch(n_ctx, 1)
-        timed("mtp", lambda: model.mtp_forward(hidden, mb.input_ids, mb, cache))
+        for v in [None] + vocabs:
+            mb = batch(n_ctx, 1)
+            timed("mtp" if v is None else f"mtp {v}", lambda: model.mtp_forward(hidden, mb.input_ids, mb, cache, v))
     base = statistics.median(times["decode"])
+    cbase = statistics.median(cpu["decode"])
     print(f"preset {a.preset} {a.dtype}, k={k}, context {n_ctx}, torch threads {torch.get_num_threads()}, "
-          f"{a.reps} reps (medians)")
+          f"{a.reps} reps (medians); load average {os.getloadavg()[0]:.1f}")
     print(f"ring per step: {ring_bytes / 1024:.1f} KiB for {k + 1} rows "
           f"({ring_bytes / (k + 1) / 1024:.1f} KiB per row; arena state per sequence "
           f"{cache.layout.state_bytes / 2**20:.1f} MiB)")
+    print(f"  {'':14s} {'wall':>11s} {'':13s} {'CPU':>11s}")
     for name, ts in times.items():
-        m = statistics.median(ts)
-        print(f"  {name:10s} {m * 1e3:8.2f} ms  {m / base:5.2f}x decode")
+        m, c = statistics.median(ts), statistics.median(cpu[name])
+        print(f"  {name:14s} {m * 1e3:8.2f} ms  {m / base:5.2f}x decode  {c * 1e3:8.2f} ms  {c / cbase:5.2f}x decode")
+    for name in [n for n in times if n.startswith("mtp")]:
+        m, c = statistics.median(times[name]), statistics.median(cpu[name])
+        print(f"  {k} x {name:10s} {k * m * 1e3:8.2f} ms  {k * m / base:5.2f}x decode  {k * c * 1e3:8.2f} ms  "
+              f"{k * c / cbase:5.2f}x decode (the k draft passes)")
 
 
 if __name__ == "__main__":

@@ -78,15 +78,26 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     ap.add_argument("--skip-large", action="store_true")
+    ap.add_argument("--draft-vocab", type=int, default=None,
+                    help="drafts from the first N token ids (default: the proposer's default for the vocabulary)")
     a = ap.parse_args()
+    if a.draft_vocab is not None:
+        # The proposer's default cut (speculative_config's draft_vocab_size, once the
+        # engine hands it to the proposer, says the same per engine).
+        from hybridserve.spec import proposer
+
+        proposer.DRAFT_VOCAB_CUT = a.draft_vocab
     torch.set_num_threads(a.threads)
     model = a.model or default_model.path()
     from hybridserve.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model)
     ks = [int(x) for x in a.ks.split(",")]
+    from hybridserve.spec import proposer
+
     print(f"model {model}; torch threads {torch.get_num_threads()}; {a.reps} reps (medians); greedy, "
-          f"{a.max_tokens} output tokens", flush=True)
+          f"{a.max_tokens} output tokens; draft vocabulary: first {proposer.DRAFT_VOCAB_CUT} ids at most; "
+          f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
     p1 = _prompts(tok, 1)
     rates: dict = {}

@@ -298,3 +298,71 @@ def test_planner_counts_the_mtp_layers_weights(preset, tmp_path):
     assert checkpoint_weight_bytes(path, mtp=True) - checkpoint_weight_bytes(path) == mtp_bytes
     assert weight_bytes(config, path, mtp=True) == checkpoint_weight_bytes(path, mtp=True)
     assert weight_bytes(config, mtp=True) - weight_bytes(config) == mtp_param_count(config) * 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", ["test-a", "test-b"])
+def test_native_mtp_pass_equals_the_module_path_bit_for_bit(preset, dtype, tmp_path, monkeypatch):
+    """The native MTP pass (NativeDecodeStep.run_mtp) against the module path (checked
+    against the reference above): a prefill pass of several rows per sequence, then
+    chained one-row passes, from the same arena: identical logits, MTP hidden states
+    and arena (the MTP layer's KV)."""
+    from hybridserve.kernels import native
+    from hybridserve.model.native_decode import NativeDecodeStep
+
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    torch.manual_seed(1)
+    path = write_tiny_checkpoint(tmp_path / preset, preset=preset, seed=5)
+    model, config = load_model(path, dtype=dtype, progress=False, load_mtp=True)
+    seen = {"native": 0}
+    real = NativeDecodeStep.run_mtp
+
+    def run_mtp(self, *a):
+        out = real(self, *a)
+        seen["native"] += out is not None
+        return out
+
+    monkeypatch.setattr(NativeDecodeStep, "run_mtp", run_mtp)
+    lens = [13, 6]
+    nb = [-(-(n + 4) // BLOCK) for n in lens]
+    cache = model.new_cache(sum(nb) + 2, BLOCK)
+    tables = [list(range(nb[0])), list(range(nb[0], sum(nb)))]
+    # Stale K/V in the MTP layer's blocks past each sequence's length must not count.
+    with torch.no_grad():
+        cache.arena.copy_(torch.randn(cache.arena.shape).to(cache.arena.dtype))
+    start = cache.arena.clone()
+
+    def passes():
+        outs, done = [], [0, 0]
+        hid = torch.randn(sum(lens), config.hidden_size).to(model.dtype)
+        for counts in ([5, 3], [1, 1], [4, 2], [1, 0], [0, 1]):
+            b_ids, b_pos, b_slots, n_s, tabs = [], [], [], [], []
+            for s, c in enumerate(counts):
+                if not c:
+                    continue
+                for j in range(done[s], done[s] + c):
+                    b_ids.append((7 * j + s) % config.vocab_size)
+                    b_pos.append(j)
+                    b_slots.append(tables[s][j // BLOCK] * BLOCK + j % BLOCK)
+                n_s.append(c)
+                tabs.append(tables[s])
+                done[s] += c
+            rows = [i for i in range(len(b_ids)) if i % 2 == 0]
+            batch = _batch(b_ids, b_pos, b_slots, n_s, tabs, rows)
+            h = hid[:len(b_ids)] if not outs else torch.cat([outs[-1][1], hid])[:len(b_ids)]
+            outs.append(model.mtp_forward(h, batch.input_ids, batch, cache))
+        return outs, cache.arena.clone()
+
+    torch.manual_seed(2)
+    model.native_decode = False
+    want, want_arena = passes()
+    assert seen["native"] == 0
+    model.native_decode = True
+    cache.arena.copy_(start)
+    torch.manual_seed(2)
+    got, got_arena = passes()
+    assert seen["native"] == len(got)
+    for (wl, wh), (gl, gh) in zip(want, got):
+        assert torch.equal(wl, gl) and torch.equal(wh, gh)
+    assert torch.equal(want_arena, got_arena)

@@ -8,8 +8,10 @@ accepted counts, the recurrent state, the conv state and the K/V of the kept pos
 as a reference leaves them: the same model decoding exactly the accepted tokens, one
 token per step, from a copy of the arena taken before the verify step. The verify
 rows' logits must equal the one-by-one logits at every row (they do not depend on what
-is accepted). Every CPU path: the native kernels (module path; the native decode step
-declines speculative batches), and the plain-PyTorch ops (HYBRIDSERVE_NO_NATIVE).
+is accepted). Every CPU path: the native kernels (module path: the native decode step
+declines a step with a prefill chunk), and the plain-PyTorch ops (HYBRIDSERVE_NO_NATIVE).
+A verify step of speculative runs and one-token decodes only runs on the native decode
+step, which must match the module path bit for bit.
 """
 
 from __future__ import annotations
@@ -139,12 +141,13 @@ def test_commit_leaves_the_state_of_decoding_the_accepted_tokens_one_by_one(tiny
     real_run = NativeDecodeStep.run
 
     def counting_run(self, batch, c):
-        seen["native_step"] += 1
-        return real_run(self, batch, c)
+        out = real_run(self, batch, c)
+        seen["native_step"] += out is not None
+        return out
 
     monkeypatch.setattr(NativeDecodeStep, "run", counting_run)
     logits = model(verify, cache)
-    assert seen["native_step"] == 0, "the native decode step must decline speculative batches"
+    assert seen["native_step"] == 0, "the native decode step must decline a step with a prefill chunk"
     # The speculative runs' state pages are untouched by the verify forward.
     after_verify = cache.arena.view(cache.num_pages, -1)
     for s in spec:
@@ -231,3 +234,93 @@ def test_a_checkpoint_on_a_speculative_run_is_refused():
                                 speculative=[True])
     with pytest.raises(ValueError, match="checkpoint"):
         b.validate()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", ["test-a", "test-b"])
+def test_native_verify_step_equals_the_module_path_bit_for_bit(tiny_dirs, preset, dtype, monkeypatch):
+    """A verify step of speculative runs and one-token decodes runs on the native decode
+    step; its logits, hidden states, ring, arena after the forward and arena after the
+    commit equal the module path's exactly (the module path is checked against decoding
+    one by one above and against HF elsewhere)."""
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    rng = random.Random(11)
+    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
+    cache = model.new_cache(160, BLOCK)
+    free = list(range(cache.num_pages))
+    rng.shuffle(free)
+    seen = {"native": 0}
+    real_run = NativeDecodeStep.run
+
+    def counting_run(self, batch, c):
+        out = real_run(self, batch, c)
+        seen["native"] += out is not None
+        return out
+
+    monkeypatch.setattr(NativeDecodeStep, "run", counting_run)
+    for ks in ([2], [4], [0, 3], [1, None, 3], [None, 2]):  # None: a plain one-token decode
+        seqs = []
+        for k in ks:
+            n = rng.randint(3, 11) + (k or 0) + 1
+            seqs.append(Seq([rng.randrange(config.vocab_size) for _ in range(n)],
+                            [free.pop() for _ in range(-(-n // BLOCK))],
+                            [free.pop() for _ in range(cache.state_pages)]))
+        pre = [(s, len(s.tokens) - (k or 0) - 1) for s, k in zip(seqs, ks)]
+        model.native_decode = False
+        model(make_batch(pre), cache)
+        model.native_decode = True
+        for s, n in pre:
+            s.computed = n
+        before = cache.arena.clone()
+        got = {}
+        for path in ("module", "native"):
+            cache.arena.copy_(before)
+            model.native_decode = path == "native"
+            vb = make_batch([(s, (k or 0) + 1) for s, k in zip(seqs, ks)],
+                            speculative=[k is not None for k in ks], all_logits=True)
+            n0 = seen["native"]
+            logits, hidden = model(vb, cache, return_hidden=True)
+            assert seen["native"] - n0 == (path == "native")
+            ring = {i: tuple(t.clone() for t in v) for i, v in vb.spec_ring.items() if isinstance(i, int)}
+            after = cache.arena.clone()
+            accepted = [rng.randint(1, k + 1) if k is not None else 0 for k in ks] if path == "module" \
+                else got["module"][-1]
+            model.commit_speculative(vb, cache, accepted)
+            got[path] = (logits, hidden, ring, after, cache.arena.clone(), accepted)
+        model.native_decode = True
+        m, nat = got["module"], got["native"]
+        assert torch.equal(m[0], nat[0]) and torch.equal(m[1], nat[1])
+        assert m[2].keys() == nat[2].keys() and len(m[2]) == len(config.linear_attention_layers)
+        for i in m[2]:
+            assert all(torch.equal(a, b) for a, b in zip(m[2][i], nat[2][i]))
+        assert torch.equal(m[3], nat[3]) and torch.equal(m[4], nat[4])
+        # Reused pages: the next round starts from this arena.
+        free.extend(p for s in seqs for p in s.blocks + s.state)
+
+
+@pytest.mark.parametrize("native_step", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verify_logits_equal_decoding_one_by_one_bit_for_bit(tiny_dirs, dtype, native_step):
+    """On the native kernels a verify run's rows are computed as decode steps compute
+    them (per-row GEMMs, the decode attention kernel per row, the state carried in
+    float32 row by row), so its logits equal decoding the same tokens one per step
+    exactly: greedy speculation then reproduces greedy decoding token for token, ties
+    included. (The plain-PyTorch path's BLAS GEMMs round by row count: tolerance above.)"""
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    model, config = load_model(tiny_dirs["test-a"], dtype=dtype, progress=False)
+    model.native_decode = native_step
+    cache = model.new_cache(64, BLOCK)
+    rng = random.Random(4)
+    s = Seq([rng.randrange(config.vocab_size) for _ in range(17)], list(range(5)), list(range(5, 5 + cache.state_pages)))
+    model(make_batch([(s, 12)]), cache)
+    s.computed = 12
+    before = cache.arena.clone()
+    got = model(make_batch([(s, 5)], speculative=[True], all_logits=True), cache)
+    cache.arena.copy_(before)
+    want = []
+    for _ in range(5):
+        want.append(model(make_batch([(s, 1)]), cache)[0])
+        s.computed += 1
+    assert torch.equal(got, torch.stack(want))

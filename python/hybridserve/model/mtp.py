@@ -63,12 +63,13 @@ class MultiTokenPredictor(nn.Module):
         return self.layers[0].self_attn.layer_idx
 
     def forward(self, trunk: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch,
-                cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+                cache: HybridCache, lm_head: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``hidden`` ``[R, H]``, ``input_ids`` ``[R]``; ``batch`` lays out the R rows
         (positions, slot_mapping into the MTP layer's KV, query_start_loc, seq_lens,
         block_tables, logits_indices). Returns float32 logits ``[S, V]`` for
         ``batch.logits_indices`` and the MTP's normed output ``[R, H]`` (the next chained
-        step's ``hidden``)."""
+        step's ``hidden``). ``lm_head``: the head the logits come from (default the
+        trunk's; a reduced draft vocabulary's first rows)."""
         if hidden.shape[0] != input_ids.shape[0]:
             raise ValueError(f"mtp_forward: hidden has {hidden.shape[0]} rows, input_ids {input_ids.shape[0]}")
         e = trunk.embed_tokens(input_ids)
@@ -77,5 +78,5 @@ class MultiTokenPredictor(nn.Module):
         cos, sin = trunk.rotary.cos_sin(batch.positions, x.dtype)
         x, residual = self.layers[0](x, None, cos, sin, batch, cache)
         out, _ = self.norm.add_forward(x, residual)
-        logits = trunk.lm_head(out.index_select(0, batch.logits_indices)).float()
+        logits = (lm_head or trunk.lm_head)(out.index_select(0, batch.logits_indices)).float()
         return logits, out

@@ -18,7 +18,14 @@ once per step, and each layer is a straight run of native calls.
 
 It takes pure-decode steps (every scheduled sequence one token) of a dense model on
 the CPU in float32 or bfloat16, up to the row count where :class:`Projection` still
-uses the native GEMM (so the GEMM choice is the module path's); everything else
+uses the native GEMM (so the GEMM choice is the module path's), and the same for
+speculative decoding (issue 34): verify steps whose speculative runs (1 + d rows each)
+sit next to one-token decodes (the DeltaNet kernels read those runs' state without
+writing it and the step's ring records their inputs, as the module path does; every
+row attends as one decode query, on both paths: :data:`DECODE_ROWS`), the MTP layer's
+passes (:meth:`NativeDecodeStep.run_mtp`) and the replay that commits the accepted rows
+(:meth:`NativeDecodeStep.replay`), each bit-identical to its module path
+(``tests/spec/test_spec_verify_commit.py``, ``tests/spec/test_mtp_model.py``); everything else
 (prefill, mixed steps, MoE, biases, a weight not in the row-major layout, tensor
 parallelism or any forward hook, ``HYBRIDSERVE_NO_NATIVE``) takes the module path.
 """
@@ -43,6 +50,45 @@ def _hooked(modules) -> bool:
     if mm._global_forward_hooks or mm._global_forward_pre_hooks:
         return True
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+# The key of ``ForwardBatch.op_plans`` under which a step's attention layout with runs
+# as one decode query per row lies (query_start_loc, seq_lens, block tables; see
+# :func:`decode_rows_layout`): every attention layer of the step, module path and
+# native step alike, reads it instead of the batch's own layout.
+DECODE_ROWS = "rows_as_decodes"
+
+
+def decode_rows_layout(batch, expand) -> None:
+    """Put the layout of :func:`rows_as_decodes` (sequences with ``expand[b]`` as decodes)
+    into ``batch.op_plans[DECODE_ROWS]``."""
+    qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
+    q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(), expand)
+    dev = batch.input_ids.device
+    tables = batch.block_tables if s_e == list(range(len(s_e))) and len(s_e) == batch.block_tables.shape[0] \
+        else batch.block_tables.index_select(0, torch.tensor(s_e, dtype=torch.long, device=dev))
+    batch.op_plans[DECODE_ROWS] = (torch.tensor(q_e, dtype=torch.int32, device=dev),
+                                   torch.tensor(l_e, dtype=torch.int32, device=dev), tables)
+
+
+def rows_as_decodes(qsl, seq_lens, expand) -> tuple[list[int], list[int], list[int]]:
+    """An attention layout where the sequences with ``expand[b]`` become one decode query
+    per row: row ``j`` of an ``n``-row run sees ``seq_lens[b] - (n-1-j)`` positions (the
+    causal mask of the run, as decodes). Returns ``(query_start_loc, seq_lens, seq)``
+    of the entries, ``seq[i]`` the sequence whose block-table row entry ``i`` reads."""
+    q_e, l_e, s_e = [0], [], []
+    for b, length in enumerate(seq_lens):
+        n = qsl[b + 1] - qsl[b]
+        if expand[b]:
+            for j in range(n):
+                q_e.append(q_e[-1] + 1)
+                l_e.append(length - (n - 1 - j))
+                s_e.append(b)
+        else:
+            q_e.append(q_e[-1] + n)
+            l_e.append(length)
+            s_e.append(b)
+    return q_e, l_e, s_e
 
 
 def _view(t: torch.Tensor) -> np.ndarray:
@@ -71,8 +117,11 @@ class _Buffers:
         if c.linear_attention_layers:
             kd, vd, hv = c.linear_key_dim, c.linear_value_dim, c.linear_num_value_heads
             cd = c.linear_conv_dim
-            _, p = buf(cd + vd + 2 * hv)
+            self.proj, p = buf(cd + vd + 2 * hv)
             self.proj_np = p
+            # What a speculative step's ring records (GatedDeltaNet.forward): the conv
+            # inputs and the gate inputs b, a (adjacent columns).
+            self.ring_mixed, self.ring_ba = self.proj[:, :cd], self.proj[:, cd + vd:]
             # in_proj's rows: [conv input | z | b | a] (see GatedDeltaNet.forward's split).
             self.mixed_np, self.z_np = p[:, :cd], p[:, cd:cd + vd]
             self.b_np, self.a_np = p[:, cd + vd:cd + vd + hv], p[:, cd + vd + hv:]
@@ -128,6 +177,9 @@ class NativeDecodeStep:
         # The GEMM weights (Parameters) and where their memory was when the views were
         # made: a re-layout (``weight.data = ...``) moves it, and :meth:`current` sees that.
         self._modules = list(model.modules())
+        # Every module's hook dicts (registering a hook adds to them in place): checked
+        # on every call, in C, not module by module.
+        self._hook_dicts = [d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         owners = list(self._weight_owners())
         self._weights = [p.weight for p in owners]
         self._fingerprint = self._weights_fingerprint()
@@ -165,6 +217,10 @@ class NativeDecodeStep:
                 yield layer.linear_attn.out_proj
             yield layer.mlp.gate_up_proj
             yield layer.mlp.down_proj
+        if m.mtp is not None:
+            ml = m.mtp.layers[0]
+            yield from (m.mtp.fc, ml.self_attn.qkv_proj, ml.self_attn.o_proj, ml.mlp.gate_up_proj,
+                        ml.mlp.down_proj)
         yield m.lm_head
 
     def _weights_fingerprint(self) -> list[int]:
@@ -173,30 +229,43 @@ class NativeDecodeStep:
     def current(self) -> bool:
         """The views still describe the model's weights (none was moved or re-laid out)
         and no module got a forward hook since they were made."""
+        from torch.nn.modules import module as mm
+
         return (self._fingerprint == self._weights_fingerprint() and self.model.lm_head.weight is self._weights[-1]
-                and not _hooked(self._modules))
+                and not any(self._hook_dicts) and not mm._global_forward_hooks
+                and not mm._global_forward_pre_hooks)
+
+    @staticmethod
+    def _layer_entry(layer) -> dict:
+        e = {"attn": layer.is_attention,
+                 "in_norm": _view(layer.input_layernorm.weight),
+                 "post_norm": _view(layer.post_attention_layernorm.weight),
+             "gate_up": _view(layer.mlp.gate_up_proj.weight), "down": _view(layer.mlp.down_proj.weight)}
+        if layer.is_attention:
+            a = layer.self_attn
+            e.update(idx=a.layer_idx, qkv_w=_view(a.qkv_proj.weight), o_w=_view(a.o_proj.weight),
+                     heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim, scale=a.scale,
+                     q_norm=_view(a.q_norm.weight), k_norm=_view(a.k_norm.weight),
+                     q_eps=a.q_norm.eps, k_eps=a.k_norm.eps)
+        else:
+            d = layer.linear_attn
+            e.update(idx=d.layer_idx, in_w=_view(d.in_proj.weight), out_w=_view(d.out_proj.weight),
+                     conv_w=_view(d.conv1d.weight[:, 0, :]), a_log=_view(d.A_log), dt_bias=_view(d.dt_bias),
+                     norm_w=_view(d.norm.weight), norm_eps=d.norm.eps, key_heads=d.num_k_heads,
+                     value_heads=d.num_v_heads, scale=d.head_k_dim ** -0.5)
+        return e
 
     def _build_layers(self) -> list[dict]:
         m = self.model
-        layers = []
-        for layer in m.layers:
-            e = {"attn": layer.is_attention,
-                 "in_norm": _view(layer.input_layernorm.weight),
-                 "post_norm": _view(layer.post_attention_layernorm.weight),
-                 "gate_up": _view(layer.mlp.gate_up_proj.weight), "down": _view(layer.mlp.down_proj.weight)}
-            if layer.is_attention:
-                a = layer.self_attn
-                e.update(idx=a.layer_idx, qkv_w=_view(a.qkv_proj.weight), o_w=_view(a.o_proj.weight),
-                         heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim, scale=a.scale,
-                         q_norm=_view(a.q_norm.weight), k_norm=_view(a.k_norm.weight),
-                         q_eps=a.q_norm.eps, k_eps=a.k_norm.eps)
-            else:
-                d = layer.linear_attn
-                e.update(idx=d.layer_idx, in_w=_view(d.in_proj.weight), out_w=_view(d.out_proj.weight),
-                         conv_w=_view(d.conv1d.weight[:, 0, :]), a_log=_view(d.A_log), dt_bias=_view(d.dt_bias),
-                         norm_w=_view(d.norm.weight), norm_eps=d.norm.eps, key_heads=d.num_k_heads,
-                         value_heads=d.num_v_heads, scale=d.head_k_dim ** -0.5)
-            layers.append(e)
+        layers = [self._layer_entry(layer) for layer in m.layers]
+        self._mtp = None
+        if m.mtp is not None:
+            t = m.mtp
+            self._mtp = {"layer": self._layer_entry(t.layers[0]), "fc": _view(t.fc.weight),
+                         "norm_e": _view(t.pre_fc_norm_embedding.weight),
+                         "norm_h": _view(t.pre_fc_norm_hidden.weight), "norm": _view(t.norm.weight)}
+        self._mtp_buffers: dict[int, tuple[_Buffers, dict]] = {}
+        self._replay_buffers: dict[int, tuple] = {}
         self.final_norm = _view(m.norm.weight)
         self.lm_head = _view(m.lm_head.weight)
         self.embed = m.embed_tokens.weight
@@ -205,7 +274,8 @@ class NativeDecodeStep:
     def _bind_cache(self, cache) -> None:
         if self._cache is cache:
             return
-        for e in self._layers:
+        mtp = [self._mtp["layer"]] if self._mtp is not None and cache.mtp_layer_index is not None else []
+        for e in self._layers + mtp:
             if e["attn"]:
                 kc, vc = cache.kv(e["idx"])
                 e["kc"], e["vc"] = _view(kc), _view(vc)
@@ -216,12 +286,14 @@ class NativeDecodeStep:
         self._cache = cache
 
     def takes(self, batch) -> bool:
-        """A pure-decode step (every sequence one token) of at most :attr:`max_rows` rows,
-        without speculative runs (their state must not be written and their inputs go to
-        the step's ring: the module path's)."""
+        """A step of at most :attr:`max_rows` rows where every row is a decode query: a
+        pure-decode step (every sequence one token), or a speculative verify step whose
+        other sequences are one-token decodes (:meth:`run` checks the layout the model's
+        ``_open_ring`` made: one attention entry per row)."""
         t = batch.input_ids.shape[0]
-        return (0 < t <= self.max_rows and batch.seq_lens.shape[0] == t and batch.input_ids.device.type == "cpu"
-                and batch.spec_ring is None)
+        if not (0 < t <= self.max_rows and batch.input_ids.device.type == "cpu"):
+            return False
+        return batch.seq_lens.shape[0] == t if batch.spec_ring is None else True
 
     def run(self, batch, cache) -> torch.Tensor | None:
         """The step's float32 logits ``[S, vocab]`` for ``batch.logits_indices``; the
@@ -232,10 +304,20 @@ class NativeDecodeStep:
             # of another kv_cache_dtype is the module path's (it converts per layer).
             return None
         t = int(batch.input_ids.shape[0])
-        varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
-                               batch.checkpoint_positions, batch.checkpoint_pages)
-        if not np.array_equal(varlen.qsl, self._qsl(t)):
-            return None
+        ring = batch.spec_ring
+        if ring is None:
+            varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
+                                   batch.checkpoint_positions, batch.checkpoint_pages)
+            if not np.array_equal(varlen.qsl, self._qsl(t)):
+                return None
+        else:
+            # Speculative runs (several rows each) next to one-token decodes: every row
+            # one attention entry, else a prefill chunk is in the step (module path).
+            lay = batch.op_plans.get(DECODE_ROWS)
+            if lay is None or lay[1].shape[0] != t:
+                return None
+            varlen = native.Varlen(batch.query_start_loc, batch.state_pages, batch.has_initial_state,
+                                   batch.checkpoint_positions, batch.checkpoint_pages, batch.speculative)
         self._bind_cache(cache)
         b = self._buffers.get(t)
         if b is None:
@@ -243,7 +325,8 @@ class NativeDecodeStep:
             # mode, other callers under no_grad only, and both write these buffers.
             with torch.inference_mode(False):
                 b = self._buffers[t] = _Buffers(self.model, t)
-        ck = varlen.checkpoints
+        # Checkpoints, and with speculative runs their read-only flags.
+        ck = varlen.writes
         qsl, table, init = varlen.qsl, varlen.table, varlen.init
         eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
         torch.index_select(self.embed, 0, batch.input_ids, out=b.residual)
@@ -262,6 +345,9 @@ class NativeDecodeStep:
                 self._attention(e, b, attn_args)
             else:
                 gemm(normed, e["in_w"], b.proj_np)
+                if ring is not None:
+                    rows_r = ring["rows"]
+                    ring[e["idx"]] = (b.ring_mixed.index_select(0, rows_r), b.ring_ba.index_select(0, rows_r))
                 self.k_conv(b.mixed_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, b.conv_np,
                             item_base=e["conv_base"], silu=True, **ck)
                 self.k_rule(b.q_np, b.k_np, b.v_np, e["rec_pool"], qsl, table, init, b.rule_out_np,
@@ -279,21 +365,114 @@ class NativeDecodeStep:
         # Every row's post-norm state (the MTP's input): valid until the next step of
         # this row count overwrites the buffer; the model copies it out when asked.
         self.last_hidden = b.normed
-        rows = batch.logits_indices
+        return self._lm_head(b, batch.logits_indices, t)
+
+    def run_mtp(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch, cache, vocab: int | None = None):
+        """One MTP pass (:meth:`Qwen3_5ForServing.mtp_forward`'s contract) on the native
+        kernels, the same kernels in the same order as the module path
+        (:class:`~hybridserve.model.mtp.MultiTokenPredictor` with its attention as one
+        decode query per row), so bit-identical to it: ``(logits, mtp_hidden)``, or
+        ``None`` (nothing run) where that path must run: no MTP layer, more rows than
+        the native GEMM takes, no per-row decode layout in ``batch.op_plans``."""
+        m = self._mtp
+        t = int(input_ids.shape[0])
+        if m is None or cache.dtype != self.model.dtype or cache.mtp_layer_index is None:
+            return None
+        lay = batch.op_plans.get(DECODE_ROWS)
+        if not 0 < t <= self.max_rows or lay is None or lay[1].shape[0] != t or input_ids.device.type != "cpu":
+            return None
+        self._bind_cache(cache)
+        got = self._mtp_buffers.get(t)
+        if got is None:
+            with torch.inference_mode(False):
+                dt, h = self.model.dtype, self.model.config.hidden_size
+                extra = {name: torch.empty(t, w, dtype=dt) for name, w in (("emb", h), ("cat", 2 * h))}
+                extra.update({name + "_np": _view(x) for name, x in list(extra.items())})
+                extra["e_np"], extra["h_np"] = extra["cat_np"][:, :h], extra["cat_np"][:, h:]
+                extra["e_norm_np"] = _view(torch.empty(t, h, dtype=dt))
+                extra["h_norm_np"] = _view(torch.empty(t, h, dtype=dt))
+                got = self._mtp_buffers[t] = (_Buffers(self.model, t), extra)
+        b, x = got
+        eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
+        hidden = hidden.detach()
+        if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
+            hidden = hidden.to(self.model.dtype).contiguous()
+        torch.index_select(self.embed, 0, input_ids, out=x["emb"])
+        # [pre_fc_norm_embedding(embed) | pre_fc_norm_hidden(hidden)], then fc.
+        norm(x["emb_np"], m["norm_e"], eps, x["e_norm_np"], None, True)
+        norm(_view(hidden), m["norm_h"], eps, x["h_norm_np"], None, True)
+        x["e_np"][...] = x["e_norm_np"]
+        x["h_np"][...] = x["h_norm_np"]
+        gemm(x["cat_np"], m["fc"], b.residual_np)
+        e = m["layer"]
+        res, normed = b.residual_np, b.normed_np
+        norm(res, e["in_norm"], eps, normed, None, True)
+        self._attention(e, b, self._attention_inputs(batch, b))
+        norm(b.mixer_out_np, e["post_norm"], eps, normed, res, True)
+        gemm(normed, e["gate_up"], b.gate_up_np)
+        self.k_silu_mul(b.gate_up_np, self.inter)
+        gemm(b.act_np, e["down"], b.mlp_out_np)
+        norm(b.mlp_out_np, m["norm"], eps, normed, res, True)
+        return self._lm_head(b, batch.logits_indices, t, vocab), b.normed.clone()
+
+    def replay(self, ring: dict, sel: torch.Tensor | None, query_start_loc, state_pages, has_initial_state,
+               cache) -> bool:
+        """:meth:`Qwen3_5ForServing.commit_speculative`'s replay on the native kernels:
+        every DeltaNet layer's conv and delta rule over the ring's rows ``sel`` (None:
+        all of them), runs by ``query_start_loc`` over ``state_pages``, the same kernel
+        calls on the same inputs as :meth:`GatedDeltaNet.replay`, so the state pages end
+        bit-identical. False (nothing run) where that path must run."""
+        if cache.dtype != self.model.dtype or not self._layers:
+            return False
+        self._bind_cache(cache)
+        varlen = native.Varlen(query_start_loc, state_pages, has_initial_state)
+        qsl, table, init = varlen.qsl, varlen.table, varlen.init
+        n = int(qsl[-1])
+        b = self._replay_buffers.get(n)
+        if b is None:
+            with torch.inference_mode(False):
+                c, dt = self.model.config, self.model.dtype
+                conv = _view(torch.empty(n, c.linear_conv_dim, dtype=dt))
+                kd = c.linear_key_dim
+                # z = 0: the state does not depend on the output gate (the output is dropped).
+                b = self._replay_buffers[n] = (conv, conv[:, :kd], conv[:, kd:2 * kd], conv[:, 2 * kd:],
+                                               _view(torch.empty(n, c.linear_value_dim, dtype=dt)),
+                                               _view(torch.zeros(n, c.linear_value_dim, dtype=dt)))
+        conv, q, k, v, out, z = b
+        for e in self._layers:
+            if e["attn"]:
+                continue
+            mixed, ba = ring[e["idx"]]
+            if sel is not None:
+                mixed, ba = mixed.index_select(0, sel), ba.index_select(0, sel)
+            m_np, ba_np = _view(mixed), _view(ba)
+            hv = e["value_heads"]
+            self.k_conv(m_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, conv,
+                        item_base=e["conv_base"], silu=True)
+            self.k_rule(q, k, v, e["rec_pool"], qsl, table, init, out, item_base=e["rec_base"],
+                        key_heads=e["key_heads"], value_heads=hv, scale=e["scale"], l2norm=True,
+                        norm_eps=e["norm_eps"], a=ba_np[:, hv:], b=ba_np[:, :hv], a_log=e["a_log"],
+                        dt_bias=e["dt_bias"], z=z, norm_weight=e["norm_w"])
+        return True
+
+    def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int, vocab: int | None = None) -> torch.Tensor:
+        """float32 logits of ``rows`` of ``b.normed`` (of token ids below ``vocab`` only:
+        the LM head's first rows, a reduced draft vocabulary)."""
+        head = self.lm_head if vocab is None else self.lm_head[:vocab]
         if rows.shape[0] == t and bool((rows == self._arange(t)).all()):
             sel, sel_np = b.normed, b.normed_np
         else:
             sel = b.normed.index_select(0, rows)
             sel_np = _view(sel)
         if self.bf16:
-            if sel is b.normed:
-                gemm(sel_np, self.lm_head, b.logits_np)
+            if sel is b.normed and vocab is None:
+                self.k_gemm(sel_np, head, b.logits_np)
                 return b.logits.float()
-            logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=_BF16)
-            gemm(sel_np, self.lm_head, _view(logits))
+            logits = torch.empty(sel.shape[0], head.shape[0], dtype=_BF16)
+            self.k_gemm(sel_np, head, _view(logits))
             return logits.float()
-        logits = torch.empty(sel.shape[0], self.lm_head.shape[0], dtype=torch.float32)
-        gemm(sel_np, self.lm_head, logits.numpy())
+        logits = torch.empty(sel.shape[0], head.shape[0], dtype=torch.float32)
+        self.k_gemm(sel_np, head, logits.numpy())
         return logits
 
     def _qsl(self, t: int) -> np.ndarray:
@@ -313,12 +492,19 @@ class NativeDecodeStep:
         """What every attention layer of the step shares: rope's cos/sin, the cache
         slots, and the decode kernel's rows, lengths and block tables."""
         t = b.residual.shape[0]
+        # (An MTP pass has no speculative runs: its layout is in op_plans alone.)
         cos, sin = self.model.rotary.cos_sin(batch.positions, self.model.dtype)
-        tables = batch.block_tables
+        lay = batch.op_plans.get(DECODE_ROWS)
+        if lay is None:
+            lens, tables = batch.seq_lens, batch.block_tables
+        else:
+            # One decode query per row (row j of an n-row run sees seq_len - (n-1-j)
+            # positions), as the module path's attention runs such a step.
+            _, lens, tables = lay
         if tables.dtype != torch.int32 or not tables.is_contiguous():
             tables = tables.to(torch.int32).contiguous()
         return (_view(cos), _view(sin), batch.slot_mapping.numpy().astype(np.int64, copy=False),
-                self._qsl(t)[:t], batch.seq_lens.numpy().astype(np.int64), tables.numpy(),
+                self._qsl(t)[:t], lens.numpy().astype(np.int64), tables.numpy(),
                 (cos, sin, tables))
 
     def _attention(self, e: dict, b: _Buffers, args) -> None:

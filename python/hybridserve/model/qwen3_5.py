@@ -32,7 +32,7 @@ from hybridserve.model.hugepages import huge_page_copy, transposed_copy
 from hybridserve.model.layers import MLP, GatedRMSNorm, Projection, ZeroCenteredRMSNorm, _Fused
 from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.mtp import MultiTokenPredictor
-from hybridserve.model.native_decode import NativeDecodeStep
+from hybridserve.model.native_decode import DECODE_ROWS, NativeDecodeStep, decode_rows_layout
 
 
 class RotaryEmbedding:
@@ -109,8 +109,12 @@ class Attention(_Fused, nn.Module):
             k = RotaryEmbedding.apply(k, cos, sin)
         k_cache, v_cache = cache.kv(self.layer_idx)
         ops.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        o = ops.paged_attention(q.contiguous(), k_cache, v_cache, batch.query_start_loc,
-                                batch.seq_lens, batch.block_tables, self.scale, plans=batch.op_plans)
+        # A speculative step's runs (and a short MTP pass's) attend as one decode query
+        # per row: the native decode step's attention, bit for bit.
+        lay = batch.op_plans.get(DECODE_ROWS)
+        qsl, lens, tables = (batch.query_start_loc, batch.seq_lens, batch.block_tables) if lay is None else lay
+        o = ops.paged_attention(q.contiguous(), k_cache, v_cache, qsl, lens, tables, self.scale,
+                                plans=batch.op_plans)
         o = (o.view(t, self.num_heads, self.head_dim) * torch.sigmoid(gate)).view(t, -1)
         return self.o_proj(o)
 
@@ -413,6 +417,11 @@ class Qwen3_5ForServing(nn.Module):
 
     def _native_decode_for(self, batch: ForwardBatch):
         """The :class:`NativeDecodeStep` that runs this step, or None (module path)."""
+        step = self._usable_native_step()
+        return step if step is not None and step.takes(batch) else None
+
+    def _usable_native_step(self):
+        """The model's usable :class:`NativeDecodeStep`, or None (module path)."""
         if not self.native_decode:
             return None
         step = self.__dict__.get("_native_step")
@@ -422,7 +431,7 @@ class Qwen3_5ForServing(nn.Module):
                 self.__dict__["_native_step"] = None
                 return None
             step = self.__dict__["_native_step"] = NativeDecodeStep(self)
-        return step if step.ok and step.takes(batch) else None
+        return step if step.ok else None
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch, cache: HybridCache, return_hidden: bool = False):
@@ -470,10 +479,14 @@ class Qwen3_5ForServing(nn.Module):
         seqs = batch.speculative_seqs()
         if not seqs:
             batch.spec_ring = None
+            batch.op_plans.pop(DECODE_ROWS, None)
             return
         qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
         lens = [qsl[b + 1] - qsl[b] for b in seqs]
         rows = [r for b in seqs for r in range(qsl[b], qsl[b + 1])]
+        spec = set(seqs)
+        # The speculative runs attend as decodes, one per row (see Attention.forward).
+        decode_rows_layout(batch, [b in spec for b in range(batch.num_seqs)])
         batch.spec_ring = {"seqs": seqs, "lens": lens,
                            "rows": torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)}
 
@@ -514,10 +527,21 @@ class Qwen3_5ForServing(nn.Module):
             qsl.append(qsl[-1] + k)
             off += n
         dev = batch.input_ids.device
-        sel_t = torch.tensor(sel, dtype=torch.long, device=dev)
-        seqs = torch.tensor(ring["seqs"], dtype=torch.long, device=dev)
-        pages = batch.state_pages.index_select(0, seqs)
-        init = batch.has_initial_state.index_select(0, seqs)
+        seqs = ring["seqs"]
+        if seqs == list(range(batch.num_seqs)):
+            pages, init = batch.state_pages, batch.has_initial_state
+        else:
+            seqs_t = torch.tensor(seqs, dtype=torch.long, device=dev)
+            pages = batch.state_pages.index_select(0, seqs_t)
+            init = batch.has_initial_state.index_select(0, seqs_t)
+        # Every row accepted: the ring as it is.
+        sel_t = None if len(sel) == off else torch.tensor(sel, dtype=torch.long, device=dev)
+        fast = self._usable_native_step() if dev.type == "cpu" else None
+        if fast is not None and fast.replay(ring, sel_t, qsl, pages, init, cache):
+            batch.spec_ring = None
+            return
+        if sel_t is None:
+            sel_t = torch.arange(off, device=dev)
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
         plans: dict = {}
         for layer in self.layers:
@@ -529,14 +553,17 @@ class Qwen3_5ForServing(nn.Module):
 
     @torch.no_grad()
     def mtp_forward(self, hidden: torch.Tensor, input_ids: torch.Tensor, batch: ForwardBatch,
-                    cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+                    cache: HybridCache, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One MTP pass over the R rows ``batch`` lays out (its slot_mapping and block
         tables address the MTP layer's own KV, ``cache.mtp_k_cache``): row r combines
         ``hidden[r]`` (the trunk's post-norm state h_t from ``forward(...,
         return_hidden=True)``, or the previous chained step's ``mtp_hidden``) with the
         embedding of ``input_ids[r]`` (token t+1), writes its K/V at ``slot_mapping[r]``
         and attends causally over the sequence's MTP KV. Returns float32 logits ``[S, V]``
-        for ``batch.logits_indices`` and ``mtp_hidden`` ``[R, H]``. ConfigError when the
+        for ``batch.logits_indices`` and ``mtp_hidden`` ``[R, H]``; with ``vocab`` the
+        logits of token ids ``0 .. vocab-1`` only (``[S, vocab]``: a reduced draft
+        vocabulary, the LM head's first rows, see :mod:`hybridserve.spec.proposer`).
+        ConfigError when the
         model was built without the MTP layer or the cache has no room for its KV.
 
         Layout (vLLM's proposer and our training, ``hybridserve.train``): the row of
@@ -549,4 +576,37 @@ class Qwen3_5ForServing(nn.Module):
         if cache.mtp_layer_index is None:
             raise ConfigError("the cache holds no MTP KV: build it with model.new_cache() of a model "
                               "loaded with load_mtp=True")
-        return self.mtp(self, hidden, input_ids, batch, cache)
+        v = self.config.vocab_size
+        if vocab is not None and not 1 <= vocab <= v:
+            raise ValueError(f"mtp_forward: vocab must lie in 1..{v}, got {vocab}")
+        vocab = None if vocab == v else vocab
+        rows = int(input_ids.shape[0])
+        if batch.input_ids.device.type == "cpu" and rows <= self._mtp_decode_rows():
+            # A pass of few rows (the draft passes, the MTP prefill of a step's accepted
+            # rows) attends as one decode query per row on both paths, so the native
+            # step below and the module path are bit-identical.
+            decode_rows_layout(batch, [True] * batch.num_seqs)
+            fast = self._usable_native_step()
+            if fast is not None and hidden.shape[0] == rows:
+                out = fast.run_mtp(hidden, input_ids, batch, cache, vocab)
+                if out is not None:
+                    return out
+        return self.mtp(self, hidden, input_ids, batch, cache, self._draft_head(vocab))
+
+    def _draft_head(self, vocab: int | None) -> Projection:
+        """The LM head over token ids ``0 .. vocab-1`` (its first rows, no copy), cached
+        while the LM head's weight stays where it is."""
+        w = self.lm_head.weight
+        if vocab is None:
+            return self.lm_head
+        got = self.__dict__.get("_draft_heads", {}).get(vocab)
+        if got is None or got.weight.data_ptr() != w.data_ptr() or got.weight.dtype != w.dtype:
+            with torch.device("meta"):
+                got = Projection(self.config.hidden_size, vocab, bias=False)
+            got.weight = nn.Parameter(w.detach()[:vocab], requires_grad=False)
+            self.__dict__.setdefault("_draft_heads", {})[vocab] = got
+        return got
+
+    def _mtp_decode_rows(self) -> int:
+        """The most rows an MTP pass attends as decodes (where the native GEMM runs)."""
+        return Projection.NATIVE_MAX_ROWS_BF16 if self.dtype == torch.bfloat16 else Projection.NATIVE_MAX_ROWS

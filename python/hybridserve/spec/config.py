@@ -36,7 +36,7 @@ DEFAULT_MIN_ACCEPTANCE_RATE = 0.2
 ACCEPTANCE_WINDOW = 32
 PROBE_AFTER = 64
 
-_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "min_acceptance_rate")
+_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "min_acceptance_rate", "draft_vocab_size")
 
 
 @dataclass(frozen=True)
@@ -47,12 +47,16 @@ class SpeculativeConfig:
     * ``disable_by_batch_size``: steps with this many decoding sequences or more do not
       draft (0 = never disable).
     * ``min_acceptance_rate``: a request below it stops drafting for a while.
+    * ``draft_vocab_size``: drafts are token ids below it (the LM head's first rows; see
+      :mod:`hybridserve.spec.proposer`); None: the default for the model's vocabulary.
+      Changes acceptance only, never the output.
     """
 
     method: str = "mtp"
     num_speculative_tokens: int = 1
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     min_acceptance_rate: float = DEFAULT_MIN_ACCEPTANCE_RATE
+    draft_vocab_size: int | None = None
 
     @classmethod
     def parse(cls, value: Any) -> "SpeculativeConfig | None":
@@ -95,10 +99,14 @@ class SpeculativeConfig:
         r = value.get("min_acceptance_rate", DEFAULT_MIN_ACCEPTANCE_RATE)
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= float(r) <= 1.0:
             raise ConfigError(f"speculative_config min_acceptance_rate must be a number in [0, 1], got {r!r}")
+        n = value.get("draft_vocab_size")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ConfigError(f"speculative_config draft_vocab_size must be a positive integer (drafts are the "
+                              f"token ids below it) or null for the default, got {n!r}")
         return cls(method=_METHODS[method], num_speculative_tokens=k, disable_by_batch_size=d,
-                   min_acceptance_rate=float(r))
+                   min_acceptance_rate=float(r), draft_vocab_size=n)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens,
                 "disable_by_batch_size": self.disable_by_batch_size,
-                "min_acceptance_rate": self.min_acceptance_rate}
+                "min_acceptance_rate": self.min_acceptance_rate, "draft_vocab_size": self.draft_vocab_size}
