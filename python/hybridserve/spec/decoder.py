@@ -57,7 +57,8 @@ class SpecDecoder:
         self.model = model
         self.cache = cache
         self.runner = runner
-        self.proposer = MTPProposer(model, cache, runner.block_table_buf, block_size)
+        self.proposer = MTPProposer(model, cache, runner.block_table_buf, block_size,
+                                    draft_vocab_size=config.draft_vocab_size)
         self._acc: dict[tuple[str, int], _Acceptance] = {}
         self.drafting = False
         # Counters (the engine's stats() and Prometheus read them).
