@@ -206,3 +206,35 @@ def test_beams_run_without_drafts_and_equal_the_plain_search(ckpt):
                                BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True))
         res[k] = [[s.tokens for s in o.sequences] for o in outs]
     assert res[None] == res[2]
+
+
+def test_greedy_identical_with_priorities_and_priority_preemption(ckpt):
+    """Low-priority requests fill the run slots; urgent ones arrive after a few steps and
+    preempt them (their drafts dropped with them); every output equals speculation off."""
+    prompts = _prompts(6, seed=61, lo=20, hi=40)
+    outs = {}
+    for k in (None, 3):
+        kw = dict(dtype="float32", num_pages=400, max_num_seqs=3, max_model_len=256)
+        if k is not None:
+            kw["speculative_config"] = {"num_speculative_tokens": k, "disable_by_batch_size": 0}
+        eng = LLM(ckpt, **kw).engine
+        done = {}
+        for i in range(3):
+            eng.add_request(f"low{i}", prompts[i], SamplingParams(max_tokens=24, **GREEDY), priority=5)
+        for _ in range(4):
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        for i in range(3, 6):
+            eng.add_request(f"high{i}", prompts[i], SamplingParams(max_tokens=12, **GREEDY), priority=0)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    done[o.request_id] = o
+        st = eng.stats()
+        assert st["preemptions_priority"] > 0, st
+        if k is not None:
+            assert st["spec_draft_tokens"] > 0
+        assert st["free_pages"] + st["cached_pages"] + st["checkpoint_pages"] == st["num_pages"]
+        outs[k] = {r: o.outputs[0].token_ids for r, o in done.items()}
+    assert outs[3] == outs[None] and len(outs[3]) == 6
