@@ -149,6 +149,10 @@ def test_n2_stop_strings_max_tokens_and_stop_ids(ckpt):
     llm, on = _run(ckpt, prompts, params, 4)
     assert _tokens(on) == _tokens(off)
     assert [len(c.token_ids) for c in on[2].outputs] == [1]
+    # An n=2 request's samples draft too (each its own drafts after the fork).
+    llm2, alone = _run(ckpt, prompts[:1], params[:1], 4)
+    assert _tokens(alone) == _tokens(off[:1])
+    assert llm2.engine.stats()["spec_draft_tokens"] > 0
     _all_free(llm)
 
 

@@ -10,7 +10,7 @@ The engine core calls, per step:
    (:class:`~hybridserve.spec.proposer.MTPProposer`); it returns what
    ``Scheduler.update(sampled, accepted, drafts)`` takes.
 
-Who drafts: a running single-sample request that is not a beam (beams run without
+Who drafts: every running sample (n > 1 samples each their own) that is not a beam (beams run without
 drafts), while the step's decoding batch is below
 ``disable_by_batch_size`` and the request's recent acceptance is not below
 ``min_acceptance_rate`` (then it rests ``PROBE_AFTER`` tokens and tries again).
@@ -216,7 +216,7 @@ class SpecDecoder:
                 # The drafter's next token is the step's last kept token; it then drafts
                 # what follows it.
                 next_tokens[b] = toks[-1]
-                if (num_samples[b] == 1 and len(state.samples) == 1 and rid not in beams
+                if (num_samples[b] == 1 and rid not in beams
                         and self._may_draft(rid, si, len(state.samples[si].token_ids) + len(toks))):
                     want[b] = self.k
             else:
