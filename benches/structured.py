@@ -13,8 +13,10 @@ Parts (one run prints them all):
    applying it to a float32 ``[batch, 248320]`` logits tensor. Reported per
    sequence-step: fill, apply, and both.
 2. **End to end**: ``--batch`` concurrent requests through the engine (CPU), each with
-   the JSON schema, against the same requests unconstrained; time per output token.
-   On the default tiny model (byte vocabulary) and on a tiny model with Qwen's vocabulary.
+   the JSON schema, against the same requests unconstrained, each of those made to
+   produce exactly as many tokens as its constrained twin (see ``end_to_end``); time
+   per output token, mask time per sequence-step, compile time per schema. On the
+   default tiny model (byte vocabulary) and on a tiny model with Qwen's vocabulary.
 """
 
 from __future__ import annotations
@@ -178,36 +180,86 @@ def engines(tok_dir: Path, batch: int, reps: int) -> list[dict]:
     return rows
 
 
-def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3) -> dict:
+def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, temperature: float = 1.0) -> dict:
+    """Constrained against unconstrained decoding of the same requests, like with like.
+
+    The constrained run ends each sequence where its JSON ends, the unconstrained one
+    would run on to max_tokens (or stop at a random EOS): whole-run times would compare
+    different amounts of work. So the unconstrained twin of each request is made to
+    produce exactly as many tokens as the constrained one did (``max_tokens`` = that
+    count, ``ignore_eos``; not ``min_tokens``, whose pending EOS ban takes the sampler
+    off its steady-batch fast path every step): every step then has the same batch of
+    sequences at the same positions in both runs. Seeded sampling makes the constrained
+    lengths repeat from run to run (checked). The texts still differ (JSON against
+    noise), and so does the detokenizer's work on them: the engine's step phases are
+    reported apart, ``process_outputs`` (detokenization, stops, the grammar's advance
+    over the sampled token) against the rest (schedule, inputs, forward with the mask
+    fill beside it, sampling with the mask applied)."""
     from hybridserve import LLM, SamplingParams
+    from hybridserve.structured.params import StructuredOutputsParams
 
     llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=batch, max_model_len=1024)
     prompts = [f"Record {i} as JSON:" for i in range(batch)]
-    out: dict = {}
-    # Alternated, medians of `reps` runs each: this machine's load moves between runs.
-    runs: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
-    order = [("warm", {"structured_outputs": {"json": SCHEMA}})]
-    order += [("unconstrained", {}), ("constrained", {"structured_outputs": {"json": SCHEMA}})] * reps
-    for name, extra in order:
-        sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1, **extra)
+
+    def constrained() -> list:
+        return [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=1 + i,
+                               structured_outputs={"json": SCHEMA}) for i in range(batch)]
+
+    sd = llm.engine.structured_decoding()
+    # Compile time per schema: distinct schemas (cache misses), on the engine's compiler.
+    compile_s = []
+    for i in range(max(reps, 3)):
+        spec = StructuredOutputsParams(json={**SCHEMA, "title": f"bench-{i}"})
         t0 = time.perf_counter()
-        res = llm.generate(prompts, sp)
-        dt = time.perf_counter() - t0
-        ntok = sum(len(c.token_ids) for r in res for c in r.outputs)
-        if name in runs:
-            runs[name].append(dt / ntok * 1e3)
-    for name, v in runs.items():
-        out[name] = {"ms_per_token": statistics.median(v), "all": v}
-    st = llm.engine.stats()["structured"]
-    # The grammar's cost on the engine thread (starting the mask job, waiting for it
-    # after the forward, applying it), per constrained sequence-step: what constraining
-    # adds to a step whatever the text (the two runs' texts differ: noise vs JSON).
-    crit = st["mask_submit_seconds"] + st["mask_wait_seconds"] + st["mask_apply_seconds"]
-    out["critical_us_per_seq_step"] = crit / max(st["mask_sequence_steps"], 1) * 1e6
-    out["mask_us_per_seq_step"] = st["mask_seconds"] / max(st["mask_sequence_steps"], 1) * 1e6
-    out["mask_wait_s"] = st["mask_wait_seconds"]
-    out["apply_s"] = st["mask_apply_seconds"]
-    out["ratio"] = out["constrained"]["ms_per_token"] / out["unconstrained"]["ms_per_token"]
+        sd.compiler.compile(spec)
+        compile_s.append(time.perf_counter() - t0)
+    warm = llm.generate(prompts, constrained())  # compiles SCHEMA itself, warms both paths
+    lengths = [len(r.outputs[0].token_ids) for r in warm]
+    matched = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature, seed=1 + i)
+               for i, n in enumerate(lengths)]
+    llm.generate(prompts, matched)
+    runs: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+    # ms per token of the step phases but process_outputs, and of process_outputs.
+    steps_ms: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+    outputs_ms: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+    mask = {"rows": 0, "fill_s": 0.0, "critical_s": 0.0}
+    # Alternated, medians of `reps` runs each: this machine's load moves between runs.
+    for _ in range(reps):
+        for name in ("unconstrained", "constrained"):
+            st0 = llm.engine.stats()["structured"]
+            ph0 = dict(llm.engine.stats()["step_phase_seconds"])
+            t0 = time.perf_counter()
+            res = llm.generate(prompts, matched if name == "unconstrained" else constrained())
+            dt = time.perf_counter() - t0
+            got = [len(r.outputs[0].token_ids) for r in res]
+            assert got == lengths, f"{name}: token counts {got} differ from the constrained run's {lengths}"
+            runs[name].append(dt / sum(lengths) * 1e3)
+            ph = {k: v - ph0.get(k, 0.0) for k, v in llm.engine.stats()["step_phase_seconds"].items()}
+            outputs_ms[name].append(ph.get("process_outputs", 0.0) / sum(lengths) * 1e3)
+            steps_ms[name].append((sum(ph.values()) - ph.get("process_outputs", 0.0)) / sum(lengths) * 1e3)
+            if name == "constrained":
+                st = llm.engine.stats()["structured"]
+                mask["rows"] += st["mask_sequence_steps"] - st0["mask_sequence_steps"]
+                mask["fill_s"] += st["mask_seconds"] - st0["mask_seconds"]
+                mask["critical_s"] += sum(st[k] - st0[k] for k in ("mask_submit_seconds", "mask_wait_seconds",
+                                                                    "mask_apply_seconds"))
+    out: dict = {name: {"ms_per_token": statistics.median(v), "all": v} for name, v in runs.items()}
+    out["tokens"] = sum(lengths)
+    out["lengths"] = lengths
+    out["compile_ms"] = statistics.median(compile_s) * 1e3
+    # Mask fill on its thread (overlapping the forward), and what the grammar adds on the
+    # engine thread (starting the job, waiting for it after the forward, applying it),
+    # per constrained sequence-step.
+    out["mask_us_per_seq_step"] = mask["fill_s"] / max(mask["rows"], 1) * 1e6
+    out["critical_us_per_seq_step"] = mask["critical_s"] / max(mask["rows"], 1) * 1e6
+    # Each constrained run against the unconstrained run just before it (the machine's
+    # load drifts less within a pair than across the whole bench).
+    out["ratios"] = [c / u for c, u in zip(runs["constrained"], runs["unconstrained"])]
+    out["ratio"] = statistics.median(out["ratios"])
+    for name in runs:
+        out[name]["steps_ms"] = statistics.median(steps_ms[name])
+        out[name]["outputs_ms"] = statistics.median(outputs_ms[name])
+    out["steps_ratio"] = out["constrained"]["steps_ms"] / out["unconstrained"]["steps_ms"]
     return out
 
 
@@ -218,11 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (fixed, printed)")
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
+                    help="end to end: one row per sampling temperature (0: greedy)")
     ap.add_argument("--skip-engines", action="store_true")
     ap.add_argument("--work", default=None, help="folder for the tokenizer and models (default: a temp dir)")
     a = ap.parse_args(argv)
     work = Path(a.work or tempfile.mkdtemp(prefix="structured-bench-"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 2)))
+    torch.set_num_threads(a.threads)
     print(f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
     if a.vocab in ("qwen", "both"):
         tok_dir = qwen_tokenizer_dir(work)
@@ -247,17 +302,22 @@ def main(argv: list[str] | None = None) -> int:
         for f in ("tokenizer.json", "tokenizer_config.json"):
             (Path(d) / f).write_bytes((tok_dir / f).read_bytes())
         models.append((f"test-a with Qwen's vocabulary ({QWEN_VOCAB_SIZE})", d))
-    print(f"\n## end to end, {a.batch} concurrent requests, max_tokens {a.max_tokens}, CPU")
-    print("| model | unconstrained ms/token | constrained ms/token | ratio | mask fill us/seq-step (on the thread) |"
-          " grammar on the engine thread us/seq-step | (as % of unconstrained ms/token) | wait for masks (s) |"
-          " apply (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for name, d in models:
-        r = end_to_end(d, a.batch, a.max_tokens, a.reps)
-        print(f"| {name} | {r['unconstrained']['ms_per_token']:.3f} | {r['constrained']['ms_per_token']:.3f} | "
-              f"{r['ratio']:.2f} | {r['mask_us_per_seq_step']:.1f} | {r['critical_us_per_seq_step']:.1f} | "
-              f"{r['critical_us_per_seq_step'] / 10 / r['unconstrained']['ms_per_token']:.1f}% | "
-              f"{r['mask_wait_s']:.3f} | {r['apply_s']:.3f} |")
+    print(f"\n## end to end, {a.batch} concurrent requests, max_tokens {a.max_tokens}, CPU, the unconstrained twin "
+          "of each request held to the constrained one's token count (max_tokens = that count, ignore_eos)")
+    print("| model | sampling | tokens per run | compile (ms/schema) | unconstrained ms/token | constrained ms/token | "
+          "ratio (median of pairs) | ratio per pair | steps but outputs, ms/token: unconstrained / constrained (ratio) | "
+          "process_outputs ms/token: unconstrained / constrained | mask fill us/seq-step (its thread) | "
+          "grammar on the engine thread us/seq-step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for (name, d), temp in [(m, t) for m in models for t in a.temperatures]:
+        r = end_to_end(d, a.batch, a.max_tokens, a.reps, temp)
+        u, c = r["unconstrained"], r["constrained"]
+        how = "greedy" if temp == 0 else f"seeded, temperature {temp:g}"
+        print(f"| {name} | {how} | {r['tokens']} | {r['compile_ms']:.1f} | {u['ms_per_token']:.3f} | "
+              f"{c['ms_per_token']:.3f} | {r['ratio']:.3f} | "
+              f"{', '.join(f'{x:.3f}' for x in r['ratios'])} | {u['steps_ms']:.3f} / {c['steps_ms']:.3f} "
+              f"({r['steps_ratio']:.3f}) | {u['outputs_ms']:.3f} / {c['outputs_ms']:.3f} | "
+              f"{r['mask_us_per_seq_step']:.1f} | {r['critical_us_per_seq_step']:.1f} |", flush=True)
     return 0
 
 

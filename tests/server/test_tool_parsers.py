@@ -187,3 +187,40 @@ def test_default_parsers_from_templates():
     assert default_parsers(qwen_chat_template()) == ("qwen3", "qwen3_coder")
     assert default_parsers("{{ messages }}") == (None, None)
     assert default_parsers("<tool_call>{{ tool | tojson }}</tool_call>") == (None, "hermes")
+
+
+class _Delta(str):
+    """A streamed delta that fails when appended to a long accumulated text: copying
+    the whole text so far for every delta is O(n^2) characters over a stream."""
+
+    def __radd__(self, other):
+        assert len(other) <= 1024, f"the whole streamed text ({len(other)} characters) is copied for a delta"
+        return str.__add__(other, self)
+
+
+@pytest.mark.parametrize("step", [1, 4])
+def test_contract_streaming_copies_linearly(step):
+    from hybridserve.server.contract import Contract
+
+    # Long reasoning and answers, and one call whose argument is 20K characters (a file's
+    # text): the call stays open for thousands of deltas.
+    text = long_output("qwen3_coder", 30_000) + "\n" + xml_call("get_time", tz="x\n" * 10_000)
+    c = Contract(reasoning=True, reasoning_parser="qwen3", tool_parser="qwen3_coder", tools=TOOLS)
+    deltas = []
+    for i in range(0, len(text), step):
+        done = i + step >= len(text)
+        deltas += [ch["delta"] for ch in c.stream_choices(0, _Delta(text[i:i + step]), "stop" if done else None,
+                                                          None)]
+    sp = c.streams[0]
+    # Each received character is copied into the parser's buffer a bounded number of
+    # times (a marker's worth of lookback held per delta; an open call's text once).
+    assert sp.copied <= 3 * len(text) + 16 * (len(text) // step), (sp.copied, len(text))
+    whole = parser(reasoning=True).parse(text)
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == whole.reasoning
+    assert "".join(d.get("content", "") for d in deltas) == whole.content
+    args_by_index: dict[int, str] = {}
+    for d in deltas:
+        for tc in d.get("tool_calls", []):
+            args_by_index[tc["index"]] = args_by_index.get(tc["index"], "") + tc["function"]["arguments"]
+    assert [args_by_index[i] for i in sorted(args_by_index)] == [x.arguments for x in whole.calls]
+    assert json.loads(whole.calls[-1].arguments) == {"tz": "x\n" * 10_000}

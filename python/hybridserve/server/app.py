@@ -16,10 +16,13 @@ server must run with ``handler_cancellation=True``, see :func:`runner_kwargs`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import json
 import logging
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -314,13 +317,32 @@ async def _whole(request: web.Request, rid: str, model_name: str, streams: list[
         work.cancel()
     request[USAGE_KEY] = protocol.usage(finals)
 
-    def build() -> bytes:
+    def body(lazy: bool = False) -> dict[str, Any]:
         if chat:
-            body = request[CONTRACT_KEY].chat_body(protocol.chat_body(rid, model_name, finals[0], tt, params))
-            return dumps_yielding(body).encode()
-        return dumps_yielding(protocol.completion_body(rid, model_name, finals, tt, params, echo_texts)).encode()
+            return request[CONTRACT_KEY].chat_body(protocol.chat_body(rid, model_name, finals[0], tt, params, lazy))
+        return protocol.completion_body(rid, model_name, finals, tt, params, echo_texts, lazy)
 
-    raw = await _off_loop_if_large(request, build, params.logprobs is not None or any(echo_texts))
+    large = params.logprobs is not None or any(echo_texts)
+    if large and LARGE_BODY_MODE.startswith("sliced"):
+        try:
+            chunks = await _encode_sliced(request, body(lazy=True))
+        except Exception as e:  # noqa: BLE001 - nothing is written yet: a whole error body
+            logger.exception("building the response failed")
+            if early is None:
+                return _error(e)
+            await early.write(json.dumps(protocol.error_body("internal error", "internal_server_error", 500)).encode())
+            await early.write_eof()
+            return early
+        resp = early
+        if resp is None:
+            resp = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+            resp.content_length = sum(map(len, chunks))
+            await resp.prepare(request)
+        for c in chunks:  # each write waits for the socket to drain: other streams go on
+            await resp.write(c)
+        await resp.write_eof()
+        return resp
+    raw = await _off_loop_if_large(request, lambda: dumps_yielding(body()).encode(), large)
     if early is None:
         return web.Response(body=raw, content_type="application/json", charset="utf-8")
     await early.write(raw)
@@ -343,9 +365,97 @@ def dumps_yielding(obj: Any, slice_len: int = 512) -> str:
     return json.dumps(obj)
 
 
-# Whether large bodies (logprobs, echo) are built on the tokenizer pool; a bench
-# turns it off to measure what building them on the event loop costs its neighbours.
-BUILD_LARGE_BODIES_OFF_LOOP = True
+# How a large body (logprobs, echo) is built (benches/echo_stall.py compares them side
+# by side; see benches/RESULTS.md):
+# * "sliced-thread" (the default): its logprobs blocks are built and encoded a slice of
+#   positions at a time (protocol.LazyLogprobs) on the tokenizer pool, which lets go of
+#   the GIL every LARGE_BODY_SLICE_S (the loop, waiting for it, gets it then instead of
+#   a whole switch interval later); then written in chunks, each write waiting for the
+#   socket.
+# * "sliced-loop": the same slices on the event loop itself, every other ready callback
+#   run between slices.
+# * "thread": the whole body built in one call on the tokenizer pool (a third thread
+#   competing for the GIL: the loop waits whole switch intervals behind it).
+# * "loop": the whole body in one call on the loop (what every stream then waits).
+LARGE_BODY_MODE = "sliced-thread"
+LARGE_BODY_SLICE_S = 0.002
+# Bytes per write of a large body.
+LARGE_BODY_CHUNK = 1 << 18
+# The GIL's switch interval while a large body is built on the pool (None: leave it).
+# A thread that wants the GIL (the engine thread after each native kernel, the loop after
+# each poll) otherwise waits up to the default 5 ms for the builder to be made to drop
+# it, several times per engine step: the neighbours' steps stretched by tens of ms.
+LARGE_BODY_SWITCH_S: float | None = 0.0005
+_switch_lock = threading.Lock()
+_switch_users = [0, 0.0]  # builders running, the interval before the first
+
+
+@contextlib.contextmanager
+def _short_switch_interval() -> Any:
+    if LARGE_BODY_SWITCH_S is None:
+        yield
+        return
+    with _switch_lock:
+        if _switch_users[0] == 0:
+            _switch_users[1] = sys.getswitchinterval()
+            sys.setswitchinterval(min(LARGE_BODY_SWITCH_S, _switch_users[1]))
+        _switch_users[0] += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users[0] -= 1
+            if _switch_users[0] == 0:
+                sys.setswitchinterval(_switch_users[1])
+
+
+def _chunks(pieces: Any) -> Any:
+    """The pieces (protocol.json_pieces) as encoded chunks of about LARGE_BODY_CHUNK
+    bytes, and None at each slice's end (where the consumer may hand the thread over)."""
+    buf: list[str] = []
+    size = 0
+    for p in pieces:
+        if not p:
+            yield None
+            continue
+        buf.append(p)
+        size += len(p)
+        if size >= LARGE_BODY_CHUNK:
+            yield "".join(buf).encode()
+            buf, size = [], 0
+    if buf:
+        yield "".join(buf).encode()
+
+
+async def _encode_sliced(request: web.Request, body: dict[str, Any]) -> list[bytes]:
+    """``json.dumps(body).encode()`` as chunks, built a slice at a time (LARGE_BODY_MODE)."""
+    gen = _chunks(protocol.json_pieces(body))
+    out: list[bytes] = []
+    if LARGE_BODY_MODE == "sliced-thread":
+        def run() -> list[bytes]:
+            with _short_switch_interval():
+                t0 = time.perf_counter()
+                for c in gen:
+                    if c is not None:
+                        out.append(c)
+                    elif time.perf_counter() - t0 >= LARGE_BODY_SLICE_S:
+                        # A sleep lets go of the GIL long enough for a waiting thread (the
+                        # loop) to take it; a bare release is retaken by this thread at once.
+                        time.sleep(0.0002)
+                        t0 = time.perf_counter()
+            return out
+
+        return await request.app[ENGINE_KEY].run_off_engine(run)
+    # On the loop: the generator runs until a slice's time is spent, then every other
+    # ready callback (the neighbours' tokens) gets its turn.
+    t0 = time.perf_counter()
+    for c in gen:
+        if c is not None:
+            out.append(c)
+        elif time.perf_counter() - t0 >= LARGE_BODY_SLICE_S:
+            await asyncio.sleep(0)
+            t0 = time.perf_counter()
+    return out
 
 
 async def _off_loop_if_large(request: web.Request, build: Any, large: bool) -> bytes:
@@ -353,7 +463,7 @@ async def _off_loop_if_large(request: web.Request, build: Any, large: bool) -> b
     a 32K-token echo with 20 logprobs is tens of MB of JSON, built and encoded in
     hundreds of ms), so every other stream on this loop keeps getting its tokens; the
     build then holds the GIL only a switch interval at a time. Small bodies inline."""
-    if large and BUILD_LARGE_BODIES_OFF_LOOP:
+    if large and LARGE_BODY_MODE != "loop":
         return await request.app[ENGINE_KEY].run_off_engine(build)
     return build()
 
@@ -435,10 +545,14 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
     # OpenAI: with include_usage every chunk carries "usage", null until the last one.
     usage_field = {"usage": None} if opts.include_usage else {}
 
+    def chunk_obj(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
+                **usage_field, **extra}
+
     def chunk(choices: list[dict[str, Any]], _dumps: Any = json.dumps, **extra: Any) -> bytes:
-        text = _dumps({"id": rid, "object": obj, "created": created, "model": model_name, "choices": choices,
-                       **usage_field, **extra})
-        return f"data: {text}\n\n".encode()
+        return f"data: {_dumps(chunk_obj(choices, **extra))}\n\n".encode()
+
+    sliced = LARGE_BODY_MODE.startswith("sliced")
 
     try:
         if chat:
@@ -449,7 +563,8 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
         async for si, out in _merged(streams):
             lasts[si] = out
             choices = []
-            big = False  # an echoed prompt's logprobs: this chunk is encoded off the loop
+            big = False  # an echoed prompt's logprobs: this chunk is encoded off the loop / in slices
+            lazies: list[tuple[int, protocol.LazyLogprobs]] = []
             for c in out.outputs:
                 index = si * n + c.index
                 if index in finished_sent:
@@ -482,16 +597,27 @@ async def _stream(request: web.Request, rid: str, model_name: str, streams: list
                             ents = itertools.chain(out.prompt_logprobs or [None] * len(out.prompt_token_ids), ents)
                         skip_from = len(ids) - len(new_ids) if params.skip_special_tokens else None
                         args = (tt, ids, ents, k, char_pos.get(index, 0), skip_from)
-                        lp = (await _off_loop_if_large(request, lambda a=args: protocol.completion_logprobs(*a), True)
-                              if first_echo else protocol.completion_logprobs(*args))
                         big = big or first_echo
-                        if lp["tokens"]:
+                        if first_echo and sliced:
+                            lp = protocol.LazyLogprobs("completion", *args)
+                            lazies.append((index, lp))  # its end offset is known once encoded
+                        else:
+                            lp = (await _off_loop_if_large(request, lambda a=args: protocol.completion_logprobs(*a),
+                                                           True) if first_echo else protocol.completion_logprobs(*args))
+                        if isinstance(lp, dict) and lp["tokens"]:
                             skipped = (skip_from is not None and len(ids) - 1 >= skip_from
                                        and ids[-1] in tt.special_ids)
                             char_pos[index] = lp["text_offset"][-1] + (0 if skipped else len(lp["tokens"][-1]))
                     choices.append({"index": index, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-            if choices:
+            if choices and big and sliced:
+                parts = await _encode_sliced(request, chunk_obj(choices))
+                for i, part in enumerate(parts):
+                    await resp.write((b"data: " if i == 0 else b"") + part)
+                await resp.write(b"\n\n")
+                for index, lazy in lazies:
+                    char_pos[index] = lazy.end_offset
+            elif choices:
                 await resp.write(await _off_loop_if_large(request, lambda c=choices: chunk(c, _dumps=dumps_yielding), True) if big
                                  else chunk(choices))
         if lasts:

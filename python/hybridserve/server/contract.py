@@ -18,6 +18,7 @@ prompt opened ``<think>`` (Qwen3.5 with thinking on), the constraint starts afte
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,10 +187,10 @@ class Contract:
         sp = self.streams.get(index)
         if sp is None:
             sp = self.streams[index] = StreamingParser(self._parser())
-            sp.text = ""  # type: ignore[attr-defined]
-        sp.text += text  # type: ignore[attr-defined]
         done = finish_reason is not None
-        deltas = sp.feed(sp.text, final=done)  # type: ignore[attr-defined]
+        # The new text only: the parser keeps what it still needs (re-joining the whole
+        # text here on every delta would copy O(n^2) characters over a long stream).
+        deltas = sp.feed_delta(text, final=done)
         if not self.include_reasoning:
             deltas = [d for d in deltas if "reasoning_content" not in d]
         if done and sp.final is not None and sp.final.calls and finish_reason == "stop":
@@ -298,9 +299,42 @@ def constraint(prep: Prepared, tools_json: list[dict[str, Any]] | None) -> Struc
     except Exception as e:  # noqa: BLE001 - xgrammar's ValueError / validation errors
         raise _bad(f"cannot build the tool-call grammar: {e}", "tools") from None
     tag = json.loads(tag.model_dump_json())
+    if model == "qwen_3_5":
+        _exact_qwen_xml(tag)
     if prep.tool_choice == "required":
         _calls_only(tag)
     return StructuredOutputsParams(structural_tag=tag)
+
+
+def _exact_qwen_xml(node: Any) -> None:
+    """Each call's arguments exactly as Qwen3.5's template writes them (one newline
+    after ``<parameter=P>`` and before ``</parameter>``, strings raw), in place of
+    xgrammar's "qwen_xml" style, which lets whitespace in around every value: the
+    parser then takes exactly one newline off each side, and a string's own
+    leading / trailing whitespace survives the round trip."""
+    from hybridserve.structured.grammar import qwen_xml_arguments_format
+
+    if isinstance(node, dict):
+        content = node.get("content")
+        if (node.get("type") == "tag" and isinstance(content, dict) and content.get("type") == "json_schema"
+                and content.get("style") == "qwen_xml"):
+            m = re.search(r"<function=([^>\n]+)>\n$", node.get("begin") or "")
+            name = m.group(1) if m else "?"
+            try:
+                node["content"] = qwen_xml_arguments_format(content["json_schema"],
+                                                            f"tools: function {name!r}")
+            except InvalidRequest as e:
+                raise _bad(str(e), "tools") from None
+            # The template closes the last parameter's line itself: "</parameter>\n</function>".
+            end = node.get("end")
+            if isinstance(end, str) and end.startswith("\n</function>"):
+                node["end"] = end[1:]
+            return
+        for v in node.values():
+            _exact_qwen_xml(v)
+    elif isinstance(node, list):
+        for v in node:
+            _exact_qwen_xml(v)
 
 
 def _calls_only(node: Any) -> None:

@@ -446,6 +446,12 @@ def completion_logprobs(
     None (the first prompt token) has no logprob. From position ``skip_special_from``
     on, special tokens are not in the response's text (skip_special_tokens), so they
     take no characters of it."""
+    return _completion_logprobs(tt, token_ids, entries, k, offset, skip_special_from)[0]
+
+
+def _completion_logprobs(tt: TokenText, token_ids: Any, entries: Any, k: int, offset: int,
+                         skip_special_from: int | None) -> tuple[dict[str, Any], int]:
+    """``completion_logprobs`` and the offset after its last token."""
     tokens, lps, tops, offsets = [], [], [], []
     special = tt.special_ids if skip_special_from is not None else ()
     for i, (tok, entry) in enumerate(zip(token_ids, entries)):
@@ -467,7 +473,100 @@ def completion_logprobs(
                 key = f"token_id:{t}"
             top.setdefault(key, lp.logprob)
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
+# Positions per slice of a lazily encoded logprobs block: a slice of 20 alternatives
+# each is built and encoded in about a millisecond.
+LOGPROBS_SLICE = 128
+
+
+class LazyLogprobs:
+    """A logprobs block that is built and JSON-encoded a slice of positions at a time
+    (:func:`json_pieces`), to the same text ``json.dumps`` gives the whole block.
+
+    A 32K-token echo with 20 alternatives is ~700K numbers and ~20 MB of JSON: built in
+    one call it holds the GIL (and, on the event loop, every stream) for seconds, and it
+    keeps ~32K dicts alive for the collector. A slice's dicts die with the slice, and
+    the encoder can hand the thread back between slices."""
+
+    __slots__ = ("kind", "args", "end_offset")
+
+    def __init__(self, kind: str, *args: Any) -> None:
+        self.kind = kind  # "completion": completion_logprobs' args; "chat": chat_logprobs'
+        self.args = args
+        self.end_offset: int | None = None  # completion: the offset after the last token, once encoded
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.kind == "chat":
+            return chat_logprobs(*self.args)
+        block, self.end_offset = _completion_logprobs(*self.args)
+        return block
+
+    def pieces(self) -> Any:
+        """The block's JSON text in pieces; an empty piece marks the end of a slice (a
+        point where the encoder may yield)."""
+        import json
+
+        if self.kind == "chat":
+            tt, ids, entries, k = self.args
+            yield '{"content": ['
+            for s in range(0, len(ids), LOGPROBS_SLICE):
+                part = chat_logprobs(tt, ids[s:s + LOGPROBS_SLICE], entries[s:s + LOGPROBS_SLICE], k)["content"]
+                yield (", " if s else "") + json.dumps(part)[1:-1]
+                yield ""
+            yield "]}"
+            return
+        tt, ids, entries, k, offset, skip_from = self.args
+        it = iter(entries)
+        cols: tuple[list[str], ...] = ([], [], [], [])
+        names = ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        for s in range(0, len(ids), LOGPROBS_SLICE):
+            block, offset = _completion_logprobs(
+                tt, ids[s:s + LOGPROBS_SLICE], itertools.islice(it, LOGPROBS_SLICE), k, offset,
+                None if skip_from is None else skip_from - s)
+            for col, name in zip(cols, names):
+                col.append(json.dumps(block[name])[1:-1])
+            yield ""
+        self.end_offset = offset
+        for i, (col, name) in enumerate(zip(cols, names)):
+            yield ('{"' if i == 0 else ', "') + name + '": ['
+            for j, frag in enumerate(col):
+                yield (", " if j else "") + frag
+            yield "]"
+        yield "}"
+
+
+def json_pieces(obj: Any) -> Any:
+    """``json.dumps(obj)`` as a sequence of pieces (their concatenation is the same
+    text); a :class:`LazyLogprobs` inside is encoded a slice at a time, and an empty
+    piece marks a point where the consumer may yield."""
+    import json
+
+    if isinstance(obj, LazyLogprobs):
+        yield from obj.pieces()
+    elif isinstance(obj, dict) and obj and _has_lazy(obj):
+        for i, (key, v) in enumerate(obj.items()):
+            yield ("{" if i == 0 else ", ") + json.dumps(key) + ": "
+            yield from json_pieces(v)
+        yield "}"
+    elif isinstance(obj, list) and obj and _has_lazy(obj):
+        for i, v in enumerate(obj):
+            yield "[" if i == 0 else ", "
+            yield from json_pieces(v)
+        yield "]"
+    else:
+        yield json.dumps(obj)
+
+
+def _has_lazy(obj: Any) -> bool:
+    if isinstance(obj, LazyLogprobs):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_lazy(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_lazy(v) for v in obj)
+    return False
 
 
 def chat_logprobs(tt: TokenText, token_ids: list[int], entries: list[dict[int, Logprob]], k: int) -> dict[str, Any]:
@@ -486,7 +585,7 @@ def chat_logprobs(tt: TokenText, token_ids: list[int], entries: list[dict[int, L
 
 
 def completion_choice(index: int, c: CompletionOutput, out: RequestOutput, tt: TokenText,
-                      params: SamplingParams, echo_text: str | None) -> dict[str, Any]:
+                      params: SamplingParams, echo_text: str | None, lazy: bool = False) -> dict[str, Any]:
     text = c.text
     logprobs = None
     if echo_text is not None:
@@ -502,13 +601,16 @@ def completion_choice(index: int, c: CompletionOutput, out: RequestOutput, tt: T
             # is read and dropped after (a list would keep them all alive for the collector).
             entries = itertools.chain(plp, entries)
         skip_from = (len(ids) - len(c.token_ids)) if params.skip_special_tokens else None
-        logprobs = completion_logprobs(tt, ids, entries, k, offset, skip_from)
+        args = (tt, ids, entries, k, offset, skip_from)
+        logprobs = LazyLogprobs("completion", *args) if lazy else completion_logprobs(*args)
     return {"index": index, "text": text, "logprobs": logprobs,
             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
 
 
 def completion_body(rid: str, model: str, outs: list[RequestOutput], tt: TokenText, params: SamplingParams,
-                    echo_texts: list[str | None]) -> dict[str, Any]:
+                    echo_texts: list[str | None], lazy: bool = False) -> dict[str, Any]:
+    """The response body; ``lazy``: its logprobs blocks are :class:`LazyLogprobs`
+    (encode it with :func:`json_pieces`)."""
     n = params.n
     return {
         "id": rid,
@@ -516,15 +618,24 @@ def completion_body(rid: str, model: str, outs: list[RequestOutput], tt: TokenTe
         "created": int(time.time()),
         "model": model,
         "choices": [
-            completion_choice(i * n + c.index, c, out, tt, params, echo_texts[i])
+            completion_choice(i * n + c.index, c, out, tt, params, echo_texts[i], lazy)
             for i, out in enumerate(outs) for c in out.outputs
         ],
         "usage": usage(outs),
     }
 
 
-def chat_body(rid: str, model: str, out: RequestOutput, tt: TokenText, params: SamplingParams) -> dict[str, Any]:
+def chat_body(rid: str, model: str, out: RequestOutput, tt: TokenText, params: SamplingParams,
+              lazy: bool = False) -> dict[str, Any]:
     k = params.logprobs or 0
+
+    def logprobs(c: CompletionOutput) -> Any:
+        if c.logprobs is None:
+            return None
+        if lazy:
+            return LazyLogprobs("chat", tt, list(c.token_ids), list(c.logprobs), k)
+        return chat_logprobs(tt, c.token_ids, c.logprobs, k)
+
     return {
         "id": rid,
         "object": "chat.completion",
@@ -534,7 +645,7 @@ def chat_body(rid: str, model: str, out: RequestOutput, tt: TokenText, params: S
             {
                 "index": c.index,
                 "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(tt, c.token_ids, c.logprobs, k) if c.logprobs is not None else None,
+                "logprobs": logprobs(c),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }

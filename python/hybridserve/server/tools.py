@@ -138,6 +138,17 @@ def convert_value(raw: str, schema: Any) -> Any:
         return raw
 
 
+def _unwrap_value(raw: str) -> str:
+    """A parameter's VALUE: the text between ``<parameter=P>`` and ``</parameter>``
+    less the one newline the format puts on each side (a value written without them,
+    by an unconstrained model, is taken as it is)."""
+    if raw.startswith("\n"):
+        raw = raw[1:]
+    if raw.endswith("\n"):
+        raw = raw[:-1]
+    return raw
+
+
 class OutputParser:
     """Parses one completion's text; ``tools`` maps a function name to its parameter
     schema (None: no tool parsing)."""
@@ -159,12 +170,11 @@ class OutputParser:
                 args = {}
                 for p in _PARAM_RE.finditer(m.group(2)):
                     pname = p.group(1).strip()
-                    # The whitespace around a value is the format's (Qwen writes one
-                    # newline each side; the grammar allows a little more). vLLM drops
-                    # only one newline each side, but our "required"/named-tool grammar
-                    # (xgrammar's qwen_3_5 structural tag) lets whitespace in there, so
-                    # a constrained string would break its maxLength/pattern.
-                    value = p.group(2).strip()
+                    # The template writes one newline each side of a value, and the
+                    # tool grammar (structured.grammar.qwen_xml_arguments_format)
+                    # allows exactly that: only those two are the format's, the rest
+                    # of the whitespace is the value's (as vLLM's qwen3_coder reads it).
+                    value = _unwrap_value(p.group(2))
                     args[pname] = convert_value(value, props.get(pname))
                 calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
             return calls or None
@@ -281,20 +291,25 @@ def _held(text: str, start: int, end: int, markers: tuple[str, ...]) -> int:
 
 
 class StreamingParser:
-    """The deltas of one streamed choice: ``feed(whole text so far)`` returns a list of
-    OpenAI delta objects (reasoning_content / content / tool_calls).
+    """The deltas of one streamed choice: ``feed_delta(new text)`` (or ``feed(whole
+    text so far)``) returns a list of OpenAI delta objects (reasoning_content / content /
+    tool_calls).
 
     Incremental: between calls it keeps its position, so each call scans only the new
     text plus a bounded lookback (a partly received marker such as ``<tool_call>`` or
     ``</think>``); ``scanned`` counts the characters examined. Text goes out only once
     nothing later can change it, so the pieces are prefixes of the non-streamed parse;
     the final call parses the whole text once (linear) and sends what remains of it.
+
+    Linear in copying too: it keeps only the text it may still need (from the current
+    segment's unsent part, or an open call's start) in one buffer; while a call is open
+    and the new text cannot close it, the new text waits in a list and is joined once.
+    ``copied`` counts the characters copied into that buffer.
     """
 
     def __init__(self, parser: OutputParser) -> None:
         self.parser = parser
-        self.sent_reasoning = ""
-        self.sent_content = ""
+        self._sent = {"reasoning": [], "content": []}  # pieces sent (joined once, at the end)
         self.sent_calls = 0
         self.final: Parsed | None = None
         self.scanned = 0
@@ -307,17 +322,27 @@ class StreamingParser:
         self._end_from = 0  # where the next </tool_call> search starts
         self._calls: list[ToolCall] = []
         self._emit = {"reasoning": _Emitter(), "content": _Emitter()}
+        self._pieces: list[str] = []  # everything received, joined once for the final parse
+        self._tail = ""  # the last characters received (a marker split across deltas)
+        self._buf = ""  # the received text still needed; the indexes above are into it
+        self._pending: list[str] = []  # text received while an open call cannot close
+        self._received = 0
+        self.copied = 0
+
+    @property
+    def sent_reasoning(self) -> str:
+        return "".join(self._sent["reasoning"])
+
+    @property
+    def sent_content(self) -> str:
+        return "".join(self._sent["content"])
 
     def _field(self, name: str, piece: str, deltas: list[dict[str, Any]]) -> None:
         piece = self._emit[name].add(piece)
         if not piece:
             return
-        if name == "reasoning":
-            self.sent_reasoning += piece
-            deltas.append({"reasoning_content": piece})
-        else:
-            self.sent_content += piece
-            deltas.append({"content": piece})
+        self._sent[name].append(piece)
+        deltas.append({"reasoning_content": piece} if name == "reasoning" else {"content": piece})
 
     def _segment(self, text: str, end: int, field_name: str, holds: tuple[str, ...],
                  closed: bool, deltas: list[dict[str, Any]]) -> None:
@@ -394,23 +419,68 @@ class StreamingParser:
         self._segment(text, n, "content", call_holds, False, deltas)
         return deltas
 
+    def _may_close(self, delta: str) -> bool:
+        """Whether ``delta`` may end the open call (or, in the reasoning, the segment)."""
+        probe = self._tail + delta[:len(CALL_END)]
+        if CALL_END in probe or CALL_END in delta:
+            return True
+        return self._stage == "reasoning" and (THINK_END in probe or THINK_END in delta)
+
+    def _trim(self) -> None:
+        """Drops the buffer's prefix nothing will read again (sent text, skipped
+        whitespace), and moves the indexes with it."""
+        if self._stage == "start":
+            cut = self._lead
+        else:
+            cut = self._seg_start
+            if self._stage == "reasoning":
+                cut = min(cut, self._think_from)
+        if cut <= 0:
+            return
+        self._buf = self._buf[cut:]
+        self.copied += len(self._buf)
+        self._lead = max(0, self._lead - cut)
+        self._seg_start -= cut
+        self._think_from = max(0, self._think_from - cut)
+        self._end_from = max(0, self._end_from - cut)
+        if self._call_at >= 0:
+            self._call_at -= cut
+
     def feed(self, text: str, final: bool) -> list[dict[str, Any]]:
-        if not final:
-            return self._advance(text)
+        """``text``: the whole output so far (the last call's ``text`` and more)."""
+        return self.feed_delta(text[self._received:], final)
+
+    def feed_delta(self, delta: str, final: bool) -> list[dict[str, Any]]:
+        """``delta``: the output's new text since the last call."""
+        self._pieces.append(delta)
+        self._received += len(delta)
+        if final:
+            return self._final("".join(self._pieces))
+        deltas: list[dict[str, Any]] = []
+        if self._call_at >= 0 and not self._may_close(delta):
+            self._pending.append(delta)  # nothing can go out before the call closes
+        else:
+            self._buf = "".join([self._buf, *self._pending, delta])
+            self.copied += len(self._buf)
+            self._pending.clear()
+            deltas = self._advance(self._buf)
+            self._trim()
+        self._tail = (self._tail + delta[-len(CALL_END):])[-len(CALL_END):]
+        return deltas
+
+    def _final(self, text: str) -> list[dict[str, Any]]:
         p = self.parser.parse(text, final=True)
         self.scanned += len(text)
         for call, sent in zip(p.calls, self._calls):
             call.id = sent.id  # the ids the client already has
         self.final = p
         deltas: list[dict[str, Any]] = []
-        r = p.reasoning or ""
-        if len(r) > len(self.sent_reasoning) and r.startswith(self.sent_reasoning):
-            deltas.append({"reasoning_content": r[len(self.sent_reasoning):]})
-            self.sent_reasoning = r
-        c = p.content or ""
-        if len(c) > len(self.sent_content) and c.startswith(self.sent_content):
-            deltas.append({"content": c[len(self.sent_content):]})
-            self.sent_content = c
+        for name, key, whole in (("reasoning", "reasoning_content", p.reasoning or ""),
+                                 ("content", "content", p.content or "")):
+            sent = "".join(self._sent[name])
+            if len(whole) > len(sent) and whole.startswith(sent):
+                deltas.append({key: whole[len(sent):]})
+                self._sent[name] = [whole]
         for i in range(len(self._calls), len(p.calls)):
             call = p.calls[i]
             deltas.append({"tool_calls": [{"index": i, "id": call.id, "type": "function",

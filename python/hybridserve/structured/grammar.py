@@ -215,3 +215,122 @@ class GrammarCompiler:
 def _short(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return text if len(text) <= 400 else text[:400] + " ..."
+
+
+# -- Qwen3.5's XML tool-call arguments ------------------------------------------------
+#
+# The checkpoint's template renders a call's arguments as
+#     <parameter=P>\nVALUE\n</parameter>\n
+# one after another between "<function=NAME>\n" and "</function>": exactly one newline
+# after the opening tag and one before the closing tag, a string VALUE raw (not JSON),
+# anything else as JSON. xgrammar's own "qwen_xml" style lets 0-2 whitespace characters
+# in around every value, so a string's own leading / trailing whitespace could not be
+# told from the format's; these formats allow exactly the template's text, and the
+# parser (server/tools.py) takes exactly one newline off each side.
+
+QWEN_PARAM_CLOSE = "</parameter>"
+_STRING_ONLY_KEYWORDS = {"type", "description", "title", "default", "examples", "enum", "const", "pattern",
+                         "minLength", "maxLength", "$comment", "deprecated", "readOnly", "writeOnly"}
+
+
+def _is_string_schema(schema: Any) -> bool:
+    if not isinstance(schema, dict):
+        return False
+    t = schema.get("type")
+    if t == "string" or t == ["string"]:
+        return True
+    if t is None:
+        for key in ("enum",):
+            vals = schema.get(key)
+            if isinstance(vals, list) and vals and all(isinstance(v, str) for v in vals):
+                return True
+        if isinstance(schema.get("const"), str):
+            return True
+    return False
+
+
+def _pattern_body(pattern: str) -> str:
+    """A JSON-schema pattern as a whole-value regex (schemas anchor with ^...$; the
+    value must match whole, as xgrammar reads patterns)."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
+    return pattern
+
+
+def qwen_xml_string_format(schema: dict[str, Any], where: str) -> dict[str, Any]:
+    """The format of a raw string VALUE under ``schema``."""
+    extra = sorted(set(schema) - _STRING_ONLY_KEYWORDS)
+    if extra:
+        raise InvalidRequest(f"{where}: the keywords {extra} cannot be enforced on a raw string value in "
+                             "Qwen's XML tool-call format; remove them")
+    if "const" in schema:
+        return {"type": "const_string", "value": str(schema["const"])}
+    if "enum" in schema:
+        vals = [v for v in schema["enum"] if isinstance(v, str)]
+        if not vals:
+            raise InvalidRequest(f"{where}: a string parameter's enum has no string value")
+        return {"type": "or", "elements": [{"type": "const_string", "value": v} for v in vals]}
+    lo, hi = schema.get("minLength"), schema.get("maxLength")
+    if "pattern" in schema:
+        if lo is not None or hi is not None:
+            raise InvalidRequest(f"{where}: 'pattern' together with 'minLength'/'maxLength' cannot be "
+                                 "enforced on a raw string value; fold the length into the pattern")
+        return {"type": "regex", "pattern": _pattern_body(schema["pattern"])}
+    if lo is not None or hi is not None:
+        return {"type": "regex", "pattern": "[\\s\\S]{%d,%s}" % (int(lo or 0), "" if hi is None else int(hi))}
+    # Free text: anything but the closing tag itself, so the parser's first
+    # "</parameter>" is the value's end.
+    return {"type": "any_text", "excludes": [QWEN_PARAM_CLOSE]}
+
+
+def qwen_xml_value_format(schema: Any, where: str) -> dict[str, Any]:
+    """The format of one parameter's VALUE: raw text for a string schema, JSON for any
+    other; a schema that allows both (``["string", "null"]``, an ``anyOf`` with a string
+    branch) allows either writing, as the parser reads them (server/tools.convert_value)."""
+    if _is_string_schema(schema):
+        return qwen_xml_string_format(schema, where)
+    if isinstance(schema, dict):
+        t = schema.get("type")
+        if isinstance(t, list) and "string" in t:
+            string_part = {k: v for k, v in schema.items() if k in _STRING_ONLY_KEYWORDS and k not in ("enum", "const")}
+            string_part["type"] = "string"
+            rest = [x for x in t if x != "string"]
+            elements = [qwen_xml_string_format(string_part, where)]
+            if rest:
+                elements.append({"type": "grammar", "grammar": json_schema_ebnf({**schema, "type": rest})})
+            return elements[0] if len(elements) == 1 else {"type": "or", "elements": elements}
+        for key in ("anyOf", "oneOf"):
+            branches = schema.get(key)
+            if isinstance(branches, list) and branches and t is None and any(
+                    _is_string_schema(b) or (isinstance(b, dict) and isinstance(b.get("type"), list)
+                                             and "string" in b["type"]) for b in branches):
+                return {"type": "or", "elements": [qwen_xml_value_format(b, f"{where}.{key}[{i}]")
+                                                   for i, b in enumerate(branches)]}
+    return {"type": "grammar", "grammar": json_schema_ebnf(schema if isinstance(schema, dict) else {})}
+
+
+def qwen_xml_arguments_format(parameters: dict[str, Any], where: str = "tools") -> dict[str, Any]:
+    """The format of a call's arguments, from just after "<function=NAME>\\n" up to
+    "</function>": each property in the schema's order, the required ones always and the
+    others optionally, each as the template writes it."""
+    props = parameters.get("properties") or {}
+    required = set(parameters.get("required") or [])
+    unknown = sorted(required - set(props))
+    if unknown:
+        raise InvalidRequest(f"{where}: 'required' names {unknown}, which are not in 'properties'")
+    elements: list[dict[str, Any]] = []
+    for name, sub in props.items():
+        if not re.fullmatch(r"[^<>\n]+", name):
+            raise InvalidRequest(f"{where}: the parameter name {name!r} cannot be written in Qwen's XML "
+                                 "tool-call format (no '<', '>' or newline)")
+        tag = {"type": "tag", "begin": f"<parameter={name}>\n",
+               "content": qwen_xml_value_format(sub, f"{where}: parameter {name!r}"),
+               "end": "\n" + QWEN_PARAM_CLOSE + "\n"}
+        elements.append(tag if name in required else {"type": "optional", "content": tag})
+    if not elements:
+        return {"type": "const_string", "value": ""}
+    if len(elements) == 1:
+        return elements[0]
+    return {"type": "sequence", "elements": elements}
