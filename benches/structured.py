@@ -252,7 +252,10 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, tempe
     from hybridserve import LLM, SamplingParams
     from hybridserve.structured.params import StructuredOutputsParams
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=batch, max_model_len=1024)
+    # A fixed KV budget: the default is a share of the host's free memory, which other
+    # jobs on a shared machine move.
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=batch, max_model_len=1024,
+              kv_cache_memory_bytes=1 << 30)
     prompts = [f"Record {i} as JSON:" for i in range(batch)]
 
     def constrained() -> list:
