@@ -233,7 +233,7 @@ class Sampler:
     def fuse_token_mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], vocab: int) -> bool:
         """Offers constrained decoding's token masks for the draw of the planned step
         (:meth:`plan`, then :meth:`sample_planned` of ``logits``): logits rows ``rows``
-        (ascending) masked by the same rows of ``bitmask`` (int32 ``[>= rows, words]`` on
+        (ascending, distinct) masked by the same rows of ``bitmask`` (int32 ``[>= rows, words]`` on
         the CPU, xgrammar's layout; tokens ``< vocab``). True: the native kernel will
         apply them in its draw, as if they had been applied to ``logits`` first (the same
         tokens, streams and counts), and ``bitmask`` must stay as it is until then.

@@ -88,12 +88,16 @@ def logits_view(logits: torch.Tensor) -> np.ndarray:
 
 
 def mask_arg(prep: Prepared, bitmask: torch.Tensor, rows, vocab: int) -> tuple:
-    """The kernel's ``mask`` argument: logits rows ``rows`` of ``prep`` masked by the
-    same rows of ``bitmask`` (int32 ``[>= rows, words]``, xgrammar's layout), tokens
-    ``< vocab``."""
+    """The kernel's ``mask`` argument: logits rows ``rows`` (ascending, distinct) of
+    ``prep`` masked by the same rows of ``bitmask`` (int32 ``[>= rows, words]``,
+    xgrammar's layout), tokens ``< vocab``."""
     nr: NativeRows = prep.native
+    if len(rows) == prep.num_rows and rows[0] == 0 and rows[-1] == len(rows) - 1:
+        # Every row masked (rows ascending and distinct): each by its own bitmask row.
+        return bitmask.numpy(), nr.row_of, int(vocab)
     by_row = np.full(prep.num_rows, -1, dtype=np.int64)
-    by_row[np.asarray(rows, dtype=np.int64)] = np.asarray(rows, dtype=np.int64)
+    at = np.asarray(rows, dtype=np.int64)
+    by_row[at] = at
     return bitmask.numpy(), by_row[nr.row_of], int(vocab)
 
 
