@@ -2,6 +2,7 @@
 and constrained vs unconstrained decoding end to end.
 
     python benches/structured.py [--vocab qwen|tiny|both] [--skip-e2e] [--batch 16]
+        [--skip-llguidance] [--compare-unfused]
 
 Parts (one run prints them all):
 
@@ -11,12 +12,15 @@ Parts (one run prints them all):
    ``--batch`` sequences through valid documents token by token, filling each step's
    bitmask for the whole batch (each engine's batched, multi-threaded fill) and
    applying it to a float32 ``[batch, 248320]`` logits tensor. Reported per
-   sequence-step: fill, apply, and both.
+   sequence-step: fill, apply, and both; and the CPU draw of the masked batch (greedy
+   and seeded), the mask applied before the native draw against fused into it.
 2. **End to end**: ``--batch`` concurrent requests through the engine (CPU), each with
    the JSON schema, against the same requests unconstrained, each of those made to
    produce exactly as many tokens as its constrained twin (see ``end_to_end``); time
-   per output token, mask time per sequence-step, compile time per schema. On the
-   default tiny model (byte vocabulary) and on a tiny model with Qwen's vocabulary.
+   per output token, mask time per sequence-step (wall and CPU on the mask thread),
+   compile time per schema. On the default tiny model (byte vocabulary) and on a tiny
+   model with Qwen's vocabulary. ``--compare-unfused`` adds a third run per pair with
+   the masks applied to the logits before the draw (the path before the fused mask).
 """
 
 from __future__ import annotations
