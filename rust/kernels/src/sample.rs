@@ -368,11 +368,15 @@ pub fn sample_rows<T: Elem>(
                 Kind::Seeded => stream::row_state(ip[I_KEY] as u64, ip[I_OFF] as u64),
                 _ => stream::row_state(stream::unseeded_key(samples.unseeded_key, i), 0),
             };
+            // A masked row with nothing added to it (no bias or penalties) holds -inf at
+            // every masked token: the draw may pass over those (see `draw`).
+            let allowed = mask.filter(|_| pslot < 0 && samples.biased[i] == 0);
             draw(
                 x,
                 fp,
                 ip[I_TOPK],
                 state,
+                allowed,
                 &mut w.list,
                 &mut w.select,
                 &mut w.packed,
@@ -581,14 +585,41 @@ fn logsumexp(values: impl Iterator<Item = f32>, m: f32) -> f32 {
     shift + (total as f32).ln()
 }
 
+/// Calls `f` on each column of a row of `n` that `bits` allows (every column from
+/// `vocab` on), in ascending order; a zero word's 32 columns are not visited.
+#[inline]
+fn for_allowed(bits: &[i32], vocab: usize, n: usize, mut f: impl FnMut(usize)) {
+    let full = vocab / 32;
+    for (wi, &w) in bits[..full].iter().enumerate() {
+        let mut w = w as u32;
+        while w != 0 {
+            let b = w.trailing_zeros() as usize;
+            f(wi * 32 + b);
+            w &= w - 1;
+        }
+    }
+    for t in full * 32..vocab {
+        if (bits[full] as u32 >> (t % 32)) & 1 == 1 {
+            f(t);
+        }
+    }
+    for t in vocab..n {
+        f(t);
+    }
+}
+
 /// Temperature, min-p, top-k, top-p and the race of a sampled row, in place on `x`;
-/// returns the token and the cut (tokens below it are dropped).
+/// returns the token and the cut (tokens below it are dropped). `allowed`: a token mask
+/// `(bits, vocab)` under which every masked token of `x` is -inf; the temperature and
+/// the race (without top-k and top-p) then visit the allowed tokens only (a masked
+/// token stays -inf under a positive finite temperature, and the race skips -inf).
 #[allow(clippy::too_many_arguments)]
 fn draw(
     x: &mut [f32],
     fp: &[f32],
     top_k: i64,
     state: u64,
+    allowed: Option<(&[i32], usize)>,
     list: &mut Vec<Entry>,
     select: &mut Select,
     packed: &mut Vec<u64>,
@@ -596,9 +627,15 @@ fn draw(
 ) -> (usize, f32) {
     let vocab = x.len();
     let temp = fp[F_TEMP];
+    let allowed = allowed.filter(|_| temp.is_finite() && temp > 0.0);
     if temp != 1.0 {
-        for v in x.iter_mut() {
-            *v /= temp;
+        match allowed {
+            Some((bits, mv)) => for_allowed(bits, mv, vocab, |j| x[j] /= temp),
+            None => {
+                for v in x.iter_mut() {
+                    *v /= temp;
+                }
+            }
         }
     }
     let min_p = fp[F_MINP];
@@ -675,6 +712,19 @@ fn draw(
             let e = if exps_ready { exps[i] } else { (v - m).exp() };
             consider(j as usize, e);
         }
+    } else if let Some((bits, mv)) = allowed {
+        let mut m = f32::NEG_INFINITY;
+        for_allowed(bits, mv, vocab, |j| {
+            if x[j] > m {
+                m = x[j];
+            }
+        });
+        for_allowed(bits, mv, vocab, |j| {
+            let v = x[j];
+            if !(v < cut || v == f32::NEG_INFINITY) {
+                consider(j, (v - m).exp());
+            }
+        });
     } else {
         let m = row_max(x);
         for (j, &v) in x.iter().enumerate() {
