@@ -184,3 +184,55 @@ def test_a_mask_offered_for_other_logits_is_applied_to_them():
     other[0, 7] = 1.0
     assert s.sample_planned(other, prep).token_ids == [7]  # drawn unmasked
     assert torch.isinf(offered[0]).sum() == vocab - 1 and offered[0, 35] == 0.0
+
+
+def test_the_engine_fuses_its_masks_and_generates_what_applying_them_generates(tmp_path):
+    """Through the engine (tiny model, a JSON schema): the steps' masks go into the
+    sampler's draw (counted), and greedy, seeded and n=2 outputs, with penalties, are
+    token for token those of the same engine applying the masks to the logits first;
+    a request asking for logprobs gets them from the masked logits either way."""
+    import json
+
+    from hybridserve import LLM
+    from hybridserve.model.tiny import write_tiny_checkpoint
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["name", "n"], "additionalProperties": False}
+    d = write_tiny_checkpoint(tmp_path / "m", preset="test-a", seed=5, qwen_chat=True)
+    llm = LLM(d, dtype="float32", device="cpu", num_pages=96, max_num_seqs=6, max_model_len=512)
+    sd = llm.engine.structured_decoding()
+    sampler = sd.sampler
+    assert sampler is not None, "the engine's sampler is handed to the structured decoding"
+    prompts = ["A record:", "Another", "x" * 30]
+
+    def params():
+        return [SamplingParams(max_tokens=40, temperature=0.0, structured_outputs={"json": schema}),
+                SamplingParams(max_tokens=40, temperature=1.0, seed=3, presence_penalty=0.5,
+                               structured_outputs={"json": schema}),
+                SamplingParams(max_tokens=40, temperature=0.8, seed=4, n=2, top_p=0.9,
+                               structured_outputs={"json": schema})]
+
+    def with_logprobs():  # no step of it can fuse: its logprobs are of the masked logits
+        return [SamplingParams(max_tokens=40, temperature=0.8, seed=6, logprobs=2,
+                               structured_outputs={"json": schema})]
+
+    fused0 = sd.stats()["mask_fused_rows"]
+    got = llm.generate(prompts, params()) + llm.generate(prompts[:1], with_logprobs())
+    assert sd.stats()["mask_fused_rows"] > fused0, "the masks went into the draw"
+    sd.sampler = None  # the unfused path: masks applied to the logits
+    try:
+        want = llm.generate(prompts, params()) + llm.generate(prompts[:1], with_logprobs())
+    finally:
+        sd.sampler = sampler
+    assert len(got) == len(want) == 4
+    for g_out, w_out in zip(got, want):
+        assert len(g_out.outputs) == len(w_out.outputs)
+        for a, b in zip(g_out.outputs, w_out.outputs):
+            assert list(a.token_ids) == list(b.token_ids)
+            if a.finish_reason == "stop":  # else cut by max_tokens
+                json.loads(a.text)
+            assert (a.logprobs is None) == (b.logprobs is None)
+            if a.logprobs is not None:
+                assert a.logprobs == b.logprobs
+    assert got[-1].outputs[0].logprobs, "the logprobs request got logprobs"

@@ -55,7 +55,9 @@ class _Matcher:
 class StructuredDecoding:
     """The engine's constrained requests: compiled grammars, per-sample matchers, masks."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], sampler: Any = None) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], core: Any = None) -> None:
+        """``core``: the engine core whose sampler draws the masked rows (its draw may
+        take the masks itself, see :meth:`apply`); None: the masks are always applied."""
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
         self.xgr = self.compiler.xgr
         self.vocab_size = vocab_size
@@ -64,7 +66,7 @@ class StructuredDecoding:
         self._matchers: dict[tuple[str, int], _Matcher] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         # The engine's sampler: a step's masks go into its draw when it can take them.
-        self.sampler = sampler
+        self.sampler = getattr(core, "sampler", None)
         self._bitmask: torch.Tensor | None = None
         self._batch = None
         # Metrics: mask fills, their seconds (sequence-steps and wall), apply seconds.
