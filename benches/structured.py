@@ -2,6 +2,7 @@
 and constrained vs unconstrained decoding end to end.
 
     python benches/structured.py [--vocab qwen|tiny|both] [--skip-e2e] [--batch 16]
+        [--skip-llguidance] [--compare-unfused]
 
 Parts (one run prints them all):
 
@@ -11,12 +12,15 @@ Parts (one run prints them all):
    ``--batch`` sequences through valid documents token by token, filling each step's
    bitmask for the whole batch (each engine's batched, multi-threaded fill) and
    applying it to a float32 ``[batch, 248320]`` logits tensor. Reported per
-   sequence-step: fill, apply, and both.
+   sequence-step: fill, apply, and both; and the CPU draw of the masked batch (greedy
+   and seeded), the mask applied before the native draw against fused into it.
 2. **End to end**: ``--batch`` concurrent requests through the engine (CPU), each with
    the JSON schema, against the same requests unconstrained, each of those made to
    produce exactly as many tokens as its constrained twin (see ``end_to_end``); time
-   per output token, mask time per sequence-step, compile time per schema. On the
-   default tiny model (byte vocabulary) and on a tiny model with Qwen's vocabulary.
+   per output token, mask time per sequence-step (wall and CPU on the mask thread),
+   compile time per schema. On the default tiny model (byte vocabulary) and on a tiny
+   model with Qwen's vocabulary. ``--compare-unfused`` adds a third run per pair with
+   the masks applied to the logits before the draw (the path before the fused mask).
 """
 
 from __future__ import annotations
@@ -122,7 +126,58 @@ def bench_xgrammar(tok, vocab: int, eos: int, walks: list[list[int]], reps: int)
                 assert ms[i].accept_token(walks[i][t]), "the document does not fit the grammar"
     return {"engine": "xgrammar", "tokenizer_info_s": t_info, "compile_ms": statistics.median(compile_s) * 1e3,
             "fill_us": statistics.median(fills) * 1e6, "apply_us": statistics.median(applies) * 1e6,
-            "fill_mean_us": statistics.mean(fills) * 1e6, "native_apply_us": statistics.median(natives) * 1e6}
+            "fill_mean_us": statistics.mean(fills) * 1e6, "native_apply_us": statistics.median(natives) * 1e6,
+            "draw": bench_masked_draw(g, vocab, walks, reps)}
+
+
+def bench_masked_draw(grammar, vocab: int, walks: list[list[int]], reps: int) -> dict:
+    """The CPU draw of a masked batch, per sequence-step: the mask applied to the logits
+    then the native draw (the unfused path), against the mask fused into the draw
+    (``Sampler.fuse_token_mask``), and the unmasked draw for scale; greedy and seeded
+    (temperature 1). The masks are the walk's real ones (fresh logits each step)."""
+    import xgrammar as xgr
+
+    from hybridserve.sampler import Sampler, SamplingRow, make_generator
+    from hybridserve.sampling import SamplingParams
+    from hybridserve.structured.engine_hook import apply_bitmask
+
+    B = len(walks)
+    steps = min(len(w) for w in walks)
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for how, kw in (("greedy", dict(temperature=0.0)), ("seeded", dict(temperature=1.0))):
+        times: dict[str, list[float]] = {"plain": [], "apply+draw": [], "fused": []}
+        for _ in range(reps):
+            ms = [xgr.GrammarMatcher(grammar) for _ in range(B)]
+            bm = xgr.allocate_token_bitmask(B, vocab)
+            samplers = {k: Sampler(native=True, steady_rows=True) for k in times}
+            outs = {k: [[] for _ in range(B)] for k in times}
+            rows = {k: [SamplingRow(params=SamplingParams(seed=i + 1, **kw), prompt_token_ids=[1],
+                                    output_token_ids=outs[k][i], generator=make_generator(i + 1, 0), key=i)
+                        for i in range(B)] for k in times}
+            live = list(range(B))
+            for t in range(steps):
+                for i in live:
+                    ms[i].fill_next_token_bitmask(bm, i)
+                base = torch.randn(B, vocab, generator=g)
+                for k in times:
+                    logits = base.clone()
+                    s = samplers[k]
+                    prep = s.plan(rows[k], vocab, torch.device("cpu"))
+                    t0 = time.perf_counter()
+                    if k == "apply+draw":
+                        apply_bitmask(logits, bm, live, vocab)
+                    elif k == "fused":
+                        assert s.fuse_token_mask(logits, bm, live, vocab)
+                    tok = s.sample_planned(logits, prep).token_ids
+                    times[k].append((time.perf_counter() - t0) / B)
+                    for i in range(B):
+                        outs[k][i].append(tok[i])
+                assert outs["fused"] == outs["apply+draw"], "the fused draw must draw the unfused tokens"
+                for i in live:
+                    assert ms[i].accept_token(walks[i][t]), "the document does not fit the grammar"
+        out[how] = {k: statistics.median(v) * 1e6 for k, v in times.items()}
+    return out
 
 
 def bench_llguidance(tok, vocab: int, eos: int, walks: list[list[int]], reps: int) -> dict:
@@ -166,13 +221,15 @@ def bench_llguidance(tok, vocab: int, eos: int, walks: list[list[int]], reps: in
             "fill_mean_us": statistics.mean(fills) * 1e6}
 
 
-def engines(tok_dir: Path, batch: int, reps: int) -> list[dict]:
+def engines(tok_dir: Path, batch: int, reps: int, llguidance: bool = True) -> list[dict]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     walks = _walks(tok, batch)
     rows = [bench_xgrammar(tok, QWEN_VOCAB_SIZE, eos, walks, reps)]
+    if not llguidance:
+        return rows
     try:
         rows.append(bench_llguidance(tok, QWEN_VOCAB_SIZE, eos, walks, reps))
     except ImportError:
@@ -180,7 +237,8 @@ def engines(tok_dir: Path, batch: int, reps: int) -> list[dict]:
     return rows
 
 
-def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, temperature: float = 1.0) -> dict:
+def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, temperature: float = 1.0,
+               compare_unfused: bool = False) -> dict:
     """Constrained against unconstrained decoding of the same requests, like with like.
 
     The constrained run ends each sequence where its JSON ends, the unconstrained one
@@ -198,7 +256,10 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, tempe
     from hybridserve import LLM, SamplingParams
     from hybridserve.structured.params import StructuredOutputsParams
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=batch, max_model_len=1024)
+    # A fixed KV budget: the default is a share of the host's free memory, which other
+    # jobs on a shared machine move.
+    llm = LLM(model_dir, dtype="float32", device="cpu", max_num_seqs=batch, max_model_len=1024,
+              kv_cache_memory_bytes=1 << 30)
     prompts = [f"Record {i} as JSON:" for i in range(batch)]
 
     def constrained() -> list:
@@ -218,14 +279,21 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, tempe
     matched = [SamplingParams(max_tokens=n, ignore_eos=True, temperature=temperature, seed=1 + i)
                for i, n in enumerate(lengths)]
     llm.generate(prompts, matched)
-    runs: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
+    # With compare_unfused a third run per pair: constrained, the masks applied to the
+    # logits before the draw (the path before the mask was fused into the sampler).
+    names = ("unconstrained", "constrained") + (("unfused",) if compare_unfused else ())
+    runs: dict[str, list[float]] = {n: [] for n in names}
     # ms per token of the step phases but process_outputs, and of process_outputs.
-    steps_ms: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
-    outputs_ms: dict[str, list[float]] = {"unconstrained": [], "constrained": []}
-    mask = {"rows": 0, "fill_s": 0.0, "critical_s": 0.0}
+    steps_ms: dict[str, list[float]] = {n: [] for n in names}
+    outputs_ms: dict[str, list[float]] = {n: [] for n in names}
+    # The engine's "sample" phase (the masks' wait and apply, and the draw) per token.
+    sample_ms: dict[str, list[float]] = {n: [] for n in names}
+    unfused_critical = [0.0, 0]
+    mask = {"rows": 0, "fill_s": 0.0, "cpu_s": 0.0, "critical_s": 0.0, "fused": 0}
     # Alternated, medians of `reps` runs each: this machine's load moves between runs.
     for _ in range(reps):
-        for name in ("unconstrained", "constrained"):
+        for name in names:
+            sd.sampler = None if name == "unfused" else llm.engine.core.sampler
             st0 = llm.engine.stats()["structured"]
             ph0 = dict(llm.engine.stats()["step_phase_seconds"])
             t0 = time.perf_counter()
@@ -236,11 +304,19 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, tempe
             runs[name].append(dt / sum(lengths) * 1e3)
             ph = {k: v - ph0.get(k, 0.0) for k, v in llm.engine.stats()["step_phase_seconds"].items()}
             outputs_ms[name].append(ph.get("process_outputs", 0.0) / sum(lengths) * 1e3)
+            sample_ms[name].append(ph.get("sample", 0.0) / sum(lengths) * 1e3)
             steps_ms[name].append((sum(ph.values()) - ph.get("process_outputs", 0.0)) / sum(lengths) * 1e3)
+            if name == "unfused":
+                st = llm.engine.stats()["structured"]
+                unfused_critical[0] += sum(st[k] - st0[k] for k in ("mask_submit_seconds", "mask_wait_seconds",
+                                                                     "mask_apply_seconds"))
+                unfused_critical[1] += st["mask_sequence_steps"] - st0["mask_sequence_steps"]
             if name == "constrained":
                 st = llm.engine.stats()["structured"]
                 mask["rows"] += st["mask_sequence_steps"] - st0["mask_sequence_steps"]
                 mask["fill_s"] += st["mask_seconds"] - st0["mask_seconds"]
+                mask["cpu_s"] += st["mask_cpu_seconds"] - st0["mask_cpu_seconds"]
+                mask["fused"] += st["mask_fused_rows"] - st0["mask_fused_rows"]
                 mask["critical_s"] += sum(st[k] - st0[k] for k in ("mask_submit_seconds", "mask_wait_seconds",
                                                                     "mask_apply_seconds"))
     out: dict = {name: {"ms_per_token": statistics.median(v), "all": v} for name, v in runs.items()}
@@ -251,6 +327,8 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, tempe
     # engine thread (starting the job, waiting for it after the forward, applying it),
     # per constrained sequence-step.
     out["mask_us_per_seq_step"] = mask["fill_s"] / max(mask["rows"], 1) * 1e6
+    out["mask_cpu_us_per_seq_step"] = mask["cpu_s"] / max(mask["rows"], 1) * 1e6
+    out["fused_share"] = mask["fused"] / max(mask["rows"], 1)
     out["critical_us_per_seq_step"] = mask["critical_s"] / max(mask["rows"], 1) * 1e6
     # Each constrained run against the unconstrained run just before it (the machine's
     # load drifts less within a pair than across the whole bench).
@@ -259,6 +337,11 @@ def end_to_end(model_dir: str, batch: int, max_tokens: int, reps: int = 3, tempe
     for name in runs:
         out[name]["steps_ms"] = statistics.median(steps_ms[name])
         out[name]["outputs_ms"] = statistics.median(outputs_ms[name])
+        out[name]["sample_ms"] = statistics.median(sample_ms[name])
+    if compare_unfused:
+        out["unfused_ratios"] = [c / u for c, u in zip(runs["unfused"], runs["unconstrained"])]
+        out["unfused_ratio"] = statistics.median(out["unfused_ratios"])
+        out["unfused_critical_us_per_seq_step"] = unfused_critical[0] / max(unfused_critical[1], 1) * 1e6
     out["steps_ratio"] = out["constrained"]["steps_ms"] / out["unconstrained"]["steps_ms"]
     return out
 
@@ -274,11 +357,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
                     help="end to end: one row per sampling temperature (0: greedy)")
     ap.add_argument("--skip-engines", action="store_true")
+    ap.add_argument("--skip-llguidance", action="store_true",
+                    help="engines: xgrammar only (llguidance's tokenizer set-up takes minutes at Qwen's vocabulary)")
+    ap.add_argument("--compare-unfused", action="store_true",
+                    help="end to end: a third run per pair with the masks applied to the logits before the draw "
+                         "(not fused into the sampler), side by side")
     ap.add_argument("--work", default=None, help="folder for the tokenizer and models (default: a temp dir)")
     a = ap.parse_args(argv)
     work = Path(a.work or tempfile.mkdtemp(prefix="structured-bench-"))
     torch.set_num_threads(a.threads)
-    print(f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}")
+    print(f"torch threads {torch.get_num_threads()}, cpus {os.cpu_count()}, load average "
+          f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     if a.vocab in ("qwen", "both"):
         tok_dir = qwen_tokenizer_dir(work)
         if not a.skip_engines:
@@ -286,10 +375,18 @@ def main(argv: list[str] | None = None) -> int:
             print("| engine | tokenizer setup (s) | compile (ms) | fill median (us) | fill mean (us) | "
                   "its apply (us) | native apply (us) |")
             print("| --- | --- | --- | --- | --- | --- | --- |")
-            for r in engines(tok_dir, a.batch, a.reps):
+            results = engines(tok_dir, a.batch, a.reps, not a.skip_llguidance)
+            for r in results:
                 nat = f"{r['native_apply_us']:.1f}" if "native_apply_us" in r else "-"
                 print(f"| {r['engine']} | {r['tokenizer_info_s']:.2f} | {r['compile_ms']:.1f} | {r['fill_us']:.1f} | "
                       f"{r['fill_mean_us']:.1f} | {r['apply_us']:.1f} | {nat} |")
+            print(f"\n## the CPU draw of a masked batch ({a.batch} rows of {QWEN_VOCAB_SIZE}), us per sequence-step, "
+                  "medians: the mask applied then the native draw, against the mask fused into the draw")
+            print("| sampling | unmasked draw | apply + draw | fused draw | fused / (apply + draw) |")
+            print("| --- | --- | --- | --- | --- |")
+            for how, d in results[0]["draw"].items():
+                print(f"| {how} | {d['plain']:.1f} | {d['apply+draw']:.1f} | {d['fused']:.1f} | "
+                      f"{d['fused'] / d['apply+draw']:.3f} |")
     if a.skip_e2e:
         return 0
     from hybridserve.model.tiny import write_tiny_checkpoint
@@ -306,18 +403,35 @@ def main(argv: list[str] | None = None) -> int:
           "of each request held to the constrained one's token count (max_tokens = that count, ignore_eos)")
     print("| model | sampling | tokens per run | compile (ms/schema) | unconstrained ms/token | constrained ms/token | "
           "ratio (median of pairs) | ratio per pair | steps but outputs, ms/token: unconstrained / constrained (ratio) | "
-          "process_outputs ms/token: unconstrained / constrained | mask fill us/seq-step (its thread) | "
-          "grammar on the engine thread us/seq-step |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "process_outputs ms/token: unconstrained / constrained | mask fill us/seq-step (its thread, wall) | "
+          "mask fill CPU us/seq-step | grammar on the engine thread us/seq-step | rows with the mask fused |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    extra = []
     for (name, d), temp in [(m, t) for m in models for t in a.temperatures]:
-        r = end_to_end(d, a.batch, a.max_tokens, a.reps, temp)
+        r = end_to_end(d, a.batch, a.max_tokens, a.reps, temp, a.compare_unfused)
+        extra.append((name, temp, r))
         u, c = r["unconstrained"], r["constrained"]
         how = "greedy" if temp == 0 else f"seeded, temperature {temp:g}"
         print(f"| {name} | {how} | {r['tokens']} | {r['compile_ms']:.1f} | {u['ms_per_token']:.3f} | "
               f"{c['ms_per_token']:.3f} | {r['ratio']:.3f} | "
               f"{', '.join(f'{x:.3f}' for x in r['ratios'])} | {u['steps_ms']:.3f} / {c['steps_ms']:.3f} "
               f"({r['steps_ratio']:.3f}) | {u['outputs_ms']:.3f} / {c['outputs_ms']:.3f} | "
-              f"{r['mask_us_per_seq_step']:.1f} | {r['critical_us_per_seq_step']:.1f} |", flush=True)
+              f"{r['mask_us_per_seq_step']:.1f} | {r['mask_cpu_us_per_seq_step']:.1f} | "
+              f"{r['critical_us_per_seq_step']:.1f} | {r['fused_share']:.0%} |", flush=True)
+    if a.compare_unfused:
+        print("\n## the same runs: constrained with the mask fused into the draw against applied before it")
+        print("| model | sampling | ratio fused (median of pairs) | ratio unfused | ms/token fused / unfused | "
+              "sample phase ms/token: unconstrained / fused / unfused | grammar on the engine thread us/seq-step: "
+              "fused / unfused |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        for name, temp, r in extra:
+            how = "greedy" if temp == 0 else f"seeded, temperature {temp:g}"
+            print(f"| {name} | {how} | {r['ratio']:.3f} | {r['unfused_ratio']:.3f} | "
+                  f"{r['constrained']['ms_per_token']:.3f} / {r['unfused']['ms_per_token']:.3f} | "
+                  f"{r['unconstrained']['sample_ms']:.3f} / {r['constrained']['sample_ms']:.3f} / "
+                  f"{r['unfused']['sample_ms']:.3f} | {r['critical_us_per_seq_step']:.1f} / "
+                  f"{r['unfused_critical_us_per_seq_step']:.1f} |")
+    print(f"\nload average at the end: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     return 0
 
 

@@ -209,7 +209,7 @@ class LLMEngine:
             with BUILD_LOCK:  # the server builds it off the engine thread, maybe twice at once
                 if core.structured is None:
                     core.structured = StructuredDecoding(self.tokenizer, self.model_config.vocab_size,
-                                                         self.eos_token_ids)
+                                                         self.eos_token_ids, core=core)
         return core.structured
 
     def stats(self) -> dict[str, Any]:

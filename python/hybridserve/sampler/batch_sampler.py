@@ -22,6 +22,10 @@ tokens for the same seeds, the torch path being its oracle); with ``steady_rows=
 a steady decode batch's step also skips every per-row host step (see
 :class:`Sampler`).
 
+Constrained decoding's token masks: the engine applies them to the logits before the
+draw; a native sampler takes them into its draw instead
+(:meth:`Sampler.fuse_token_mask`), which saves a pass over every masked row.
+
 Logprobs: by default (``logprobs_mode="raw"``, vLLM v1's default) the reported numbers
 are ``log_softmax`` of the model's logits before any processing; ``"processed"``
 reports ``log_softmax`` of the logits after processing (for greedy rows, after
@@ -95,6 +99,10 @@ class Sampler:
         # (rows list, prep) of the last plan, until it is sampled or discarded.
         self._planned: tuple | None = None
         self._pending = native_draw.PendingMirrors()
+        # The last plan until it is sampled or discarded, and a token mask offered for
+        # its draw (fuse_token_mask): (logits, bitmask, rows, vocab).
+        self._next_prep: Prepared | None = None
+        self._mask: tuple | None = None
 
     def _settle(self) -> None:
         """Ends any steady run: the host records brought up to date, the plan dropped."""
@@ -177,6 +185,12 @@ class Sampler:
         views to :meth:`sample_planned`."""
         if self._planned is not None:
             self._settle()  # the last plan was neither sampled nor discarded: no reuse
+        self._mask = None
+        prep = self._plan_rows(rows, vocab, device)
+        self._next_prep = prep
+        return prep
+
+    def _plan_rows(self, rows: Sequence[SamplingRow], vocab: int, device: torch.device | str) -> Prepared:
         st = self._steady
         if st is not None and st[0] is rows and st[1].vocab == vocab and st[2] == device:
             self._planned = st
@@ -191,6 +205,7 @@ class Sampler:
         """Draws for a :meth:`plan`: ``views`` are the device views of its segments
         (None: this call stages them itself)."""
         planned, self._planned = self._planned, None
+        self._next_prep = None
         try:
             check_logits(logits, prep.num_rows, prep.vocab)
             if not prep.steady:
@@ -211,8 +226,39 @@ class Sampler:
     def discard(self, prep: Prepared) -> None:
         """Releases a :meth:`plan` that will not be sampled (its one-call slots)."""
         self._planned = None
+        self._next_prep = self._mask = None
         self._settle()
         self._tables.finish(prep)
+
+    def fuse_token_mask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int], vocab: int) -> bool:
+        """Offers constrained decoding's token masks for the draw of the planned step
+        (:meth:`plan`, then :meth:`sample_planned` of ``logits``): logits rows ``rows``
+        (ascending, distinct) masked by the same rows of ``bitmask`` (int32 ``[>= rows, words]`` on
+        the CPU, xgrammar's layout; tokens ``< vocab``). True: the native kernel will
+        apply them in its draw, as if they had been applied to ``logits`` first (the same
+        tokens, streams and counts), and ``bitmask`` must stay as it is until then.
+        False: this draw cannot take them (not native, or logprobs asked for, which are
+        computed from the masked logits), and the caller applies them to ``logits``."""
+        prep = self._next_prep
+        if (prep is None or not self._goes_native(logits, prep) or prep.want_logprobs
+                or bitmask.device.type != "cpu" or bitmask.dtype != torch.int32 or bitmask.dim() != 2
+                or not bitmask.is_contiguous() or logits.shape[0] != prep.num_rows):
+            return False
+        self._mask = (logits, bitmask, list(rows), int(vocab))
+        return True
+
+    def _take_mask(self, logits: torch.Tensor, prep: Prepared) -> tuple | None:
+        """The kernel's mask argument of a fused token mask offered for this draw."""
+        m, self._mask = self._mask, None
+        if m is None:
+            return None
+        if m[0] is not logits or not self._goes_native(logits, prep):
+            # Offered for other logits (not expected): applied to them as promised.
+            from hybridserve.structured.engine_hook import apply_bitmask
+
+            apply_bitmask(m[0], m[1][: m[0].shape[0]], m[2], m[3])
+            return None
+        return native_draw.mask_arg(prep, m[1], m[2], m[3])
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Draw ``rows[i].num_samples`` tokens from ``logits[i]`` for every row.
@@ -278,8 +324,9 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, prep: Prepared) -> SamplerOutput:
         x = None
         native_tokens = None
+        mask = self._take_mask(logits, prep)
         if self._goes_native(logits, prep):
-            if prep.all_greedy and prep.untouched and logits.dtype == torch.float32:
+            if mask is None and prep.all_greedy and prep.untouched and logits.dtype == torch.float32:
                 # numpy's SIMD argmax of the logits as they are (several times the
                 # kernel's portable scan at a large vocabulary); nothing to advance.
                 tokens = _argmax_rows(logits)
@@ -287,7 +334,7 @@ class Sampler:
                     tokens = tokens.index_select(0, torch.from_numpy(prep.native.row_of))
                 native_tokens = tokens.numpy()
             else:
-                native_tokens = native_draw.draw(logits, prep, self._tables)
+                native_tokens = native_draw.draw(logits, prep, self._tables, mask=mask)
                 tokens = torch.from_numpy(native_tokens)
         else:
             tokens, x = self._draw_torch(logits, prep)

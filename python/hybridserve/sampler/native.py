@@ -16,6 +16,11 @@ that ask for ``"processed"`` logprobs (which read the processed work buffer) tak
 on the CPU too. Raw logprobs (the default) read the logits themselves and are
 computed by :func:`~hybridserve.sampler.draw.logprob_parts` after the draw.
 
+Constrained decoding's token masks can ride along (``mask``): the kernel reads a
+masked sample's row as if the mask had been applied to the logits first, in the pass
+it makes over the row anyway, so the mask costs no pass of its own (see
+:meth:`~hybridserve.sampler.batch_sampler.Sampler.fuse_token_mask`).
+
 Unseeded samples draw from a splitmix64 stream keyed by one 63-bit number per call
 taken from torch's global generator (so ``torch.manual_seed`` still makes a run
 repeatable), not from ``torch.Tensor.exponential_``.
@@ -82,12 +87,26 @@ def logits_view(logits: torch.Tensor) -> np.ndarray:
     return src.detach().numpy()
 
 
+def mask_arg(prep: Prepared, bitmask: torch.Tensor, rows, vocab: int) -> tuple:
+    """The kernel's ``mask`` argument: logits rows ``rows`` (ascending, distinct) of
+    ``prep`` masked by the same rows of ``bitmask`` (int32 ``[>= rows, words]``,
+    xgrammar's layout), tokens ``< vocab``."""
+    nr: NativeRows = prep.native
+    if len(rows) == prep.num_rows and rows[0] == 0 and rows[-1] == len(rows) - 1:
+        # Every row masked (rows ascending and distinct): each by its own bitmask row.
+        return bitmask.numpy(), nr.row_of, int(vocab)
+    by_row = np.full(prep.num_rows, -1, dtype=np.int64)
+    at = np.asarray(rows, dtype=np.int64)
+    by_row[at] = at
+    return bitmask.numpy(), by_row[nr.row_of], int(vocab)
+
+
 def draw(logits: torch.Tensor, prep: Prepared, t: RowTables, processed: np.ndarray | None = None,
-         advance: bool = True) -> np.ndarray:
+         advance: bool = True, mask: tuple | None = None) -> np.ndarray:
     """int64 ``[samples]`` tokens of ``prep`` drawn by the kernel; with ``advance`` the
     seeded streams' device offsets and the penalty counts move on (the host mirrors
     are the caller's). ``processed`` (float32 ``[samples, vocab]``) receives the
-    processed logits."""
+    processed logits. ``mask``: :func:`mask_arg`'s token masks, applied in the draw."""
     nr: NativeRows = prep.native
     key = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64)) if nr.any_unseeded else 0
     tokens = np.empty(len(nr.slots), dtype=np.int64)
@@ -95,7 +114,7 @@ def draw(logits: torch.Tensor, prep: Prepared, t: RowTables, processed: np.ndarr
         logits_view(logits), nr.row_of, nr.slots, nr.kinds, nr.pslots, nr.biased, nr.ban_samples,
         nr.ban_tokens, key, t.fp.numpy(), t.ip.numpy(), t.counts.numpy(),
         t.prompt_seen.numpy().view(np.uint8), t.bias_tok.numpy(), t.bias_val.numpy(), tokens, processed,
-        advance,
+        advance, mask,
     )
     return tokens
 
@@ -142,4 +161,4 @@ class PendingMirrors:
         self.last = None
 
 
-__all__ = ["NativeRows", "native_rows", "draw", "logits_view", "PendingMirrors"]
+__all__ = ["NativeRows", "native_rows", "draw", "mask_arg", "logits_view", "PendingMirrors"]

@@ -17,7 +17,11 @@ each mask is filled the matcher is caught up with ``sample.token_ids``. So
   catch-up does not follow.
 
 The mask work runs on one thread that the forward overlaps: xgrammar fills bitmasks
-without the GIL, and the CPU model's torch ops release it too.
+without the GIL, and the CPU model's torch ops release it too. The masks are then
+applied to the logits, or, when the engine's sampler draws the step with its native
+kernel, handed to that draw (``Sampler.fuse_token_mask``), which masks each row in the
+pass it makes over it anyway: at Qwen's vocabulary a separate apply is a memory-bound
+pass over a megabyte per row.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class _Matcher:
 class StructuredDecoding:
     """The engine's constrained requests: compiled grammars, per-sample matchers, masks."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], core: Any = None) -> None:
+        """``core``: the engine core whose sampler draws the masked rows (its draw may
+        take the masks itself, see :meth:`apply`); None: the masks are always applied."""
         self.compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids)
         self.xgr = self.compiler.xgr
         self.vocab_size = vocab_size
@@ -59,14 +65,21 @@ class StructuredDecoding:
         self._grammars: dict[str, Any] = {}  # request id -> compiled grammar
         self._matchers: dict[tuple[str, int], _Matcher] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        # The engine's sampler: a step's masks go into its draw when it can take them.
+        self.sampler = getattr(core, "sampler", None)
         self._bitmask: torch.Tensor | None = None
         self._batch = None
         # Metrics: mask fills, their seconds (sequence-steps and wall), apply seconds.
         self.mask_rows = 0
         self.mask_seconds = 0.0
+        # The fill's CPU time on its thread: the wall time above also counts the
+        # thread's waits for a core, which the forward beside it (and, on a shared
+        # machine, anything else) takes.
+        self.mask_cpu_seconds = 0.0
         self.apply_seconds = 0.0
         self.wait_seconds = 0.0
         self.submit_seconds = 0.0  # the engine thread's share of starting each step's job
+        self.fused_rows = 0  # masked rows handed to the sampler's draw (no apply pass)
 
     def constrained_ids(self) -> set[str]:
         """Ids of the requests decoding under a grammar."""
@@ -192,7 +205,7 @@ class StructuredDecoding:
         return self._pool.submit(self._fill, work, len(batch_index))
 
     def _fill(self, work: list, num_rows: int) -> tuple[torch.Tensor, list[int]]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         words = (self.vocab_size + 31) // 32
         bm = self._bitmask
         if bm is None or bm.shape[0] < num_rows or bm.shape[1] != words:
@@ -217,22 +230,32 @@ class StructuredDecoding:
             self._stop_only(bm, row)
         self.mask_rows += len(work)
         self.mask_seconds += time.perf_counter() - t0
+        self.mask_cpu_seconds += time.thread_time() - c0
         return bm, sorted(rows + stop_rows)
 
     def apply(self, job: concurrent.futures.Future, logits: torch.Tensor) -> None:
-        """Waits for the step's masks and sets every disallowed token's logit to -inf."""
+        """Waits for the step's masks and sets every disallowed token's logit to -inf,
+        or hands them to the sampler's next draw of ``logits``, which then samples as if
+        they had been applied (the bitmask is not touched before that draw: the next
+        fill starts with the next step)."""
         t0 = time.perf_counter()
         bm, rows = job.result()
         t1 = time.perf_counter()
         self.wait_seconds += t1 - t0
-        apply_bitmask(logits, bm[: logits.shape[0]], rows, min(self.vocab_size, logits.shape[-1]))
+        vocab = min(self.vocab_size, logits.shape[-1])
+        fuse = getattr(self.sampler, "fuse_token_mask", None)
+        if fuse is not None and fuse(logits, bm, rows, vocab):
+            self.fused_rows += len(rows)
+        else:
+            apply_bitmask(logits, bm[: logits.shape[0]], rows, vocab)
         self.apply_seconds += time.perf_counter() - t1
 
     def stats(self) -> dict[str, Any]:
         d = self.compiler.stats()
         d.update(mask_sequence_steps=self.mask_rows, mask_seconds=self.mask_seconds,
+                 mask_cpu_seconds=self.mask_cpu_seconds,
                  mask_apply_seconds=self.apply_seconds, mask_wait_seconds=self.wait_seconds,
-                 mask_submit_seconds=self.submit_seconds,
+                 mask_submit_seconds=self.submit_seconds, mask_fused_rows=self.fused_rows,
                  active_requests=len(self._grammars))
         return d
 

@@ -24,6 +24,13 @@
 //! stream's offset in the table moves on by one, and each penalised sample's drawn
 //! token is counted.
 //!
+//! Constrained decoding's token mask (xgrammar's bitmask, see `token_bitmask`) can be
+//! given with the samples ([`Mask`]): a masked sample's row is read as if every token
+//! whose bit is clear were `-inf` (exactly what `apply_token_bitmask` on the logits
+//! before the call gives), in the pass that copies the row into the work buffer; a
+//! plain greedy masked row is a masked argmax that reads only the allowed tokens'
+//! logits. So the mask costs no pass of its own over the logits.
+//!
 //! One thread: the engine runs its host work on one (a decode step of a few hundred
 //! rows is well under a millisecond here).
 
@@ -106,6 +113,28 @@ pub struct Samples<'a> {
     pub ban_tokens: &'a [i64],
     /// This call's random key for the unseeded samples' streams.
     pub unseeded_key: u64,
+    /// Constrained decoding's token masks, if any sample has one.
+    pub mask: Option<Mask<'a>>,
+}
+
+/// Token masks of a call: xgrammar's layout, bit `t % 32` of word `t / 32` set when
+/// token `t` is allowed.
+pub struct Mask<'a> {
+    /// `[mask_rows, words]`.
+    pub bits: &'a [i32],
+    pub words: usize,
+    /// Per sample: its row of `bits`, or -1 (unmasked).
+    pub row_of: &'a [i64],
+    /// Tokens `< vocab` are masked (the grammar's vocabulary; logits columns past it
+    /// are left as they are). `vocab <= 32 * words` and at most the logits' width.
+    pub vocab: usize,
+}
+
+impl Mask<'_> {
+    fn row(&self, sample: usize) -> Option<&[i32]> {
+        let r = self.row_of[sample];
+        (r >= 0).then(|| &self.bits[r as usize * self.words..(r as usize + 1) * self.words])
+    }
 }
 
 /// What a call writes.
@@ -209,6 +238,29 @@ fn validate(
             "ban_samples and ban_tokens must be pairs (the same length)".into(),
         ));
     }
+    if let Some(m) = &s.mask {
+        if m.row_of.len() != n {
+            return Err(bad(format!(
+                "the mask's row_of must have one entry per sample ({n}), got {}",
+                m.row_of.len()
+            )));
+        }
+        if m.words == 0 || m.bits.len() % m.words != 0 || m.vocab > 32 * m.words || m.vocab > vocab
+        {
+            return Err(bad(format!(
+                "the mask must be [rows, words={}] with vocab {} <= 32 x words and <= the logits' {vocab}; got {} words in all",
+                m.words,
+                m.vocab,
+                m.bits.len()
+            )));
+        }
+        let mask_rows = m.bits.len() / m.words;
+        for &r in m.row_of {
+            if r != -1 {
+                index("a sample's mask row", r, mask_rows)?;
+            }
+        }
+    }
     let mut last = 0usize;
     for (&b, &tok) in s.ban_samples.iter().zip(s.ban_tokens) {
         let b = index("a ban's sample", b, n)?;
@@ -255,19 +307,32 @@ pub fn sample_rows<T: Elem>(
         let pslot = samples.pslots[i];
         let src = logits.row(samples.row_of[i] as usize);
         let has_ban = ban < samples.ban_samples.len() && samples.ban_samples[ban] as usize == i;
+        let mask = samples
+            .mask
+            .as_ref()
+            .and_then(|m| m.row(i).map(|bits| (bits, m.vocab)));
         if kind == Kind::Greedy
             && pslot < 0
             && samples.biased[i] == 0
             && !has_ban
             && out.processed.is_none()
         {
-            // Nothing changes a plain greedy row: the argmax of the logits as they are.
-            let token = first_argmax(T::widen(src, &mut wide));
+            // Nothing changes a plain greedy row: the argmax of the logits as they are
+            // (of the allowed ones, for a masked row).
+            let token = match mask {
+                Some((bits, mv)) => masked_first_argmax(src, bits, mv),
+                None => first_argmax(T::widen(src, &mut wide)),
+            };
             out.tokens[i] = token as i64;
             continue;
         }
-        for (d, &v) in w.x.iter_mut().zip(src) {
-            *d = v.get();
+        match mask {
+            Some((bits, mv)) => copy_masked(&mut w.x, src, bits, mv),
+            None => {
+                for (d, &v) in w.x.iter_mut().zip(src) {
+                    *d = v.get();
+                }
+            }
         }
         let x = &mut w.x[..];
         // 0. logit bias.
@@ -303,11 +368,15 @@ pub fn sample_rows<T: Elem>(
                 Kind::Seeded => stream::row_state(ip[I_KEY] as u64, ip[I_OFF] as u64),
                 _ => stream::row_state(stream::unseeded_key(samples.unseeded_key, i), 0),
             };
+            // A masked row with nothing added to it (no bias or penalties) holds -inf at
+            // every masked token: the draw may pass over those (see `draw`).
+            let allowed = mask.filter(|_| pslot < 0 && samples.biased[i] == 0);
             draw(
                 x,
                 fp,
                 ip[I_TOPK],
                 state,
+                allowed,
                 &mut w.list,
                 &mut w.select,
                 &mut w.packed,
@@ -405,6 +474,104 @@ fn first_argmax(x: &[f32]) -> usize {
     at
 }
 
+/// `dst = src` widened, with every token `t < vocab` whose bit is clear in `bits` set to
+/// `-inf` (a zero word's 32 logits are not read).
+fn copy_masked<T: Elem>(dst: &mut [f32], src: &[T], bits: &[i32], vocab: usize) {
+    let full = vocab / 32;
+    for (wi, &w) in bits[..full].iter().enumerate() {
+        let (d, s) = (&mut dst[wi * 32..wi * 32 + 32], &src[wi * 32..wi * 32 + 32]);
+        match w {
+            0 => d.fill(f32::NEG_INFINITY),
+            -1 => {
+                for (d, &v) in d.iter_mut().zip(s) {
+                    *d = v.get();
+                }
+            }
+            w => {
+                let w = w as u32;
+                for (b, (d, &v)) in d.iter_mut().zip(s).enumerate() {
+                    *d = if (w >> b) & 1 == 1 {
+                        v.get()
+                    } else {
+                        f32::NEG_INFINITY
+                    };
+                }
+            }
+        }
+    }
+    for t in full * 32..vocab {
+        dst[t] = if (bits[full] as u32 >> (t % 32)) & 1 == 1 {
+            src[t].get()
+        } else {
+            f32::NEG_INFINITY
+        };
+    }
+    for (d, &v) in dst[vocab..].iter_mut().zip(&src[vocab..]) {
+        *d = v.get();
+    }
+}
+
+/// [`first_argmax`] of `src` with every token `t < vocab` whose bit is clear in `bits`
+/// taken as `-inf`: the first NaN among the allowed, else the first maximum, else 0
+/// (every value -inf). Only the allowed tokens' logits are read.
+fn masked_first_argmax<T: Elem>(src: &[T], bits: &[i32], vocab: usize) -> usize {
+    let mut best = f32::NEG_INFINITY;
+    let mut at = 0usize;
+    // One allowed token, in column order.
+    macro_rules! one {
+        ($t:expr) => {{
+            let t = $t;
+            let v = src[t].get();
+            if v.is_nan() {
+                return t;
+            }
+            if v > best {
+                best = v;
+                at = t;
+            }
+        }};
+    }
+    let full = vocab / 32;
+    for (wi, &w) in bits[..full].iter().enumerate() {
+        match w {
+            0 => {}
+            -1 => {
+                // A whole word allowed: its max first (vectorises), the position only
+                // when it beats the best so far (or holds a NaN).
+                let c = &src[wi * 32..wi * 32 + 32];
+                let (mut m, mut nan) = (f32::NEG_INFINITY, false);
+                for &v in c {
+                    let v = v.get();
+                    nan |= v.is_nan();
+                    m = if v > m { v } else { m };
+                }
+                if nan || m > best {
+                    for j in 0..32 {
+                        one!(wi * 32 + j);
+                    }
+                }
+            }
+            w => {
+                let mut w = w as u32;
+                while w != 0 {
+                    let b = w.trailing_zeros() as usize;
+                    one!(wi * 32 + b);
+                    w &= w - 1;
+                }
+            }
+        }
+    }
+    for t in full * 32..vocab {
+        if (bits[full] as u32 >> (t % 32)) & 1 == 1 {
+            one!(t);
+        }
+    }
+    for t in vocab..src.len() {
+        one!(t);
+    }
+    at
+}
+
 fn row_max(x: &[f32]) -> f32 {
     x.iter()
         .fold(f32::NEG_INFINITY, |a, &b| if b > a { b } else { a })
@@ -418,14 +585,41 @@ fn logsumexp(values: impl Iterator<Item = f32>, m: f32) -> f32 {
     shift + (total as f32).ln()
 }
 
+/// Calls `f` on each column of a row of `n` that `bits` allows (every column from
+/// `vocab` on), in ascending order; a zero word's 32 columns are not visited.
+#[inline]
+fn for_allowed(bits: &[i32], vocab: usize, n: usize, mut f: impl FnMut(usize)) {
+    let full = vocab / 32;
+    for (wi, &w) in bits[..full].iter().enumerate() {
+        let mut w = w as u32;
+        while w != 0 {
+            let b = w.trailing_zeros() as usize;
+            f(wi * 32 + b);
+            w &= w - 1;
+        }
+    }
+    for t in full * 32..vocab {
+        if (bits[full] as u32 >> (t % 32)) & 1 == 1 {
+            f(t);
+        }
+    }
+    for t in vocab..n {
+        f(t);
+    }
+}
+
 /// Temperature, min-p, top-k, top-p and the race of a sampled row, in place on `x`;
-/// returns the token and the cut (tokens below it are dropped).
+/// returns the token and the cut (tokens below it are dropped). `allowed`: a token mask
+/// `(bits, vocab)` under which every masked token of `x` is -inf; the temperature and
+/// the race (without top-k and top-p) then visit the allowed tokens only (a masked
+/// token stays -inf under a positive finite temperature, and the race skips -inf).
 #[allow(clippy::too_many_arguments)]
 fn draw(
     x: &mut [f32],
     fp: &[f32],
     top_k: i64,
     state: u64,
+    allowed: Option<(&[i32], usize)>,
     list: &mut Vec<Entry>,
     select: &mut Select,
     packed: &mut Vec<u64>,
@@ -433,9 +627,15 @@ fn draw(
 ) -> (usize, f32) {
     let vocab = x.len();
     let temp = fp[F_TEMP];
+    let allowed = allowed.filter(|_| temp.is_finite() && temp > 0.0);
     if temp != 1.0 {
-        for v in x.iter_mut() {
-            *v /= temp;
+        match allowed {
+            Some((bits, mv)) => for_allowed(bits, mv, vocab, |j| x[j] /= temp),
+            None => {
+                for v in x.iter_mut() {
+                    *v /= temp;
+                }
+            }
         }
     }
     let min_p = fp[F_MINP];
@@ -512,6 +712,19 @@ fn draw(
             let e = if exps_ready { exps[i] } else { (v - m).exp() };
             consider(j as usize, e);
         }
+    } else if let Some((bits, mv)) = allowed {
+        let mut m = f32::NEG_INFINITY;
+        for_allowed(bits, mv, vocab, |j| {
+            if x[j] > m {
+                m = x[j];
+            }
+        });
+        for_allowed(bits, mv, vocab, |j| {
+            let v = x[j];
+            if !(v < cut || v == f32::NEG_INFINITY) {
+                consider(j, (v - m).exp());
+            }
+        });
     } else {
         let m = row_max(x);
         for (j, &v) in x.iter().enumerate() {

@@ -127,6 +127,7 @@ fn bad_indices_are_errors_and_change_nothing() {
             ban_samples: &[],
             ban_tokens: &[],
             unseeded_key: 0,
+            mask: None,
         };
         let out = Outputs {
             tokens: &mut tokens,
@@ -156,4 +157,224 @@ fn first_argmax_agrees_with_a_scan_on_rows_with_ties_and_tails() {
             assert_eq!(first_argmax(&x), want, "vocab {vocab} grid {grid}");
         }
     }
+}
+
+/// A masked call against the unmasked call on logits masked first by
+/// `token_bitmask::apply_token_bitmask` (the unfused path): the same tokens, processed
+/// rows, stream offsets and counts, for every kind of sample, with bias, bans and
+/// penalties, ties, NaN and -inf in the rows, masks of every word shape, and a mask
+/// vocabulary narrower than the logits.
+#[test]
+fn a_masked_call_equals_masking_the_logits_first() {
+    use crate::token_bitmask::apply_token_bitmask;
+    let mut r = lcg(77);
+    let mut bits_r = {
+        let mut s = 12345u64;
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 32) as u32
+        }
+    };
+    for (width, mvocab, grid) in [
+        (100usize, 100usize, false),
+        (100, 90, true),
+        (1000, 1000, true),
+        (333, 300, false),
+        (64, 64, true),
+    ] {
+        let words = mvocab.div_ceil(32) + 1;
+        let rows = 6usize;
+        for trial in 0..12 {
+            let mut logits: Vec<f32> = (0..rows * width)
+                .map(|_| if grid { r().round() } else { r() })
+                .collect();
+            if trial % 3 == 0 {
+                logits[3] = f32::NAN;
+                logits[width + 40] = f32::NAN;
+                logits[2 * width + 7] = f32::NEG_INFINITY;
+            }
+            let mut bits = vec![0i32; rows * words];
+            for (k, b) in bits.iter_mut().enumerate() {
+                *b = match (k + trial) % 5 {
+                    0 => 0,
+                    1 => -1,
+                    2 => 1 << (bits_r() % 32),
+                    _ => bits_r() as i32 & if trial % 2 == 0 { 0x0101_0101 } else { -1 },
+                };
+            }
+            // Row 5 allows nothing at all: an all -inf row.
+            for b in &mut bits[5 * words..6 * words] {
+                *b = 0;
+            }
+            // Samples: every kind on masked rows 0..5, one unmasked (row 0 again).
+            let n = 12usize;
+            let row_of: Vec<i64> = (0..n).map(|i| (i % rows) as i64).collect();
+            let mask_of: Vec<i64> = (0..n)
+                .map(|i| if i == 6 { -1 } else { (i % rows) as i64 })
+                .collect();
+            let kinds: Vec<u8> = (0..n).map(|i| ((i / 2 + trial) % 3) as u8).collect();
+            let slots: Vec<i64> = (0..n as i64).collect();
+            let pslots: Vec<i64> = (0..n)
+                .map(|i| if i % 3 == 1 { (i / 3) as i64 } else { -1 })
+                .collect();
+            let biased: Vec<u8> = (0..n).map(|i| (i % 4 == 2) as u8).collect();
+            let (mut fp, mut ip, _, _) = tables_for(n, width);
+            for s in 0..n {
+                fp[s * NF + F_TEMP] = [1.0, 0.7, 1.3][s % 3];
+                fp[s * NF + F_TOPP] = if s % 4 == 3 { 0.8 } else { 1.0 };
+                fp[s * NF + F_MINP] = if s % 5 == 4 { 0.05 } else { 0.0 };
+                fp[s * NF + F_REP] = 1.2;
+                fp[s * NF + F_FREQ] = 0.3;
+                fp[s * NF + F_PRES] = 0.1;
+                ip[s * NI + I_TOPK] = if s % 2 == 0 { 5 } else { 0 };
+                ip[s * NI + I_KEY] = 1000 + s as i64;
+                ip[s * NI + I_OFF] = trial as i64;
+            }
+            let pn = 4usize;
+            let counts: Vec<f32> = (0..pn * width)
+                .map(|k| ((k * 7) % 5 == 0) as u8 as f32)
+                .collect();
+            let prompt: Vec<u8> = (0..pn * width).map(|k| ((k * 3) % 7 == 0) as u8).collect();
+            let bias_width = 2;
+            let bias_tok: Vec<i64> = (0..n * bias_width)
+                .map(|k| ((k * 13) % width) as i64)
+                .collect();
+            let bias_val: Vec<f32> = (0..n * bias_width)
+                .map(|k| if k % 2 == 0 { 5.0 } else { -2.0 })
+                .collect();
+            let ban_samples = [1i64, 4, 4];
+            let ban_tokens = [0i64, 1, 2];
+            let run = |logits: &[f32], mask: Option<Mask<'_>>, processed: bool| {
+                let mut ip = ip.clone();
+                let mut counts = counts.clone();
+                let mut tokens = vec![0i64; n];
+                let mut proc = vec![0f32; if processed { n * width } else { 0 }];
+                let mut t = Tables {
+                    fp: &fp,
+                    ip: &mut ip,
+                    counts: &mut counts,
+                    prompt_seen: &prompt,
+                    bias_tok: &bias_tok,
+                    bias_val: &bias_val,
+                    bias_width,
+                };
+                let s = Samples {
+                    row_of: &row_of,
+                    slots: &slots,
+                    kinds: &kinds,
+                    pslots: &pslots,
+                    biased: &biased,
+                    ban_samples: &ban_samples,
+                    ban_tokens: &ban_tokens,
+                    unseeded_key: 99,
+                    mask,
+                };
+                let out = Outputs {
+                    tokens: &mut tokens,
+                    processed: processed.then_some(&mut proc[..]),
+                    advance: true,
+                };
+                sample_rows(Rows::dense(logits, width).unwrap(), &s, &mut t, out).unwrap();
+                (tokens, proc, ip, counts)
+            };
+            for processed in [false, true] {
+                // The unfused path: each masked sample on its own copy of the masked row.
+                let mut want_tokens = vec![0i64; n];
+                for i in 0..n {
+                    let mut pre = logits.clone();
+                    if mask_of[i] >= 0 {
+                        apply_token_bitmask(
+                            &mut pre,
+                            width,
+                            mvocab,
+                            &bits,
+                            words,
+                            &[row_of[i] as usize],
+                        )
+                        .unwrap();
+                    }
+                    want_tokens[i] = run(&pre, None, processed).0[i];
+                }
+                let m = Mask {
+                    bits: &bits,
+                    words,
+                    row_of: &mask_of,
+                    vocab: mvocab,
+                };
+                let (tokens, proc, ip2, counts2) = run(&logits, Some(m), processed);
+                assert_eq!(
+                    tokens, want_tokens,
+                    "width {width} trial {trial} processed {processed}"
+                );
+                if processed {
+                    // Row by row against the unfused path's processed rows.
+                    for i in 0..n {
+                        let mut pre = logits.clone();
+                        if mask_of[i] >= 0 {
+                            apply_token_bitmask(
+                                &mut pre,
+                                width,
+                                mvocab,
+                                &bits,
+                                words,
+                                &[row_of[i] as usize],
+                            )
+                            .unwrap();
+                        }
+                        let (_, p, _, _) = run(&pre, None, true);
+                        let (a, b) = (
+                            &proc[i * width..(i + 1) * width],
+                            &p[i * width..(i + 1) * width],
+                        );
+                        assert!(
+                            a.iter()
+                                .zip(b)
+                                .all(|(x, y)| x.to_bits() == y.to_bits()
+                                    || (x.is_nan() && y.is_nan())),
+                            "processed row {i}, width {width} trial {trial}"
+                        );
+                    }
+                }
+                // Bookkeeping: the drawn tokens counted, the streams moved, as unfused
+                // (which draws the same tokens).
+                let mut want_counts = counts.clone();
+                let mut want_ip = ip.clone();
+                for i in 0..n {
+                    if kinds[i] == 1 {
+                        want_ip[i * NI + I_OFF] += 1;
+                    }
+                    if pslots[i] >= 0 {
+                        want_counts[pslots[i] as usize * width + want_tokens[i] as usize] += 1.0;
+                    }
+                }
+                assert_eq!(ip2, want_ip);
+                assert_eq!(counts2, want_counts);
+            }
+        }
+    }
+}
+
+#[test]
+fn masked_argmax_reads_the_allowed_tokens_only() {
+    // Two rows' worth: row 0 is masked to a few tokens; the rest of the row may hold
+    // anything (NaN, +inf) without changing the answer.
+    let mut x = vec![0f32; 96];
+    x[5] = f32::NAN;
+    x[40] = f32::INFINITY;
+    x[33] = 2.0;
+    x[70] = 2.0;
+    x[71] = 3.0;
+    let bits = [0i32, (1 << 1) | (1 << 6), 1 << 6 | 1 << 7];
+    // Allowed: 33, 38, 70, 71; 71 holds the max.
+    assert_eq!(masked_first_argmax(&x, &bits, 96), 71);
+    // Ties: the first.
+    x[71] = 2.0;
+    assert_eq!(masked_first_argmax(&x, &bits, 96), 33);
+    // Nothing allowed (-inf everywhere): 0; past the mask's vocabulary, unmasked.
+    assert_eq!(masked_first_argmax(&x, &[0, 0, 0], 96), 0);
+    assert_eq!(masked_first_argmax(&x, &[0, 0, 0], 64), 70);
+    // An allowed NaN wins.
+    assert_eq!(masked_first_argmax(&x, &[-1, 0, 0], 96), 5);
 }

@@ -3,7 +3,7 @@
 //! (no copy), logits float32 or bfloat16 bits (uint16 view).
 
 use super::*;
-use hybridserve_cpu_kernels::sample::{sample_rows as run, Outputs, Samples, Tables};
+use hybridserve_cpu_kernels::sample::{sample_rows as run, Mask, Outputs, Samples, Tables};
 use numpy::{PyReadonlyArray1, PyReadwriteArray1};
 
 fn flat<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArrayDyn<'_, T>) -> PyResult<&'a [T]> {
@@ -32,10 +32,14 @@ fn vec1<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray1<'_, T>) -> Py
 /// advance when `advance`), `counts` `[pslots, vocab]` float32 (drawn tokens counted
 /// when `advance`), `prompt_seen` `[pslots, vocab]` uint8, `bias_tok` / `bias_val`
 /// `[slots, width]`; `processed` (optional) `[samples, vocab]` float32 receives the
-/// processed logits.
+/// processed logits. `mask` (optional): constrained decoding's token masks as
+/// `(bitmask, mask_of, vocab)`: `bitmask` `[R, words]` int32 (xgrammar's layout),
+/// `mask_of` int64 per sample (its bitmask row, -1: unmasked), tokens `< vocab` masked;
+/// a masked sample is drawn as if its logits row had been masked first.
 #[pyfunction]
 #[pyo3(signature = (logits, row_of, slots, kinds, pslots, biased, ban_samples, ban_tokens, unseeded_key,
-                    fp, ip, counts, prompt_seen, bias_tok, bias_val, tokens, processed=None, advance=true))]
+                    fp, ip, counts, prompt_seen, bias_tok, bias_val, tokens, processed=None, advance=true,
+                    mask=None))]
 #[allow(clippy::too_many_arguments)]
 fn sample_rows(
     py: Python<'_>,
@@ -57,6 +61,7 @@ fn sample_rows(
     mut tokens: PyReadwriteArray1<'_, i64>,
     processed: Option<&Bound<'_, PyAny>>,
     advance: bool,
+    mask: Option<(PyReadonlyArray2<'_, i32>, PyReadonlyArray1<'_, i64>, usize)>,
 ) -> PyResult<()> {
     let bias_width = match bias_tok.shape() {
         [_, w] => *w,
@@ -65,6 +70,17 @@ fn sample_rows(
                 "bias_tok must be [slots, width]; got shape {s:?}"
             )))
         }
+    };
+    let mask = match &mask {
+        Some((bits, mask_of, vocab)) => Some(Mask {
+            bits: bits
+                .as_slice()
+                .map_err(|_| PyValueError::new_err("the mask's bitmask must be C-contiguous"))?,
+            words: bits.shape()[1],
+            row_of: vec1("the mask's mask_of", mask_of)?,
+            vocab: *vocab,
+        }),
+        None => None,
     };
     let samples = Samples {
         row_of: vec1("row_of", &row_of)?,
@@ -75,6 +91,7 @@ fn sample_rows(
         ban_samples: vec1("ban_samples", &ban_samples)?,
         ban_tokens: vec1("ban_tokens", &ban_tokens)?,
         unseeded_key,
+        mask,
     };
     let mut tables = Tables {
         fp: flat("fp", &fp)?,
