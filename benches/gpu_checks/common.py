@@ -83,10 +83,11 @@ def random_model_dir(root: Path, name: str, config: dict[str, Any]) -> str:
     return str(d)
 
 
-def random_weights(model_dir: str, dtype: Any = "float32", device: Any = "cpu", progress: bool = True):
+def random_weights(model_dir: str, dtype: Any = "float32", device: Any = "cpu", progress: bool = True,
+                   load_mtp: bool = False):
     """Stand-in for ``load_model``: the model of ``model_dir``'s config with random
     weights drawn on the device (scaled like the tiny checkpoints, so activations stay
-    O(1)); no weight files are read."""
+    O(1)); no weight files are read. ``load_mtp``: with a random MTP layer too."""
     import torch
 
     from hybridserve.config import ModelConfig
@@ -95,7 +96,7 @@ def random_weights(model_dir: str, dtype: Any = "float32", device: Any = "cpu", 
 
     config = ModelConfig.from_json(model_dir)
     device = torch.device(device)
-    model = Qwen3_5ForServing(config, dtype=resolve_dtype(dtype), device="meta")
+    model = Qwen3_5ForServing(config, dtype=resolve_dtype(dtype), device="meta", mtp=load_mtp)
     model.to_empty(device=device)
     model.tie_weights()
     gen = torch.Generator(device=device).manual_seed(1234)

@@ -105,3 +105,24 @@ def test_a_refused_prompt_logprobs_keeps_no_grammar(tiny_dirs):
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.structured.stats()["active_requests"] == 0
+
+
+def test_an_engine_is_freed_by_its_last_reference_alone(tiny_dirs):
+    """No reference cycle keeps an engine alive: dropping the last reference ends it at
+    once, without the cyclic collector (tensor parallelism closes its ranks then, through
+    weakref.finalize; a cycle left the ranks open until some later collection, and the
+    next engine's process group then failed to start)."""
+    import gc
+    import weakref
+
+    from hybridserve import LLM
+
+    gc.disable()
+    try:
+        llm = LLM(tiny_dirs["test-a"], dtype="float32", num_pages=64)
+        llm.generate([[5, 6, 7]])
+        ref = weakref.ref(llm.engine)
+        del llm
+        assert ref() is None
+    finally:
+        gc.enable()

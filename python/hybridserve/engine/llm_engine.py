@@ -15,6 +15,8 @@ attributes the rest of the code reads (``engine.scheduler``, ``engine.runner``,
 
 from __future__ import annotations
 
+import weakref
+
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,9 +75,12 @@ class LLMEngine:
         self._counter = 0
         try:
             self.core = EngineCore.from_parts(parts)
+            # A weak reference: the processor must not keep the engine alive (the engine's
+            # end is what closes tensor-parallel ranks, through weakref.finalize).
+            structured = weakref.WeakMethod(self.structured_decoding)
             self.processor = InputProcessor(
                 parts.tokenizer, parts.model_config.vocab_size, parts.max_model_len, parts.args.max_num_seqs,
-                parts.eos_token_ids, parts.device, self.structured_decoding,
+                parts.eos_token_ids, parts.device, lambda: structured()(),
             )
             self.output_processor = self.core.output_processor = OutputProcessor(self.core, parts.tokenizer)
         except BaseException:
