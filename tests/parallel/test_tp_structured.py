@@ -1,8 +1,6 @@
 """Constrained decoding under tensor parallelism (gloo, two processes): rank 0 masks and
 samples, the workers only run the sharded forward. Outputs must equal the single-process
-engine's (greedy and seeded) and validate (``jsonschema``, ``re.fullmatch``), through
-preemption (an arena too small for the batch: grammar states rebuilt from the accepted
-tokens)."""
+engine's (greedy and seeded) and validate (``jsonschema``, ``re.fullmatch``)."""
 
 from __future__ import annotations
 
