@@ -63,6 +63,7 @@ def main() -> None:
     from hybridserve.engine.llm_engine import LLMEngine
     from hybridserve.metrics import EngineMetrics
     from hybridserve.server import app as app_mod
+    from hybridserve.server import large_bodies
     from hybridserve.server import protocol
 
     root = Path(tempfile.mkdtemp(prefix="echo-stall-"))
@@ -147,7 +148,7 @@ def main() -> None:
                  max((b - a for a, b in zip(window, window[1:])), default=float("nan")),
                  max((p for t, p, g in gc_pauses if t0 <= t <= t1), default=0.0)))
     modes = args.modes.split(",")
-    switch_default = app_mod.LARGE_BODY_SWITCH_S
+    switch_default = large_bodies.LARGE_BODY_SWITCH_S
     # When the body starts being built (the engine is done with the request): every mode
     # makes the body through protocol.completion_body.
     build_starts: list[float] = []
@@ -179,8 +180,8 @@ def main() -> None:
                          max((p for t, p, g in gc_pauses if t0 <= t <= t1), default=0.0)))
             continue
         # "sliced-thread-5ms": the sliced build with the GIL's default switch interval.
-        app_mod.LARGE_BODY_MODE = "sliced-thread" if mode == "sliced-thread-5ms" else mode
-        app_mod.LARGE_BODY_SWITCH_S = None if mode == "sliced-thread-5ms" else switch_default
+        large_bodies.LARGE_BODY_MODE = "sliced-thread" if mode == "sliced-thread-5ms" else mode
+        large_bodies.LARGE_BODY_SWITCH_S = None if mode == "sliced-thread-5ms" else switch_default
         build_starts.clear()
         t0 = time.monotonic()
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)

@@ -89,10 +89,11 @@ def test_sliced_encoding_hands_the_loop_back_between_slices(tiny_dir, monkeypatc
 
     from hybridserve.sampling import SamplingParams
     from hybridserve.server import app as app_mod
+    from hybridserve.server import large_bodies
 
-    monkeypatch.setattr(app_mod, "LARGE_BODY_MODE", "sliced-loop")
-    monkeypatch.setattr(app_mod, "LARGE_BODY_SLICE_S", 0.0)  # yield at every slice's end
-    monkeypatch.setattr(app_mod, "LARGE_BODY_CHUNK", 4096)
+    monkeypatch.setattr(large_bodies, "LARGE_BODY_MODE", "sliced-loop")
+    monkeypatch.setattr(large_bodies, "LARGE_BODY_SLICE_S", 0.0)  # yield at every slice's end
+    monkeypatch.setattr(large_bodies, "LARGE_BODY_CHUNK", 4096)
     tt = protocol.TokenText(load_tokenizer(tiny_dir))
     out = _echo_output(tt)
     params = SamplingParams(max_tokens=40, logprobs=5)
@@ -133,8 +134,9 @@ def test_sliced_thread_build_shortens_the_switch_interval_and_restores_it(tiny_d
 
     from hybridserve.sampling import SamplingParams
     from hybridserve.server import app as app_mod
+    from hybridserve.server import large_bodies
 
-    monkeypatch.setattr(app_mod, "LARGE_BODY_MODE", "sliced-thread")
+    monkeypatch.setattr(large_bodies, "LARGE_BODY_MODE", "sliced-thread")
     tt = protocol.TokenText(load_tokenizer(tiny_dir))
     out = _echo_output(tt)
     params = SamplingParams(max_tokens=40, logprobs=5)
@@ -160,7 +162,7 @@ def test_sliced_thread_build_shortens_the_switch_interval_and_restores_it(tiny_d
     monkeypatch.setattr(protocol, "json_pieces", watched)
     chunks = asyncio.run(app_mod._encode_sliced(Request(), lazy))
     assert b"".join(chunks) == json.dumps(whole).encode()
-    assert seen and max(seen) == min(app_mod.LARGE_BODY_SWITCH_S, before)
+    assert seen and max(seen) == min(large_bodies.LARGE_BODY_SWITCH_S, before)
     assert sys.getswitchinterval() == before
 
     def broken(obj):
