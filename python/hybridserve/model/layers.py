@@ -86,7 +86,23 @@ class Projection(nn.Linear):
     # benches/bf16_kernels.py, RESULTS.md's issue 22 section.
     NATIVE_MAX_ROWS_BF16 = 16
 
+    # A quantized checkpoint's weight (:class:`hybridserve.quant.QuantizedWeight`), held
+    # in place of ``weight`` (then None): see :meth:`quantize_`.
+    qweight = None
+
+    def quantize_(self, qweight) -> None:
+        """Serve this projection from ``qweight``, a :class:`hybridserve.quant.QuantizedWeight`
+        of shape ``[out_features, in_features]``; the float ``weight`` is dropped."""
+        if tuple(qweight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight of shape {list(qweight.shape)} for a projection "
+                             f"[{self.out_features}, {self.in_features}]")
+        self.weight = None
+        self.qweight = qweight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            y = self.qweight.linear(x)
+            return y if self.bias is None else y + self.bias
         w = self.weight
         if w.dtype == torch.bfloat16:
             if (x.dim() == 2 and x.shape[0] <= self.NATIVE_MAX_ROWS_BF16 and self.bias is None

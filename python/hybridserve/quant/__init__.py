@@ -1,0 +1,14 @@
+"""Quantized weights, kept in the form they were stored in.
+
+A quantized checkpoint's projections keep their bytes: the point of Q4_K or FP8 is that
+decode reads fewer of them. Each format is one class with the same small contract
+(:class:`QuantizedWeight`); :class:`hybridserve.model.layers.Projection` holds one in
+place of its ``weight`` and sends its inputs to :meth:`QuantizedWeight.linear`.
+
+- :mod:`.ggml`: llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; F32/F16/BF16
+  come in as plain tensors), as GGUF files store them.
+"""
+
+from hybridserve.quant.weight import ConcatWeight, QuantizedWeight
+
+__all__ = ["ConcatWeight", "QuantizedWeight"]

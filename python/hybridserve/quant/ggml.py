@@ -1,0 +1,80 @@
+"""llama.cpp's block formats (GGML types), as GGUF files store them.
+
+A weight ``[out, in]`` of a block type is ``out`` rows of ``in / block_size`` blocks,
+each ``block_bytes`` long; rows are independent, so a row range is a byte range and
+fused projections stack by rows. :class:`GGMLWeight` keeps those bytes (a ``uint8``
+tensor ``[out, row_bytes]``) and nothing else.
+
+The reference (``dequantize``) is the ``gguf`` package's own ``gguf.quants.dequantize``,
+llama.cpp's reader: the oracle the native kernels are tested against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GGMLType:
+    name: str          # lower-case, as hybridserve names it ("q4_k")
+    ggml_id: int       # gguf.GGMLQuantizationType value
+    block_size: int    # weights per block
+    block_bytes: int   # bytes per block
+
+
+# The block types served (what llama-quantize writes for Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K).
+GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
+    GGMLType("q8_0", 8, 32, 34),
+    GGMLType("q4_0", 2, 32, 18),
+    GGMLType("q4_k", 12, 256, 144),
+    GGMLType("q5_k", 13, 256, 176),
+    GGMLType("q6_k", 14, 256, 210),
+)}
+GGML_BY_ID: dict[int, GGMLType] = {t.ggml_id: t for t in GGML_TYPES.values()}
+
+
+class GGMLWeight:
+    """A ``[out, in]`` weight in one GGML block type; ``data`` is ``uint8 [out, row_bytes]``."""
+
+    def __init__(self, qtype: str, data: torch.Tensor, shape: tuple[int, int]):
+        if qtype not in GGML_TYPES:
+            raise ValueError(f"unknown GGML block type {qtype!r}; known: {sorted(GGML_TYPES)}")
+        t = GGML_TYPES[qtype]
+        out, inp = (int(s) for s in shape)
+        if inp % t.block_size:
+            raise ValueError(f"{qtype} rows hold whole blocks of {t.block_size}; in_features {inp} is not a multiple")
+        row_bytes = inp // t.block_size * t.block_bytes
+        if data.dtype != torch.uint8 or tuple(data.shape) != (out, row_bytes):
+            raise ValueError(f"{qtype} data for shape {[out, inp]} must be uint8 [{out}, {row_bytes}], "
+                             f"got {data.dtype} {list(data.shape)}")
+        self.qtype = qtype
+        self.type = t
+        self.data = data
+        self.shape = (out, inp)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``W`` as ``dtype`` through the ``gguf`` package's reference (numpy)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = dequantize(self.data.numpy(), GGMLQuantizationType(self.type.ggml_id))
+        return torch.from_numpy(np.ascontiguousarray(w)).reshape(self.shape).to(dtype)
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantize(x.dtype))
+
+    def rows(self, start: int, stop: int) -> "GGMLWeight":
+        if not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"rows {start}:{stop} out of range for {self.shape[0]} rows")
+        return GGMLWeight(self.qtype, self.data[start:stop], (stop - start, self.shape[1]))
+
+    def __repr__(self) -> str:
+        return f"GGMLWeight({self.qtype}, {list(self.shape)})"
