@@ -194,14 +194,12 @@ def load_weights(config: ResolvedConfig) -> LoadedWeights:
     args = config.args
     torch.manual_seed(args.seed)
     spec = args.speculative_config
+    # Speculation drafts with the checkpoint's MTP layer: loaded only then (a checkpoint
+    # without one is refused here, naming what is missing). Under tensor parallelism
+    # the layer is sharded like a decoder layer; rank 0 drafts and accepts.
     if config.parallel is not None:
-        if spec is not None:
-            raise ConfigError("speculative decoding (speculative_config) does not run under tensor parallelism "
-                              "yet; use tensor_parallel_size=1 or leave speculative_config unset")
-        model = config.parallel.load_model(args.model, config.dtype, config.device)
+        model = config.parallel.load_model(args.model, config.dtype, config.device, load_mtp=spec is not None)
     else:
-        # Speculation drafts with the checkpoint's MTP layer: loaded only then (a
-        # checkpoint without one is refused here, naming what is missing).
         model, _ = load_model(args.model, dtype=config.dtype, device=config.device, load_mtp=spec is not None)
     model.eval()
     tokenizer = load_tokenizer(args.tokenizer or args.model)
