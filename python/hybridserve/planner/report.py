@@ -170,18 +170,14 @@ def capacity_report(
     decoding with the MTP layer as the engine runs it: the MTP weights count in the
     weights, the MTP layer's KV block in every page (so pages are larger and fewer), and
     sessions still decoding hold up to k drafts + k lookahead slots more
-    (``sessions_paged_while_decoding``); one device only (ConfigError for tensor
-    parallelism, which the engine refuses with speculation).
+    (``sessions_paged_while_decoding``); with ``tensor_parallel`` each device holds its
+    shard of the MTP layer and its share of the MTP KV.
     """
     kv_dtype = cache_dtype(config, kv_dtype)
     check_context(config, context_len)
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
         raise ConfigError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
     spec = speculative_tokens > 0
-    if spec and tensor_parallel is not None and tensor_parallel > 1:
-        raise ConfigError(
-            f"speculative decoding does not run under tensor parallelism yet (--tensor-parallel-size "
-            f"{tensor_parallel}); plan it on one device or leave --speculative-config out")
     params = param_count(config)
     weights = weight_bytes(config, checkpoint_dir, mtp=spec)
     mtp_weights = (weights - weight_bytes(config, checkpoint_dir)) if spec else 0
@@ -326,7 +322,9 @@ def _tensor_parallel_rows(r: CapacityReport) -> list[tuple[str, str]]:
         ("  weights",
          f"{fb(s.weight_bytes_per_device)} = {s.weight_bytes_per_device / 1e9:,.2f} GB "
          f"({s.params_per_device:,} parameters, {s.replicated_params_per_device:,} of them whole on "
-         "every device: norms" + (", router, shared_expert_gate" if r.num_experts else "") + ")"),
+         "every device: norms" + (", router, shared_expert_gate" if r.num_experts else "") + ")"
+         + (f", incl. its shard of the MTP layer, {fb(s.mtp_weight_bytes_per_device)}"
+            if s.mtp_weight_bytes_per_device else "")),
         (f"  KV per token ({r.kv_dtype})",
          f"{s.kv_bytes_per_token_per_device:,} B of the model's {r.kv_bytes_per_token:,} B"
          + (f" (each KV head on {s.kv_head_replicas} devices)" if s.kv_head_replicas > 1 else "")),
