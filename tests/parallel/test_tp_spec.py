@@ -33,8 +33,11 @@ ENGINE = dict(dtype="float32", cpu_threads=1, block_size=16, max_num_seqs=4, max
 TOL = 1e-4
 
 
-def _spec(k: int) -> dict:
-    return {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": 0}
+def _spec(k: int, draft_vocab: int | None = None) -> dict:
+    spec = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": 0}
+    if draft_vocab:
+        spec["draft_vocab_size"] = draft_vocab
+    return spec
 
 
 def _path(model: str, tp_dirs) -> str:
@@ -45,8 +48,8 @@ def _path(model: str, tp_dirs) -> str:
     return tp_dirs[model]
 
 
-def _run(path: str, tp: int, k: int | None) -> dict:
-    llm = LLM(path, tensor_parallel_size=tp, speculative_config=_spec(k) if k else None, **ENGINE)
+def _run(path: str, tp: int, k: int | None, draft_vocab: int | None = None) -> dict:
+    llm = LLM(path, tensor_parallel_size=tp, speculative_config=_spec(k, draft_vocab) if k else None, **ENGINE)
     rng = random.Random(11)
     toks = lambda n: [rng.randrange(3, 200) for _ in range(n)]  # noqa: E731
     system = toks(35)
@@ -84,12 +87,15 @@ def off(tp_dirs):
     return get
 
 
-@pytest.mark.parametrize("model,k", [("trained", 1), ("trained", 2), ("trained", 3),
-                                     ("moe", 1), ("moe", 3), ("dense-kv1", 2)])
-def test_tp2_speculation_equals_the_single_process(model, k, tp_dirs, off):
+# draft_vocab: a reduced draft vocabulary (the first 1024 of the trained model's 8192
+# ids); under TP it is cut from the gathered logits, so the drafts are the same.
+@pytest.mark.parametrize("model,k,draft_vocab", [
+    ("trained", 1, None), ("trained", 2, None), ("trained", 3, None), ("trained", 2, 1024),
+    ("moe", 1, None), ("moe", 3, None), ("dense-kv1", 2, None)])
+def test_tp2_speculation_equals_the_single_process(model, k, draft_vocab, tp_dirs, off):
     path = _path(model, tp_dirs)
-    tp = _run(path, 2, k)
-    one = _run(path, 1, k)
+    tp = _run(path, 2, k, draft_vocab)
+    one = _run(path, 1, k, draft_vocab)
     ref = off(model)
     st = tp["stats"]
     # The drafter ran sharded: its fc holds this rank's half of the 2H input columns.
