@@ -85,7 +85,9 @@ def q8_act_ref(x: torch.Tensor, k_quant: bool) -> torch.Tensor:
     b = x.reshape(t, k // 256, 256)
     idx = b.abs().argmax(-1, keepdim=True)
     mx = torch.gather(b, -1, idx)
-    iscale = torch.where(mx == 0, torch.zeros_like(mx), -127.0 / mx)
+    # A true division (torch's ``scalar / tensor`` is ``reciprocal * scalar``, which
+    # rounds differently from C's ``-127.f / max``).
+    iscale = torch.where(mx == 0, torch.zeros_like(mx), torch.full_like(mx, -127.0) / mx)
     q = torch.round(iscale * b).clamp(max=127)                  # rint: half to even
     d = torch.where(mx == 0, torch.zeros_like(mx), 1 / iscale)
     return (q * d).reshape(t, k)
