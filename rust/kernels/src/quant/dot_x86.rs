@@ -21,8 +21,7 @@ macro_rules! kernels {
     ($name:ident, $feat:literal, $vnni:literal) => {
         pub mod $name {
             use super::ActRow;
-            use crate::quant::blocks::{rd_f16, scale_min_k4};
-            use std::arch::x86_64::*;
+                        use std::arch::x86_64::*;
 
             /// Unsigned bytes `u` times signed bytes `x`, four neighbours summed into
             /// each int32 lane.
@@ -77,6 +76,14 @@ macro_rules! kernels {
                 _mm_cvtss_f32(s)
             }
 
+            /// The float16 at `p` (F16C's conversion, exact like `blocks::rd_f16`).
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn h2f(p: *const u8) -> f32 {
+                let h = (p as *const u16).read_unaligned();
+                _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(h as i32)))
+            }
+
             #[inline]
             #[target_feature(enable = $feat)]
             unsafe fn ld(p: *const u8) -> __m256i {
@@ -91,11 +98,16 @@ macro_rules! kernels {
                 xs: &[ActRow<'_>; R],
             ) -> [f32; R] {
                 let bb = if FOUR { 18 } else { 34 };
-                let mut acc = [_mm256_setzero_ps(); R];
+                // Two accumulators per row (even and odd blocks): one FMA chain per
+                // row would wait on its latency every block.
+                let mut acc = [[_mm256_setzero_ps(); R]; 2];
                 let m4 = _mm256_set1_epi8(0x0F);
-                for b in 0..nb {
+                // A macro, not a closure: closures here can stay out-of-line calls.
+                macro_rules! one {
+                    ($acc:expr, $b:expr) => {{
+                    let (acc, b): (&mut [__m256; R], usize) = ($acc, $b);
                     let blk = w.add(b * bb);
-                    let dw = rd_f16(std::slice::from_raw_parts(blk, 2), 0);
+                    let dw = h2f(blk);
                     let wq = if FOUR {
                         let q = _mm_loadu_si128(blk.add(2) as *const __m128i);
                         let v = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
@@ -110,8 +122,27 @@ macro_rules! kernels {
                         let d = _mm256_set1_ps(dw * *xs[r].d.get_unchecked(b));
                         acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
                     }
+                    }};
                 }
-                std::array::from_fn(|r| hsum_ps(acc[r]))
+                let [a0, a1] = &mut acc;
+                let mut b = 0;
+                while b + 2 <= nb {
+                    one!(&mut *a0, b);
+                    one!(&mut *a1, b + 1);
+                    b += 2;
+                }
+                if b < nb {
+                    one!(&mut *a0, b);
+                }
+                for r in 0..R {
+                    a0[r] = _mm256_add_ps(a0[r], a1[r]);
+                }
+                let acc = *a0;
+                let mut res = [0.0f32; R];
+                for r in 0..R {
+                    res[r] = hsum_ps(acc[r]);
+                }
+                res
             }
 
             /// Q4_K (`FIVE = false`) or Q5_K weights.
@@ -128,9 +159,14 @@ macro_rules! kernels {
                 let mut acc = [0.0f32; R];
                 for b in 0..nb {
                     let blk = w.add(b * bb);
-                    let head = std::slice::from_raw_parts(blk, 16);
-                    let (d, dmin) = (rd_f16(head, 0), rd_f16(head, 2));
-                    let sm: [(u8, u8); 8] = std::array::from_fn(|j| scale_min_k4(j, &head[4..16]));
+                    let (d, dmin) = (h2f(blk), h2f(blk.add(2)));
+                    // Unpacked in straight code: a closure here stays an out-of-line call.
+                    let q = &*(blk.add(4) as *const [u8; 12]);
+                    let mut sm = [(0u8, 0u8); 8];
+                    for j in 0..4 {
+                        sm[j] = (q[j] & 63, q[j + 4] & 63);
+                        sm[j + 4] = ((q[j + 8] & 0xF) | ((q[j] >> 6) << 4), (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+                    }
                     let qh = if FIVE { ld(blk.add(16)) } else { _mm256_setzero_si256() };
                     let mut isum = [_mm256_setzero_si256(); R];
                     for j in 0..4 {
@@ -173,7 +209,7 @@ macro_rules! kernels {
                 for b in 0..nb {
                     let blk = w.add(b * 210);
                     let sc = std::slice::from_raw_parts(blk.add(192), 16);
-                    let d = rd_f16(std::slice::from_raw_parts(blk.add(208), 2), 0);
+                    let d = h2f(blk.add(208));
                     let mut isum = [_mm256_setzero_si256(); R];
                     for h in 0..2 {
                         let a = ld(blk.add(64 * h));
@@ -212,5 +248,5 @@ macro_rules! kernels {
     };
 }
 
-kernels!(avx2, "avx2,fma", false);
-kernels!(vnni, "avx2,fma,avx512f,avx512vl,avx512vnni", true);
+kernels!(avx2, "avx2,fma,f16c", false);
+kernels!(vnni, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", true);

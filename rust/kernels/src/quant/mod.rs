@@ -26,7 +26,7 @@ pub use gemm::{dequantize_rows, dequantize_rows_with, quant_matmul, quant_matmul
 pub enum QIsa {
     /// AVX2 with AVX-512 VNNI's `vpdpbusd` on 256-bit registers (needs AVX-512VL).
     Avx512Vnni,
-    /// AVX2 (`vpmaddubsw` + `vpmaddwd`) and FMA.
+    /// AVX2 (`vpmaddubsw` + `vpmaddwd`), FMA and F16C.
     Avx2,
     /// Plain Rust.
     Scalar,
@@ -40,7 +40,9 @@ impl QIsa {
         *ISA.get_or_init(|| {
             #[cfg(target_arch = "x86_64")]
             {
-                let avx2 = std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma");
+                let avx2 = std::is_x86_feature_detected!("avx2")
+                    && std::is_x86_feature_detected!("fma")
+                    && std::is_x86_feature_detected!("f16c");
                 if avx2
                     && std::is_x86_feature_detected!("avx512f")
                     && std::is_x86_feature_detected!("avx512vl")
