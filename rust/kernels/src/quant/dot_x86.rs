@@ -233,13 +233,17 @@ macro_rules! kernels {
                             }
                         }
                     }
+                    // The offset 32 sum_g sc_g sums_g, in lanes: scales widened to int32.
+                    let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr() as *const __m128i));
+                    let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i));
                     for r in 0..R {
-                        let s = &xs[r].sums[16 * b..16 * b + 16];
-                        let mut off = 0i32;
-                        for (gi, &v) in s.iter().enumerate() {
-                            off += sc[gi] as i8 as i32 * v;
-                        }
-                        acc[r] += d * *xs[r].d.get_unchecked(b) * (hsum_i32(isum[r]) - 32 * off) as f32;
+                        let s = xs[r].sums.as_ptr().add(16 * b);
+                        let off = _mm256_add_epi32(
+                            _mm256_mullo_epi32(sc_lo, _mm256_loadu_si256(s as *const __m256i)),
+                            _mm256_mullo_epi32(sc_hi, _mm256_loadu_si256(s.add(8) as *const __m256i)),
+                        );
+                        let v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(off));
+                        acc[r] += d * *xs[r].d.get_unchecked(b) * hsum_i32(v) as f32;
                     }
                 }
                 acc

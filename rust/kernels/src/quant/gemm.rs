@@ -111,7 +111,8 @@ pub fn quant_matmul_with<T: Elem>(
             let wr = &w[j * rb..(j + 1) * rb];
             let mut t = 0;
             while t < m {
-                let r = (m - t).min(MR);
+                // Q6_K's unpacked groups and scales take more registers: pairs of rows.
+                let r = (m - t).min(if ty == GgmlType::Q6K { 2 } else { MR });
                 let mut vals = [0.0f32; MR];
                 match r {
                     1 => vals[..1].copy_from_slice(&dot_rows::<1>(isa, ty, wr, act, t)),
@@ -329,5 +330,31 @@ mod tests {
         assert!(e.0.contains("out must be"), "{}", e.0);
         let e = quant_matmul(Rows::dense(&x, 256).unwrap(), &w[..100], GgmlType::Q4K, Out::F32(&mut out)).unwrap_err();
         assert!(e.0.contains("w must be"), "{}", e.0);
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    /// `cargo test --release -p hybridserve-cpu-kernels quant::gemm::timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn rows_per_block() {
+        let (n, k) = (3072, 768);
+        for ty in [GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+            let w: Vec<u8> = (0..n * ty.row_bytes(k)).map(|i| (i * 7 % 251) as u8 & 0x3f).collect();
+            for m in [1usize, 2, 4, 16] {
+                let x: Vec<f32> = (0..m * k).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
+                let mut out = vec![0.0f32; m * n];
+                let mut best = f64::MAX;
+                for _ in 0..20 {
+                    let t0 = std::time::Instant::now();
+                    quant_matmul(Rows::dense(&x, k).unwrap(), &w, ty, Out::F32(&mut out)).unwrap();
+                    best = best.min(t0.elapsed().as_secs_f64());
+                }
+                println!("{ty:?} m={m}: {:.3} ms", best * 1e3);
+            }
+        }
     }
 }
