@@ -187,12 +187,17 @@ macro_rules! kernels {
                             isum[r] = _mm256_add_epi32(isum[r], sdot(hi, ld(x.add(32)), sh));
                         }
                     }
+                    // The min term sum_j m_j (sums_2j + sums_2j+1), in lanes: each 16-sum
+                    // times its sub-block's min.
+                    let m = |j: usize| sm[j].1 as i32;
+                    let m_lo = _mm256_setr_epi32(m(0), m(0), m(1), m(1), m(2), m(2), m(3), m(3));
+                    let m_hi = _mm256_setr_epi32(m(4), m(4), m(5), m(5), m(6), m(6), m(7), m(7));
                     for r in 0..R {
-                        let s = &xs[r].sums[16 * b..16 * b + 16];
-                        let mut mins = 0i32;
-                        for j in 0..8 {
-                            mins += sm[j].1 as i32 * (s[2 * j] + s[2 * j + 1]);
-                        }
+                        let s = xs[r].sums.as_ptr().add(16 * b);
+                        let mins = hsum_i32(_mm256_add_epi32(
+                            _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s as *const __m256i)),
+                            _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s.add(8) as *const __m256i)),
+                        ));
                         let dx = *xs[r].d.get_unchecked(b);
                         acc[r] += d * dx * hsum_i32(isum[r]) as f32 - dmin * dx * mins as f32;
                     }
