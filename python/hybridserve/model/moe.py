@@ -305,6 +305,8 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.experts, "quantized", False):
+            return self._forward_quantized(x)
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu":
             plan = self._bf16_plan()
             if plan is not None:
@@ -331,6 +333,21 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+    def _forward_quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """Experts kept in a quantized checkpoint's blocks
+        (:class:`hybridserve.quant.gguf.weights.QuantizedExperts`): HF's routing, each
+        expert's rows through its own products; the router and the shared expert are
+        Projections (float or quantized)."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = route_ref(self.gate(x), self.top_k)
+        out = self.experts(x, weights, ids)
+        self.last_max_load = expert_counts(ids, self.num_experts).max() if ids.numel() else 0
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

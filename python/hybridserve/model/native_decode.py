@@ -200,6 +200,10 @@ class NativeDecodeStep:
             return False
         if _hooked(model.modules()):
             return False
+        # A quantized checkpoint's projections (Projection.qweight) run their own
+        # products; the native step's GEMM entries read float weights.
+        if any(getattr(m, "qweight", None) is not None for m in model.modules()):
+            return False
         c = model.config
         if not native.available() or model.device.type != "cpu" or model.dtype not in (torch.float32, _BF16):
             return False
