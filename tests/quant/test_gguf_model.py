@@ -1,0 +1,92 @@
+"""A GGUF checkpoint served from its blocks against HF on the dequantized weights.
+
+Files come from the test-side writer (tests/quant/gguf_files.py: llama.cpp's layout,
+names and transforms, written with ``gguf.GGUFWriter``); the oracle is HF's
+``Qwen3_5ForCausalLM`` / ``Qwen3_5MoeForCausalLM`` on the weights the file holds, read back
+with the ``gguf`` package's ``dequantize`` and the converter's transforms undone by the
+writer's own code.
+
+Bound on the logits: ``LOGIT_RTOL`` of the largest |logit|. The products here run on
+float activations against the weights' exact values (``GGMLWeight.linear``'s reference,
+the ``gguf`` dequantization in the model's float32), so the only difference from HF is
+float32 summation order, the same bound as the safetensors fidelity tests (1e-4). A kernel
+that rounds activations (e.g. to int8 per 32-block, as llama.cpp's q8_0 dot products do:
+relative error up to 2^-8 per element) must widen it accordingly.
+"""
+
+import random
+
+import pytest
+import torch
+
+from conftest import KQUANT_DENSE, KQUANT_MOE, greedy, hf_oracle, prompt_logits
+from hybridserve.model import load_model
+from hybridserve.quant import ConcatWeight
+
+LOGIT_RTOL = 1e-4
+
+CASES = {
+    # name: write_gguf kwargs
+    "dense-q8_0": dict(preset="test-a", qtype="q8_0"),             # value heads grouped 2:1 (reordered)
+    # Tied head from the embedding's blocks (test-b widened so every input holds 32-blocks).
+    "dense-q4_0-tied": dict(preset="test-b", qtype="q4_0", hidden_size=64, intermediate_size=128,
+                            linear_value_head_dim=32),
+    "dense-f16": dict(preset="test-a", qtype="f16"),
+    "dense-bf16-tied": dict(preset="test-b", qtype="bf16"),
+    "dense-q4_k_m": dict(preset="test-a", qtype="q4_k", types={"ffn_down": "q6_k", "attn_v": "q6_k",
+                                                                "attn_qkv": "q5_k"}, **KQUANT_DENSE),
+    "dense-q5_k-f32-embed": dict(preset="test-a", qtype="q5_k", embed_qtype="f32", **KQUANT_DENSE),
+    "dense-q6_k": dict(preset="test-a", qtype="q6_k", **KQUANT_DENSE),
+    "moe-q8_0": dict(preset="moe-a", qtype="q8_0"),
+    "moe-q4_0-tied": dict(preset="moe-b", qtype="q4_0", hidden_size=64, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, linear_value_head_dim=32),
+    # moe-b as it is: most inputs (48, 24 wide) hold no whole block, so the file mixes F32
+    # experts with a Q4_0 shared expert, as llama-quantize's fallbacks do.
+    "moe-mixed-fallback": dict(preset="moe-b", qtype="q4_0"),
+    "moe-q4_k_m": dict(preset="moe-a", qtype="q4_k", types={"ffn_down": "q6_k"}, **KQUANT_MOE),
+}
+
+
+def _prompt(seed, n=24, vocab=259):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_and_greedy_equal_hf_on_dequantized_weights(case, gguf_case):
+    path, text, oracle_dir = gguf_case(case, **CASES[case])
+    model, config = load_model(path, dtype="float32", progress=False)
+    hf = hf_oracle(oracle_dir)
+    prompt = _prompt(1)
+    ours = prompt_logits(model, config, prompt)
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, ref, rtol=LOGIT_RTOL, atol=LOGIT_RTOL * float(ref.abs().max()))
+    # The first 16 greedy tokens, decoding one at a time on our side.
+    want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+                       eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert greedy(model, config, prompt, 16) == want
+
+
+@pytest.mark.parametrize("case", ["dense-q4_k_m", "moe-q4_k_m", "dense-q4_0-tied", "moe-q4_0-tied"])
+def test_block_tensors_stay_blocks(case, gguf_case):
+    """Every block tensor is served from its bytes: no float copy of it exists."""
+    path, _, _ = gguf_case(case, **CASES[case])
+    model, config = load_model(path, dtype="float32", progress=False)
+    layer = model.layers[0]
+    mixer = layer.linear_attn
+    assert mixer.in_proj.weight is None and isinstance(mixer.in_proj.qweight, ConcatWeight)
+    assert mixer.out_proj.weight is None
+    assert type(model.embed_tokens).__name__ == "QuantizedEmbedding"
+    if config.tie_word_embeddings:
+        assert model.lm_head.qweight is model.embed_tokens.qweight
+    if config.is_moe:
+        assert getattr(layer.mlp.experts, "quantized", False)
+        assert not any(p.numel() > config.hidden_size * 8 for p in layer.mlp.parameters())
+    # The types the file holds, as stored (Q4_K_M keeps some tensors in Q6_K / Q5_K).
+    types = {p.qtype for p in mixer.in_proj.qweight.parts}
+    assert types <= {"q4_k", "q5_k", "q6_k", "q8_0", "q4_0", "f32"}
+    # The blocks' bytes are what is held: about 4.5-8.5 bits per weight, not 32.
+    quantized = [m.qweight for m in model.modules() if getattr(m, "qweight", None) is not None]
+    elements = sum(q.shape[0] * q.shape[1] for q in quantized)
+    assert 0 < sum(q.nbytes for q in quantized) <= elements * 8.5 / 8
