@@ -90,13 +90,16 @@ def _is_zero_centred_norm(name: str) -> bool:
 
 def write_gguf(path: str | os.PathLike[str], *, preset: str = "test-a", qtype: str = "q8_0", seed: int = 0,
                embed_qtype: str | None = None, types: dict[str, str] | None = None, mtp: bool = False,
-               split_max_tensors: int = 0, arch: str | None = None, **overrides) -> tuple[str, dict, dict]:
+               split_max_tensors: int = 0, arch: str | None = None, tokenizer_dir: str | None = None,
+               **overrides) -> tuple[str, dict, dict]:
     """Write the tiny ``preset`` as a GGUF at ``path``: 2-D projection weights in ``qtype``
     (where their input features hold whole blocks, else Q8_0, else F32, as llama-quantize
     falls back), the embedding in ``embed_qtype`` (default ``qtype``), ``types``: GGUF
     tensor name suffix -> type overrides (e.g. ``{"ffn_down": "q6_k"}``); norms, conv and
     gates F32. ``split_max_tensors``: a split GGUF of that many tensors per part (the
     returned path is the first part). ``arch``: write another architecture name.
+    ``tokenizer_dir``: store that HF tokenizer (tokenizer.json + tokenizer_config.json) as
+    the converter does, instead of the tiny byte tokenizer.
 
     Returns (path, the HF text config dict, the oracle's HF state dict: ``model.*`` /
     ``lm_head.weight`` / ``mtp.*`` float32 tensors as the file holds them)."""
@@ -260,7 +263,10 @@ def write_gguf(path: str | os.PathLike[str], *, preset: str = "test-a", qtype: s
     if mtp:
         writer.add_nextn_predict_layers(1)
     writer.add_rope_dimension_sections([11, 11, 10, 0])
-    _add_tokenizer(writer, config.vocab_size)
+    if tokenizer_dir:
+        _add_hf_tokenizer(writer, tokenizer_dir, config.vocab_size)
+    else:
+        _add_tokenizer(writer, config.vocab_size)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -296,6 +302,40 @@ def _add_tokenizer(writer: gguf.GGUFWriter, vocab_size: int) -> None:
     writer.add_pad_token_id(ENDOFTEXT_ID)
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def _add_hf_tokenizer(writer: gguf.GGUFWriter, tokenizer_dir: str, vocab_size: int) -> None:
+    """A HF byte-level BPE tokenizer in ``tokenizer.ggml.*`` keys, as the converter's
+    ``_set_vocab_gpt2`` stores one: tokens in id order (added ones too), padded to the
+    embedding's rows with UNUSED ``[PAD{i}]``; added special tokens CONTROL, other added
+    tokens USER_DEFINED; merges as ``"a b"``; the Qwen3.5 pre-tokenizer; the template."""
+    with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tj = json.load(f)
+    with open(os.path.join(tokenizer_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+        tc = json.load(f)
+    by_id = {i: t for t, i in tj["model"]["vocab"].items()}
+    kinds = {}
+    for a in tj["added_tokens"]:
+        by_id[a["id"]] = a["content"]
+        kinds[a["id"]] = gguf.TokenType.CONTROL if a["special"] else gguf.TokenType.USER_DEFINED
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(kinds.get(i, gguf.TokenType.NORMAL))
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+    ids = {t: i for i, t in enumerate(tokens)}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen35")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tj["model"]["merges"]])
+    writer.add_eos_token_id(ids[tc["eos_token"]])
+    writer.add_pad_token_id(ids[tc["pad_token"]])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(tc["chat_template"])
 
 
 def write_oracle_dir(out_dir: str | os.PathLike[str], text: dict, oracle: dict) -> str:

@@ -95,10 +95,11 @@ def hf_config(f: GGUFFile) -> dict[str, Any]:
         "linear_value_head_dim": inner // v_heads,
         "linear_conv_kernel_dim": int(need("ssm.conv_kernel")),
         "max_position_embeddings": int(get("context_length", 32768)),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
+        # Stored as float32: its 7 significant digits give back the decimal written (1e-06).
+        "rms_norm_eps": float(f"{float(need('attention.layer_norm_rms_epsilon')):.7g}"),
         "hidden_act": "silu",
         "attention_bias": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10_000_000.0)),
+        "rope_parameters": {"rope_type": "default", "rope_theta": float(f"{float(get('rope.freq_base', 1e7)):.7g}"),
                             "partial_rotary_factor": rot / head_dim},
         # Tied when the file has no separate LM head (llama.cpp then reads token_embd).
         "tie_word_embeddings": "output.weight" not in f.tensors,
