@@ -372,7 +372,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def check_model_dir(path: str) -> None:
-    """A checkpoint must be a directory; say so plainly when it is a file or missing."""
+    """A checkpoint must be a directory or a GGUF file; say so plainly when it is another
+    file or missing."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ConfigError(f"no GGUF file at {path!r}")
+        return
     if os.path.isfile(path):
         raise ConfigError(
             f"{path!r} is a file, not a directory: give the checkpoint directory that holds "

@@ -1,0 +1,43 @@
+"""``LLM("model.gguf")``: the engine serves a GGUF file (weights from its blocks, the
+tokenizer and chat template from its metadata); greedy outputs equal HF's on the
+dequantized weights, text prompts tokenized as HF's tokenizer does."""
+
+import pytest
+import torch
+
+from conftest import hf_oracle
+from hybridserve import LLM, SamplingParams
+from hybridserve.errors import ConfigError
+
+CASES = {
+    "dense-q8_0": dict(preset="test-a", qtype="q8_0"),
+    "moe-q8_0": dict(preset="moe-a", qtype="q8_0"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_llm_generate_greedy_equals_hf(case, gguf_case):
+    from transformers import AutoTokenizer
+
+    path, _, oracle_dir = gguf_case(case, **CASES[case])
+    llm = LLM(path, dtype="float32", device="cpu", num_pages=256, max_num_seqs=4, max_model_len=512)
+    hf = hf_oracle(oracle_dir)
+    hf_tok = AutoTokenizer.from_pretrained(oracle_dir)
+    prompts = ["The GGUF file says", "hello", "a longer prompt, with punctuation; and more words"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        ids = hf_tok.encode(prompt)
+        assert list(out.prompt_token_ids) == ids
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        assert list(out.outputs[0].token_ids) == want
+    # The chat template from the file's metadata.
+    msgs = [{"role": "user", "content": "hi"}]
+    assert llm.get_tokenizer().apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
+        hf_tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+
+def test_tensor_parallel_gguf_refused(gguf_case):
+    path, _, _ = gguf_case("dense-q8_0", **CASES["dense-q8_0"])
+    with pytest.raises(ConfigError, match="tensor parallelism.*GGUF"):
+        LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2)
