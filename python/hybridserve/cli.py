@@ -152,8 +152,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"{args.config!r} is not a config.json, a checkpoint directory or a preset "
             f"({', '.join(preset_names())})"
         )
-    checkpoint_dir = config_path if os.path.isdir(config_path) else None
-    if checkpoint_dir is not None and not any(
+    checkpoint_dir = config_path if os.path.isdir(config_path) or config_path.endswith(".gguf") else None
+    if checkpoint_dir is not None and os.path.isdir(checkpoint_dir) and not any(
         f.endswith(".safetensors") for f in os.listdir(checkpoint_dir)
     ):
         checkpoint_dir = None  # a directory with only config.json: count parameters

@@ -135,3 +135,24 @@ def test_missing_file_and_gpu_refused(tmp_path):
     path, _, _ = write_gguf(tmp_path / "m.gguf", preset="test-a", qtype="q8_0")
     with pytest.raises(ConfigError, match="CPU"):
         load_model(path, device="meta", progress=False)
+
+
+def test_planner_counts_the_stored_block_bytes(tmp_path):
+    from hybridserve.planner.weights import weight_bytes
+
+    path, text, _ = write_gguf(tmp_path / "m.gguf", preset="moe-a", qtype="q4_0", mtp=True,
+                            moe_intermediate_size=64, shared_expert_intermediate_size=64)
+    f = GGUFFile(path)
+    config = ModelConfig.from_dict(text)
+    stored = {n: int(np.asarray(t.raw).nbytes) for n, t in f.tensors.items()}
+    trunk = sum(b for n, b in stored.items() if not n.startswith(f"blk.{config.num_hidden_layers}."))
+    assert weight_bytes(config, path) == trunk
+    assert weight_bytes(config, path, mtp=True) == sum(stored.values()) > trunk
+    # Below the float32 parameter bytes the same model would take.
+    assert trunk < weight_bytes(dataclasses_replace(config, torch_dtype="float32")) / 3
+
+
+def dataclasses_replace(c, **kw):
+    import dataclasses
+
+    return dataclasses.replace(c, **kw)

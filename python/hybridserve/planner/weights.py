@@ -154,6 +154,8 @@ def checkpoint_weight_bytes(path: str | os.PathLike[str], *, text_only: bool = T
     malformed.
     """
     path = os.fspath(path)
+    if path.endswith(".gguf"):
+        return gguf_weight_bytes(path, mtp=mtp)
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is not a directory; pass a checkpoint directory")
     files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
@@ -181,6 +183,34 @@ def checkpoint_weight_bytes(path: str | os.PathLike[str], *, text_only: bool = T
                 total += int(end) - int(begin)
         except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
             raise CheckpointError(f"cannot read safetensors header of {fpath!r}: {e}") from None
+    return total
+
+
+def gguf_weight_bytes(path: str | os.PathLike[str], *, mtp: bool = False) -> int:
+    """Bytes of tensor data in a GGUF file (every part of a split one) as stored: the
+    quantized blocks' bytes, which is what serving holds. The MTP (nextn) layer's tensors
+    (block ``block_count - nextn_predict_layers``) count only with ``mtp``. Reads the
+    headers through the ``gguf`` package (memory-mapped; no tensor data is read)."""
+    from gguf import GGUFReader
+
+    from hybridserve.quant.gguf.reader import split_parts
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"GGUF file {path!r} does not exist")
+    total, mtp_block = 0, None
+    for i, part in enumerate(split_parts(path)):
+        r = GGUFReader(part, "r")
+        if i == 0:
+            arch = r.fields["general.architecture"].contents()
+            nextn = r.fields.get(f"{arch}.nextn_predict_layers")
+            blocks = r.fields.get(f"{arch}.block_count")
+            if nextn is not None and blocks is not None and int(nextn.contents()) > 0:
+                mtp_block = f"blk.{int(blocks.contents()) - int(nextn.contents())}."
+        for t in r.tensors:
+            if not mtp and mtp_block is not None and t.name.startswith(mtp_block):
+                continue
+            total += int(t.n_bytes)
     return total
 
 
