@@ -90,3 +90,34 @@ def test_block_tensors_stay_blocks(case, gguf_case):
     quantized = [m.qweight for m in model.modules() if getattr(m, "qweight", None) is not None]
     elements = sum(q.shape[0] * q.shape[1] for q in quantized)
     assert 0 < sum(q.nbytes for q in quantized) <= elements * 8.5 / 8
+
+
+@pytest.mark.parametrize("preset", ["test-a", "moe-a"])
+def test_mtp_layer_loads_from_nextn_tensors(preset, gguf_case):
+    """The MTP layer (block num_hidden_layers, nextn.* tensors) holds the oracle's weights:
+    our safetensors loader (itself tested against HF) on the oracle directory is the
+    reference, module by module."""
+    path, _, oracle_dir = gguf_case(f"mtp-{preset}", preset=preset, qtype="q8_0", mtp=True)
+    ours, config = load_model(path, dtype="float32", progress=False, load_mtp=True)
+    ref, _ = load_model(oracle_dir, dtype="float32", progress=False, load_mtp=True)
+    ref_params = dict(ref.mtp.named_parameters())
+    seen = 0
+    for name, m in ours.mtp.named_modules():
+        q = getattr(m, "qweight", None)
+        if q is not None:
+            torch.testing.assert_close(q.dequantize(), ref.mtp.get_submodule(name).weight, rtol=0, atol=0)
+            seen += 1
+    assert seen >= 4  # fc, qkv, o, the MLP's / shared expert's projections
+    for name, p in ours.mtp.named_parameters():
+        torch.testing.assert_close(p, ref_params[name], rtol=1e-6, atol=1e-6)
+    if config.is_moe:
+        ex, rex = ours.mtp.layers[0].mlp.experts, ref.mtp.layers[0].mlp.experts
+        for e in range(ex.num):
+            torch.testing.assert_close(ex.gate_up[e].dequantize(), rex.gate_up_proj[e], rtol=0, atol=0)
+            torch.testing.assert_close(ex.down[e].dequantize(), rex.down_proj[e], rtol=0, atol=0)
+    # Without load_mtp the nextn tensors are skipped silently; a file without them is
+    # refused for speculative decoding.
+    plain, _, _ = gguf_case("dense-q8_0", **CASES["dense-q8_0"])
+    from hybridserve.errors import ConfigError
+    with pytest.raises(ConfigError, match="MTP"):
+        load_model(plain, progress=False, load_mtp=True)
