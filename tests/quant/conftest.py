@@ -68,8 +68,9 @@ def prompt_logits(model, config, prompt, block_size=16):
         return model(batch, cache).float()
 
 
-def greedy(model, config, prompt, steps, block_size=16):
-    """Our greedy continuation of ``prompt``: one prefill, then one decode per token."""
+def greedy(model, config, prompt, steps, block_size=16, logits=None):
+    """Our greedy continuation of ``prompt``: one prefill, then one decode per token
+    (each step's logits row appended to ``logits`` when a list is given)."""
     from hybridserve.memory.layout import arena_layout
     from hybridserve.model import ForwardBatch
     from hybridserve.model.cache import dtype_name
@@ -87,7 +88,10 @@ def greedy(model, config, prompt, steps, block_size=16):
     out = []
     with torch.no_grad():
         for _ in range(steps):
-            tok = int(model(batch, cache)[0].argmax())
+            row = model(batch, cache)[0]
+            if logits is not None:
+                logits.append(row.clone())
+            tok = int(row.argmax())
             out.append(tok)
             p = len(tokens)
             tokens.append(tok)
