@@ -14,6 +14,17 @@ import numpy.typing as npt
 __version__: str
 
 Int32Array = npt.NDArray[np.int32]
+
+# ``hybridserve._core.kernels`` (the CPU kernels, unstubbed submodule; Python calls
+# them through ``hybridserve.kernels.native`` / ``hybridserve.kernels.quant``). The
+# kernels on llama.cpp's quantized blocks (``rust/kernels/src/quant``), GIL released:
+#   quant_matmul(x: f32 | u16 (bfloat16 bits) [T, K], w: u8 [N, row_bytes],
+#                ggml_type_id: int, out: f32 | u16 [T, N], isa: str | None = None) -> None
+#       out = x @ W.T, x quantized per row as llama.cpp does (Q8_0 / Q8_K);
+#       isa forces "avx512_vnni" | "avx2" | "scalar".
+#   quant_dequantize(w: u8 [R, row_bytes], ggml_type_id: int, out: f32 | u16 [R, K]) -> None
+#   quant_isa() -> str
+#   ggml_type_id: 2 q4_0, 8 q8_0, 12 q4_k, 13 q5_k, 14 q6_k (ValueError otherwise).
 Tokens = Sequence[int] | npt.NDArray[np.integer]
 
 class BlockAllocator:

@@ -36,6 +36,14 @@ GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
 )}
 GGML_BY_ID: dict[int, GGMLType] = {t.ggml_id: t for t in GGML_TYPES.values()}
 
+# Activation rows up to which ``GGMLWeight.linear`` runs the native GEMM on the blocks;
+# above, prefill's path (dequantized tiles into torch's GEMM) is faster (see
+# benches/quant_kernels.py, benches/RESULTS.md "Quantized blocks: native kernels").
+NATIVE_MAX_ROWS = 32
+# Weight rows per dequantized tile on the prefill path: bounds the temporary (a few MiB
+# at the widest layers) while keeping each torch GEMM large.
+PREFILL_TILE_ROWS = 512
+
 
 class GGMLWeight:
     """A ``[out, in]`` weight in one GGML block type; ``data`` is ``uint8 [out, row_bytes]``."""
@@ -69,7 +77,52 @@ class GGMLWeight:
         return torch.from_numpy(np.ascontiguousarray(w)).reshape(self.shape).to(dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantize(x.dtype))
+        """``x @ W.T`` in ``x``'s dtype. Up to :data:`NATIVE_MAX_ROWS` rows (decode, MoE
+        experts): the native GEMM on the blocks, ``x`` quantized per row as llama.cpp
+        does (Q8_0 / Q8_K). More rows (prefill): tiles of :data:`PREFILL_TILE_ROWS`
+        weight rows dequantized natively into ``x``'s dtype and torch's GEMM, ``x``
+        unquantized. Without the native kernels (or off the CPU), the reference:
+        ``F.linear`` on :meth:`dequantize`."""
+        from hybridserve.kernels import quant as qk
+
+        if (not qk.available() or x.device.type != "cpu"
+                or x.dtype not in (torch.float32, torch.bfloat16)):
+            return F.linear(x, self.dequantize(x.dtype).to(x.device))
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.shape[1])
+        t = x2.shape[0]
+        if t <= NATIVE_MAX_ROWS:
+            out = qk.matmul(x2, self._blocks(), self.type.ggml_id)
+        else:
+            data = self._blocks()
+            out = torch.empty(t, self.shape[0], dtype=x.dtype)
+            for j in range(0, self.shape[0], PREFILL_TILE_ROWS):
+                w = qk.dequantize(data[j:j + PREFILL_TILE_ROWS], self.type.ggml_id, self.shape[1], x.dtype)
+                out[:, j:j + w.shape[0]] = x2 @ w.t()
+        return out.reshape(*lead, self.shape[0])
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows ``ids`` of ``W`` (an embedding table ``[vocab, hidden]``) as ``dtype``
+        (float32 or bfloat16), shaped ``ids.shape + (hidden,)``: only those rows'
+        blocks are read and dequantized (natively where the extension has it)."""
+        from hybridserve.kernels import quant as qk
+
+        flat = ids.reshape(-1).to(torch.int64)
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.shape[0]):
+            raise IndexError(f"embedding ids must lie in [0, {self.shape[0]}), "
+                             f"got {int(flat.min())}..{int(flat.max())}")
+        rows = self.data.index_select(0, flat.cpu())
+        if qk.available() and dtype in (torch.float32, torch.bfloat16):
+            out = qk.dequantize(rows, self.type.ggml_id, self.shape[1], dtype)
+        else:
+            out = GGMLWeight(self.qtype, rows, (rows.shape[0], self.shape[1])).dequantize(dtype)
+        return out.reshape(*ids.shape, self.shape[1])
+
+    def _blocks(self) -> torch.Tensor:
+        """The blocks as a C-contiguous CPU tensor (a row view of a bigger weight
+        already is one)."""
+        d = self.data
+        return d if d.is_contiguous() and d.device.type == "cpu" else d.cpu().contiguous()
 
     def rows(self, start: int, stop: int) -> "GGMLWeight":
         if not 0 <= start <= stop <= self.shape[0]:

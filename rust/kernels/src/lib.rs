@@ -56,6 +56,7 @@ pub mod matmul_rows;
 pub mod moe;
 pub mod moe_bf16;
 pub mod norm;
+pub mod quant;
 mod pool;
 pub mod rope;
 mod row_tiles;

@@ -1,0 +1,333 @@
+//! The few-row GEMM on quantized weights and the row dequantizer.
+//!
+//! `out[t, j] = x[t] . W[j]`: each `x` row is quantized once per call (Q8_0 or Q8_K,
+//! [`super::act`]), then tasks of consecutive weight rows run every weight row against
+//! the activation rows, up to four at a time, so a row's unpacked blocks are reused from
+//! registers and its bytes from L1. One or two activation rows only stream the weight:
+//! consecutive rows in a task keep that stream sequential for the hardware prefetcher.
+//! A row's result does not depend on how many rows share the call: each output is one
+//! dot product in one fixed order.
+
+use super::act::{ActRow, QAct};
+use super::blocks::{dequantize_row, GgmlType, QK_K};
+use super::QIsa;
+use crate::bf16::{from_f32, Elem};
+use crate::matmul_bf16::Out;
+use crate::pool::for_each_task;
+use crate::{KernelError, Rows};
+
+/// Weight rows per task.
+const ROWS_PER_TASK: usize = 32;
+/// Activation rows per register block.
+const MR: usize = 4;
+
+#[derive(Clone, Copy)]
+enum OutPtr {
+    F32(*mut f32),
+    Bf16(*mut u16),
+}
+unsafe impl Send for OutPtr {}
+unsafe impl Sync for OutPtr {}
+
+impl OutPtr {
+    fn of(out: &mut Out<'_>) -> (OutPtr, usize) {
+        match out {
+            Out::F32(o) => (OutPtr::F32(o.as_mut_ptr()), o.len()),
+            Out::Bf16(o) => (OutPtr::Bf16(o.as_mut_ptr()), o.len()),
+        }
+    }
+    /// # Safety
+    /// `at` lies in the output and is written by this task alone.
+    #[inline(always)]
+    unsafe fn put(self, at: usize, v: f32) {
+        match self {
+            OutPtr::F32(p) => *p.add(at) = v,
+            OutPtr::Bf16(p) => *p.add(at) = from_f32(v),
+        }
+    }
+}
+
+fn check_weight(ty: GgmlType, w_len: usize, k: usize) -> Result<(usize, usize), KernelError> {
+    if k == 0 || k % ty.block_size() != 0 {
+        return Err(KernelError::new(format!(
+            "{} rows hold whole blocks of {}; K={k} is not a multiple",
+            ty.name(),
+            ty.block_size()
+        )));
+    }
+    let rb = ty.row_bytes(k);
+    if w_len % rb != 0 {
+        return Err(KernelError::new(format!(
+            "w must be [N, {rb}] bytes ({} rows of K={k}); got {w_len} bytes",
+            ty.name()
+        )));
+    }
+    Ok((rb, w_len / rb))
+}
+
+fn check_isa(isa: QIsa) -> Result<(), KernelError> {
+    if isa.supported() {
+        Ok(())
+    } else {
+        Err(KernelError::new(format!("this CPU cannot run the {} quantized kernels", isa.name())))
+    }
+}
+
+/// `out = x W^T`: `x` `[M, K]` float32 or bfloat16 (row-strided view allowed), `w`
+/// `[N, row_bytes]` blocks of `ty`, `out` `[M, N]` row-major.
+pub fn quant_matmul<T: Elem>(x: Rows<'_, T>, w: &[u8], ty: GgmlType, out: Out<'_>) -> Result<(), KernelError> {
+    quant_matmul_with(QIsa::detect(), x, w, ty, out)
+}
+
+/// [`quant_matmul`] on the instruction set the caller names (tests, benches).
+pub fn quant_matmul_with<T: Elem>(
+    isa: QIsa,
+    x: Rows<'_, T>,
+    w: &[u8],
+    ty: GgmlType,
+    mut out: Out<'_>,
+) -> Result<(), KernelError> {
+    let (m, k) = (x.rows, x.width);
+    let (rb, n) = check_weight(ty, w.len(), k)?;
+    let (ptr, olen) = OutPtr::of(&mut out);
+    if olen != m * n {
+        return Err(KernelError::new(format!("out must be [M={m}, N={n}]; got {olen} elements")));
+    }
+    check_isa(isa)?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    let mut act = QAct::new(m, k, if ty.is_k() { QK_K } else { 32 });
+    let mut buf = T::scratch(k);
+    for t in 0..m {
+        let xr = T::widen(x.row(t), &mut buf);
+        act.set_row(t, xr);
+    }
+    let act = &act;
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    for_each_task(tasks, m * n * k / 4, |task| {
+        let (j0, j1) = (task * ROWS_PER_TASK, ((task + 1) * ROWS_PER_TASK).min(n));
+        for j in j0..j1 {
+            let wr = &w[j * rb..(j + 1) * rb];
+            let mut t = 0;
+            while t < m {
+                let r = (m - t).min(MR);
+                let mut vals = [0.0f32; MR];
+                match r {
+                    1 => vals[..1].copy_from_slice(&dot_rows::<1>(isa, ty, wr, act, t)),
+                    2 => vals[..2].copy_from_slice(&dot_rows::<2>(isa, ty, wr, act, t)),
+                    3 => vals[..3].copy_from_slice(&dot_rows::<3>(isa, ty, wr, act, t)),
+                    _ => vals.copy_from_slice(&dot_rows::<4>(isa, ty, wr, act, t)),
+                }
+                for (i, &v) in vals.iter().enumerate().take(r) {
+                    // SAFETY: column j of every row belongs to this task alone.
+                    unsafe { ptr.put((t + i) * n + j, v) };
+                }
+                t += r;
+            }
+        }
+    });
+    Ok(())
+}
+
+/// One weight row against activation rows `t..t + R`.
+#[inline(always)]
+fn dot_rows<const R: usize>(isa: QIsa, ty: GgmlType, wr: &[u8], act: &QAct, t: usize) -> [f32; R] {
+    let xs: [ActRow<'_>; R] = std::array::from_fn(|i| act.row(t + i));
+    let nb = act.k / ty.block_size();
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::dot_x86::{avx2, vnni};
+        let p = wr.as_ptr();
+        // SAFETY: the ISA was checked by the caller; `wr` holds `nb` blocks of `ty` and
+        // every activation row `k` values.
+        unsafe {
+            match (isa, ty) {
+                (QIsa::Avx512Vnni, GgmlType::Q8_0) => return vnni::q8_0_q4_0::<R, false>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q4_0) => return vnni::q8_0_q4_0::<R, true>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q4K) => return vnni::q4k_q5k::<R, false>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q5K) => return vnni::q4k_q5k::<R, true>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q6K) => return vnni::q6k::<R>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q8_0) => return avx2::q8_0_q4_0::<R, false>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q4_0) => return avx2::q8_0_q4_0::<R, true>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q4K) => return avx2::q4k_q5k::<R, false>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q5K) => return avx2::q4k_q5k::<R, true>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q6K) => return avx2::q6k::<R>(p, nb, &xs),
+                _ => {}
+            }
+        }
+    }
+    let _ = isa;
+    std::array::from_fn(|i| super::dot_scalar::dot(ty, wr, nb, xs[i]))
+}
+
+/// Weight rows as float32 or bfloat16: `w` `[R, row_bytes]` blocks of `ty`, `out`
+/// `[R, K]`. Exactly the reference's values (float32; bfloat16 rounds them once).
+pub fn dequantize_rows(w: &[u8], ty: GgmlType, k: usize, out: Out<'_>) -> Result<(), KernelError> {
+    dequantize_rows_with(QIsa::detect(), w, ty, k, out)
+}
+
+/// [`dequantize_rows`] on a named instruction set (only the scalar dequantizer exists
+/// so far; the ISA is checked for symmetry with the GEMM).
+pub fn dequantize_rows_with(isa: QIsa, w: &[u8], ty: GgmlType, k: usize, mut out: Out<'_>) -> Result<(), KernelError> {
+    let (rb, rows) = check_weight(ty, w.len(), k)?;
+    let (ptr, olen) = OutPtr::of(&mut out);
+    if olen != rows * k {
+        return Err(KernelError::new(format!("out must be [R={rows}, K={k}]; got {olen} elements")));
+    }
+    check_isa(isa)?;
+    const ROWS: usize = 16;
+    for_each_task(rows.div_ceil(ROWS), rows * k, |task| {
+        let mut buf = vec![0.0f32; k];
+        for r in task * ROWS..((task + 1) * ROWS).min(rows) {
+            match ptr {
+                // SAFETY: row r of the output belongs to this task alone.
+                OutPtr::F32(p) => {
+                    let o = unsafe { std::slice::from_raw_parts_mut(p.add(r * k), k) };
+                    dequantize_row(ty, &w[r * rb..(r + 1) * rb], o);
+                }
+                OutPtr::Bf16(p) => {
+                    dequantize_row(ty, &w[r * rb..(r + 1) * rb], &mut buf);
+                    let o = unsafe { std::slice::from_raw_parts_mut(p.add(r * k), k) };
+                    for (d, &v) in o.iter_mut().zip(&buf) {
+                        *d = from_f32(v);
+                    }
+                }
+            }
+        }
+    });
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::act::f32_to_f16;
+    use crate::quant::blocks::dequantize_block;
+
+    const TYPES: [GgmlType; 5] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+
+    struct Lcg(u64);
+    impl Lcg {
+        fn next(&mut self) -> u32 {
+            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (self.0 >> 33) as u32
+        }
+        fn f(&mut self) -> f32 {
+            self.next() as f32 / (1u64 << 31) as f32 - 0.5
+        }
+    }
+
+    /// Random blocks of `ty`: random quant bytes (every bit pattern is a valid block),
+    /// with the float16 scales set to small finite values.
+    fn random_weight(ty: GgmlType, n: usize, k: usize, g: &mut Lcg) -> Vec<u8> {
+        let mut w: Vec<u8> = (0..n * ty.row_bytes(k)).map(|_| g.next() as u8).collect();
+        for b in w.chunks_exact_mut(ty.block_bytes()) {
+            let mut put = |at: usize, v: f32| b[at..at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
+            match ty {
+                GgmlType::Q8_0 | GgmlType::Q4_0 => put(0, 0.01 + 0.02 * g.f().abs()),
+                GgmlType::Q4K | GgmlType::Q5K => {
+                    put(0, 0.001 + 0.002 * g.f().abs());
+                    put(2, 0.001 + 0.002 * g.f().abs());
+                }
+                GgmlType::Q6K => put(208, 0.0005 + 0.001 * g.f().abs()),
+            }
+            if ty == GgmlType::Q8_0 {
+                // -128 is not a value llama.cpp writes (|q| <= 127): the sign trick relies on it.
+                for q in &mut b[2..34] {
+                    if *q == 0x80 {
+                        *q = 0x81;
+                    }
+                }
+            }
+        }
+        w
+    }
+
+    fn isas() -> Vec<QIsa> {
+        [QIsa::Scalar, QIsa::Avx2, QIsa::Avx512Vnni].into_iter().filter(|i| i.supported()).collect()
+    }
+
+    #[test]
+    fn every_isa_matches_the_dequantized_reference() {
+        let mut g = Lcg(7);
+        for ty in TYPES {
+            let (n, k) = (37, 512);
+            let w = random_weight(ty, n, k, &mut g);
+            let mut deq = vec![0.0f32; n * k];
+            dequantize_rows_with(QIsa::Scalar, &w, ty, k, Out::F32(&mut deq)).unwrap();
+            // Also against the per-block reference directly.
+            let mut blk = vec![0.0f32; ty.block_size()];
+            dequantize_block(ty, &w[..ty.block_bytes()], &mut blk);
+            assert_eq!(&deq[..ty.block_size()], &blk[..]);
+            for m in [1usize, 2, 3, 5, 9] {
+                let x: Vec<f32> = (0..m * k).map(|_| g.f()).collect();
+                // The reference: the dequantized weight times the quantized-dequantized activation.
+                let mut act = QAct::new(m, k, if ty.is_k() { QK_K } else { 32 });
+                for t in 0..m {
+                    act.set_row(t, &x[t * k..(t + 1) * k]);
+                }
+                let xd: Vec<f32> = (0..m * k).map(|i| act.qs[i] as f32 * act.d[i / act.block]).collect();
+                let mut outs = vec![];
+                for isa in isas() {
+                    let mut out = vec![0.0f32; m * n];
+                    quant_matmul_with(isa, Rows::dense(&x, k).unwrap(), &w, ty, Out::F32(&mut out)).unwrap();
+                    for t in 0..m {
+                        for j in 0..n {
+                            let (mut r, mut mag) = (0.0f64, 0.0f64);
+                            for i in 0..k {
+                                let p = deq[j * k + i] as f64 * xd[t * k + i] as f64;
+                                r += p;
+                                mag += p.abs();
+                            }
+                            let got = out[t * n + j] as f64;
+                            assert!(
+                                (got - r).abs() <= 1e-5 * mag + 1e-6,
+                                "{ty:?} {isa:?} m={m} ({t},{j}): {got} vs {r}"
+                            );
+                        }
+                    }
+                    outs.push((isa, out));
+                }
+                // The k-quants' paths take the same float steps: equal bit for bit.
+                if ty.is_k() {
+                    for (isa, o) in &outs[1..] {
+                        assert_eq!(o, &outs[0].1, "{ty:?} {isa:?} differs from scalar");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_does_not_depend_on_its_neighbours() {
+        let mut g = Lcg(3);
+        for ty in TYPES {
+            let (n, k) = (70, 256);
+            let w = random_weight(ty, n, k, &mut g);
+            let x: Vec<f32> = (0..6 * k).map(|_| g.f()).collect();
+            let mut all = vec![0.0f32; 6 * n];
+            quant_matmul(Rows::dense(&x, k).unwrap(), &w, ty, Out::F32(&mut all)).unwrap();
+            for t in 0..6 {
+                let mut one = vec![0.0f32; n];
+                quant_matmul(Rows::dense(&x[t * k..(t + 1) * k], k).unwrap(), &w, ty, Out::F32(&mut one)).unwrap();
+                assert_eq!(&all[t * n..(t + 1) * n], &one[..], "{ty:?} row {t}");
+            }
+        }
+    }
+
+    #[test]
+    fn bad_shapes_are_refused() {
+        let w = vec![0u8; 144 * 2];
+        let x = vec![0.0f32; 300];
+        let mut out = vec![0.0f32; 2];
+        let e = quant_matmul(Rows::dense(&x, 300).unwrap(), &w, GgmlType::Q4K, Out::F32(&mut out)).unwrap_err();
+        assert!(e.0.contains("multiple"), "{}", e.0);
+        let x = vec![0.0f32; 256];
+        let mut out = vec![0.0f32; 3];
+        let e = quant_matmul(Rows::dense(&x, 256).unwrap(), &w, GgmlType::Q4K, Out::F32(&mut out)).unwrap_err();
+        assert!(e.0.contains("out must be"), "{}", e.0);
+        let e = quant_matmul(Rows::dense(&x, 256).unwrap(), &w[..100], GgmlType::Q4K, Out::F32(&mut out)).unwrap_err();
+        assert!(e.0.contains("w must be"), "{}", e.0);
+    }
+}
