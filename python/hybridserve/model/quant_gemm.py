@@ -15,6 +15,8 @@ float part), so this module imports nothing from :mod:`hybridserve.quant`.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -24,11 +26,18 @@ _BF16 = torch.bfloat16
 
 
 def quant_matmul_kernel():
-    """``_core.kernels.quant_matmul(x, w_u8, ggml_type_id, out)``, or None where the
-    extension was built without it (then quantized models take the module path)."""
-    if not native.available():
+    """``_core.kernels.quant_matmul(x, w_u8, ggml_type_id, out)`` (with the instruction
+    set ``HYBRIDSERVE_QUANT_ISA`` forces, as the module path's
+    :func:`hybridserve.kernels.quant.matmul` runs it), or None where the extension was
+    built without it (then quantized models take the module path)."""
+    try:
+        from hybridserve.kernels import quant as qk
+    except ImportError:  # a tree without the quantized kernels' wrappers
+        return getattr(native._k, "quant_matmul", None) if native.available() else None
+    if not qk.available():
         return None
-    return getattr(native._k, "quant_matmul", None)
+    kernel, isa = qk._k.quant_matmul, qk._ISA
+    return kernel if isa is None else functools.partial(kernel, isa=isa)
 
 
 def _np(t: torch.Tensor) -> np.ndarray:

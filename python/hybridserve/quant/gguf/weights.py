@@ -103,7 +103,7 @@ class QuantizedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         native = getattr(self.qweight, "embedding", None)
         if native is not None:
-            return native(ids).to(self.dtype)
+            return native(ids, self.dtype)
         return _dequantize_rows(self.qweight, ids).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
 
     @property
