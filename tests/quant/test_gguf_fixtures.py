@@ -85,6 +85,9 @@ def test_names_shapes_and_values_are_the_generators_weights(model, spec, fname, 
     for t in r.tensors:
         got = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))
         want = expected[t.name]
+        if t.name.endswith("ffn_gate_inp_shexp.weight"):
+            # llama-quantize writes this [H, 1] tensor back with ggml's dimension count, 1.
+            want = want.reshape(got.shape)
         assert tuple(got.shape) == tuple(want.shape), t.name
         rel = ((got - want).norm() / want.norm()).item()
         assert rel <= REL_RMS_BOUND[t.tensor_type.name], (t.name, t.tensor_type.name, rel)

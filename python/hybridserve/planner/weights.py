@@ -331,6 +331,8 @@ def gguf_tensor_plan(config: ModelConfig, file_type: str) -> list[QuantTensor]:
     kq = file_type in ("Q4_K_M", "Q5_K_M")
     plan = []
     for name, shape, quantizable in _gguf_shapes(config):
+        if name.endswith("ffn_gate_inp_shexp.weight") and base not in ("F32", "F16", "BF16"):
+            shape = shape[:1]  # llama-quantize rewrites it with ggml's dimension count (1)
         if not quantizable:
             qtype = "F32"
         elif base in ("F32", "F16", "BF16"):
