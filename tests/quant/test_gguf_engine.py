@@ -49,3 +49,16 @@ def test_tensor_parallel_gguf_refused(gguf_case):
     path, _, _ = gguf_case("dense-q8_0", **CASES["dense-q8_0"])
     with pytest.raises(ConfigError, match="tensor parallelism.*GGUF"):
         LLM(path, dtype="float32", device="cpu", tensor_parallel_size=2)
+
+
+def test_memory_held_counts_the_blocks(gguf_case):
+    from hybridserve.server.serve import memory_held
+
+    path, _, _ = gguf_case("moe-q8_0", **CASES["moe-q8_0"])
+    llm = LLM(path, dtype="float32", device="cpu", num_pages=64, max_num_seqs=2, max_model_len=256)
+    model = llm.engine.model
+    params = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    blocks = sum(m.qweight.nbytes for m in model.modules() if getattr(m, "qweight", None) is not None)
+    experts = sum(m.nbytes for m in model.modules() if getattr(m, "quantized", False))
+    assert blocks > 0 and experts > 0
+    assert memory_held(llm.engine)["weights"] == params + blocks + experts
