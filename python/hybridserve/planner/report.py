@@ -190,7 +190,8 @@ def capacity_report(
     # as the arena's pages hold it.
     kv_config = with_mtp_layer(config) if spec else config
     if checkpoint_dir is not None:
-        weight_source = f"safetensors tensors in {os.fspath(checkpoint_dir)}" + (
+        kind = "GGUF tensors (as stored)" if os.fspath(checkpoint_dir).endswith(".gguf") else "safetensors tensors"
+        weight_source = f"{kind} in {os.fspath(checkpoint_dir)}" + (
             f", incl. the MTP layer's {format_bytes(mtp_weights)}" if spec else "")
     else:
         counted = f"({params:,} + {mtp_param_count(config):,} MTP) parameters" if spec else f"{params:,} parameters"
