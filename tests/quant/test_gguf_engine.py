@@ -1,14 +1,14 @@
 """``LLM("model.gguf")``: the engine serves a GGUF file (weights from its blocks, the
 tokenizer and chat template from its metadata), text prompts tokenized as HF's tokenizer
 does. On the reference products greedy outputs equal HF's on the dequantized weights
-outright; on the native block kernels (activations rounded to 8 bits, see conftest)
+outright; on the native block kernels (activations rounded to 8 bits, see gguf_helpers)
 they equal the model's own greedy decode, which test_gguf_model checks against HF
 rounded alike."""
 
 import pytest
 import torch
 
-from conftest import greedy, hf_oracle
+from gguf_helpers import greedy, hf_oracle
 from hybridserve import LLM, SamplingParams
 from hybridserve.errors import ConfigError
 from hybridserve.model import load_model

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import hf_oracle, prompt_logits
+from gguf_helpers import hf_oracle, prompt_logits
 from gguf_files import write_gguf
 from hybridserve.config import ModelConfig
 from hybridserve.errors import CheckpointError, ConfigError

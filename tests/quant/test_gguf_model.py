@@ -6,7 +6,7 @@ names and transforms, written with ``gguf.GGUFWriter``); the oracle is HF's
 with the ``gguf`` package's ``dequantize`` and the converter's transforms undone by the
 writer's own code.
 
-Bounds (conftest's ``LOGIT_BOUND``, stated there with the reasons): each test runs on
+Bounds (gguf_helpers' ``LOGIT_BOUND``, stated there with the reasons): each test runs on
 the reference products (float activations: 1e-4 of the largest |logit|, float32
 summation order; greedy tokens equal outright) and on the native block kernels, which
 round activations to 8 bits per block as llama.cpp does; there the oracle applies the
@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from conftest import (KQUANT_DENSE, KQUANT_MOE, LOGIT_BOUND, check_greedy, forced_decode_logits, greedy, hf_greedy,
+from gguf_helpers import (KQUANT_DENSE, KQUANT_MOE, LOGIT_BOUND, check_greedy, forced_decode_logits, greedy, hf_greedy,
                       hf_oracle, prompt_logits, round_like_kernels)
 from hybridserve.model import load_model
 from hybridserve.quant import ConcatWeight

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import KQUANT_DENSE, greedy
+from gguf_helpers import KQUANT_DENSE, greedy
 from hybridserve.model import load_model
 from hybridserve.model import native_decode as nd
 from hybridserve.model import quant_gemm

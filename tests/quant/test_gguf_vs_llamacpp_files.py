@@ -7,11 +7,11 @@ the ``gguf`` package (llama.cpp's reader) and mapped back to HF names and layout
 (``tests/fixtures/gguf/hf_to_gguf.py``: the converter's transforms undone). Ours is
 ``load_model(file.gguf)`` (logits of one prompt) and ``LLM(file.gguf)`` (16 greedy tokens).
 
-Both product paths run (conftest's ``kernel_path``): the reference products (float
+Both product paths run (the conftest's ``kernel_path``): the reference products (float
 activations: logits within 1e-4 of the largest |logit|, ``LLM`` greedy tokens equal to
 HF's outright) and the native block kernels, which round activations to 8 bits per block
 as llama.cpp's vec_dot does: there the oracle applies the same rounding at the same
-products (conftest's ``round_like_kernels``), logits within conftest's ``LOGIT_BOUND``,
+products (gguf_helpers' ``round_like_kernels``), logits within its ``LOGIT_BOUND``,
 greedy tokens checked step by step on HF's tokens (differing only where HF's own top-2
 margin is within our measured deviation), and ``LLM``'s tokens equal the model's own
 greedy decode. (Against plain HF without that rounding, the native path's logits on
@@ -99,7 +99,7 @@ def _our_logits(path: Path, n: int):
 
 @pytest.mark.parametrize("model,spec,fname", list(_files()))
 def test_logits_equal_hf_on_the_dequantized_file(model, spec, fname, tmp_path, kernel_path):
-    from conftest import LOGIT_BOUND, round_like_kernels
+    from gguf_helpers import LOGIT_BOUND, round_like_kernels
 
     hf = _hf_on_file(spec, fname, tmp_path)
     if kernel_path == "native":
@@ -114,7 +114,7 @@ def test_logits_equal_hf_on_the_dequantized_file(model, spec, fname, tmp_path, k
 
 @pytest.mark.parametrize("model,spec,fname", list(_files()))
 def test_greedy_tokens_equal_hf_on_the_dequantized_file(model, spec, fname, tmp_path, kernel_path):
-    from conftest import LOGIT_BOUND, check_greedy, forced_decode_logits, greedy, hf_greedy, round_like_kernels
+    from gguf_helpers import LOGIT_BOUND, check_greedy, forced_decode_logits, greedy, hf_greedy, round_like_kernels
 
     from hybridserve import LLM, SamplingParams
     from hybridserve.model import load_model
