@@ -134,13 +134,17 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
     """config.json and the settings resolved against it; under tensor parallelism the
     ranks start here (the workers load while the driver goes on)."""
     device = _resolve_device(args.device)
-    if os.path.isfile(args.model):
+    if os.path.isfile(args.model) and not args.model.endswith(".gguf"):
         raise ConfigError(
             f"{args.model!r} is a file, not a directory: give the checkpoint directory that "
             "holds config.json, the *.safetensors files and the tokenizer"
         )
     config = ModelConfig.from_json(args.model)
     parallel, cpu_threads = None, args.cpu_threads
+    if args.model.endswith(".gguf") and args.tensor_parallel_size > 1:
+        # Slicing blocks along block boundaries is not written yet.
+        raise ConfigError(f"tensor parallelism does not serve GGUF files yet ({args.model!r}, "
+                          f"tensor_parallel_size={args.tensor_parallel_size}): use tensor_parallel_size=1")
     if args.tensor_parallel_size > 1:
         from hybridserve.parallel.tensor_parallel import TensorParallel
 

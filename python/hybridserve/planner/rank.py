@@ -40,7 +40,7 @@ from hybridserve.config import ModelConfig, dtype_bytes
 from hybridserve.errors import ConfigError
 from hybridserve.parallel.shard import ShardPlan
 from hybridserve.planner.units import positive_int
-from hybridserve.planner.weights import ParamSplit, mtp_param_count, param_split
+from hybridserve.planner.weights import ParamSplit, mtp_param_count, param_count, param_split, quantized_weight_bytes
 
 #: The largest degree the planner tries when it looks for the smallest that fits.
 MAX_TENSOR_PARALLEL = 64
@@ -110,5 +110,11 @@ def rank_mtp_param_count(config: ModelConfig, n: int) -> int:
 
 
 def rank_weight_bytes(config: ModelConfig, n: int) -> int:
-    """Weight bytes on each of ``n`` ranks: :func:`rank_param_count` x the model dtype."""
-    return rank_param_count(config, n) * dtype_bytes(config.torch_dtype)
+    """Weight bytes on each of ``n`` ranks: :func:`rank_param_count` x the model dtype;
+    for a quantized config, the quantized bytes in the share of parameters the rank
+    holds (blocks split along rows with the weights, the replicated small tensors
+    counted at the average rate), rounded up."""
+    quantized = quantized_weight_bytes(config)
+    if quantized is None:
+        return rank_param_count(config, n) * dtype_bytes(config.torch_dtype)
+    return -(-quantized * rank_param_count(config, n) // param_count(config))

@@ -44,7 +44,8 @@ from hybridserve.planner.sizes import (
     matrix_state_bytes,
 )
 from hybridserve.planner.units import GiB, MiB, format_bytes, format_mib, positive_int
-from hybridserve.planner.weights import active_param_count, mtp_param_count, param_count, weight_bytes
+from hybridserve.planner.weights import (active_param_count, describe_quantization, mtp_param_count, param_count,
+                                         weight_bytes)
 
 
 @dataclass(frozen=True)
@@ -185,11 +186,17 @@ def capacity_report(
     # as the arena's pages hold it.
     kv_config = with_mtp_layer(config) if spec else config
     if checkpoint_dir is not None:
-        weight_source = f"safetensors tensors in {os.fspath(checkpoint_dir)}" + (
+        kind = "GGUF tensors (as stored)" if os.fspath(checkpoint_dir).endswith(".gguf") else "safetensors tensors"
+        weight_source = f"{kind} in {os.fspath(checkpoint_dir)}" + (
             f", incl. the MTP layer's {format_bytes(mtp_weights)}" if spec else "")
     else:
         counted = f"({params:,} + {mtp_param_count(config):,} MTP) parameters" if spec else f"{params:,} parameters"
-        weight_source = f"{counted} x {dtype_bytes(config.torch_dtype)} B ({config.torch_dtype})"
+        form = describe_quantization(config)
+        if form is not None:
+            weight_source = f"{params:,} parameters as {form}" + (
+                f", MTP layer {mtp_param_count(config):,} x {dtype_bytes(config.torch_dtype)} B" if spec else "")
+        else:
+            weight_source = f"{counted} x {dtype_bytes(config.torch_dtype)} B ({config.torch_dtype})"
     devices = None
     if pool_bytes is not None:
         positive_int("pool size in bytes", pool_bytes)
