@@ -29,6 +29,18 @@ the harness (no GGUF loader needed).
 
 Target: hybridserve's PPL and KLD within 1 % of llama.cpp's on each file.
 
+Two things to know when reading the numbers:
+
+* the default model is 192 wide: llama-quantize's Q4_K_M recipe cannot put a 256-weight
+  k-quant block on a 192-long row, so it falls back (Q4_K to Q5_0, Q6_K to Q8_0) for the
+  projections that read the hidden state; only ``attn_output``, ``ssm_out`` and
+  ``ffn_down`` (rows of 256 / 512) keep Q4_K / Q6_K. That is the file a llama.cpp user of
+  this model gets; serving it needs Q5_0 besides the types issue 35 lists;
+* the KL divergences are small (Q8_0 ~5e-5 nats): the same BF16 weights run by
+  hybridserve already differ from llama.cpp's saved base by a KLD of that order
+  (``--ours-base``), so "within 1 %" of llama.cpp's KLD is met only where the
+  quantization's KLD is well above that floor.
+
     python benches/gguf_fidelity.py --types Q8_0,Q4_K_M --chunks 64 --ctx 512
     python benches/gguf_fidelity.py --only llama           # llama.cpp's side alone
 """
@@ -280,7 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     base = KLDBase(base_path)
     print(f"base: {base.n_chunk} chunks of {base.n_ctx} tokens, vocabulary {base.n_vocab}, "
           f"{base.n_chunk * base.rows} tokens scored", flush=True)
-    if a.only != "hybridserve":
+    if a.only == "hybridserve":
+        # llama.cpp's numbers from its earlier runs' logs on the same base, when there are any.
+        if (work / "ppl-BF16.log").is_file() and str(base_path) in (work / "ppl-BF16.log").read_text(errors="replace").splitlines()[0]:
+            report["llama"]["BF16"] = parse_base((work / "ppl-BF16.log").read_text(errors="replace"))
+        for t in types:
+            log = work / f"kld-{t}.log"
+            if log.is_file() and str(base_path) in log.read_text(errors="replace").splitlines()[0]:
+                report["llama"][t] = parse_kld(log.read_text(errors="replace"))
+    else:
         for t in types:
             out = run_llama_perplexity(exe_p, ["-m", str(files[t]), *common, "--kl-divergence-base", str(base_path),
                                                "--kl-divergence"], work / f"kld-{t}.log", a.threads)
@@ -294,20 +314,22 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - reported per file, the others still run
                 report["hybridserve"][name] = {"error": f"{type(e).__name__}: {e}"}
 
+    print("(llama.cpp's KLD and top-1 are against the BF16 file's saved log-probs; ours are computed from our "
+          "logits against the same saved log-probs; the BF16 row's llama PPL is llama-perplexity's own)")
     print(f"\nperplexity and KL divergence on {base.n_chunk} x {base.n_ctx}-token chunks of held-out text "
           f"(second half of each chunk scored), {a.threads} threads")
     print(f"{'file':>24}  {'llama PPL':>10}  {'hs PPL':>10}  {'PPL diff':>9}  {'llama KLD':>10}  {'hs KLD':>10}  "
           f"{'KLD diff':>9}  {'llama top1':>10}  {'hs top1':>8}")
     for name in sorted(set(report["llama"]) | set(report["hybridserve"]), key=lambda n: (n != "BF16", n)):
         ll, hs = report["llama"].get(name, {}), report["hybridserve"].get(name, {})
-        if "error" in hs:
-            print(f"{name:>24}  {ll.get('ppl') or '-':>10}  hybridserve: {hs['error'][:160]}")
-            continue
+        error = hs.pop("error", None) if isinstance(hs, dict) else None
         f = lambda x, s="{:.4f}": "-" if x is None else s.format(x)  # noqa: E731
+        if error:
+            report["hybridserve"][name] = {"error": error}
         print(f"{name:>24}  {f(ll.get('ppl')):>10}  {f(hs.get('ppl')):>10}  {_rel(hs.get('ppl'), ll.get('ppl')):>9}  "
               f"{f(ll.get('kld'), '{:.6f}'):>10}  {f(hs.get('kld'), '{:.6f}'):>10}  "
               f"{_rel(hs.get('kld'), ll.get('kld')):>9}  {f(ll.get('same_top'), '{:.2f}%'):>10}  "
-              f"{f(hs.get('same_top'), '{:.2f}%'):>8}")
+              f"{f(hs.get('same_top'), '{:.2f}%'):>8}" + (f"   hybridserve: {error[:160]}" if error else ""))
     if a.json:
         Path(a.json).write_text(json.dumps(report, indent=1))
         print(f"wrote {a.json}")

@@ -23,7 +23,9 @@ Extra ``hybridserve serve`` flags go through ``--hybridserve-args "..."`` (one s
 the bf16 GGUF of step 2 quantized by the tree's ``llama-quantize``, served by
 ``llama-server -m FILE`` and by ``hybridserve serve FILE`` (its GGUF loader; the weights
 stay in their blocks). The rows also report each server's resident memory (RSS of its
-processes) after the warm-up and at the run's peak, for the same file.
+processes) after the warm-up and at the run's peak, for the same file. hybridserve's
+includes its cache arena, 2 GiB unless ``--hybridserve-args "--kv-cache-memory-bytes
+..."`` says otherwise; llama-server's holds ``-c`` = 512 tokens a slot.
 
     python benches/llamacpp_peer.py --shape 0.1b,0.8b --gguf q8_0,q4_k_m --parallel 1,16
     python benches/llamacpp_peer.py --shape 0.1b --gguf q4_k_m --only llama   # llama.cpp's side alone
