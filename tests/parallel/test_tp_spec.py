@@ -14,7 +14,8 @@ decoder layer). The oracles are the single-process engine's:
 * seeded samples also equal decoding without drafts (the acceptance rule draws every
   token with the stream offset a plain step uses).
 
-The workload runs through chunked prefill (a 32-token budget) and prefix-cache hits.
+The workload runs through chunked prefill (a 32-token budget), prefix-cache hits and
+preemption (an arena too small for the batch).
 A worker killed mid-speculation is in test_tp_faults.py.
 """
 
@@ -29,7 +30,14 @@ from hybridserve.errors import ConfigError
 from hybridserve.model.tiny import write_tiny_checkpoint
 
 ENGINE = dict(dtype="float32", cpu_threads=1, block_size=16, max_num_seqs=4, max_model_len=256,
-              max_num_batched_tokens=32, prefix_checkpoint_interval=16, num_pages=120)
+              max_num_batched_tokens=32, prefix_checkpoint_interval=16)
+# Arenas too small for the batch (pages differ by model): some sequences are preempted
+# and recomputed, on every engine alike (the same scheduler decisions: at these models'
+# shapes a rank's page holds its share of the same number of state pages as one
+# process's). dense-kv1's rank needs fewer state pages per sequence (its one KV head is
+# replicated, its DeltaNet heads halve): a tight arena would schedule differently, so
+# it has room for everything.
+NUM_PAGES = {"trained": 30, "moe": 16, "dense-kv1": 120}
 TOL = 1e-4
 
 
@@ -48,8 +56,9 @@ def _path(model: str, tp_dirs) -> str:
     return tp_dirs[model]
 
 
-def _run(path: str, tp: int, k: int | None, draft_vocab: int | None = None) -> dict:
-    llm = LLM(path, tensor_parallel_size=tp, speculative_config=_spec(k, draft_vocab) if k else None, **ENGINE)
+def _run(path: str, tp: int, k: int | None, draft_vocab: int | None = None, num_pages: int = 120) -> dict:
+    llm = LLM(path, tensor_parallel_size=tp, speculative_config=_spec(k, draft_vocab) if k else None,
+              num_pages=num_pages, **ENGINE)
     rng = random.Random(11)
     toks = lambda n: [rng.randrange(3, 200) for _ in range(n)]  # noqa: E731
     system = toks(35)
@@ -81,7 +90,7 @@ def off(tp_dirs):
 
     def get(model: str) -> dict:
         if model not in cache:
-            cache[model] = _run(_path(model, tp_dirs), 1, None)
+            cache[model] = _run(_path(model, tp_dirs), 1, None, num_pages=NUM_PAGES[model])
         return cache[model]
 
     return get
@@ -94,8 +103,8 @@ def off(tp_dirs):
     ("moe", 1, None), ("moe", 3, None), ("dense-kv1", 2, None)])
 def test_tp2_speculation_equals_the_single_process(model, k, draft_vocab, tp_dirs, off):
     path = _path(model, tp_dirs)
-    tp = _run(path, 2, k, draft_vocab)
-    one = _run(path, 1, k, draft_vocab)
+    tp = _run(path, 2, k, draft_vocab, NUM_PAGES[model])
+    one = _run(path, 1, k, draft_vocab, NUM_PAGES[model])
     ref = off(model)
     st = tp["stats"]
     # The drafter ran sharded: its fc holds this rank's half of the 2H input columns.
@@ -106,15 +115,16 @@ def test_tp2_speculation_equals_the_single_process(model, k, draft_vocab, tp_dir
     assert tp["tokens"] == one["tokens"]
     for (t1, a), (t2, b) in zip(tp["logprobs"][0], one["logprobs"][0]):
         assert t1 == t2 and abs(a - b) <= TOL
-    for key in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps"):
+    for key in ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_steps", "preemptions"):
         assert st[key] == one["stats"][key], key
     assert st["spec_draft_tokens"] > 0
     if model == "trained":
         # Most drafts accepted, some rejected: both sides of the commit ran.
         assert 0 < st["spec_accepted_tokens"] < st["spec_draft_tokens"], st
-    # The workload went through chunked prefill and prefix-cache hits under TP, and
-    # gave every page back.
+    # The workload went through chunked prefill, prefix-cache hits and (but dense-kv1)
+    # preemption under TP, and gave every page back.
     assert st["checkpoint_hits"] > 0 and st["prefix_skipped_tokens"] > 0, st
+    assert (st["preemptions"] > 0) == (model != "dense-kv1"), st
     assert st["used_blocks"] == 0 and st["running_state_pages"] == 0
 
 
