@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -179,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    # A terminated bench stops the server it runs (the servers live in their own sessions).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.set_num_threads(a.threads)
     print(f"threads: llama-server -t {a.threads} -tb {a.threads}; hybridserve --cpu-threads {a.threads} "
           f"(torch.get_num_threads() {torch.get_num_threads()}); {os.cpu_count()} CPUs visible", flush=True)
