@@ -200,6 +200,9 @@ class NativeDecodeStep:
             return False
         if _hooked(model.modules()):
             return False
+        # Quantized projections (weight None) run their own kernels on the module path.
+        if any(isinstance(m, Projection) and m.qweight is not None for m in model.modules()):
+            return False
         c = model.config
         if not native.available() or model.device.type != "cpu" or model.dtype not in (torch.float32, _BF16):
             return False

@@ -334,11 +334,12 @@ class Qwen3_5ForServing(nn.Module):
             for block in self.modules():
                 if isinstance(block, SparseMoeBlock):
                     for m in block.modules():
-                        if isinstance(m, nn.Linear) and m.weight.dtype != torch.bfloat16:
+                        if isinstance(m, nn.Linear) and m.weight is not None and m.weight.dtype != torch.bfloat16:
                             m.weight.data = transposed_copy(m.weight.data)
                             in_moe.add(m)
             for m in self.modules():
-                if isinstance(m, nn.Linear) and m not in in_moe:
+                # (A quantized projection's weight is None: its qweight keeps its form.)
+                if isinstance(m, nn.Linear) and m not in in_moe and m.weight is not None:
                     m.weight.data = huge_page_copy(m.weight.data)
 
     def new_cache(self, num_pages: int, block_size: int) -> HybridCache:
