@@ -57,6 +57,7 @@ pub mod moe;
 pub mod moe_bf16;
 pub mod norm;
 mod pool;
+pub mod quant_fp8;
 pub mod rope;
 mod row_tiles;
 pub mod sample;

@@ -25,6 +25,7 @@ mod bf16;
 mod cache_write;
 mod checks;
 mod moe_bf16;
+mod quant_fp8;
 mod sample;
 use bf16::*;
 use checks::*;
@@ -422,6 +423,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     activation::register(m)?;
     cache_write::register(m)?;
     moe_bf16::register(m)?;
+    quant_fp8::register(m)?;
     sample::register(m)?;
     Ok(())
 }
