@@ -186,8 +186,26 @@ def _refuse_without_mtp(model_dir: str, config: ModelConfig, files: list[str]) -
         "that ships mtp.*")
 
 
+# How a quantized checkpoint (FP8, AWQ) is held on the CPU: "dequantize" (the default)
+# dequantizes it at load into the model's dtype, "keep" keeps each projection in its
+# quantized form (half / a quarter of bfloat16's bytes) on the native few-row kernels.
+# Dequantizing is the default because on this project's CPU the kernels on the
+# quantized form do not beat the bfloat16 ones: FP8 0.72x at one row, int4 1.12x at
+# one row and 0.37x at 16 (benches/quant_safetensors.py; README, "Quantized
+# checkpoints"). On CUDA the quantized form is always kept (the Triton kernels).
+QUANT_CPU_MODES = ("dequantize", "keep")
+
+
+def _quant_cpu_mode(mode: str | None) -> str:
+    mode = mode or os.environ.get("HYBRIDSERVE_QUANT_CPU", "") or "dequantize"
+    if mode not in QUANT_CPU_MODES:
+        raise ConfigError(f"quantized CPU form {mode!r} (HYBRIDSERVE_QUANT_CPU) is not one of {list(QUANT_CPU_MODES)}")
+    return mode
+
+
 def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", progress: bool = True, load_mtp: bool = False,
+               quant_cpu: str | None = None,
                ) -> tuple[Qwen3_5ForServing, ModelConfig]:
     """Load config + weights; every parameter is checked for presence and shape.
 
@@ -196,6 +214,11 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     vision tower and MTP head are skipped; unknown tensors are ignored with a warning.
     ``load_mtp``: also load the MTP layer (``mtp.*``) into ``model.mtp`` (speculative
     decoding's drafter); ConfigError when the checkpoint has none.
+    Quantized checkpoints (``quantization_config.quant_method`` ``fp8`` or ``awq``): each
+    quantized projection is served from a :class:`hybridserve.quant.QuantizedWeight`
+    (:meth:`Projection.quantize_`) on CUDA, and on the CPU with ``quant_cpu="keep"``;
+    on the CPU by default (``"dequantize"``, or ``HYBRIDSERVE_QUANT_CPU``) its
+    dequantization is loaded as floats. A MoE block's weights are always dequantized.
     Weights are cast to ``dtype`` on the way in; peak extra memory is one tensor. MoE
     experts come per expert (``mlp.experts.{e}.gate_proj.weight`` ...) or as HF's fused
     3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; either is copied straight into the
@@ -236,7 +259,8 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
             handles = {p: stack.enter_context(safe_open(p, framework="pt", device="cpu")) for p in files}
             if quant is not None:
                 qt = QuantizedTensors(quant, {p: list(f.keys()) for p, f in handles.items()})
-                projections = _quantized_projections(model)
+                keep = device.type != "cpu" or _quant_cpu_mode(quant_cpu) == "keep"
+                projections = _quantized_projections(model) if keep else {}
             for path, f in handles.items():
                 for name in f.keys():
                     if qt is not None and name in qt.companions:
@@ -263,8 +287,9 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
                         if local in projections:
                             quantized[local] = q
                         else:
-                            # A MoE block's weight (see _quantized_projections): the
-                            # format's dequantization, into the float parameter.
+                            # A MoE block's weight (see _quantized_projections), or
+                            # any on the CPU by default: the format's dequantization,
+                            # into the float parameter.
                             with torch.no_grad():
                                 params[local].copy_(q.dequantize(torch.float32).to(dtype))
                     else:
