@@ -277,6 +277,114 @@ unsafe fn columns_avx2<T: Elem>(
     columns::<T, true>(f, xf, xsum, k, n, m0, mm, j0, j1, out)
 }
 
+#[cfg(target_arch = "x86_64")]
+mod vbmi {
+    //! FP8 with bfloat16 activations on AVX-512 VBMI + BF16: 64 e4m3 bytes become 64
+    //! exact bfloat16 weights with two 128-entry byte lookups (`vpermi2b`: the high and
+    //! low bytes of each magnitude's bfloat16), the sign OR'd in, and two byte
+    //! interleaves; `vdpbf16ps` then takes 32 products per instruction. The interleave
+    //! leaves the weights of a 64-input run in the order [`RUN_ORDER`]; `x` is permuted
+    //! the same way once per call, so each product pairs the right input.
+    use super::{SendPtr, FP8_BLOCK, MAX_M};
+    use crate::bf16::Elem;
+    use std::arch::x86_64::*;
+
+    /// Input `RUN_ORDER[i]` of a 64-input run is the `i`-th weight the decode yields.
+    pub(super) fn run_order() -> [usize; 64] {
+        let mut o = [0usize; 64];
+        for i in 0..64 {
+            // First register: bytes 0..7 of each 16-byte lane; second: bytes 8..15.
+            let (reg, e) = (i / 32, i % 32);
+            let (lane, b) = (e / 8, e % 8);
+            o[i] = lane * 16 + reg * 8 + b;
+        }
+        o
+    }
+
+    /// The bfloat16 bits of each e4m3 magnitude 0..127 (exact: 3 mantissa bits),
+    /// split into high and low bytes.
+    fn tables() -> ([u8; 128], [u8; 128]) {
+        let (mut hi, mut lo) = ([0u8; 128], [0u8; 128]);
+        for m in 0..128u32 {
+            let v = f32::from_bits(m << 20) * 1.329_228e36;
+            let b = (v.to_bits() >> 16) as u16;
+            hi[m as usize] = (b >> 8) as u8;
+            lo[m as usize] = b as u8;
+        }
+        (hi, lo)
+    }
+
+    #[inline(always)]
+    unsafe fn decode64(p: *const u8, t: &[__m512i; 4], sign: __m512i) -> (__m512bh, __m512bh) {
+        let b = _mm512_loadu_si512(p as *const _);
+        let hi = _mm512_permutex2var_epi8(t[0], b, t[1]);
+        let lo = _mm512_permutex2var_epi8(t[2], b, t[3]);
+        let hi = _mm512_or_si512(hi, _mm512_and_si512(b, sign));
+        (
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_unpacklo_epi8(lo, hi)),
+            std::mem::transmute::<__m512i, __m512bh>(_mm512_unpackhi_epi8(lo, hi)),
+        )
+    }
+
+    /// Output columns `j0..j1` of rows `m0..m0 + mm`; `xp` is `x` as bfloat16 bits with
+    /// every 64-input run in [`run_order`].
+    ///
+    /// # Safety
+    /// The CPU has AVX-512F/BW/VBMI/BF16; `K % 128 == 0`; the columns are the caller's.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn columns<T: Elem>(
+        w: &[u8], scale: &[f32], scale_cols: usize, row_offset: usize, xp: &[u16], k: usize, n: usize, m0: usize,
+        mm: usize, j0: usize, j1: usize, out: SendPtr<T>,
+    ) {
+        let (th, tl) = tables();
+        let t = [
+            _mm512_loadu_si512(th.as_ptr() as *const _),
+            _mm512_loadu_si512(th.as_ptr().add(64) as *const _),
+            _mm512_loadu_si512(tl.as_ptr() as *const _),
+            _mm512_loadu_si512(tl.as_ptr().add(64) as *const _),
+        ];
+        let sign = _mm512_set1_epi8(0x80u8 as i8);
+        let nblocks = k / FP8_BLOCK;
+        let xb = xp.as_ptr().add(m0 * k);
+        const TR: usize = 8;
+        let mut tot = [[_mm512_setzero_ps(); MAX_M]; TR];
+        let mut jt = j0;
+        while jt < j1 {
+            let tr = (j1 - jt).min(TR);
+            for row in tot.iter_mut().take(tr) {
+                for v in row.iter_mut().take(mm) {
+                    *v = _mm512_setzero_ps();
+                }
+            }
+            for b in 0..nblocks {
+                for r in 0..tr {
+                    let j = jt + r;
+                    let p = w.as_ptr().add(j * k + b * FP8_BLOCK);
+                    let (w0, w1) = decode64(p, &t, sign);
+                    let (w2, w3) = decode64(p.add(64), &t, sign);
+                    let sv = _mm512_set1_ps(*scale.get_unchecked((row_offset + j) / FP8_BLOCK * scale_cols + b));
+                    for m in 0..mm {
+                        let x = xb.add(m * k + b * FP8_BLOCK);
+                        let ld = |o: usize| std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(x.add(o) as *const _));
+                        let mut acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), ld(0), w0);
+                        acc = _mm512_dpbf16_ps(acc, ld(32), w1);
+                        acc = _mm512_dpbf16_ps(acc, ld(64), w2);
+                        acc = _mm512_dpbf16_ps(acc, ld(96), w3);
+                        tot[r][m] = _mm512_fmadd_ps(sv, acc, tot[r][m]);
+                    }
+                }
+            }
+            for r in 0..tr {
+                for m in 0..mm {
+                    *out.0.add((m0 + m) * n + jt + r) = T::narrow(_mm512_reduce_add_ps(tot[r][m]));
+                }
+            }
+            jt += tr;
+        }
+    }
+}
+
 /// The instruction set the quantized kernels run on here: `"avx512"`, `"avx2"` or
 /// `"scalar"` (AVX-512 takes whole 128-input blocks; other shapes the AVX2 loop).
 pub fn quant_isa() -> &'static str {
@@ -294,6 +402,14 @@ pub fn quant_isa() -> &'static str {
         }
     }
     "scalar"
+}
+
+#[cfg(target_arch = "x86_64")]
+fn has_vbmi_bf16() -> bool {
+    std::is_x86_feature_detected!("avx512f")
+        && std::is_x86_feature_detected!("avx512bw")
+        && std::is_x86_feature_detected!("avx512vbmi")
+        && std::is_x86_feature_detected!("avx512bf16")
 }
 
 fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Result<(), KernelError> {
@@ -327,6 +443,33 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
     };
     let isa = quant_isa();
     let ptr = SendPtr(out.as_mut_ptr());
+    // bfloat16 activations on FP8 blocks: the VBMI + BF16 path (exact bfloat16 weights,
+    // `vdpbf16ps`); float32 activations keep float32 arithmetic.
+    #[cfg(target_arch = "x86_64")]
+    if let Format::Fp8 { w, scale, scale_cols, row_offset } = f {
+        if std::mem::size_of::<T>() == 2 && k % FP8_BLOCK == 0 && has_vbmi_bf16() {
+            let order = vbmi::run_order();
+            let mut xp = vec![0u16; m * k];
+            for r in 0..m {
+                for c in (0..k).step_by(64) {
+                    for (i, &o) in order.iter().enumerate() {
+                        xp[r * k + c + i] = crate::bf16::from_f32(xf[r * k + c + o]);
+                    }
+                }
+            }
+            let tasks = n.div_ceil(ROWS_PER_TASK);
+            for m0 in (0..m).step_by(MAX_M) {
+                let mm = (m - m0).min(MAX_M);
+                for_each_task(tasks, mm * n * k, |t| {
+                    let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                    let ptr = ptr;
+                    // SAFETY: features detected above; columns j0..j1 are this task's.
+                    unsafe { vbmi::columns(w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr) };
+                });
+            }
+            return Ok(());
+        }
+    }
     let tasks = n.div_ceil(ROWS_PER_TASK);
     for m0 in (0..m).step_by(MAX_M) {
         let mm = (m - m0).min(MAX_M);
@@ -501,6 +644,32 @@ mod tests {
                         })
                         .sum();
                     assert!((out[i * n + j] as f64 - want).abs() < 1e-3 * (1.0 + want.abs()));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn fp8_bf16_activations_match_scalar_reference() {
+        let mut r = Lcg(3);
+        for &(m, n, k, off) in &[(1usize, 70usize, 256usize, 0usize), (16, 33, 128, 5), (18, 9, 384, 127)] {
+            let w: Vec<u8> = (0..n * k).map(|_| (r.next() & 0xff) as u8).map(|b| if b & 0x7f == 0x7f { b - 1 } else { b }).collect();
+            let (sr, sc) = ((off + n).div_ceil(128), k.div_ceil(128));
+            let scale: Vec<f32> = (0..sr * sc).map(|_| r.f() + 1.0).collect();
+            let x: Vec<u16> = (0..m * k).map(|_| crate::bf16::from_f32(r.f())).collect();
+            let mut out = vec![0u16; m * n];
+            fp8_matmul(Rows::dense(&x, k).unwrap(), &w, n, &scale, off, &mut out).unwrap();
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|c| {
+                            crate::bf16::to_f32(x[i * k + c]) as f64
+                                * e4m3_value(w[j * k + c]) as f64
+                                * scale[(off + j) / 128 * sc + c / 128] as f64
+                        })
+                        .sum();
+                    let got = crate::bf16::to_f32(out[i * n + j]) as f64;
+                    assert!((got - want).abs() < 1e-2 * (1.0 + want.abs()), "{m} {n} {k}: {got} vs {want}");
                 }
             }
         }
