@@ -383,6 +383,100 @@ mod vbmi {
             jt += tr;
         }
     }
+
+    /// The bfloat16 bits of 0..15, split into high and low bytes (first 16 entries).
+    fn int_tables() -> ([u8; 64], [u8; 64]) {
+        let (mut hi, mut lo) = ([0u8; 64], [0u8; 64]);
+        for q in 0..16usize {
+            let b = ((q as f32).to_bits() >> 16) as u16;
+            hi[q] = (b >> 8) as u8;
+            lo[q] = b as u8;
+        }
+        (hi, lo)
+    }
+
+    /// Input of a 128-input group (two 64-input runs) at position `i` of the order the
+    /// int4 decode yields: the low nibbles of the group's 64 bytes, then the high ones,
+    /// each interleaved as [`run_order`].
+    pub(super) fn int4_order() -> [usize; 128] {
+        let ro = run_order();
+        let mut o = [0usize; 128];
+        for i in 0..128 {
+            let (half, p) = (i / 64, ro[i % 64]);
+            // Byte p: run p / 32, input p % 32 of it (low nibble) or 32 + p % 32 (high).
+            o[i] = (p / 32) * 64 + half * 32 + p % 32;
+        }
+        o
+    }
+
+    /// int4 (group 128) with bfloat16 activations: each 64 bytes of a weight row (one
+    /// group) become 128 exact bfloat16 integers with four 16-entry byte lookups
+    /// (`vpermb`) and four interleaves; `vdpbf16ps` takes the dot with `xp` (`x` as
+    /// bfloat16 bits, every group in [`int4_order`]); the zero point is taken off as
+    /// `scale * zero * sum(x over the group)` (`xsum`).
+    ///
+    /// # Safety
+    /// As [`columns`], with `K % 128 == 0` and group 128.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn columns_int4<T: Elem>(
+        w: &[u8], scales: &[f32], zeros: &[f32], xp: &[u16], xsum: &[f32], k: usize, n: usize, m0: usize,
+        mm: usize, j0: usize, j1: usize, out: SendPtr<T>,
+    ) {
+        let (th, tl) = int_tables();
+        let thv = _mm512_loadu_si512(th.as_ptr() as *const _);
+        let tlv = _mm512_loadu_si512(tl.as_ptr() as *const _);
+        let nib = _mm512_set1_epi8(0x0f);
+        let g = k / FP8_BLOCK;
+        let xb = xp.as_ptr().add(m0 * k);
+        const TR: usize = 8;
+        let mut tot = [[_mm512_setzero_ps(); MAX_M]; TR];
+        let mut corr = [[0f32; MAX_M]; TR];
+        let bh = |v: __m512i| std::mem::transmute::<__m512i, __m512bh>(v);
+        let mut jt = j0;
+        while jt < j1 {
+            let tr = (j1 - jt).min(TR);
+            for r in 0..tr {
+                for m in 0..mm {
+                    tot[r][m] = _mm512_setzero_ps();
+                    corr[r][m] = 0.0;
+                }
+            }
+            for b in 0..g {
+                for r in 0..tr {
+                    let j = jt + r;
+                    let v = _mm512_loadu_si512(w.as_ptr().add(j * k / 2 + b * FP8_BLOCK / 2) as *const _);
+                    let lo_n = _mm512_and_si512(v, nib);
+                    let hi_n = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+                    let (a_hi, a_lo) = (_mm512_permutexvar_epi8(lo_n, thv), _mm512_permutexvar_epi8(lo_n, tlv));
+                    let (b_hi, b_lo) = (_mm512_permutexvar_epi8(hi_n, thv), _mm512_permutexvar_epi8(hi_n, tlv));
+                    let w0 = bh(_mm512_unpacklo_epi8(a_lo, a_hi));
+                    let w1 = bh(_mm512_unpackhi_epi8(a_lo, a_hi));
+                    let w2 = bh(_mm512_unpacklo_epi8(b_lo, b_hi));
+                    let w3 = bh(_mm512_unpackhi_epi8(b_lo, b_hi));
+                    let (s, z) = (*scales.get_unchecked(j * g + b), *zeros.get_unchecked(j * g + b));
+                    let sv = _mm512_set1_ps(s);
+                    for m in 0..mm {
+                        corr[r][m] += s * z * *xsum.get_unchecked((m0 + m) * g + b);
+                        let x = xb.add(m * k + b * FP8_BLOCK);
+                        let ld = |o: usize| bh(_mm512_loadu_si512(x.add(o) as *const _));
+                        let mut acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), ld(0), w0);
+                        acc = _mm512_dpbf16_ps(acc, ld(32), w1);
+                        acc = _mm512_dpbf16_ps(acc, ld(64), w2);
+                        acc = _mm512_dpbf16_ps(acc, ld(96), w3);
+                        tot[r][m] = _mm512_fmadd_ps(sv, acc, tot[r][m]);
+                    }
+                }
+            }
+            for r in 0..tr {
+                for m in 0..mm {
+                    let v = _mm512_reduce_add_ps(tot[r][m]) - corr[r][m];
+                    *out.0.add((m0 + m) * n + jt + r) = T::narrow(v);
+                }
+            }
+            jt += tr;
+        }
+    }
 }
 
 /// The instruction set the quantized kernels run on here: `"avx512"`, `"avx2"` or
@@ -465,6 +559,31 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
                     let ptr = ptr;
                     // SAFETY: features detected above; columns j0..j1 are this task's.
                     unsafe { vbmi::columns(w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr) };
+                });
+            }
+            return Ok(());
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Format::Int4 { w, scales, zeros, group } = f {
+        if std::mem::size_of::<T>() == 2 && group == FP8_BLOCK && has_vbmi_bf16() {
+            let order = vbmi::int4_order();
+            let mut xp = vec![0u16; m * k];
+            for r in 0..m {
+                for c in (0..k).step_by(FP8_BLOCK) {
+                    for (i, &o) in order.iter().enumerate() {
+                        xp[r * k + c + i] = crate::bf16::from_f32(xf[r * k + c + o]);
+                    }
+                }
+            }
+            let tasks = n.div_ceil(ROWS_PER_TASK);
+            for m0 in (0..m).step_by(MAX_M) {
+                let mm = (m - m0).min(MAX_M);
+                for_each_task(tasks, mm * n * k, |t| {
+                    let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
+                    let ptr = ptr;
+                    // SAFETY: features detected above; columns j0..j1 are this task's.
+                    unsafe { vbmi::columns_int4(w, scales, zeros, &xp, &xsum, k, n, m0, mm, j0, j1, ptr) };
                 });
             }
             return Ok(());
@@ -666,6 +785,42 @@ mod tests {
                             crate::bf16::to_f32(x[i * k + c]) as f64
                                 * e4m3_value(w[j * k + c]) as f64
                                 * scale[(off + j) / 128 * sc + c / 128] as f64
+                        })
+                        .sum();
+                    let got = crate::bf16::to_f32(out[i * n + j]) as f64;
+                    assert!((got - want).abs() < 1e-2 * (1.0 + want.abs()), "{m} {n} {k}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn int4_bf16_activations_match_scalar_reference() {
+        let mut r = Lcg(4);
+        for &(m, n, k) in &[(1usize, 20usize, 256usize), (16, 9, 128), (17, 33, 384)] {
+            let g = 128;
+            let q: Vec<u8> = (0..n * k).map(|_| (r.next() & 0xf) as u8).collect();
+            let mut w = vec![0u8; n * k / 2];
+            for j in 0..n {
+                for run in 0..k / 64 {
+                    for i in 0..32 {
+                        w[j * k / 2 + run * 32 + i] = q[j * k + run * 64 + i] | (q[j * k + run * 64 + 32 + i] << 4);
+                    }
+                }
+            }
+            let scales: Vec<f32> = (0..n * k / g).map(|_| r.f() + 1.0).collect();
+            let zeros: Vec<f32> = (0..n * k / g).map(|_| (r.next() & 0xf) as f32).collect();
+            let x: Vec<u16> = (0..m * k).map(|_| crate::bf16::from_f32(r.f())).collect();
+            let mut out = vec![0u16; m * n];
+            int4_matmul(Rows::dense(&x, k).unwrap(), &w, n, &scales, &zeros, g, &mut out).unwrap();
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|c| {
+                            let gi = j * (k / g) + c / g;
+                            crate::bf16::to_f32(x[i * k + c]) as f64
+                                * (q[j * k + c] as f64 - zeros[gi] as f64)
+                                * scales[gi] as f64
                         })
                         .sum();
                     let got = crate::bf16::to_f32(out[i * n + j]) as f64;
