@@ -190,7 +190,7 @@ def _refuse_without_mtp(model_dir: str, config: ModelConfig, files: list[str]) -
 # dequantizes it at load into the model's dtype, "keep" keeps each projection in its
 # quantized form (half / a quarter of bfloat16's bytes) on the native few-row kernels.
 # Dequantizing is the default: the kernels on the quantized form gain at one row (FP8
-# 1.70x, int4 1.85x the bfloat16 kernel) but lose at 16 (0.53x / 0.58x), and prefill
+# 1.1-1.7x, int4 1.45-1.85x the bfloat16 kernel) but lose at 16 (0.52x / 0.57x), and prefill
 # goes through dequantized tiles (benches/quant_safetensors.py; README, "Quantized
 # checkpoints"). On CUDA the quantized form is always kept (the Triton kernels).
 QUANT_CPU_MODES = ("dequantize", "keep")
