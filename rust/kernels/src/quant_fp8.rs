@@ -48,7 +48,11 @@ fn dot_lanes<const FMA: bool>(a: &[f32], b: &[f32], acc: &mut [f32; LANES]) {
     let mut cb = b.chunks_exact(LANES);
     for (x, y) in (&mut ca).zip(&mut cb) {
         for i in 0..LANES {
-            acc[i] = if FMA { x[i].mul_add(y[i], acc[i]) } else { acc[i] + x[i] * y[i] };
+            acc[i] = if FMA {
+                x[i].mul_add(y[i], acc[i])
+            } else {
+                acc[i] + x[i] * y[i]
+            };
         }
     }
     for (i, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
@@ -68,7 +72,10 @@ fn decode_fp8(src: &[u8], dst: &mut [f32]) {
 #[inline(always)]
 fn decode_int4(src: &[u8], dst: &mut [f32]) {
     // src: whole runs of 32 bytes; dst: 64 values per run.
-    for (s, d) in src.chunks_exact(INT4_RUN / 2).zip(dst.chunks_exact_mut(INT4_RUN)) {
+    for (s, d) in src
+        .chunks_exact(INT4_RUN / 2)
+        .zip(dst.chunks_exact_mut(INT4_RUN))
+    {
         let (lo, hi) = d.split_at_mut(INT4_RUN / 2);
         for i in 0..INT4_RUN / 2 {
             lo[i] = (s[i] & 0xf) as f32;
@@ -81,8 +88,18 @@ fn decode_int4(src: &[u8], dst: &mut [f32]) {
 /// scale (and, for int4, the zero point's correction).
 #[derive(Clone, Copy)]
 enum Format<'a> {
-    Fp8 { w: &'a [u8], scale: &'a [f32], scale_cols: usize, row_offset: usize },
-    Int4 { w: &'a [u8], scales: &'a [f32], zeros: &'a [f32], group: usize },
+    Fp8 {
+        w: &'a [u8],
+        scale: &'a [f32],
+        scale_cols: usize,
+        row_offset: usize,
+    },
+    Int4 {
+        w: &'a [u8],
+        scales: &'a [f32],
+        zeros: &'a [f32],
+        group: usize,
+    },
 }
 
 impl Format<'_> {
@@ -124,11 +141,21 @@ fn columns<T: Elem, const FMA: bool>(
             let (c0, c1) = (b * block, ((b + 1) * block).min(k));
             let len = c1 - c0;
             let s = match f {
-                Format::Fp8 { w, scale, scale_cols, row_offset } => {
+                Format::Fp8 {
+                    w,
+                    scale,
+                    scale_cols,
+                    row_offset,
+                } => {
                     decode_fp8(&w[j * k + c0..j * k + c1], &mut buf[..len]);
                     scale[(row_offset + j) / FP8_BLOCK * scale_cols + b]
                 }
-                Format::Int4 { w, scales, zeros, group } => {
+                Format::Int4 {
+                    w,
+                    scales,
+                    zeros,
+                    group,
+                } => {
                     let half = k / 2;
                     decode_int4(&w[j * half + c0 / 2..j * half + c1 / 2], &mut buf[..len]);
                     let g = k / group;
@@ -145,7 +172,11 @@ fn columns<T: Elem, const FMA: bool>(
                 dot_lanes::<FMA>(row, &buf[..len], &mut acc);
                 let t = &mut tot[m];
                 for i in 0..LANES {
-                    t[i] = if FMA { s.mul_add(acc[i], t[i]) } else { t[i] + s * acc[i] };
+                    t[i] = if FMA {
+                        s.mul_add(acc[i], t[i])
+                    } else {
+                        t[i] + s * acc[i]
+                    };
                 }
             }
         }
@@ -174,7 +205,10 @@ mod avx512 {
         // Sign-extended, shifted by 20: the sign lands on bit 31 (and 27..30, masked
         // off), exponent and mantissa on bits 20..26; times 2^120 (see the module doc).
         let v = _mm512_cvtepi8_epi32(_mm_loadu_si128(p as *const __m128i));
-        let bits = _mm512_and_si512(_mm512_slli_epi32::<20>(v), _mm512_set1_epi32(0x87f0_0000u32 as i32));
+        let bits = _mm512_and_si512(
+            _mm512_slli_epi32::<20>(v),
+            _mm512_set1_epi32(0x87f0_0000u32 as i32),
+        );
         _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(1.329_228e36))
     }
 
@@ -198,7 +232,15 @@ mod avx512 {
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn columns<T: Elem>(
-        f: Format<'_>, xf: &[f32], xsum: &[f32], k: usize, n: usize, m0: usize, mm: usize, j0: usize, j1: usize,
+        f: Format<'_>,
+        xf: &[f32],
+        xsum: &[f32],
+        k: usize,
+        n: usize,
+        m0: usize,
+        mm: usize,
+        j0: usize,
+        j1: usize,
         out: SendPtr<T>,
     ) {
         let nblocks = k / FP8_BLOCK;
@@ -223,20 +265,30 @@ mod avx512 {
                 for r in 0..tr {
                     let j = jt + r;
                     let s = match f {
-                        Format::Fp8 { w, scale, scale_cols, row_offset } => {
+                        Format::Fp8 {
+                            w,
+                            scale,
+                            scale_cols,
+                            row_offset,
+                        } => {
                             let p = w.as_ptr().add(j * k + b * FP8_BLOCK);
                             for (c, v) in wv.iter_mut().enumerate() {
                                 *v = fp8x16(p.add(16 * c));
                             }
                             *scale.get_unchecked((row_offset + j) / FP8_BLOCK * scale_cols + b)
                         }
-                        Format::Int4 { w, scales, zeros, .. } => {
+                        Format::Int4 {
+                            w, scales, zeros, ..
+                        } => {
                             let p = w.as_ptr().add(j * k / 2 + b * FP8_BLOCK / 2);
                             let (a, rest) = wv.split_at_mut(4);
                             int4x64(p, a.try_into().unwrap());
                             int4x64(p.add(32), rest.try_into().unwrap());
                             let g = nblocks;
-                            let (s, z) = (*scales.get_unchecked(j * g + b), *zeros.get_unchecked(j * g + b));
+                            let (s, z) = (
+                                *scales.get_unchecked(j * g + b),
+                                *zeros.get_unchecked(j * g + b),
+                            );
                             for m in 0..mm {
                                 corr[r][m] += s * z * *xsum.get_unchecked((m0 + m) * g + b);
                             }
@@ -250,7 +302,11 @@ mod avx512 {
                         let mut acc1 = _mm512_mul_ps(_mm512_loadu_ps(row.add(16)), wv[1]);
                         for c in (2..8).step_by(2) {
                             acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(row.add(16 * c)), wv[c], acc0);
-                            acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(row.add(16 * c + 16)), wv[c + 1], acc1);
+                            acc1 = _mm512_fmadd_ps(
+                                _mm512_loadu_ps(row.add(16 * c + 16)),
+                                wv[c + 1],
+                                acc1,
+                            );
                         }
                         tot[r][m] = _mm512_fmadd_ps(sv, _mm512_add_ps(acc0, acc1), tot[r][m]);
                     }
@@ -271,7 +327,15 @@ mod avx512 {
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn columns_avx2<T: Elem>(
-    f: Format<'_>, xf: &[f32], xsum: &[f32], k: usize, n: usize, m0: usize, mm: usize, j0: usize, j1: usize,
+    f: Format<'_>,
+    xf: &[f32],
+    xsum: &[f32],
+    k: usize,
+    n: usize,
+    m0: usize,
+    mm: usize,
+    j0: usize,
+    j1: usize,
     out: SendPtr<T>,
 ) {
     columns::<T, true>(f, xf, xsum, k, n, m0, mm, j0, j1, out)
@@ -334,8 +398,18 @@ mod vbmi {
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn columns<T: Elem>(
-        w: &[u8], scale: &[f32], scale_cols: usize, row_offset: usize, xp: &[u16], k: usize, n: usize, m0: usize,
-        mm: usize, j0: usize, j1: usize, out: SendPtr<T>,
+        w: &[u8],
+        scale: &[f32],
+        scale_cols: usize,
+        row_offset: usize,
+        xp: &[u16],
+        k: usize,
+        n: usize,
+        m0: usize,
+        mm: usize,
+        j0: usize,
+        j1: usize,
+        out: SendPtr<T>,
     ) {
         let (th, tl) = tables();
         let t = [
@@ -363,10 +437,16 @@ mod vbmi {
                     let p = w.as_ptr().add(j * k + b * FP8_BLOCK);
                     let (w0, w1) = decode64(p, &t, sign);
                     let (w2, w3) = decode64(p.add(64), &t, sign);
-                    let sv = _mm512_set1_ps(*scale.get_unchecked((row_offset + j) / FP8_BLOCK * scale_cols + b));
+                    let sv = _mm512_set1_ps(
+                        *scale.get_unchecked((row_offset + j) / FP8_BLOCK * scale_cols + b),
+                    );
                     for m in 0..mm {
                         let x = xb.add(m * k + b * FP8_BLOCK);
-                        let ld = |o: usize| std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(x.add(o) as *const _));
+                        let ld = |o: usize| {
+                            std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                                x.add(o) as *const _
+                            ))
+                        };
                         let mut acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), ld(0), w0);
                         acc = _mm512_dpbf16_ps(acc, ld(32), w1);
                         acc = _mm512_dpbf16_ps(acc, ld(64), w2);
@@ -420,8 +500,18 @@ mod vbmi {
     #[target_feature(enable = "avx512f,avx512bw,avx512vbmi,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn columns_int4<T: Elem>(
-        w: &[u8], scales: &[f32], zeros: &[f32], xp: &[u16], xsum: &[f32], k: usize, n: usize, m0: usize,
-        mm: usize, j0: usize, j1: usize, out: SendPtr<T>,
+        w: &[u8],
+        scales: &[f32],
+        zeros: &[f32],
+        xp: &[u16],
+        xsum: &[f32],
+        k: usize,
+        n: usize,
+        m0: usize,
+        mm: usize,
+        j0: usize,
+        j1: usize,
+        out: SendPtr<T>,
     ) {
         let (th, tl) = int_tables();
         let thv = _mm512_loadu_si512(th.as_ptr() as *const _);
@@ -445,16 +535,27 @@ mod vbmi {
             for b in 0..g {
                 for r in 0..tr {
                     let j = jt + r;
-                    let v = _mm512_loadu_si512(w.as_ptr().add(j * k / 2 + b * FP8_BLOCK / 2) as *const _);
+                    let v = _mm512_loadu_si512(
+                        w.as_ptr().add(j * k / 2 + b * FP8_BLOCK / 2) as *const _
+                    );
                     let lo_n = _mm512_and_si512(v, nib);
                     let hi_n = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
-                    let (a_hi, a_lo) = (_mm512_permutexvar_epi8(lo_n, thv), _mm512_permutexvar_epi8(lo_n, tlv));
-                    let (b_hi, b_lo) = (_mm512_permutexvar_epi8(hi_n, thv), _mm512_permutexvar_epi8(hi_n, tlv));
+                    let (a_hi, a_lo) = (
+                        _mm512_permutexvar_epi8(lo_n, thv),
+                        _mm512_permutexvar_epi8(lo_n, tlv),
+                    );
+                    let (b_hi, b_lo) = (
+                        _mm512_permutexvar_epi8(hi_n, thv),
+                        _mm512_permutexvar_epi8(hi_n, tlv),
+                    );
                     let w0 = bh(_mm512_unpacklo_epi8(a_lo, a_hi));
                     let w1 = bh(_mm512_unpackhi_epi8(a_lo, a_hi));
                     let w2 = bh(_mm512_unpacklo_epi8(b_lo, b_hi));
                     let w3 = bh(_mm512_unpackhi_epi8(b_lo, b_hi));
-                    let (s, z) = (*scales.get_unchecked(j * g + b), *zeros.get_unchecked(j * g + b));
+                    let (s, z) = (
+                        *scales.get_unchecked(j * g + b),
+                        *zeros.get_unchecked(j * g + b),
+                    );
                     let sv = _mm512_set1_ps(s);
                     for m in 0..mm {
                         corr[r][m] += s * z * *xsum.get_unchecked((m0 + m) * g + b);
@@ -509,7 +610,10 @@ fn has_vbmi_bf16() -> bool {
 fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Result<(), KernelError> {
     let (m, k) = (x.rows, x.width);
     if out.len() != m * n {
-        return Err(KernelError::new(format!("out must be [M={m}, N={n}]; got {} elements", out.len())));
+        return Err(KernelError::new(format!(
+            "out must be [M={m}, N={n}]; got {} elements",
+            out.len()
+        )));
     }
     if m == 0 || n == 0 {
         return Ok(());
@@ -540,7 +644,13 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
     // bfloat16 activations on FP8 blocks: the VBMI + BF16 path (exact bfloat16 weights,
     // `vdpbf16ps`); float32 activations keep float32 arithmetic.
     #[cfg(target_arch = "x86_64")]
-    if let Format::Fp8 { w, scale, scale_cols, row_offset } = f {
+    if let Format::Fp8 {
+        w,
+        scale,
+        scale_cols,
+        row_offset,
+    } = f
+    {
         if std::mem::size_of::<T>() == 2 && k % FP8_BLOCK == 0 && has_vbmi_bf16() {
             let order = vbmi::run_order();
             let mut xp = vec![0u16; m * k];
@@ -558,14 +668,24 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
                     let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
                     let ptr = ptr;
                     // SAFETY: features detected above; columns j0..j1 are this task's.
-                    unsafe { vbmi::columns(w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr) };
+                    unsafe {
+                        vbmi::columns(
+                            w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr,
+                        )
+                    };
                 });
             }
             return Ok(());
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if let Format::Int4 { w, scales, zeros, group } = f {
+    if let Format::Int4 {
+        w,
+        scales,
+        zeros,
+        group,
+    } = f
+    {
         if std::mem::size_of::<T>() == 2 && group == FP8_BLOCK && has_vbmi_bf16() {
             let order = vbmi::int4_order();
             let mut xp = vec![0u16; m * k];
@@ -583,7 +703,9 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
                     let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
                     let ptr = ptr;
                     // SAFETY: features detected above; columns j0..j1 are this task's.
-                    unsafe { vbmi::columns_int4(w, scales, zeros, &xp, &xsum, k, n, m0, mm, j0, j1, ptr) };
+                    unsafe {
+                        vbmi::columns_int4(w, scales, zeros, &xp, &xsum, k, n, m0, mm, j0, j1, ptr)
+                    };
                 });
             }
             return Ok(());
@@ -635,7 +757,17 @@ pub fn fp8_matmul<T: Elem>(
             scale.len()
         )));
     }
-    run(Format::Fp8 { w, scale, scale_cols: sc, row_offset }, x, n, out)
+    run(
+        Format::Fp8 {
+            w,
+            scale,
+            scale_cols: sc,
+            row_offset,
+        },
+        x,
+        n,
+        out,
+    )
 }
 
 /// `out[m, j] = sum_k x[m, k] W[j, k]` for an int4 `W` with a scale and zero point
@@ -668,7 +800,17 @@ pub fn int4_matmul<T: Elem>(
             zeros.len()
         )));
     }
-    run(Format::Int4 { w, scales, zeros, group }, x, n, out)
+    run(
+        Format::Int4 {
+            w,
+            scales,
+            zeros,
+            group,
+        },
+        x,
+        n,
+        out,
+    )
 }
 
 #[cfg(test)]
@@ -690,7 +832,10 @@ mod tests {
     struct Lcg(u64);
     impl Lcg {
         fn next(&mut self) -> u32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            self.0 = self
+                .0
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (self.0 >> 33) as u32
         }
         fn f(&mut self) -> f32 {
@@ -711,9 +856,17 @@ mod tests {
     #[test]
     fn fp8_matches_scalar_reference() {
         let mut r = Lcg(1);
-        for &(m, n, k, off) in &[(1usize, 130usize, 200usize, 0usize), (5, 64, 256, 3), (17, 257, 128, 127), (3, 1, 7, 0)] {
+        for &(m, n, k, off) in &[
+            (1usize, 130usize, 200usize, 0usize),
+            (5, 64, 256, 3),
+            (17, 257, 128, 127),
+            (3, 1, 7, 0),
+        ] {
             // Every byte but e4m3's NaN (0x7f / 0xff).
-            let w: Vec<u8> = (0..n * k).map(|_| (r.next() & 0xff) as u8).map(|b| if b & 0x7f == 0x7f { b - 1 } else { b }).collect();
+            let w: Vec<u8> = (0..n * k)
+                .map(|_| (r.next() & 0xff) as u8)
+                .map(|b| if b & 0x7f == 0x7f { b - 1 } else { b })
+                .collect();
             let (sr, sc) = ((off + n).div_ceil(128), k.div_ceil(128));
             let scale: Vec<f32> = (0..sr * sc).map(|_| r.f() + 1.0).collect();
             let x: Vec<f32> = (0..m * k).map(|_| r.f()).collect();
@@ -728,7 +881,10 @@ mod tests {
                                 * scale[(off + j) / 128 * sc + c / 128] as f64
                         })
                         .sum();
-                    assert!((out[i * n + j] as f64 - want).abs() < 1e-3 * (1.0 + want.abs()), "{m} {n} {k}");
+                    assert!(
+                        (out[i * n + j] as f64 - want).abs() < 1e-3 * (1.0 + want.abs()),
+                        "{m} {n} {k}"
+                    );
                 }
             }
         }
@@ -737,7 +893,11 @@ mod tests {
     #[test]
     fn int4_matches_scalar_reference() {
         let mut r = Lcg(2);
-        for &(m, n, k, g) in &[(1usize, 33usize, 256usize, 128usize), (16, 8, 128, 64), (18, 70, 384, 128)] {
+        for &(m, n, k, g) in &[
+            (1usize, 33usize, 256usize, 128usize),
+            (16, 8, 128, 64),
+            (18, 70, 384, 128),
+        ] {
             let q: Vec<u8> = (0..n * k).map(|_| (r.next() & 0xf) as u8).collect();
             let mut w = vec![0u8; n * k / 2];
             for j in 0..n {
@@ -753,13 +913,24 @@ mod tests {
             let zeros: Vec<f32> = (0..n * k / g).map(|_| (r.next() & 0xf) as f32).collect();
             let x: Vec<f32> = (0..m * k).map(|_| r.f()).collect();
             let mut out = vec![0f32; m * n];
-            int4_matmul(Rows::dense(&x, k).unwrap(), &w, n, &scales, &zeros, g, &mut out).unwrap();
+            int4_matmul(
+                Rows::dense(&x, k).unwrap(),
+                &w,
+                n,
+                &scales,
+                &zeros,
+                g,
+                &mut out,
+            )
+            .unwrap();
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
                         .map(|c| {
                             let gi = j * (k / g) + c / g;
-                            x[i * k + c] as f64 * (q[j * k + c] as f64 - zeros[gi] as f64) * scales[gi] as f64
+                            x[i * k + c] as f64
+                                * (q[j * k + c] as f64 - zeros[gi] as f64)
+                                * scales[gi] as f64
                         })
                         .sum();
                     assert!((out[i * n + j] as f64 - want).abs() < 1e-3 * (1.0 + want.abs()));
@@ -771,8 +942,15 @@ mod tests {
     #[test]
     fn fp8_bf16_activations_match_scalar_reference() {
         let mut r = Lcg(3);
-        for &(m, n, k, off) in &[(1usize, 70usize, 256usize, 0usize), (16, 33, 128, 5), (18, 9, 384, 127)] {
-            let w: Vec<u8> = (0..n * k).map(|_| (r.next() & 0xff) as u8).map(|b| if b & 0x7f == 0x7f { b - 1 } else { b }).collect();
+        for &(m, n, k, off) in &[
+            (1usize, 70usize, 256usize, 0usize),
+            (16, 33, 128, 5),
+            (18, 9, 384, 127),
+        ] {
+            let w: Vec<u8> = (0..n * k)
+                .map(|_| (r.next() & 0xff) as u8)
+                .map(|b| if b & 0x7f == 0x7f { b - 1 } else { b })
+                .collect();
             let (sr, sc) = ((off + n).div_ceil(128), k.div_ceil(128));
             let scale: Vec<f32> = (0..sr * sc).map(|_| r.f() + 1.0).collect();
             let x: Vec<u16> = (0..m * k).map(|_| crate::bf16::from_f32(r.f())).collect();
@@ -788,7 +966,10 @@ mod tests {
                         })
                         .sum();
                     let got = crate::bf16::to_f32(out[i * n + j]) as f64;
-                    assert!((got - want).abs() < 1e-2 * (1.0 + want.abs()), "{m} {n} {k}: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() < 1e-2 * (1.0 + want.abs()),
+                        "{m} {n} {k}: {got} vs {want}"
+                    );
                 }
             }
         }
@@ -804,7 +985,8 @@ mod tests {
             for j in 0..n {
                 for run in 0..k / 64 {
                     for i in 0..32 {
-                        w[j * k / 2 + run * 32 + i] = q[j * k + run * 64 + i] | (q[j * k + run * 64 + 32 + i] << 4);
+                        w[j * k / 2 + run * 32 + i] =
+                            q[j * k + run * 64 + i] | (q[j * k + run * 64 + 32 + i] << 4);
                     }
                 }
             }
@@ -812,7 +994,16 @@ mod tests {
             let zeros: Vec<f32> = (0..n * k / g).map(|_| (r.next() & 0xf) as f32).collect();
             let x: Vec<u16> = (0..m * k).map(|_| crate::bf16::from_f32(r.f())).collect();
             let mut out = vec![0u16; m * n];
-            int4_matmul(Rows::dense(&x, k).unwrap(), &w, n, &scales, &zeros, g, &mut out).unwrap();
+            int4_matmul(
+                Rows::dense(&x, k).unwrap(),
+                &w,
+                n,
+                &scales,
+                &zeros,
+                g,
+                &mut out,
+            )
+            .unwrap();
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
@@ -824,7 +1015,10 @@ mod tests {
                         })
                         .sum();
                     let got = crate::bf16::to_f32(out[i * n + j]) as f64;
-                    assert!((got - want).abs() < 1e-2 * (1.0 + want.abs()), "{m} {n} {k}: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() < 1e-2 * (1.0 + want.abs()),
+                        "{m} {n} {k}: {got} vs {want}"
+                    );
                 }
             }
         }
@@ -834,10 +1028,26 @@ mod tests {
     fn shapes_are_checked() {
         let x = vec![0f32; 128];
         let mut out = vec![0f32; 2];
-        let e = fp8_matmul(Rows::dense(&x, 128).unwrap(), &[0u8; 100], 2, &[1.0], 0, &mut out).unwrap_err();
+        let e = fp8_matmul(
+            Rows::dense(&x, 128).unwrap(),
+            &[0u8; 100],
+            2,
+            &[1.0],
+            0,
+            &mut out,
+        )
+        .unwrap_err();
         assert!(e.0.contains("FP8 weight"));
-        let e = int4_matmul(Rows::dense(&x, 128).unwrap(), &[0u8; 128], 2, &[1.0; 2], &[0.0; 2], 96, &mut out)
-            .unwrap_err();
+        let e = int4_matmul(
+            Rows::dense(&x, 128).unwrap(),
+            &[0u8; 128],
+            2,
+            &[1.0; 2],
+            &[0.0; 2],
+            96,
+            &mut out,
+        )
+        .unwrap_err();
         assert!(e.0.contains("group size"));
     }
 }

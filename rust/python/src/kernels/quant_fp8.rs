@@ -7,7 +7,11 @@ use super::*;
 use hybridserve_cpu_kernels::quant_fp8 as q;
 use numpy::PyReadonlyArray2;
 
-fn c_slice<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray2<'_, T>, what: &str) -> PyResult<&'a [T]> {
+fn c_slice<'a, T: numpy::Element>(
+    name: &str,
+    a: &'a PyReadonlyArray2<'_, T>,
+    what: &str,
+) -> PyResult<&'a [T]> {
     a.as_slice()
         .ok()
         .filter(|_| a.is_c_contiguous())
@@ -16,16 +20,22 @@ fn c_slice<'a, T: numpy::Element>(name: &str, a: &'a PyReadonlyArray2<'_, T>, wh
 
 /// Runs `f` on (`x` rows, `out`) as float32 or as bfloat16 bits, whichever `x` is; the
 /// GIL released.
-fn with_rows<F32, B16>(py: Python<'_>, x: &Bound<'_, PyAny>, out: &Bound<'_, PyAny>, f32f: F32, b16f: B16) -> PyResult<()>
+fn with_rows<F32, B16>(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    f32f: F32,
+    b16f: B16,
+) -> PyResult<()>
 where
     F32: FnOnce(Rows<'_, f32>, &mut [f32]) -> Result<(), KernelError> + Send,
     B16: FnOnce(Rows<'_, u16>, &mut [u16]) -> Result<(), KernelError> + Send,
 {
     if let Ok(xa) = x.extract::<PyReadonlyArray2<'_, f32>>() {
         let xr = rows("x", &xa)?;
-        let mut o = out
-            .extract::<PyReadwriteArrayDyn<'_, f32>>()
-            .map_err(|_| PyValueError::new_err("out must be a writable float32 array when x is float32"))?;
+        let mut o = out.extract::<PyReadwriteArrayDyn<'_, f32>>().map_err(|_| {
+            PyValueError::new_err("out must be a writable float32 array when x is float32")
+        })?;
         let o = contiguous_mut("out", &mut o)?;
         return py.detach(|| f32f(xr, o)).map_err(err);
     }
@@ -34,7 +44,9 @@ where
     })?;
     let xr = rows("x", &xa)?;
     let mut o = out.extract::<PyReadwriteArrayDyn<'_, u16>>().map_err(|_| {
-        PyValueError::new_err("out must be a writable uint16 (bfloat16 bits) array when x is bfloat16")
+        PyValueError::new_err(
+            "out must be a writable uint16 (bfloat16 bits) array when x is bfloat16",
+        )
     })?;
     let o = o
         .as_slice_mut()
@@ -58,7 +70,10 @@ fn fp8_matmul(
     let wv = c_slice("w", &w, "uint8 [N, K]")?;
     let sv = c_slice("scale", &scale, "float32")?;
     if w.shape()[1] != x.getattr("shape")?.get_item(1)?.extract::<usize>()? {
-        return Err(PyValueError::new_err(format!("w must be [N, K] with K of x; got {:?}", w.shape())));
+        return Err(PyValueError::new_err(format!(
+            "w must be [N, K] with K of x; got {:?}",
+            w.shape()
+        )));
     }
     with_rows(
         py,
