@@ -41,6 +41,10 @@ status is 1 when any check fails. Checks:
   identical and top-5 logprobs within ``FP32_LOGIT_TOL``, eager and with CUDA graphs.
   "Not applicable" with fewer than two GPUs; the CPU dry run runs the comparison over
   gloo instead (reported, not counted).
+* ``quant``: the Triton FP8 block-scaled and int4 GEMMs against the plain-PyTorch
+  reference (timed beside torch's bfloat16 GEMM), and tiny FP8 and AWQ checkpoints
+  served with their projections kept quantized against HF on the dequantized weights
+  (float32 logits, greedy tokens eager and with CUDA graphs).
 
 Every check states its pass criteria (``criteria``: name, status, what was compared)
 and its ``status`` follows from them: ``"fail"`` if any criterion failed, ``"pass"`` if
@@ -80,6 +84,7 @@ from gpu_checks.seed import check_seed  # noqa: E402
 from gpu_checks.pools import check_pools  # noqa: E402
 from gpu_checks.moe import check_moe  # noqa: E402
 from gpu_checks.tp import check_tp  # noqa: E402
+from gpu_checks.quant import check_quant  # noqa: E402
 
 CHECKS: dict[str, Callable[[Ctx], dict[str, Any]]] = {}
 QUICK: list[str] = []
@@ -109,6 +114,7 @@ register("e2e", check_e2e)
 register("pools", check_pools)
 register("moe", check_moe)
 register("tp", check_tp)
+register("quant", check_quant)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ def test_gpu_check_dry_run_on_the_cpu():
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
     by_name = {rec["check"]: rec for rec in lines}
     # Other checks may be registered too; these are the ones this test knows.
-    assert {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "moe", "tp", "summary"} <= set(by_name), \
+    assert {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "moe", "tp", "quant", "summary"} <= set(by_name), \
         r.stdout + r.stderr[-3000:]
     failed = {k: v for k, v in by_name.items() if v.get("status") == "fail"}
     assert not failed, json.dumps(failed, indent=1)[:4000]
@@ -62,5 +62,8 @@ def test_gpu_check_dry_run_on_the_cpu():
     assert seed["paged"]["peak_concurrent"] == seed["paged"]["planner_predicts"] >= 2
     assert seed["reserve_max"]["peak_concurrent"] == 1
     assert by_name["sync"]["eager"]["note"].startswith("CPU dry run")
+    quant = by_name["quant"]
+    assert quant["status"] == "pass" and all(c["ok"] for c in quant["kernel"]) and quant["kernel"]
+    assert all(m["greedy_match_hf"] == {"eager": True} for m in quant["models"].values())
     pools = by_name["pools"]
     assert pools["peak_concurrent"] == pools["planner_predicts"] and pools["cache_bytes"] <= pools["pool_bytes"]

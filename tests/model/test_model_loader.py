@@ -153,9 +153,10 @@ def test_unsupported_model_type_and_empty_dirs(tmp_path):
         load_model(tmp_path / "nope", progress=False)
     with pytest.raises(ConfigError, match="dtype"):
         load_model(d, dtype="int8", progress=False)
-    cfg["quantization_config"] = {"quant_method": "fp8"}
+    # FP8 and AWQ are served (tests/quant); other methods are refused by name.
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes"}
     json.dump(cfg, open(cfg_path, "w"))
-    with pytest.raises(ConfigError, match="quantized"):
+    with pytest.raises(ConfigError, match="quantized with quant_method 'bitsandbytes'"):
         load_model(d, progress=False)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -12,7 +13,12 @@ from safetensors import safe_open
 from hybridserve.config import ModelConfig
 from hybridserve.errors import CheckpointError, ConfigError
 from hybridserve.model.cache import resolve_dtype
+from hybridserve.model.layers import Projection, _Fused
+from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.qwen3_5 import Qwen3_5ForServing
+from hybridserve.quant import ConcatWeight
+from hybridserve.quant.checkpoint import QuantizedTensors, quantization_method, read_quantization_config
+from hybridserve.quant.tiles import FloatWeight
 
 # Checkpoint prefixes of the language model: causal-LM naming, then the VL wrapper's.
 _LM_PREFIXES = ("model.language_model.", "model.")
@@ -69,15 +75,54 @@ def local_name(name: str, mtp: bool = False) -> str | None:
 
 
 def _refuse_quantized(model_dir: str) -> None:
-    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
-        cfg = json.load(f)
-    quant = cfg.get("quantization_config") or (cfg.get("text_config") or {}).get("quantization_config")
+    """Refuse every quantized checkpoint (the tensor-parallel loader: it slices float
+    weights only)."""
+    quant = read_quantization_config(model_dir)
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ConfigError(
-            f"{model_dir!r} is a quantized checkpoint ({method}); hybridserve loads float32, "
-            "bfloat16 or float16 weights only: use the unquantized checkpoint"
+            f"{model_dir!r} is a quantized checkpoint ({method}); tensor parallelism loads float32, "
+            "bfloat16 or float16 weights only: serve it on one process (tensor_parallel_size 1) or use "
+            "the unquantized checkpoint"
         )
+
+
+def _quantized_projections(model: Qwen3_5ForServing) -> dict[str, tuple[Projection, list[str]]]:
+    """Checkpoint weight name (local) -> (the Projection it is a part of, the names of
+    all that Projection's parts in row order). Projections inside a MoE block are left
+    out: its fused native kernels read float weights, so a quantized checkpoint's MoE
+    weights are dequantized into them at load."""
+    moe = [name for name, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+
+    def in_moe(name: str) -> bool:
+        return any(name == p or name.startswith(p + ".") for p in moe)
+
+    out: dict[str, tuple[Projection, list[str]]] = {}
+    fused_members = set()
+    for name, m in model.named_modules():
+        if isinstance(m, _Fused) and isinstance(getattr(m, getattr(m, "_fused_name", ""), None), Projection) and not in_moe(name):
+            proj = getattr(m, m._fused_name)
+            fused_members.add(id(proj))
+            names = [f"{name}.{part}.weight" for part, _ in m._parts]
+            for n in names:
+                out[n] = (proj, names)
+    for name, m in model.named_modules():
+        if isinstance(m, Projection) and id(m) not in fused_members and not in_moe(name):
+            out[f"{name}.weight"] = (m, [f"{name}.weight"])
+    return out
+
+
+def _quantize_projections(quantized: dict, params: dict, projections: dict) -> None:
+    """Hand each projection with a quantized part its weight: the parts in row order,
+    float ones (left unconverted by the checkpoint) as :class:`FloatWeight`."""
+    done = set()
+    for name in quantized:
+        proj, names = projections[name]
+        if id(proj) in done:
+            continue
+        done.add(id(proj))
+        parts = [quantized[n] if n in quantized else FloatWeight(params[n].detach().clone()) for n in names]
+        proj.quantize_(parts[0] if len(parts) == 1 else ConcatWeight(parts))
 
 
 def _copy_checked(f, name: str, path: str, target: torch.Tensor, dtype: torch.dtype) -> None:
@@ -141,8 +186,26 @@ def _refuse_without_mtp(model_dir: str, config: ModelConfig, files: list[str]) -
         "that ships mtp.*")
 
 
+# How a quantized checkpoint (FP8, AWQ) is held on the CPU: "dequantize" (the default)
+# dequantizes it at load into the model's dtype, "keep" keeps each projection in its
+# quantized form (half / a quarter of bfloat16's bytes) on the native few-row kernels.
+# Dequantizing is the default: the kernels on the quantized form gain at one row (FP8
+# 1.1-1.7x, int4 1.45-1.85x the bfloat16 kernel) but lose at 16 (0.52x / 0.57x), and prefill
+# goes through dequantized tiles (benches/quant_safetensors.py; README, "Quantized
+# checkpoints"). On CUDA the quantized form is always kept (the Triton kernels).
+QUANT_CPU_MODES = ("dequantize", "keep")
+
+
+def _quant_cpu_mode(mode: str | None) -> str:
+    mode = mode or os.environ.get("HYBRIDSERVE_QUANT_CPU", "") or "dequantize"
+    if mode not in QUANT_CPU_MODES:
+        raise ConfigError(f"quantized CPU form {mode!r} (HYBRIDSERVE_QUANT_CPU) is not one of {list(QUANT_CPU_MODES)}")
+    return mode
+
+
 def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
                device: str | torch.device = "cpu", progress: bool = True, load_mtp: bool = False,
+               quant_cpu: str | None = None,
                ) -> tuple[Qwen3_5ForServing, ModelConfig]:
     """Load config + weights; every parameter is checked for presence and shape.
 
@@ -153,6 +216,11 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     decoding's drafter); ConfigError when the checkpoint has none.
     A path ending in ``.gguf`` is a GGUF file (or the first part of a split one):
     :func:`hybridserve.quant.gguf.load.load_gguf_model`.
+    Quantized checkpoints (``quantization_config.quant_method`` ``fp8`` or ``awq``): each
+    quantized projection is served from a :class:`hybridserve.quant.QuantizedWeight`
+    (:meth:`Projection.quantize_`) on CUDA, and on the CPU with ``quant_cpu="keep"``;
+    on the CPU by default (``"dequantize"``, or ``HYBRIDSERVE_QUANT_CPU``) its
+    dequantization is loaded as floats. A MoE block's weights are always dequantized.
     Weights are cast to ``dtype`` on the way in; peak extra memory is one tensor. MoE
     experts come per expert (``mlp.experts.{e}.gate_proj.weight`` ...) or as HF's fused
     3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; either is copied straight into the
@@ -167,7 +235,7 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"checkpoint directory {model_dir!r} does not exist")
     config = ModelConfig.from_json(model_dir)
-    _refuse_quantized(model_dir)
+    quant = quantization_method(model_dir)
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     files = checkpoint_files(model_dir)
@@ -191,10 +259,22 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
         tqdm = None
     bar = tqdm(total=len(expected), desc=f"Loading {os.path.basename(model_dir.rstrip('/'))}",
                unit="tensor", disable=not progress or tqdm is None) if tqdm else None
+    qt = projections = None
+    quantized: dict[str, object] = {}
     try:
-        for path in files:
-            with safe_open(path, framework="pt", device="cpu") as f:
+        with contextlib.ExitStack() as stack:
+            handles = {p: stack.enter_context(safe_open(p, framework="pt", device="cpu")) for p in files}
+            if quant is not None:
+                qt = QuantizedTensors(quant, {p: list(f.keys()) for p, f in handles.items()})
+                keep = device.type != "cpu" or _quant_cpu_mode(quant_cpu) == "keep"
+                projections = _quantized_projections(model) if keep else {}
+            for path, f in handles.items():
                 for name in f.keys():
+                    if qt is not None and name in qt.companions:
+                        continue
+                    quantized_name = qt.primary.get(name) if qt is not None else None
+                    if quantized_name is not None:
+                        name = quantized_name
                     local = local_name(name, mtp=load_mtp)
                     if local is None:
                         continue
@@ -209,7 +289,18 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
                         if not (local == "lm_head.weight" and config.tie_word_embeddings):
                             unknown.append(name)
                         continue
-                    _copy_checked(f, name, path, params[local], dtype)
+                    if quantized_name is not None:
+                        q = qt.build(name, handles, expected[local])
+                        if local in projections:
+                            quantized[local] = q
+                        else:
+                            # A MoE block's weight (see _quantized_projections), or
+                            # any on the CPU by default: the format's dequantization,
+                            # into the float parameter.
+                            with torch.no_grad():
+                                params[local].copy_(q.dequantize(torch.float32).to(dtype))
+                    else:
+                        _copy_checked(f, name, path, params[local], dtype)
                     loaded.add(local)
                     if bar is not None:
                         bar.update(1)
@@ -228,7 +319,19 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     if unknown:
         warnings.warn(f"ignored {len(unknown)} unexpected tensor(s) in {model_dir}: {unknown[:5]}",
                       stacklevel=2)
+    if quantized:
+        _quantize_projections(quantized, params, projections)
+        if device.type != "cpu":
+            for m in model.modules():
+                if isinstance(m, Projection) and m.qweight is not None:
+                    m.qweight = _to_device(m.qweight, device)
     if device.type == "cpu":
         model.store_cpu_layout()
     model.eval()
     return model, config
+
+
+def _to_device(q, device):
+    if isinstance(q, ConcatWeight):
+        return ConcatWeight([_to_device(p, device) for p in q.parts])
+    return q.to(device)

@@ -7,6 +7,11 @@ place of its ``weight`` and sends its inputs to :meth:`QuantizedWeight.linear`.
 
 - :mod:`.ggml`: llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; F32/F16/BF16
   come in as plain tensors), as GGUF files store them.
+- :mod:`.fp8`: Qwen's official FP8 checkpoints (e4m3, 128 x 128 block scales).
+- :mod:`.awq`: AWQ int4 checkpoints (GEMM layout, group scales and zero points).
+- :mod:`.checkpoint`: reading and checking a safetensors checkpoint's
+  ``quantization_config`` and quantized tensors (FP8, AWQ); :mod:`.tiny` writes tiny
+  ones for tests, the device check and benches.
 """
 
 from hybridserve.quant.weight import ConcatWeight, QuantizedWeight

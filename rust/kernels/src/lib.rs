@@ -58,6 +58,7 @@ pub mod moe_bf16;
 pub mod norm;
 pub mod quant;
 mod pool;
+pub mod quant_fp8;
 pub mod rope;
 mod row_tiles;
 pub mod sample;
