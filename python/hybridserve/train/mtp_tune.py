@@ -47,14 +47,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="trunk: the trunk's distribution at t+2 (distillation); text: the text's token")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--time-budget-s", type=float, default=0, help="stop (and save) before this many seconds")
+    p.add_argument("--stop-at-step", type=int, default=0,
+                   help="save and stop at this step (the schedule is still laid out over --steps): replays a "
+                        "run that a time budget stopped (its config.json records mtp_tuned_steps)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--stdlib-root", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--max-docs", type=int, default=None, help=argparse.SUPPRESS)
 
 
-def _train_stream(model_dir: str, root: str | None) -> torch.Tensor:
+def _train_stream(model_dir: str, root: str | None, max_docs: int | None = None) -> torch.Tensor:
     from hybridserve.train.tokenizer import load_tokenizer
     tok = load_tokenizer(model_dir)
-    train_docs, _ = corpus.split(corpus.documents(root))
+    docs = corpus.documents(root)
+    train_docs, _ = corpus.split(docs[:max_docs] if max_docs else docs)
     eot = tok.token_to_id("<|endoftext|>")
     ids: list[int] = []
     for enc in tok.encode_batch([d.text for d in train_docs]):
@@ -110,7 +115,7 @@ def tune(a) -> dict:
     for p in model.parameters():
         p.requires_grad_(False)
     mtp.train()
-    data = _train_stream(a.model_dir, a.stdlib_root)
+    data = _train_stream(a.model_dir, a.stdlib_root, a.max_docs)
     from hybridserve.train.train import batch_for_step
     params = list(mtp.parameters())
     decay = [p for p in params if p.dim() >= 2]
@@ -120,7 +125,8 @@ def tune(a) -> dict:
     print(f"MTP fine-tune of {a.model_dir}: {sum(p.numel() for p in params) / 1e6:.2f}M params, trunk frozen; "
           f"{len(data):,} training tokens; {a.steps} steps of {a.batch}x{a.seq_len}, target {a.target}", flush=True)
     step, st, agree_ema = 0, None, None
-    while step < a.steps:
+    stop_at = min(a.steps, a.stop_at_step or a.steps)
+    while step < stop_at:
         if a.time_budget_s and st is not None and time.time() - t0 + 1.2 * st > a.time_budget_s:
             print(f"time budget reached at step {step}; saving", flush=True)
             break
