@@ -57,6 +57,12 @@ def main() -> None:
                     "hybridserve.default_model.path()) instead of a preset with random weights")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    from hybridserve.kernels import native
+
+    # The native kernels' own pool too (the engine sets it from cpu_threads): left at
+    # the machine's core count, "1 thread" would time 2 kernel threads, and a busy
+    # machine the wait for the second one.
+    native.set_threads(a.threads)
     vocabs = [int(v) for v in a.draft_vocab.split(",") if v]
     torch.manual_seed(0)
     if a.model:
@@ -143,6 +149,7 @@ def main() -> None:
     base = statistics.median(times["decode"])
     cbase = statistics.median(cpu["decode"])
     print(f"preset {a.preset} {a.dtype}, k={k}, context {n_ctx}, torch threads {torch.get_num_threads()}, "
+          f"kernel threads {native.threads()}, "
           f"{a.reps} reps (medians); load average {os.getloadavg()[0]:.1f}")
     print(f"ring per step: {ring_bytes / 1024:.1f} KiB for {k + 1} rows "
           f"({ring_bytes / (k + 1) / 1024:.1f} KiB per row; arena state per sequence "

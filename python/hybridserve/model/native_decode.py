@@ -23,7 +23,8 @@ speculative decoding (issue 34): verify steps whose speculative runs (1 + d rows
 sit next to one-token decodes (the DeltaNet kernels read those runs' state without
 writing it and the step's ring records their inputs, as the module path does; every
 row attends as one decode query, on both paths: :data:`DECODE_ROWS`), the MTP layer's
-passes (:meth:`NativeDecodeStep.run_mtp`) and the replay that commits the accepted rows
+passes (:meth:`NativeDecodeStep.run_mtp`; :meth:`NativeDecodeStep.mtp_draft` runs a step's
+passes in one call from host arrays, for the proposer) and the replay that commits the accepted rows
 (:meth:`NativeDecodeStep.replay`), each bit-identical to its module path
 (``tests/spec/test_spec_verify_commit.py``, ``tests/spec/test_mtp_model.py``); everything else
 (prefill, mixed steps, MoE, biases, a weight not in the row-major layout, tensor
