@@ -13,7 +13,13 @@ Side by side in one run, medians of interleaved repetitions, from the same cache
   write directly" would cost instead of verify + commit(k+1));
 * ``mtp``: one MTP draft pass (1 row) over the full vocabulary, ``mtp V``: over a reduced
   draft vocabulary of the first V token ids (``--draft-vocab``), and ``--k`` of each
-  in total (the draft passes of one step).
+  in total (the draft passes of one step);
+* ``k passes``: the proposer's k passes of one step in one native call
+  (``NativeDecodeStep.mtp_draft``, where the native step runs), full and reduced vocabulary.
+
+``--model DIR`` times a checkpoint (the default model: ``--model $(python -c "from
+hybridserve import default_model; print(default_model.path())")``) instead of a preset
+with random weights.
 
 Weights are random (timing only). Prints the ring's bytes per step. Besides wall time
 each line gives the thread's CPU time (``time.thread_time``; one torch thread, and the
@@ -47,20 +53,34 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft-vocab", default="32768", help="comma-separated draft vocabulary sizes to time")
+    ap.add_argument("--model", default=None, help="a checkpoint directory (e.g. the default model's, "
+                    "hybridserve.default_model.path()) instead of a preset with random weights")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    from hybridserve.kernels import native
+
+    # The native kernels' own pool too (the engine sets it from cpu_threads): left at
+    # the machine's core count, "1 thread" would time 2 kernel threads, and a busy
+    # machine the wait for the second one.
+    native.set_threads(a.threads)
     vocabs = [int(v) for v in a.draft_vocab.split(",") if v]
     torch.manual_seed(0)
-    config = ModelConfig.from_dict(text_config(a.preset))
-    model = Qwen3_5ForServing(config, dtype=a.dtype, mtp=True)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.uniform_(-3, 0.7)
-            elif "norm" in name:
-                p.normal_(0, 0.1)
-            else:
-                p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02)
+    if a.model:
+        from hybridserve.model import load_model
+
+        model, config = load_model(a.model, dtype=a.dtype, progress=False, load_mtp=True)
+        a.preset = os.path.basename(a.model.rstrip("/"))
+    else:
+        config = ModelConfig.from_dict(text_config(a.preset))
+        model = Qwen3_5ForServing(config, dtype=a.dtype, mtp=True)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.uniform_(-3, 0.7)
+                elif "norm" in name:
+                    p.normal_(0, 0.1)
+                else:
+                    p.normal_(0, p.shape[-1] ** -0.5 if p.dim() > 1 else 0.02)
     model.store_cpu_layout()
     block = 16
     n_ctx, k = a.context, a.k
@@ -114,9 +134,22 @@ def main() -> None:
         for v in [None] + vocabs:
             mb = batch(n_ctx, 1)
             timed("mtp" if v is None else f"mtp {v}", lambda: model.mtp_forward(hidden, mb.input_ids, mb, cache, v))
+        fast = model._usable_native_step()
+        if fast is not None:
+            # The proposer's passes of one step in one native call (NativeDecodeStep.mtp_draft):
+            # the MTP prefill of one committed row, then k - 1 chained passes.
+            import numpy as np
+            tab = np.asarray([table], dtype=np.int32)
+            p0 = np.asarray([n_ctx])
+            sl = np.asarray([table[n_ctx // block] * block + n_ctx % block])
+            for v in [None] + vocabs:
+                timed(f"{k} passes" + ("" if v is None else f" {v}"),
+                      lambda: fast.mtp_draft(hidden, np.asarray(ids[n_ctx:n_ctx + 1]), p0, sl, tab, np.asarray([0]),
+                                             k, cache, v))
     base = statistics.median(times["decode"])
     cbase = statistics.median(cpu["decode"])
     print(f"preset {a.preset} {a.dtype}, k={k}, context {n_ctx}, torch threads {torch.get_num_threads()}, "
+          f"kernel threads {native.threads()}, "
           f"{a.reps} reps (medians); load average {os.getloadavg()[0]:.1f}")
     print(f"ring per step: {ring_bytes / 1024:.1f} KiB for {k + 1} rows "
           f"({ring_bytes / (k + 1) / 1024:.1f} KiB per row; arena state per sequence "

@@ -366,3 +366,72 @@ def test_native_mtp_pass_equals_the_module_path_bit_for_bit(preset, dtype, tmp_p
     for (wl, wh), (gl, gh) in zip(want, got):
         assert torch.equal(wl, gl) and torch.equal(wh, gh)
     assert torch.equal(want_arena, got_arena)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("vocab", [None, 37])
+@pytest.mark.parametrize("rows,steps", [([3, 1], 3), ([1, 1], 2), ([2, 2], 1)])
+def test_native_draft_passes_equal_the_module_path_pass_by_pass(dtype, vocab, rows, steps, tmp_path):
+    """NativeDecodeStep.mtp_draft (the proposer's passes in one call) against the module
+    path run pass by pass as the proposer runs it: the MTP prefill of each sequence's
+    committed rows (draft 1 from its last row), then chained passes of one row per
+    sequence at the next position, fed the previous pass's MTP state and argmax draft
+    (over the first ``vocab`` ids). Same drafts at every pass, same arena after (the
+    MTP layer's KV), from an arena of stale values."""
+    import numpy as np
+
+    from hybridserve.kernels import native
+
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    torch.manual_seed(3)
+    path = write_tiny_checkpoint(tmp_path / "m", preset="test-a", seed=7)
+    model, config = load_model(path, dtype=dtype, progress=False, load_mtp=True)
+    lens = [9, 4]  # tokens per sequence after the committed rows
+    nb = [-(-(n + steps + 1) // BLOCK) for n in lens]
+    width = max(nb) + 1
+    cache = model.new_cache(sum(nb) + 2, BLOCK)
+    tables = torch.zeros(2, width, dtype=torch.int32)
+    tables[0, :nb[0]] = torch.arange(nb[0])
+    tables[1, :nb[1]] = torch.arange(nb[0], sum(nb))
+    with torch.no_grad():
+        cache.arena.copy_(torch.randn(cache.arena.shape).to(cache.arena.dtype))
+    start = cache.arena.clone()
+    R = sum(rows)
+    hid = torch.randn(R, config.hidden_size).to(model.dtype)
+    ids = [(5 * r + 3) % config.vocab_size for r in range(R)]
+    pos = [q for s, c in enumerate(rows) for q in range(lens[s] - c, lens[s])]
+    seq = [s for s, c in enumerate(rows) for _ in range(c)]
+
+    def slot(s, q):
+        return int(tables[s, q // BLOCK]) * BLOCK + q % BLOCK
+
+    last = list(np.cumsum(rows) - 1)
+    model.native_decode = False
+    want = []
+    with torch.no_grad():
+        batch = _batch(ids, pos, [slot(s, q) for s, q in zip(seq, pos)], rows,
+                       [tables[0].tolist(), tables[1].tolist()], last)
+        lg, h = model.mtp_forward(hid, batch.input_ids, batch, cache, vocab)
+        toks = lg.argmax(dim=-1).tolist()
+        want.append(toks)
+        h = h[last]
+        for j in range(1, steps):
+            p = [lens[s] - 1 + j for s in range(2)]
+            batch = _batch(toks, p, [slot(s, q) for s, q in enumerate(p)], [1, 1],
+                           [tables[0].tolist(), tables[1].tolist()], [0, 1])
+            lg, h = model.mtp_forward(h, batch.input_ids, batch, cache, vocab)
+            toks = lg.argmax(dim=-1).tolist()
+            want.append(toks)
+    want_arena = cache.arena.clone()
+
+    model.native_decode = True
+    cache.arena.copy_(start)
+    fast = model._usable_native_step()
+    assert fast is not None
+    got = fast.mtp_draft(hid, np.asarray(ids), np.asarray(pos), np.asarray([slot(s, q) for s, q in zip(seq, pos)]),
+                         tables.numpy()[seq], np.asarray(last), steps, cache, vocab)
+    assert got is not None and got.tolist() == want
+    if vocab is not None:
+        assert (got < vocab).all()
+    assert torch.equal(cache.arena, want_arena)

@@ -23,7 +23,8 @@ speculative decoding (issue 34): verify steps whose speculative runs (1 + d rows
 sit next to one-token decodes (the DeltaNet kernels read those runs' state without
 writing it and the step's ring records their inputs, as the module path does; every
 row attends as one decode query, on both paths: :data:`DECODE_ROWS`), the MTP layer's
-passes (:meth:`NativeDecodeStep.run_mtp`) and the replay that commits the accepted rows
+passes (:meth:`NativeDecodeStep.run_mtp`; :meth:`NativeDecodeStep.mtp_draft` runs a step's
+passes in one call from host arrays, for the proposer) and the replay that commits the accepted rows
 (:meth:`NativeDecodeStep.replay`), each bit-identical to its module path
 (``tests/spec/test_spec_verify_commit.py``, ``tests/spec/test_mtp_model.py``); everything else
 (prefill, mixed steps, MoE, biases, a weight not in the row-major layout, tensor
@@ -421,6 +422,14 @@ class NativeDecodeStep:
         if not 0 < t <= self.max_rows or lay is None or lay[1].shape[0] != t or input_ids.device.type != "cpu":
             return None
         self._bind_cache(cache)
+        b, x = self._mtp_bufs(t)
+        hidden = hidden.detach()
+        if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
+            hidden = hidden.to(self.model.dtype).contiguous()
+        self._mtp_pass(hidden, input_ids, b, x, self._attention_inputs(batch, b))
+        return self._lm_head(b, batch.logits_indices, t, vocab), b.normed.clone()
+
+    def _mtp_bufs(self, t: int):
         got = self._mtp_buffers.get(t)
         if got is None:
             with torch.inference_mode(False):
@@ -431,11 +440,14 @@ class NativeDecodeStep:
                 extra["e_norm_np"] = _view(torch.empty(t, h, dtype=dt))
                 extra["h_norm_np"] = _view(torch.empty(t, h, dtype=dt))
                 got = self._mtp_buffers[t] = (_Buffers(self.model, t), extra)
-        b, x = got
+        return got
+
+    def _mtp_pass(self, hidden: torch.Tensor, input_ids: torch.Tensor, b: _Buffers, x: dict, attn_args) -> None:
+        """The MTP layer over ``t`` rows into ``b.normed`` (the layer's normed output),
+        the kernels of :class:`~hybridserve.model.mtp.MultiTokenPredictor` in its order.
+        ``hidden`` is read before ``b`` is written (so it may be ``b.normed`` itself)."""
+        m = self._mtp
         eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
-        hidden = hidden.detach()
-        if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
-            hidden = hidden.to(self.model.dtype).contiguous()
         self._embed(input_ids, x["emb"])
         # [pre_fc_norm_embedding(embed) | pre_fc_norm_hidden(hidden)], then fc.
         norm(x["emb_np"], m["norm_e"], eps, x["e_norm_np"], None, True)
@@ -446,13 +458,94 @@ class NativeDecodeStep:
         e = m["layer"]
         res, normed = b.residual_np, b.normed_np
         norm(res, e["in_norm"], eps, normed, None, True)
-        self._attention(e, b, self._attention_inputs(batch, b))
+        self._attention(e, b, attn_args)
         norm(b.mixer_out_np, e["post_norm"], eps, normed, res, True)
         gemm(normed, e["gate_up"], b.gate_up_np)
         self.k_silu_mul(b.gate_up_np, self.inter)
         gemm(b.act_np, e["down"], b.mlp_out_np)
         norm(b.mlp_out_np, m["norm"], eps, normed, res, True)
-        return self._lm_head(b, batch.logits_indices, t, vocab), b.normed.clone()
+
+    def mtp_draft(self, hidden: torch.Tensor, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
+                  tables: np.ndarray, last: np.ndarray, steps: int, cache, vocab: int | None = None
+                  ) -> np.ndarray | None:
+        """The proposer's passes in one call, without a ForwardBatch per pass, where
+        every drafting sequence drafts ``steps`` tokens.
+
+        Pass 0 (the MTP prefill of a step's committed rows): ``R`` rows, row ``r`` fed
+        ``hidden[r]`` and token ``input_ids[r]`` at ``positions[r]``, writing MTP KV slot
+        ``slots[r]`` and attending as one decode query over positions ``0 ..
+        positions[r]`` of its sequence's block-table row ``tables[r]`` (``[R, W]``), as
+        :meth:`run_mtp` of that layout does. Its rows ``last`` (``n``, one per drafting
+        sequence, the sequence's last row) give draft 1 and the state the chain starts
+        from; pass ``j >= 1`` is one row per drafting sequence at the next position, fed
+        the previous pass's state and draft. Drafts are the argmax over token ids below
+        ``vocab`` (None: all). Returns them ``[steps, n]``, or ``None`` (nothing run)
+        where :meth:`run_mtp` would refuse. The same kernels on the same inputs as
+        :meth:`run_mtp` pass by pass, so the same drafts and MTP KV bits."""
+        m = self._mtp
+        t, n = int(input_ids.shape[0]), int(last.shape[0])
+        if m is None or cache.dtype != self.model.dtype or cache.mtp_layer_index is None:
+            return None
+        if not (0 < t <= self.max_rows and 0 < n <= t and steps >= 1) or hidden.device.type != "cpu":
+            return None
+        self._bind_cache(cache)
+        hidden = hidden.detach()
+        if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
+            hidden = hidden.to(self.model.dtype).contiguous()
+        tables = np.ascontiguousarray(tables, dtype=np.int32)
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty((steps, n), dtype=np.int64)
+        b = self._mtp_rows(hidden, torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), positions,
+                           np.asarray(slots, dtype=np.int64), tables)
+        every = t == n
+        if every:
+            sel_np, h = b.normed_np, b.normed
+        else:
+            last_t = torch.from_numpy(np.asarray(last, dtype=np.int64))
+            h = b.normed.index_select(0, last_t)
+            sel_np = _view(h)
+        ids = self._draft_argmax(sel_np, n, vocab)
+        out[0] = ids.numpy()
+        if steps == 1:
+            return out
+        # (h may be b.normed of the next pass's row count: a pass reads its hidden input
+        # before it writes normed.)
+        pos = positions[last] if not every else positions
+        tab = tables[last] if not every else tables
+        bs = cache.block_size
+        ar = np.arange(n)
+        for j in range(1, steps):
+            p = pos + j
+            b = self._mtp_rows(h, ids, p, tab[ar, p // bs].astype(np.int64) * bs + p % bs, tab)
+            h = b.normed
+            ids = self._draft_argmax(b.normed_np, n, vocab)
+            out[j] = ids.numpy()
+        return out
+
+    def _mtp_rows(self, hidden: torch.Tensor, ids: torch.Tensor, p: np.ndarray, slots: np.ndarray,
+                  tables: np.ndarray) -> _Buffers:
+        """One MTP pass over rows that each attend as one decode query at position
+        ``p[r]`` (their sequence's block-table row ``tables[r]``); returns the buffers
+        (``normed``: the layer's output)."""
+        t = int(p.shape[0])
+        b, x = self._mtp_bufs(t)
+        cos, sin = self.model.rotary.cos_sin(torch.from_numpy(p), self.model.dtype)
+        self._mtp_pass(hidden, ids, b, x, (_view(cos), _view(sin), slots, self._qsl(t)[:t], p + 1, tables,
+                                           (cos, sin)))
+        return b
+
+    def _draft_argmax(self, sel_np: np.ndarray, n: int, vocab: int | None) -> torch.Tensor:
+        """The argmax over the LM head's first ``vocab`` rows (None: all) of ``n`` rows:
+        _lm_head's GEMM into a buffer, logits in the model's dtype (whose argmax is that
+        of their float32 widening)."""
+        head = self._head(vocab)
+        key = ("draft_logits", n, head.shape[0])
+        lg = self._mtp_buffers.get(key)
+        if lg is None:
+            with torch.inference_mode(False):
+                lg = self._mtp_buffers[key] = torch.empty(n, head.shape[0], dtype=self.model.dtype)
+        self.k_gemm(sel_np, head, _view(lg))
+        return lg.argmax(dim=-1)
 
     def replay(self, ring: dict, sel: torch.Tensor | None, query_start_loc, state_pages, has_initial_state,
                cache) -> bool:
@@ -500,17 +593,21 @@ class NativeDecodeStep:
         else:
             out.copy_(self.embed_module(ids))
 
-    def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int, vocab: int | None = None) -> torch.Tensor:
-        """float32 logits of ``rows`` of ``b.normed`` (of token ids below ``vocab`` only:
-        the LM head's first rows, a reduced draft vocabulary)."""
+    def _head(self, vocab: int | None):
+        """The LM head's GEMM operand, or its first ``vocab`` rows (a reduced draft vocabulary)."""
         if vocab is None:
-            head = self.lm_head
-        elif isinstance(self.lm_head, QuantGemm):
+            return self.lm_head
+        if isinstance(self.lm_head, QuantGemm):
             head = self._draft_heads.get(vocab)
             if head is None:
                 head = self._draft_heads[vocab] = self.lm_head.rows(vocab)
-        else:
-            head = self.lm_head[:vocab]
+            return head
+        return self.lm_head[:vocab]
+
+    def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int, vocab: int | None = None) -> torch.Tensor:
+        """float32 logits of ``rows`` of ``b.normed`` (of token ids below ``vocab`` only:
+        the LM head's first rows, a reduced draft vocabulary)."""
+        head = self._head(vocab)
         if rows.shape[0] == t and bool((rows == self._arange(t)).all()):
             sel, sel_np = b.normed, b.normed_np
         else:

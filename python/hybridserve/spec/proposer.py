@@ -114,6 +114,13 @@ class MTPProposer:
         m_qsl = np.zeros(len(ents) + 1, dtype=np.int64)
         np.cumsum(n, out=m_qsl[1:])
         last = m_qsl[1:] - 1
+        drafting = np.asarray(num_drafts, dtype=np.int64)[ents]
+        want = np.nonzero(drafting > 0)[0]
+        if len(want) and self.device.type == "cpu" and hidden.device.type == "cpu":
+            drafts = self._propose_native(batch, hidden, src, last, n, ents, want, drafting, next_tokens,
+                                          table_rows, B)
+            if drafts is not None:
+                return drafts
         ids_host = batch.input_ids.index_select(0, torch.from_numpy(src + 1).clamp_(max=batch.num_tokens - 1)
                                                 .to(self.device)).cpu().numpy().copy()
         ids_host[last] = np.asarray(next_tokens, dtype=np.int64)[ents]
@@ -121,8 +128,6 @@ class MTPProposer:
         seq_lens = np.asarray(num_computed, dtype=np.int64)[ents] + n
         rows_t = torch.from_numpy(np.asarray(table_rows, dtype=np.int64)[ents]).to(self.device)
         tables = self.block_table_buf.index_select(0, rows_t)
-        drafting = np.asarray(num_drafts, dtype=np.int64)[ents]
-        want = np.nonzero(drafting > 0)[0]
         mb = ForwardBatch(
             input_ids=torch.from_numpy(ids_host).to(self.device),
             positions=batch.positions.index_select(0, src_t),
@@ -184,4 +189,37 @@ class MTPProposer:
                 h = h_full
         for i, e in enumerate(ents_w.tolist()):
             drafts[e] = [int(t[i]) for t in toks[: need[i]]]
+        return drafts
+
+    def _propose_native(self, batch: ForwardBatch, hidden: torch.Tensor, src: np.ndarray, last: np.ndarray,
+                        n: np.ndarray, ents: np.ndarray, want: np.ndarray, drafting: np.ndarray,
+                        next_tokens: np.ndarray, table_rows: np.ndarray, B: int) -> list[list[int]] | None:
+        """:meth:`propose` on the model's native step in one call (``mtp_draft``: the same
+        kernels on the same inputs as the passes below, so the same drafts and MTP KV),
+        with host arrays instead of a ForwardBatch per pass. None (nothing run) when the
+        drafting entries want different numbers of drafts or the native step cannot
+        take the passes; the caller then runs them pass by pass."""
+        need = drafting[want]
+        if not bool((need == need[0]).all()):
+            return None
+        fast = self.model._usable_native_step()
+        if fast is None:
+            return None
+        ids = batch.input_ids.numpy()
+        rows = np.minimum(src + 1, len(ids) - 1)
+        ids_host = ids[rows].astype(np.int64)
+        ids_host[last] = np.asarray(next_tokens, dtype=np.int64)[ents]
+        positions = batch.positions.numpy()[src]
+        slots = batch.slot_mapping.numpy()[src]
+        tables = self.block_table_buf.numpy()[np.repeat(np.asarray(table_rows, dtype=np.int64)[ents], n)]
+        h = hidden if len(src) == hidden.shape[0] and src[0] == 0 and src[-1] == len(src) - 1 \
+            else hidden.index_select(0, torch.from_numpy(src))
+        out = fast.mtp_draft(h, ids_host, positions, slots, tables, last[want], int(need[0]), self.cache,
+                             self.draft_vocab)
+        if out is None:
+            return None
+        drafts: list[list[int]] = [[] for _ in range(B)]
+        cols = out.T.tolist()
+        for i, e in enumerate(ents[want].tolist()):
+            drafts[e] = cols[i]
         return drafts

@@ -1,4 +1,4 @@
-"""``python -m hybridserve.train {train,eval,export} ...``"""
+"""``python -m hybridserve.train {train,eval,export,mtp,samples} ...``"""
 
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--max-bytes", type=int, default=0, help="cap each set (0: all)")
     ev.add_argument("--threads", type=int, default=None)
     ev.add_argument("--json", default=None, help="also write the results here")
+    from hybridserve.train import mtp_tune
+    mtp_tune.add_args(sub.add_parser("mtp", help="fine-tune only the MTP layer (trunk frozen) toward the trunk's "
+                                     "own next-next-token distribution; writes a copy of the checkpoint"))
     sa = sub.add_parser("samples", help="a few greedy completions and chat answers (hybridserve's engine)")
     sa.add_argument("model_dir")
     sa.add_argument("--max-tokens", type=int, default=64)
@@ -30,6 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "export":
         from hybridserve.train.export import export
         print(export(args.run_dir, args.out_dir))
+    elif args.cmd == "mtp":
+        mtp_tune.tune(args)
     elif args.cmd == "samples":
         from hybridserve.train.samples import format_samples, samples
         print(format_samples(samples(args.model_dir, args.max_tokens)))
