@@ -137,17 +137,22 @@ pub fn dequantize_block(ty: GgmlType, b: &[u8], out: &mut [f32]) {
             let (d, dmin) = (rd_f16(b, 0), rd_f16(b, 2));
             let scales = &b[4..16];
             let five = ty == GgmlType::Q5K;
-            let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+            let (qh, qs): (&[u8; 32], &[u8; 128]) = if five {
+                (b[16..48].try_into().unwrap(), b[48..176].try_into().unwrap())
+            } else {
+                (&[0u8; 32], b[16..144].try_into().unwrap())
+            };
+            // Branch-free inner loops over fixed-size arrays (the compiler vectorizes
+            // them): the prefill path dequantizes whole weights through here.
             for j in 0..8 {
                 let (sc, m) = scale_min_k4(j, scales);
                 let (ds, dm) = (d * sc as f32, dmin * m as f32);
-                let run = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+                let run: &[u8; 32] = qs[32 * (j / 2)..32 * (j / 2) + 32].try_into().unwrap();
+                let shift = 4 * (j % 2) as u32;
+                let o: &mut [f32] = &mut out[32 * j..32 * j + 32];
                 for l in 0..32 {
-                    let mut q = if j % 2 == 0 { run[l] & 0xF } else { run[l] >> 4 } as u32;
-                    if five {
-                        q |= (((qh[l] >> j) & 1) as u32) << 4;
-                    }
-                    out[32 * j + l] = ds * q as f32 - dm;
+                    let q = ((run[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4);
+                    o[l] = ds * q as f32 - dm;
                 }
             }
         }
@@ -155,15 +160,16 @@ pub fn dequantize_block(ty: GgmlType, b: &[u8], out: &mut [f32]) {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
             let d = rd_f16(b, 208);
             for h in 0..2 {
+                let qhh: &[u8; 32] = qh[32 * h..32 * h + 32].try_into().unwrap();
                 for k in 0..4 {
                     let g = 4 * h + k;
+                    let lo: &[u8; 32] = ql[64 * h + 32 * (k % 2)..64 * h + 32 * (k % 2) + 32].try_into().unwrap();
+                    let shift = 4 * (k / 2) as u32;
+                    let (d0, d1) = (d * (sc[2 * g] as i8) as f32, d * (sc[2 * g + 1] as i8) as f32);
+                    let o: &mut [f32] = &mut out[32 * g..32 * g + 32];
                     for l in 0..32 {
-                        let lo = ql[64 * h + 32 * (k % 2) + l];
-                        let lo = if k < 2 { lo & 0xF } else { lo >> 4 };
-                        let hi = (qh[32 * h + l] >> (2 * k)) & 3;
-                        let q = (lo | (hi << 4)) as i32 - 32;
-                        let i = 32 * g + l;
-                        out[i] = d * (sc[i / 16] as i8) as f32 * q as f32;
+                        let q = (((lo[l] >> shift) & 0xF) | (((qhh[l] >> (2 * k)) & 3) << 4)) as i32 - 32;
+                        o[l] = if l < 16 { d0 } else { d1 } * q as f32;
                     }
                 }
             }
