@@ -18,6 +18,17 @@
     python benches/llamacpp_peer.py --shape 0.8b --parallel 16 --json peer-0.8b.json
 
 Extra ``hybridserve serve`` flags go through ``--hybridserve-args "..."`` (one string).
+
+**GGUF** (issue 35): ``--gguf q8_0,q4_k_m`` serves the same quantized file from both:
+the bf16 GGUF of step 2 quantized by the tree's ``llama-quantize``, served by
+``llama-server -m FILE`` and by ``hybridserve serve FILE`` (its GGUF loader; the weights
+stay in their blocks). The rows also report each server's resident memory (RSS of its
+processes) after the warm-up and at the run's peak, for the same file. hybridserve's
+includes its cache arena, 2 GiB unless ``--hybridserve-args "--kv-cache-memory-bytes
+..."`` says otherwise; llama-server's holds ``-c`` = 512 tokens a slot.
+
+    python benches/llamacpp_peer.py --shape 0.1b,0.8b --gguf q8_0,q4_k_m --parallel 1,16
+    python benches/llamacpp_peer.py --shape 0.1b --gguf q4_k_m --only llama   # llama.cpp's side alone
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the llamacpp package beside this file
 
-from llamacpp import build, checkpoint, engine_profile, greedy_check, servers, side_by_side  # noqa: E402
+from llamacpp import build, checkpoint, engine_profile, gguf_files, greedy_check, servers, side_by_side  # noqa: E402
 
 SHAPES = {"0.1b": "peer-0.1b", "0.8b": "peer-0.8b"}
 OUTTYPE = {"float32": "f32", "bfloat16": "bf16"}
@@ -58,13 +69,17 @@ def table_row(shape: str, precision: str, parallel: int, llama: list[dict[str, A
     row["ratio"] = b / a if a and b else None
     a, b = row["llama_decode_p50"], row["hybridserve_decode_p50"]
     row["decode_ratio"] = b / a if a and b else None
+    for tag, runs in (("llama", llama), ("hybridserve", ours)):
+        row[f"{tag}_rss_loaded"] = m(runs, ("rss_loaded_bytes",))
+        row[f"{tag}_rss_peak"] = m(runs, ("rss_peak_bytes",))
     return row
 
 
 def print_rows(rows: list[dict[str, Any]], threads: int) -> None:
     print(f"\nside by side, {threads} threads each (medians over rounds; ms for latencies)")
     head = ("shape", "prec", "P", "llama tok/s", "hs tok/s", "ratio", "TTFT p50 llama/hs", "TTFT p90 llama/hs",
-            "ITL p50 llama/hs", "ITL p90 llama/hs", "decode tok/s/req llama/hs", "decode ratio")
+            "ITL p50 llama/hs", "ITL p90 llama/hs", "decode tok/s/req llama/hs", "decode ratio",
+            "RSS MiB loaded llama/hs", "RSS MiB peak llama/hs")
     lines = [head]
     for r in rows:
         lines.append((r["shape"], r["precision"], str(r["parallel"]), _fmt(r["llama_tok_s"], spec="{:.1f}"),
@@ -74,7 +89,11 @@ def print_rows(rows: list[dict[str, Any]], threads: int) -> None:
                       f"{_fmt(r['llama_itl_p50'], 1e3, '{:.1f}')} / {_fmt(r['hybridserve_itl_p50'], 1e3, '{:.1f}')}",
                       f"{_fmt(r['llama_itl_p90'], 1e3, '{:.1f}')} / {_fmt(r['hybridserve_itl_p90'], 1e3, '{:.1f}')}",
                       f"{_fmt(r['llama_decode_p50'], spec='{:.1f}')} / {_fmt(r['hybridserve_decode_p50'], spec='{:.1f}')}",
-                      _fmt(r["decode_ratio"]) + "x"))
+                      _fmt(r["decode_ratio"]) + "x",
+                      f"{_fmt(r.get('llama_rss_loaded'), 2**-20, '{:.0f}')} / "
+                      f"{_fmt(r.get('hybridserve_rss_loaded'), 2**-20, '{:.0f}')}",
+                      f"{_fmt(r.get('llama_rss_peak'), 2**-20, '{:.0f}')} / "
+                      f"{_fmt(r.get('hybridserve_rss_peak'), 2**-20, '{:.0f}')}"))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
@@ -113,8 +132,11 @@ def run_profile(a: argparse.Namespace, hf_dir: Path, precisions: list[str], para
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.1b")
+    ap.add_argument("--shape", default="0.1b", help=f"comma list of {', '.join(sorted(SHAPES))}")
     ap.add_argument("--precisions", default="float32,bfloat16", help="comma list of float32, bfloat16")
+    ap.add_argument("--gguf", default="",
+                    help="comma list of llama-quantize types (q8_0, q4_k_m, ...): serve the same quantized GGUF "
+                         "from both servers instead of --precisions")
     ap.add_argument("--parallel", default="16,1", help="comma list of parallel sequences (llama -np, our --max-num-seqs)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=32, help="requests per run at parallel > 1")
@@ -138,10 +160,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budgets", default="",
                     help="with --profile-engine: comma list of max_num_batched_tokens to compare (default: the engine's)")
     a = ap.parse_args(argv)
+    shapes = [x.strip() for x in a.shape.split(",") if x.strip()]
+    for x in shapes:
+        if x not in SHAPES:
+            ap.error(f"--shape: {x!r} is not one of {sorted(SHAPES)}")
+    ggufs = [t.strip().upper() for t in a.gguf.split(",") if t.strip()]
+    for t in ggufs:
+        if t not in gguf_files.QUANT_TYPES:
+            ap.error(f"--gguf: {t!r} is not one of {', '.join(gguf_files.QUANT_TYPES)}")
     precisions = [p.strip() for p in a.precisions.split(",") if p.strip()]
     for p in precisions:
         if p not in OUTTYPE:
             ap.error(f"--precisions: {p!r} is not one of {sorted(OUTTYPE)}")
+    if a.profile_engine and (ggufs or len(shapes) > 1):
+        ap.error("--profile-engine takes one --shape and no --gguf")
     parallels = [int(x) for x in a.parallel.split(",")]
     extra = shlex.split(a.hybridserve_args)
 
@@ -154,26 +186,56 @@ def main(argv: list[str] | None = None) -> int:
     exe = build.llama_server(a.jobs) if need_llama else None
     tree = build.source_tree()
     work = build.cache_root() / "work"
-    preset = SHAPES[a.shape]
+    if a.profile_engine:
+        preset = SHAPES[shapes[0]]
+        return run_profile(a, checkpoint.hf_checkpoint(tree, work, preset, seed=a.seed), precisions, parallels)
+    report: dict[str, Any] = {"shapes": shapes, "threads": a.threads, "llama_server": str(exe),
+                              "hybridserve_args": extra, "llama_args": a.llama_args, "checks": {}, "runs": [],
+                              "rows": [], "files": {}}
+    for shape in shapes:
+        run_shape(a, shape, tree, work, exe, precisions, ggufs, parallels, extra, report)
+    print_rows(report["rows"], a.threads)
+    if a.json:
+        Path(a.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {a.json}")
+    return 0
+
+
+def gguf_quantized(tree: Path, hf_dir: Path, qtype: str, jobs: int) -> Path:
+    """The shape's GGUF at ``qtype``: the converter's bf16 file quantized by llama-quantize
+    (made once; both servers load this file)."""
+    out = hf_dir.parent / f"model-{qtype}.gguf"
+    if not out.is_file():
+        bf16 = checkpoint.gguf_file(tree, hf_dir, "bf16")
+        log = hf_dir.parent / f"quantize-{qtype}.log"
+        gguf_files.quantize(build.llama_quantize(jobs), bf16, qtype, out, threads=2, log=log)
+        if "falling back" in log.read_text(errors="replace"):
+            print(f"note: llama-quantize fell back to other types for some {qtype} tensors; see {log}", flush=True)
+    return out
+
+
+def run_shape(a: argparse.Namespace, shape: str, tree: Path, work: Path, exe: Path | None, precisions: list[str],
+              ggufs: list[str], parallels: list[int], extra: list[str], report: dict[str, Any]) -> None:
+    need_llama = a.only != "hybridserve"
+    preset = SHAPES[shape]
     hf_dir = checkpoint.hf_checkpoint(tree, work, preset, seed=a.seed)
     logs = work / preset / "logs"
-    if a.profile_engine:
-        return run_profile(a, hf_dir, precisions, parallels)
-    report: dict[str, Any] = {"shape": a.shape, "preset": preset, "threads": a.threads, "llama_server": str(exe),
-                              "hybridserve_args": extra, "llama_args": a.llama_args, "checks": {}, "runs": [], "rows": []}
-
-    for precision in precisions:
-        gguf = checkpoint.gguf_file(tree, hf_dir, OUTTYPE[precision]) if need_llama else None
-        if need_llama and not a.skip_check:
+    forms = [("gguf", t) for t in ggufs] or [("hf", p) for p in precisions]
+    for kind, precision in forms:
+        if kind == "gguf":
+            gguf = gguf_quantized(tree, hf_dir, precision, a.jobs)
+            report["files"][f"{shape} {precision}"] = {"path": str(gguf), "bytes": gguf.stat().st_size}
+            print(f"{shape} {precision}: {gguf} ({gguf.stat().st_size / 2**20:.1f} MiB)", flush=True)
+        else:
+            gguf = checkpoint.gguf_file(tree, hf_dir, OUTTYPE[precision]) if need_llama else None
+        if kind == "hf" and need_llama and not a.skip_check:
             with servers.llama_server(exe, gguf, parallel=1, threads=a.threads, log=logs / "check.log") as srv:
                 chk = greedy_check.compare(srv.url, hf_dir, bf16=precision == "bfloat16")
             report["checks"][precision] = chk
             print(f"greedy check {precision}: matching prefix {chk['matching_prefix']} of {chk['n_predict']} "
                   f"against {chk['oracle']} -> {'identical' if chk['identical'] else 'DIFFERENT'}", flush=True)
             if precision == "float32" and not chk["identical"]:
-                print("llama.cpp's float32 greedy tokens differ from HF's: the GGUF is not the same model",
-                      file=sys.stderr)
-                return 1
+                raise SystemExit("llama.cpp's float32 greedy tokens differ from HF's: the GGUF is not the same model")
         for parallel in parallels:
             wl = side_by_side.peer_workload(a.num_prompts if parallel > 1 else a.single_num_prompts, a.seed)
             llama_runs, our_runs = [], []
@@ -186,26 +248,31 @@ def main(argv: list[str] | None = None) -> int:
                         srv = servers.llama_server(exe, gguf, parallel=parallel, threads=a.threads,
                                                    log=logs / f"llama-{precision}-{parallel}.log",
                                                    extra=shlex.split(a.llama_args))
+                    elif kind == "gguf":
+                        srv = servers.hybridserve(gguf, dtype=None, parallel=parallel, threads=a.threads,
+                                                  log=logs / f"hybridserve-{precision}-{parallel}.log", extra=extra)
                     else:
                         srv = servers.hybridserve(hf_dir, dtype=precision, parallel=parallel, threads=a.threads,
                                                   log=logs / f"hybridserve-{precision}-{parallel}.log", extra=extra)
-                    res = side_by_side.measure(srv, wl)
-                    res.update(precision=precision, parallel=parallel, round=rnd)
+                    try:
+                        res = side_by_side.measure(srv, wl)
+                    except RuntimeError as e:  # a server that cannot start: reported, the others still run
+                        print(f"{shape} {precision} P={parallel} {who}: did not run: {str(e)[:600]}", flush=True)
+                        report["runs"].append({"server": who, "shape": shape, "precision": precision,
+                                               "parallel": parallel, "round": rnd, "error": str(e)[:2000]})
+                        continue
+                    res.update(shape=shape, precision=precision, parallel=parallel, round=rnd)
                     (llama_runs if who == "llama" else our_runs).append(res)
                     report["runs"].append(res)
                     eng = res.get("engine")
-                    print(f"[{res['started_utc']} load {res['load_avg_1m_before']}] {precision} P={parallel} {who}: "
-                          f"{res['useful_tok_s']:.1f} tok/s, TTFT p50 {_fmt(res['ttft_s']['p50'], 1e3, '{:.0f}')} ms, "
+                    print(f"[{res['started_utc']} load {res['load_avg_1m_before']}] {shape} {precision} P={parallel} "
+                          f"{who}: {res['useful_tok_s']:.1f} tok/s, TTFT p50 {_fmt(res['ttft_s']['p50'], 1e3, '{:.0f}')} ms, "
+                          f"RSS {res['rss_loaded_bytes'] / 2**20:.0f} MiB loaded / {res['rss_peak_bytes'] / 2**20:.0f} peak, "
                           f"{res['completed']} done, {res['failed']} failed {res['errors'] or ''}"
                           + (f"; steps {eng['steps']}, ms/step " + ", ".join(
                               f"{k} {v['ms_per_step']}" for k, v in eng["phases"].items())
                              + f", admission limited {eng['admission_limited']}" if eng else ""), flush=True)
-            report["rows"].append(table_row(a.shape, precision, parallel, llama_runs, our_runs))
-    print_rows(report["rows"], a.threads)
-    if a.json:
-        Path(a.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {a.json}")
-    return 0
+            report["rows"].append(table_row(shape, precision, parallel, llama_runs, our_runs))
 
 
 if __name__ == "__main__":

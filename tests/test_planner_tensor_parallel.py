@@ -212,6 +212,32 @@ def test_rank_memory_is_what_the_runtime_loads(tmp_path, preset, overrides):
         assert (share.arena.page_bytes, share.arena.state_pages) == (page, state_pages)
 
 
+@pytest.mark.parametrize("preset, overrides", TINY.values(), ids=list(TINY))
+def test_rank_mtp_weights_are_what_the_runtime_loads(tmp_path, preset, overrides):
+    """Speculative decoding under tensor parallelism: each rank's real MTP shard (the
+    sharded loader with load_mtp) holds the planner's per-device MTP parameters, and
+    the device's weights grow by exactly those bytes."""
+    from hybridserve.config import dtype_bytes
+    from hybridserve.parallel.loader import load_sharded_model
+    from hybridserve.parallel.shard import ShardPlan
+
+    d = _tiny(tmp_path, preset, **overrides)
+    c = ModelConfig.from_json(d)
+    el = dtype_bytes(c.torch_dtype)
+    for n in pl.valid_degrees(c)[:3]:
+        off = pl.device_share(c, n, budget_bytes=64 << 20, context_len=64, cuda_graphs=False)
+        on = pl.device_share(c, n, budget_bytes=64 << 20, context_len=64, cuda_graphs=False, speculative_tokens=2)
+        for r in range(n):
+            model = load_sharded_model(d, ShardPlan(c, r, n), _NoCollectives(r, n), dtype="float32", load_mtp=True)
+            held = sum(p.numel() for p in model.mtp.parameters())
+            assert held == pl.rank_mtp_param_count(c, n), (n, r)
+        assert on.weight_bytes_per_device - off.weight_bytes_per_device == pl.rank_mtp_param_count(c, n) * el
+        assert on.mtp_weight_bytes_per_device == pl.rank_mtp_param_count(c, n) * el
+    from hybridserve.planner.weights import mtp_param_count
+
+    assert pl.rank_mtp_param_count(c, 1) == mtp_param_count(c)
+
+
 def test_each_rank_holds_a_share_of_every_sequence():
     # 27B: 1/N of the DeltaNet state and of the KV while N divides the 4 KV heads.
     c = ModelConfig.from_dict(_preset("qwen3.5-27b"))
@@ -383,6 +409,29 @@ def test_a_tensor_parallel_engine_sizes_its_arena_as_planned(tmp_path):
     # The one KV head is replicated (same page), the DeltaNet state halves: fewer state pages.
     assert want.page_bytes == one.page_bytes and want.state_pages < one.state_pages
     llm = LLM(d, tensor_parallel_size=2, dtype="float32", cpu_threads=1, kv_cache_memory_bytes=budget)
+    try:
+        got = llm.engine.arena_plan
+        assert (got.page_bytes, got.state_pages, got.num_pages, got.total_pages) == (
+            want.page_bytes, want.state_pages, want.num_pages, want.total_pages)
+        assert llm.engine.cache.arena.numel() == want.total_pages * want.page_bytes
+    finally:
+        llm.engine.parallel.close()
+
+
+def test_a_speculating_tensor_parallel_engine_sizes_its_arena_as_planned(tmp_path):
+    """With speculation each rank's pages also hold its share of the MTP layer's KV:
+    the engine's per-rank arena is the planner's for one device of 2 with k drafts."""
+    from hybridserve import LLM
+
+    d = _tiny(tmp_path, "test-a")
+    c = ModelConfig.from_json(d)
+    budget = 3_000_000
+    want = pl.device_share(c, 2, budget_bytes=budget, context_len=64, cuda_graphs=False,
+                           speculative_tokens=2).arena
+    plain = pl.device_share(c, 2, budget_bytes=budget, context_len=64, cuda_graphs=False).arena
+    assert want.page_bytes > plain.page_bytes
+    llm = LLM(d, tensor_parallel_size=2, dtype="float32", cpu_threads=1, kv_cache_memory_bytes=budget,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     try:
         got = llm.engine.arena_plan
         assert (got.page_bytes, got.state_pages, got.num_pages, got.total_pages) == (

@@ -72,6 +72,41 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
+    def pids(self) -> list[int]:
+        """The server's process and its descendants (hybridserve may run helpers)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        children: dict[int, list[int]] = {}
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read().rsplit(b")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(stat[1]), []).append(int(entry))
+        out, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(children.get(pid, []))
+        return out
+
+    def rss_bytes(self) -> int:
+        """Resident memory of the server's processes now (VmRSS summed; Linux)."""
+        total = 0
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    for line in f:
+                        if line.startswith("VmRSS:"):
+                            total += int(line.split()[1]) * 1024
+                            break
+            except OSError:
+                pass
+        return total
+
     def __enter__(self) -> "Server":
         return self.start()
 
@@ -88,10 +123,12 @@ def llama_server(exe: Path, gguf: Path, *, parallel: int, threads: int, log: Pat
     return Server("llama-server", cmd, log, port=port)
 
 
-def hybridserve(model_dir: Path, *, dtype: str, parallel: int, threads: int, log: Path,
+def hybridserve(model_dir: Path, *, dtype: str | None, parallel: int, threads: int, log: Path,
                 extra: list[str] | None = None) -> Server:
+    """``hybridserve serve`` of a checkpoint directory or a GGUF file; ``dtype`` None
+    leaves the compute dtype to the server (a GGUF's weights keep their blocks)."""
     port = free_port()
     cmd = [sys.executable, "-m", "hybridserve.cli", "serve", str(model_dir), "--port", str(port),
-           "--dtype", dtype, "--max-num-seqs", str(parallel), "--cpu-threads", str(threads),
+           *(["--dtype", dtype] if dtype else []), "--max-num-seqs", str(parallel), "--cpu-threads", str(threads),
            "--kv-cache-memory-bytes", "2GiB", "--no-access-log", "--served-model-name", "peer", *(extra or [])]
     return Server("hybridserve", cmd, log, port=port)

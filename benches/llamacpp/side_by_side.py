@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 import urllib.request
 from typing import Any
@@ -72,15 +73,42 @@ def _warm_up(server: Server) -> None:
     asyncio.run(run_http(server.url, wl, send_class_fields=False, progress=False))
 
 
+class _PeakRSS:
+    """Samples a server's resident memory in a thread while the workload runs."""
+
+    def __init__(self, server: Server, every_s: float = 0.25):
+        self.server, self.every_s, self.peak = server, every_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.server.rss_bytes())
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "_PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.server.rss_bytes())
+
+
 def measure(server: Server, workload: Workload) -> dict[str, Any]:
-    """Start ``server``, warm it up, run ``workload``, stop it; the run's numbers."""
+    """Start ``server``, warm it up, run ``workload``, stop it; the run's numbers, with
+    the server's resident memory after the warm-up (``rss_loaded_bytes``: weights, cache
+    and runtime as loaded) and at its peak during the run (``rss_peak_bytes``)."""
     load = os.getloadavg()
     with server:
         _warm_up(server)
+        rss_loaded = server.rss_bytes()
         before = scrape(server.url)
         t0 = time.time()
-        records, _srv, _timeline, duration = asyncio.run(
-            run_http(server.url, workload, send_class_fields=False, progress=False))
+        with _PeakRSS(server) as rss:
+            records, _srv, _timeline, duration = asyncio.run(
+                run_http(server.url, workload, send_class_fields=False, progress=False))
         after = scrape(server.url)
     ok = [r for r in records if r.ok]
     errors = sorted({r.error for r in records if r.error})
@@ -95,6 +123,7 @@ def measure(server: Server, workload: Workload) -> dict[str, Any]:
         "ttft_s": summarize([r.ttft for r in ok if r.ttft is not None]),
         "itl_s": summarize([x for r in ok for x in r.itls]),
         "decode_tok_s_per_request": summarize(decode),
+        "rss_loaded_bytes": rss_loaded, "rss_peak_bytes": rss.peak,
     }
     if server.name == "hybridserve":
         res["engine"] = engine_profile(before, after)

@@ -67,8 +67,9 @@ def _device_memory(text: str) -> int:
 def _add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "config", metavar="CONFIG",
-        help="a shipped preset (qwen3.5-27b, qwen3.5-35b-a3b, qwen3.5-122b-a10b, "
-        "qwen3.5-397b-a17b), a config.json, a checkpoint directory, or tiny:PRESET (a generated tiny model)",
+        help="a shipped preset (qwen3.5-27b, qwen3.5-35b-a3b, qwen3.5-122b-a10b, qwen3.5-397b-a17b; "
+        "quantized forms qwen3.5-27b-q4_k_m, qwen3.5-27b-fp8, qwen3.5-35b-a3b-q4_k_m, qwen3.5-35b-a3b-fp8), "
+        "a config.json, a checkpoint directory, or tiny:PRESET (a generated tiny model)",
     )
     mem = p.add_argument_group("memory (the arena's budget is --kv-cache-memory-bytes, else derived from the device)")
     mem.add_argument(
@@ -152,8 +153,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             f"{args.config!r} is not a config.json, a checkpoint directory or a preset "
             f"({', '.join(preset_names())})"
         )
-    checkpoint_dir = config_path if os.path.isdir(config_path) else None
-    if checkpoint_dir is not None and not any(
+    checkpoint_dir = config_path if os.path.isdir(config_path) or config_path.endswith(".gguf") else None
+    if checkpoint_dir is not None and os.path.isdir(checkpoint_dir) and not any(
         f.endswith(".safetensors") for f in os.listdir(checkpoint_dir)
     ):
         checkpoint_dir = None  # a directory with only config.json: count parameters

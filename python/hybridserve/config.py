@@ -219,8 +219,14 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> "ModelConfig":
-        """Read a ``config.json`` file, or the one inside a checkpoint directory."""
+        """Read a ``config.json`` file, or the one inside a checkpoint directory; a
+        ``.gguf`` file's metadata (:mod:`hybridserve.quant.gguf.config`; imported only
+        then: it needs torch and the ``gguf`` package)."""
         path = os.fspath(path)
+        if path.endswith(".gguf"):
+            from hybridserve.quant.gguf.load import gguf_config
+
+            return gguf_config(path)
         if os.path.isdir(path):
             path = os.path.join(path, "config.json")
         try:

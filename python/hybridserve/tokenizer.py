@@ -9,10 +9,18 @@ from hybridserve.errors import CheckpointError
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str]):
-    """``transformers.AutoTokenizer`` for ``model_dir``, offline (no hub lookups)."""
+    """``transformers.AutoTokenizer`` for ``model_dir``, offline (no hub lookups); for a
+    ``.gguf`` file, the tokenizer its metadata describes
+    (:func:`hybridserve.quant.gguf.tokenizer.gguf_tokenizer`)."""
     from transformers import AutoTokenizer
 
     model_dir = os.fspath(model_dir)
+    if model_dir.endswith(".gguf"):
+        # A GGUF file carries its tokenizer and chat template in its metadata.
+        from hybridserve.quant.gguf.reader import GGUFFile
+        from hybridserve.quant.gguf.tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(GGUFFile(model_dir))
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except Exception as e:  # transformers raises many types for a bad directory

@@ -108,3 +108,33 @@ def test_bad_input_raises_clear_error(paged_pool):
         causal_conv1d_triton(x, torch.randn(64, 5), bias, torch.zeros(7, 1, 64, 4), qsl, tab, init, item_base=3)
     with pytest.raises(ValueError, match="more columns"):
         causal_conv1d_triton(x, weight, bias, st, qsl, tab, init, item_base=2 * tab.shape[1])
+
+
+@pytest.mark.parametrize("token_parallel", [False, True])
+@pytest.mark.parametrize("ro_dtype", [torch.bool, torch.int8])
+def test_read_only_runs_compute_the_same_and_leave_their_state(paged_pool, token_parallel, ro_dtype):
+    """Speculative verify runs (``read_only``): outputs and checkpoints are the
+    reference's, their state item stays as it was, the other runs' state advances as the
+    reference's; nothing else in the arena changes."""
+    x, weight, bias, pool, qsl, init, ck = _case(paged_pool, 96, 4, torch.float32, seed=17)
+    ro = torch.tensor([False, True, True, False, True])
+    kw = dict(item_base=3, checkpoint_positions=ck, checkpoint_pages=pool.ck_table)
+    before = pool.clone()
+    want_pool = pool.clone()
+    want = causal_conv1d_ref(x, weight, bias, want_pool.pool, qsl, want_pool.table, init, "silu", **kw)
+    # The read-only runs with tokens have a state to leave unwritten (the reference moves it).
+    ro_runs = [b for b in ro.nonzero().flatten().tolist() if Q_LENS[b]]
+    assert ro_runs and all(not torch.equal(want_pool.items(b), before.items(b)) for b in ro_runs)
+    for b in ro_runs:
+        want_pool.set_items(b, before.items(b))
+    got = causal_conv1d_triton(x, weight, bias, pool.pool, qsl, pool.table, init, "silu",
+                               token_parallel=token_parallel, read_only=ro.to(ro_dtype), **kw)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.buf, want_pool.buf, atol=0, rtol=0, equal_nan=True)
+
+
+def test_read_only_must_be_one_flag_per_sequence(paged_pool):
+    x, weight, bias, pool, qsl, init, _ = _case(paged_pool, 64, 4, torch.float32, seed=3)
+    with pytest.raises(ValueError, match="read_only must be a bool or int8"):
+        causal_conv1d_triton(x, weight, bias, pool.pool, qsl, pool.table, init, item_base=3,
+                             read_only=torch.zeros(4, dtype=torch.bool))

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
 
     INT_PTRS = {"query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
                 "slot_mapping_ptr": "*i64", "table_ptr": "*i32", "ck_table_ptr": "*i32", "ck_pos_ptr": "*i32",
-                "has_initial_state_ptr": "*i8"}
+                "has_initial_state_ptr": "*i8", "ro_ptr": "*i8"}
     FP32_PTRS = {"part_acc_ptr", "part_ml_ptr", "state_ptr", "g_ptr"}  # g is float32 in the model
 
     def build(fn, consts, num_warps, scalars=(), dt="bf16"):
@@ -53,18 +53,18 @@ SCRIPT = textwrap.dedent(
     build(cw._write_kv_kernel, dict(HEAD_DIM=256, HEAD_PAD=256), 2)
     build(gd._gated_delta_rule_recurrent_kernel,
           dict(HEAD_RATIO=3, K_DIM=128, V_DIM=128, K_PAD=128, BLOCK_V=32, USE_L2NORM=True, PER_PAGE=16,
-               HAS_CKPT=True), 4, scalars=("scale",))
+               HAS_CKPT=True, HAS_RO=True), 4, scalars=("scale",))
     build(gd._gated_delta_rule_chunked_kernel,
           dict(HEAD_RATIO=3, K_DIM=128, V_DIM=128, K_PAD=128, BLOCK_V=64, CHUNK=16, USE_L2NORM=True,
-               DOT_PRECISION="tf32", PER_PAGE=16, HAS_CKPT=True), 8, scalars=("scale",))
+               DOT_PRECISION="tf32", PER_PAGE=16, HAS_CKPT=True, HAS_RO=True), 8, scalars=("scale",))
     build(gd._gated_delta_rule_chunked_kernel,
           dict(HEAD_RATIO=1, K_DIM=128, V_DIM=128, K_PAD=128, BLOCK_V=64, CHUNK=16, USE_L2NORM=True,
-               DOT_PRECISION="tf32x3", PER_PAGE=16, HAS_CKPT=False), 8, scalars=("scale",), dt="fp32")  # a float32 model
+               DOT_PRECISION="tf32x3", PER_PAGE=16, HAS_CKPT=False, HAS_RO=False), 8, scalars=("scale",), dt="fp32")  # a float32 model
     build(cc._causal_conv1d_kernel, dict(WIDTH=4, HAS_BIAS=False, SILU=True, BLOCK_C=256, PER_PAGE=17,
-                                              HAS_CKPT=True), 4)
+                                              HAS_CKPT=True, HAS_RO=True), 4)
     build(cc._causal_conv1d_tokens_kernel, dict(WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_T=32, BLOCK_C=128,
-                                                     PER_PAGE=17, HAS_CKPT=False), 4)
-    build(cc._conv_state_update_kernel, dict(WIDTH=4, BLOCK_C=128, PER_PAGE=17, HAS_CKPT=True), 4)
+                                                     PER_PAGE=17, HAS_CKPT=False, HAS_RO=False), 4)
+    build(cc._conv_state_update_kernel, dict(WIDTH=4, BLOCK_C=128, PER_PAGE=17, HAS_CKPT=True, HAS_RO=True), 4)
     """
 )
 

@@ -219,3 +219,41 @@ def test_bad_input_raises_clear_error(paged_pool):
     with pytest.raises(ValueError, match="both checkpoint_positions and checkpoint_pages"):
         gated_delta_rule_recurrent_triton(q, k, v, g, beta, st, qsl, tab, init, 1.0, item_base=2,
                                           checkpoint_positions=torch.full((5,), -1))
+
+
+@pytest.mark.parametrize("kernel,q_lens,ro_dtype", [
+    ("recurrent", Q_LENS, torch.bool),
+    ("chunked", CHUNKED_Q_LENS, torch.int8),
+    ("either", CHUNKED_Q_LENS, torch.bool),  # the 40- and 16-token runs chunked, the rest recurrent
+])
+def test_read_only_runs_compute_the_same_and_leave_their_state(paged_pool, kernel, q_lens, ro_dtype):
+    """Speculative verify runs (``read_only``): outputs and checkpoints are the
+    reference's, their state items stay as they were, the other runs' state advances
+    as the reference's; nothing else in the arena changes."""
+    q, k, v, g, beta, pool, qsl, init, ck = _case(paged_pool, 4, 2, 16, 16, torch.float32, seed=31,
+                                                  q_lens=q_lens, ckpt=True)
+    ro = torch.tensor([True, False, True, True, False])
+    before = pool.clone()
+    want_pool = pool.clone()
+    want = gated_delta_rule_recurrent_ref(_expand(q, 4), _expand(k, 4), v, g, beta, want_pool.pool, qsl,
+                                          want_pool.table, init, 0.25, **_kw(want_pool, ck))
+    # The read-only runs with tokens have a state to leave unwritten (the reference moves it).
+    ro_runs = [b for b in ro.nonzero().flatten().tolist() if q_lens[b]]
+    assert ro_runs and all(not torch.equal(want_pool.items(b), before.items(b)) for b in ro_runs)
+    for b in ro_runs:
+        want_pool.set_items(b, before.items(b))
+    fn = {"recurrent": gated_delta_rule_recurrent_triton, "chunked": gated_delta_rule_chunked_triton,
+          "either": gated_delta_rule_triton}[kernel]
+    got = fn(q, k, v, g, beta, pool.pool, qsl, pool.table, init, 0.25, read_only=ro.to(ro_dtype), **_kw(pool, ck))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pool.buf, want_pool.buf, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+def test_read_only_must_be_one_flag_per_sequence(paged_pool):
+    q, k, v, g, beta, pool, qsl, init, _ = _case(paged_pool, 2, 2, 16, 16, torch.float32, seed=1)
+    with pytest.raises(ValueError, match="read_only must be a bool or int8"):
+        gated_delta_rule_triton(q, k, v, g, beta, pool.pool, qsl, pool.table, init, 0.25,
+                                item_base=pool.item_base, read_only=torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="read_only must be a bool or int8"):
+        gated_delta_rule_triton(q, k, v, g, beta, pool.pool, qsl, pool.table, init, 0.25,
+                                item_base=pool.item_base, read_only=torch.ones(5, dtype=torch.float32))

@@ -185,3 +185,29 @@ def test_a_step_stuck_after_a_worker_death_ends_the_process(tp_dirs):
     lines = [ln for ln in err.splitlines() if "exiting with status" in ln]
     assert len(lines) == 1 and "rank 1" in lines[0] and "SIGKILL" in lines[0], err[-3000:]
     assert _wait_gone(killed["worker_pid"])
+
+
+def test_worker_killed_mid_speculation_fails_the_requests_and_leaves_nothing_behind(tp_dirs):
+    # Speculative decoding (k=3): the worker dies inside a step's chained draft passes,
+    # after the verify forward and the DeltaNet commit, as the driver broadcasts a
+    # pass's draft ids. The step fails with the error naming the rank, every open
+    # request ends with an error, and later steps raise the same error.
+    env = dict(os.environ, HYBRIDSERVE_TP_TIMEOUT="4")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, SCRIPT, tp_dirs["dense-gqa"], "spec-kill"], env=env,
+                          capture_output=True, text=True, timeout=180)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    err = out["error"]
+    assert err is not None, out
+    assert out["steps"] >= 2 and out["drafted"] > 0, out  # killed mid-generation, while drafting
+    assert err["ranks"] == [1] and "rank 1" in err["message"] and "SIGKILL" in err["message"], err
+    assert out["again"] == err["message"]
+    assert not out["unfinished"] and out["errored"] == 2, out
+    assert elapsed < 120
+    deadline = time.monotonic() + 5
+    while _alive(out["worker_pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(out["worker_pid"])
+    assert _port_free(out["port"])

@@ -56,11 +56,15 @@ class RecordingOpen:
         return Handle()
 
 
+@pytest.mark.parametrize("mtp", [False, True], ids=["trunk", "with-mtp"])
 @pytest.mark.parametrize("config", ["dense-kv1", "moe"])
-def test_each_rank_reads_only_its_slices_and_the_shards_rebuild_the_model(config, tp_dirs, monkeypatch):
+def test_each_rank_reads_only_its_slices_and_the_shards_rebuild_the_model(config, mtp, tp_dirs, monkeypatch):
+    # With mtp: the MTP layer (speculative decoding's drafter) is sharded like a decoder
+    # layer, and its fc row-parallel (each rank half of the 2H input columns).
     path = tp_dirs[config]
-    full, cfg = load_model(path, dtype="float32")
+    full, cfg = load_model(path, dtype="float32", load_mtp=mtp)
     full_params = dict(full.named_parameters())
+    assert any(n.startswith("mtp.") for n in full_params) == mtp
     monkeypatch.setitem(tp_loader.__dict__, "_real_safe_open", tp_loader.safe_open)
     shards = []
     for rank in range(2):
@@ -68,14 +72,16 @@ def test_each_rank_reads_only_its_slices_and_the_shards_rebuild_the_model(config
         monkeypatch.setattr(tp_loader, "safe_open", RecordingOpen(reads))
         shard = ShardPlan(cfg, rank, 2)
         group = SimpleNamespace(rank=rank, world_size=2)  # no collective runs while loading
-        model = tp_loader.load_sharded_model(path, shard, group, dtype="float32")
+        model = tp_loader.load_sharded_model(path, shard, group, dtype="float32", load_mtp=mtp)
         shards.append(dict(model.named_parameters()))
-        shapes = tp_loader.full_shapes(cfg)
+        assert set(shards[-1]) == set(full_params)
+        shapes = tp_loader.full_shapes(cfg, mtp=mtp)
         c_kv = cfg.num_key_value_heads
         from hybridserve.model.loader import local_name
 
+        assert any(name.startswith("mtp.") for name in reads) == mtp
         for name, n in reads.items():
-            local = local_name(name)
+            local = local_name(name, mtp=mtp)
             total = 1
             for d in shapes[local]:
                 total *= d
@@ -92,6 +98,8 @@ def test_each_rank_reads_only_its_slices_and_the_shards_rebuild_the_model(config
         a, b = shards[0][name], shards[1][name]
         if name in ("embed_tokens.weight", "lm_head.weight"):
             assert torch.equal(torch.cat([a, b]), p), name
+        elif name == "mtp.fc.weight":  # [H, 2H]: rank 0 the first H input columns
+            assert a.shape[1] == c.hidden_size and torch.equal(torch.cat([a, b], dim=1), p), name
         elif name.endswith("self_attn.o_proj.weight") or name.endswith("linear_attn.out_proj.weight") \
                 or name.endswith("mlp.down_proj.weight") or name.endswith("shared_expert.down_proj.weight"):
             assert torch.equal(torch.cat([a, b], dim=1), p), name

@@ -85,6 +85,47 @@ if how == "timeouts":
     print(json.dumps({"control": g.current_timeout_s("control"), "model": g.current_timeout_s("model"),
                       "tokens": len(out)}), flush=True)
     sys.exit(0)
+if how == "spec-kill":
+    # Speculative decoding: the worker is killed inside the drafter's chained passes
+    # (the driver is about to broadcast a pass's draft ids), mid-speculation.
+    from hybridserve.parallel import plan_message
+
+    llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 3, "disable_by_batch_size": 0})
+    eng = llm.engine
+    worker = eng.parallel.launcher.procs[1]
+    port = eng.parallel.launcher.port
+    real_share = plan_message.share_ids
+    calls = [0]
+    steps_at_kill = [None]
+
+    def share_ids(group, ids, n):
+        calls[0] += 1
+        if calls[0] == 8:
+            steps_at_kill[0] = steps
+            os.kill(worker.pid, signal.SIGKILL)
+            worker.wait()
+        return real_share(group, ids, n)
+
+    plan_message.share_ids = share_ids
+    for i in range(2):
+        eng.add_request(f"r{i}", [1, 2, 3, 4, 5 + i], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    steps, error, again = 0, None, None
+    try:
+        while eng.has_unfinished_requests():
+            eng.step()
+            steps += 1
+    except TensorParallelError as e:
+        error = {"message": str(e), "ranks": list(e.ranks)}
+        try:
+            eng.step()
+        except TensorParallelError as e2:
+            again = str(e2)
+    st = eng.stats()
+    print(json.dumps({"steps": steps_at_kill[0], "error": error, "again": again, "worker_pid": worker.pid,
+                      "port": port, "drafted": st["spec_draft_tokens"], "unfinished": eng.has_unfinished_requests(),
+                      "errored": st["errored_requests"]}), flush=True)
+    sys.exit(0)
 llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
 if how == "idle":
     # Idle for 3x the collective timeout between two generations: the heartbeat keeps

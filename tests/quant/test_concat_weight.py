@@ -18,9 +18,9 @@ def _q(rows: int, cols: int, seed: int, kind=gguf.GGMLQuantizationType.Q8_0, nam
     return GGMLWeight(name, torch.from_numpy(quantize(w, kind)), (rows, cols)), w
 
 
-def _act(x):
-    """What the product sees of ``x``: the native kernels quantize activations as
-    llama.cpp does (Q8_0 blocks for these types); the fallback uses ``x`` itself."""
+def _seen(x):
+    """``x`` as the block kernels see it: rounded per 32-block (Q8_0 / Q4_0 weights) where
+    the native kernels run, else as it is (the reference products)."""
     return qk.q8_act_ref(x, k_quant=False) if qk.available() else x
 
 
@@ -30,7 +30,7 @@ def test_concat_of_mixed_types_equals_stacked_product():
     c = ConcatWeight([a, b])
     assert c.shape == (12, 64) and c.qtype == "q4_0+q8_0" and c.nbytes == a.nbytes + b.nbytes
     x = torch.randn(3, 64)
-    ref = _act(x) @ torch.cat([a.dequantize(), b.dequantize()]).T
+    ref = _seen(x) @ torch.cat([a.dequantize(), b.dequantize()]).T
     torch.testing.assert_close(c.linear(x), ref)
     # Rows across the parts' boundary keep both parts' rows.
     torch.testing.assert_close(c.rows(3, 9).dequantize(), torch.cat([a.dequantize(), b.dequantize()])[3:9])
@@ -52,6 +52,6 @@ def test_projection_serves_its_quantized_weight():
     p.quantize_(q)
     assert p.weight is None
     x = torch.randn(4, 64)
-    torch.testing.assert_close(p(x), _act(x) @ q.dequantize().T + bias)
+    torch.testing.assert_close(p(x), _seen(x) @ q.dequantize().T + bias)
     with pytest.raises(ValueError, match="shape"):
         p.quantize_(_q(4, 64, 3)[0])

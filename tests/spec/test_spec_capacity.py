@@ -230,14 +230,23 @@ def test_empty_speculative_config_plans_without_speculation(ckpt, capsys):
             off["arena"], off["sessions_paged"], off["weight_bytes"])
 
 
-def test_speculation_with_tensor_parallelism_is_refused(ckpt, capsys):
-    # The engine refuses speculation under tensor parallelism; the plan says so rather
-    # than promising a layout nothing runs.
-    argv = ["plan", ckpt, "--kv-cache-memory-bytes", "4MiB", "--context", str(L), "-tp", "2",
-            "--speculative-config", '{"num_speculative_tokens": 2}']
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "tensor parallelism" in err and "--speculative-config" in err, err
+def test_speculation_with_tensor_parallelism_plans_each_devices_shard(ckpt, capsys):
+    # The engine speculates under tensor parallelism with the MTP layer sharded like a
+    # decoder layer: each device's weights grow by its shard of the layer (counted
+    # against the sharded loader in test_planner_tensor_parallel.py), its pages by its
+    # share of the MTP KV.
+    base = ["plan", ckpt, "--kv-cache-memory-bytes", "4MiB", "--context", str(L), "-tp", "2", "--json"]
+    assert main(base) == 0
+    off = json.loads(capsys.readouterr().out)["tensor_parallel"]
+    assert main(base + ["--speculative-config", '{"num_speculative_tokens": 2}']) == 0
+    on = json.loads(capsys.readouterr().out)
+    tp = on["tensor_parallel"]
+    assert off["mtp_weight_bytes_per_device"] == 0
+    assert 0 < tp["mtp_weight_bytes_per_device"] < on["mtp_weight_bytes"]
+    assert tp["weight_bytes_per_device"] - off["weight_bytes_per_device"] == tp["mtp_weight_bytes_per_device"]
+    assert tp["arena"]["page_bytes"] > off["arena"]["page_bytes"]
+    assert main(base[:-1] + ["--speculative-config", '{"num_speculative_tokens": 2}']) == 0
+    assert "incl. its shard of the MTP layer" in capsys.readouterr().out
 
 
 def test_lookahead_never_reaches_past_max_model_len_and_is_nothing_when_off(ckpt):

@@ -8,23 +8,31 @@ accepted counts, the recurrent state, the conv state and the K/V of the kept pos
 as a reference leaves them: the same model decoding exactly the accepted tokens, one
 token per step, from a copy of the arena taken before the verify step. The verify
 rows' logits must equal the one-by-one logits at every row (they do not depend on what
-is accepted). Every CPU path: the native kernels (module path: the native decode step
-declines a step with a prefill chunk), and the plain-PyTorch ops (HYBRIDSERVE_NO_NATIVE).
+is accepted). Every path: the native kernels (module path: the native decode step
+declines a step with a prefill chunk), the plain-PyTorch ops (HYBRIDSERVE_NO_NATIVE),
+and the Triton kernels the GPU runs (under Triton's interpreter on the CPU; their own
+read-only flag leaves the verify runs' state unwritten).
 A verify step of speculative runs and one-token decodes only runs on the native decode
 step, which must match the module path bit for bit.
 """
 
 from __future__ import annotations
 
-import random
+import os
 
-import pytest
-import torch
+# Before any Triton kernel module is imported (triton.jit reads it then); see
+# tests/kernels/conftest.py.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from hybridserve.kernels import native
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from hybridserve.kernels import native, ops  # noqa: E402
 from hybridserve.model import ForwardBatch, load_model
-from hybridserve.model.native_decode import NativeDecodeStep
-from hybridserve.model.tiny import write_tiny_checkpoint
+from hybridserve.model.native_decode import NativeDecodeStep  # noqa: E402
+from hybridserve.model.tiny import write_tiny_checkpoint  # noqa: E402
 
 BLOCK = 4
 
@@ -40,13 +48,18 @@ def tiny_dir(tiny_dirs):
     return tiny_dirs["test-a"]
 
 
-@pytest.fixture(params=["native", "torch"])
+@pytest.fixture(params=["native", "torch", "triton"])
 def kernels(request, monkeypatch):
     if request.param == "native":
         if not native.available():
             pytest.skip("the native kernels are not built")
     else:
         monkeypatch.setattr(native, "_DISABLED", True)
+    if request.param == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("the Triton kernels run on the CPU only under TRITON_INTERPRET=1")
+        # ops sends only CUDA tensors to Triton: forced here, the interpreter runs them.
+        monkeypatch.setattr(ops, "_use_triton", lambda t: True)
     return request.param
 
 
@@ -104,9 +117,15 @@ def kv_rows(cache, seq, upto):
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-@pytest.mark.parametrize("preset,dtype", [("test-a", "float32"), ("test-a", "bfloat16"), ("test-b", "float32"),
-                                          ("moe-a", "float32")])
+PRESETS = [("test-a", "float32"), ("test-a", "bfloat16"), ("test-b", "float32"), ("moe-a", "float32")]
+# Every preset and seed on the CPU kernels; on Triton's interpreter (no bfloat16
+# arithmetic, and slow) the float32 presets with one seed.
+COMMIT_CASES = [(kern, preset, dtype, seed) for kern in ("native", "torch") for preset, dtype in PRESETS
+                for seed in (0, 1, 2)] + [("triton", preset, dtype, 0) for preset, dtype in PRESETS
+                                          if dtype == "float32"]
+
+
+@pytest.mark.parametrize("kernels,preset,dtype,seed", COMMIT_CASES, indirect=["kernels"])
 def test_commit_leaves_the_state_of_decoding_the_accepted_tokens_one_by_one(tiny_dirs, kernels, preset, dtype,
                                                                               seed, monkeypatch):
     torch.manual_seed(seed)

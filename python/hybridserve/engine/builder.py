@@ -134,13 +134,17 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
     """config.json and the settings resolved against it; under tensor parallelism the
     ranks start here (the workers load while the driver goes on)."""
     device = _resolve_device(args.device)
-    if os.path.isfile(args.model):
+    if os.path.isfile(args.model) and not args.model.endswith(".gguf"):
         raise ConfigError(
             f"{args.model!r} is a file, not a directory: give the checkpoint directory that "
             "holds config.json, the *.safetensors files and the tokenizer"
         )
     config = ModelConfig.from_json(args.model)
     parallel, cpu_threads = None, args.cpu_threads
+    if args.model.endswith(".gguf") and args.tensor_parallel_size > 1:
+        # Slicing blocks along block boundaries is not written yet.
+        raise ConfigError(f"tensor parallelism does not serve GGUF files yet ({args.model!r}, "
+                          f"tensor_parallel_size={args.tensor_parallel_size}): use tensor_parallel_size=1")
     if args.tensor_parallel_size > 1:
         from hybridserve.parallel.tensor_parallel import TensorParallel
 
@@ -194,14 +198,12 @@ def load_weights(config: ResolvedConfig) -> LoadedWeights:
     args = config.args
     torch.manual_seed(args.seed)
     spec = args.speculative_config
+    # Speculation drafts with the checkpoint's MTP layer: loaded only then (a checkpoint
+    # without one is refused here, naming what is missing). Under tensor parallelism
+    # the layer is sharded like a decoder layer; rank 0 drafts and accepts.
     if config.parallel is not None:
-        if spec is not None:
-            raise ConfigError("speculative decoding (speculative_config) does not run under tensor parallelism "
-                              "yet; use tensor_parallel_size=1 or leave speculative_config unset")
-        model = config.parallel.load_model(args.model, config.dtype, config.device)
+        model = config.parallel.load_model(args.model, config.dtype, config.device, load_mtp=spec is not None)
     else:
-        # Speculation drafts with the checkpoint's MTP layer: loaded only then (a
-        # checkpoint without one is refused here, naming what is missing).
         model, _ = load_model(args.model, dtype=config.dtype, device=config.device, load_mtp=spec is not None)
     model.eval()
     tokenizer = load_tokenizer(args.tokenizer or args.model)

@@ -12,6 +12,9 @@ state untouched). ``checkpoint_positions[b] = k >= 1`` (optional): the ``W-1`` i
 ending at its ``k``-th token also go to the same item of ``checkpoint_pages[b]``,
 written by the same launch (serial path: as the walk passes token ``k``; parallel
 path: by the state-update launch, before it overwrites the old state it may read).
+``read_only`` (optional, bool or int8 ``[B]``): a run with ``read_only[b]`` set reads
+its state and computes its outputs (and any checkpoint) as usual but leaves its state
+item as it was (a speculative verify run; the native kernels' flag).
 ``y[t, c] = act(bias[c] + sum_j weight[c, j] * x_ext[t - (W-1) + j, c])`` in float32,
 returned in ``x``'s dtype; ``act`` is SiLU or identity.
 
@@ -55,6 +58,7 @@ def _causal_conv1d_kernel(
     has_initial_state_ptr,
     ck_pos_ptr,
     ck_table_ptr,
+    ro_ptr,
     item_base,
     stride_tab,
     num_channels,
@@ -74,6 +78,7 @@ def _causal_conv1d_kernel(
     BLOCK_C: tl.constexpr,
     PER_PAGE: tl.constexpr,
     HAS_CKPT: tl.constexpr,
+    HAS_RO: tl.constexpr,
 ):
     seq = tl.program_id(0)
     c_block = tl.program_id(1)
@@ -138,11 +143,15 @@ def _causal_conv1d_kernel(
                 if WIDTH >= 4:
                     tl.store(ck_cs + (WIDTH - 4) * stride_cs_j, r3.to(out_ty), mask=c_ok)
 
-    tl.store(cs + (WIDTH - 2) * stride_cs_j, r1.to(out_ty), mask=c_ok)
+    # A read-only run (a speculative verify run) leaves its state as it was.
+    keep = c_ok
+    if HAS_RO:
+        keep = c_ok & ((tl.zeros([BLOCK_C], tl.int32) + tl.load(ro_ptr + seq).to(tl.int32)) == 0)
+    tl.store(cs + (WIDTH - 2) * stride_cs_j, r1.to(out_ty), mask=keep)
     if WIDTH >= 3:
-        tl.store(cs + (WIDTH - 3) * stride_cs_j, r2.to(out_ty), mask=c_ok)
+        tl.store(cs + (WIDTH - 3) * stride_cs_j, r2.to(out_ty), mask=keep)
     if WIDTH >= 4:
-        tl.store(cs + (WIDTH - 4) * stride_cs_j, r3.to(out_ty), mask=c_ok)
+        tl.store(cs + (WIDTH - 4) * stride_cs_j, r3.to(out_ty), mask=keep)
 
 
 @triton.jit
@@ -173,6 +182,7 @@ def _causal_conv1d_tokens_kernel(
     has_initial_state_ptr,
     ck_pos_ptr,
     ck_table_ptr,
+    ro_ptr,
     item_base,
     stride_tab,
     num_seqs,
@@ -194,6 +204,7 @@ def _causal_conv1d_tokens_kernel(
     BLOCK_C: tl.constexpr,
     PER_PAGE: tl.constexpr,
     HAS_CKPT: tl.constexpr,
+    HAS_RO: tl.constexpr,
 ):
     """Parallel path, phase 1: outputs of a [BLOCK_T tokens of one sequence, BLOCK_C] tile.
 
@@ -261,6 +272,7 @@ def _conv_state_update_kernel(
     has_initial_state_ptr,
     ck_pos_ptr,
     ck_table_ptr,
+    ro_ptr,
     item_base,
     stride_tab,
     num_channels,
@@ -274,6 +286,7 @@ def _conv_state_update_kernel(
     BLOCK_C: tl.constexpr,
     PER_PAGE: tl.constexpr,
     HAS_CKPT: tl.constexpr,
+    HAS_RO: tl.constexpr,
 ):
     """Parallel path, phase 2: each sequence's state becomes its last W-1 inputs (and its
     checkpoint, if asked, the W-1 inputs ending at token k: written first, since it may
@@ -306,12 +319,16 @@ def _conv_state_update_kernel(
                 sv = tl.load(cs + (WIDTH - 1 + p) * stride_cs_j, mask=c_ok & (p < 0) & init_c, other=0.0)
                 tl.store(ck_cs + i * stride_cs_j,
                          (xv.to(tl.float32) + sv.to(tl.float32)).to(conv_state_ptr.dtype.element_ty), mask=c_ok)
+    # A read-only run (a speculative verify run) leaves its state as it was.
+    keep = c_ok
+    if HAS_RO:
+        keep = c_ok & ((tl.zeros([BLOCK_C], tl.int32) + tl.load(ro_ptr + seq).to(tl.int32)) == 0)
     for i in tl.static_range(WIDTH - 1):
         p = tl.zeros([BLOCK_C], tl.int32) + (q_len - (WIDTH - 1) + i)  # position in the step
         init_c = (tl.zeros([BLOCK_C], tl.int32) + init) != 0
         xv = tl.load(x_ptr + (bos + p).to(tl.int64) * stride_x_t + offs_c * stride_x_c, mask=c_ok & (p >= 0), other=0.0)
         sv = tl.load(cs + (WIDTH - 1 + p) * stride_cs_j, mask=c_ok & (p < 0) & init_c, other=0.0)
-        tl.store(cs + i * stride_cs_j, (xv.to(tl.float32) + sv.to(tl.float32)).to(conv_state_ptr.dtype.element_ty), mask=c_ok)
+        tl.store(cs + i * stride_cs_j, (xv.to(tl.float32) + sv.to(tl.float32)).to(conv_state_ptr.dtype.element_ty), mask=keep)
 
 
 def causal_conv1d_triton(
@@ -328,6 +345,7 @@ def causal_conv1d_triton(
     item_base: int,
     checkpoint_positions: torch.Tensor | None = None,
     checkpoint_pages: torch.Tensor | None = None,
+    read_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal depthwise conv over every sequence from its paged state; see the module doc.
 
@@ -370,6 +388,10 @@ def causal_conv1d_triton(
     if checkpoint_positions is not None and (tuple(checkpoint_positions.shape) != (b,)
                                              or checkpoint_pages.shape != state_pages.shape):
         raise ValueError("checkpoint_positions must be [B] and checkpoint_pages shaped like state_pages")
+    if read_only is not None and (tuple(read_only.shape) != (b,) or read_only.dtype not in (torch.bool, torch.int8)
+                                  or read_only.device != conv_state.device):
+        raise ValueError(f"read_only must be a bool or int8 [B={b}] tensor on {conv_state.device}, got "
+                         f"{tuple(read_only.shape)} {read_only.dtype} on {read_only.device}")
     for name, t in (("query_start_loc", query_start_loc), ("state_pages", state_pages)):
         if t.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {t.dtype}")
@@ -389,8 +411,10 @@ def causal_conv1d_triton(
     has_ckpt = checkpoint_positions is not None
     ck_pos = checkpoint_positions if has_ckpt else table
     ck_table = checkpoint_pages.to(table.dtype).contiguous() if has_ckpt else table
-    paged = (table, has_initial_state, ck_pos, ck_table, int(item_base), table.stride(0))
-    meta = dict(PER_PAGE=conv_state.shape[1], HAS_CKPT=has_ckpt)
+    has_ro = read_only is not None
+    ro = (read_only.view(torch.int8) if read_only.dtype == torch.bool else read_only) if has_ro else has_initial_state
+    paged = (table, has_initial_state, ck_pos, ck_table, ro, int(item_base), table.stride(0))
+    meta = dict(PER_PAGE=conv_state.shape[1], HAS_CKPT=has_ckpt, HAS_RO=has_ro)
     if token_parallel is None:
         token_parallel = x.shape[0] > b
     if token_parallel:
@@ -418,6 +442,7 @@ def causal_conv1d_triton(
             BLOCK_C=block_c,
             PER_PAGE=conv_state.shape[1],
             HAS_CKPT=False,  # phase 1 writes no state
+            HAS_RO=False,
             num_warps=4,
         )
         _conv_state_update_kernel[(b, c_blocks)](

@@ -18,6 +18,11 @@ Contract (identical to
   recurrent kernel stores it as it passes token ``k``; the chunked kernel shifts its
   chunk grid (inert zero tokens before the sequence's first) so that a chunk ends at
   token ``k`` and stores the state there: no split launch, at most one extra chunk.
+* ``read_only`` (optional): bool or int8 ``[B]``; a run with ``read_only[b]`` set
+  starts from its state and computes its outputs (and any checkpoint) as usual, but
+  leaves its state items as they were (a speculative verify run: the state advances
+  once acceptance is known, by a replay of the accepted rows). The native kernels'
+  flag, with the same meaning.
 * ``query_start_loc``: int ``[B+1]``, sequence ``b`` owns tokens
   ``query_start_loc[b] : query_start_loc[b+1]`` (a decode step is one token, a prefill
   chunk many).
@@ -68,6 +73,7 @@ def _gated_delta_rule_recurrent_kernel(
     has_initial_state_ptr,
     ck_pos_ptr,
     ck_table_ptr,
+    ro_ptr,
     item_base,
     stride_tab,
     scale,
@@ -100,6 +106,7 @@ def _gated_delta_rule_recurrent_kernel(
     USE_L2NORM: tl.constexpr,
     PER_PAGE: tl.constexpr,
     HAS_CKPT: tl.constexpr,
+    HAS_RO: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -159,11 +166,17 @@ def _gated_delta_rule_recurrent_kernel(
             if t == ck_row:
                 tl.store(ck_ptrs, s, mask=tile_ok)
 
-    tl.store(s_ptrs, s, mask=tile_ok)
+    # A read-only run (a speculative verify run) leaves its state as it was.
+    if HAS_RO:
+        # (As a tile: the interpreter takes no scalar in a mask.)
+        ro = tl.zeros([K_PAD, BLOCK_V], tl.int32) + tl.load(ro_ptr + seq).to(tl.int32)
+        tl.store(s_ptrs, s, mask=tile_ok & (ro == 0))
+    else:
+        tl.store(s_ptrs, s, mask=tile_ok)
 
 
 def _check(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
-           checkpoint_positions, checkpoint_pages) -> None:
+           checkpoint_positions, checkpoint_pages, read_only=None) -> None:
     """Shape/dtype/device checks that need no device sync; raise ValueError saying what to fix."""
     if q.dim() != 3 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [T, Hk, K], got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -196,6 +209,10 @@ def _check(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_st
     if checkpoint_positions is not None and (tuple(checkpoint_positions.shape) != (b,)
                                              or checkpoint_pages.shape != state_pages.shape):
         raise ValueError("checkpoint_positions must be [B] and checkpoint_pages shaped like state_pages")
+    if read_only is not None and (tuple(read_only.shape) != (b,) or read_only.dtype not in (torch.bool, torch.int8)
+                                  or read_only.device != state.device):
+        raise ValueError(f"read_only must be a bool or int8 [B={b}] tensor on {state.device}, got "
+                         f"{tuple(read_only.shape)} {read_only.dtype} on {read_only.device}")
     for name, x in (("query_start_loc", query_start_loc), ("state_pages", state_pages)):
         if x.dtype not in (torch.int32, torch.int64):
             raise ValueError(f"{name} must be int32 or int64, got {x.dtype}")
@@ -220,6 +237,7 @@ def gated_delta_rule_recurrent_triton(
     item_base: int,
     checkpoint_positions: torch.Tensor | None = None,
     checkpoint_pages: torch.Tensor | None = None,
+    read_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the gated delta rule for every sequence from its state pages; see the module doc.
 
@@ -228,19 +246,21 @@ def gated_delta_rule_recurrent_triton(
     their programs run concurrently.
     """
     o, paged = _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
-                        checkpoint_positions, checkpoint_pages)
+                        checkpoint_positions, checkpoint_pages, read_only)
     if state_pages.shape[0]:
         _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm, 1, q.shape[0])
     return o
 
 
 def _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
-             checkpoint_positions, checkpoint_pages):
+             checkpoint_positions, checkpoint_pages, read_only=None):
     """Check inputs; allocate ``o`` (contiguous: rows are stored with unit stride); bool
     ``has_initial_state`` viewed as int8 (same bytes, no copy; the kernels test != 0).
     Returns ``o`` and the state addressing the launches pass on."""
     _check(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
-           checkpoint_positions, checkpoint_pages)
+           checkpoint_positions, checkpoint_pages, read_only)
+    if read_only is not None and read_only.dtype == torch.bool:
+        read_only = read_only.view(torch.int8)  # same bytes, no copy
     o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if has_initial_state.dtype == torch.bool:
         has_initial_state = has_initial_state.view(torch.int8)
@@ -249,27 +269,29 @@ def _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_
         checkpoint_pages = checkpoint_pages.to(table.dtype).contiguous()
         if checkpoint_pages.stride(0) != table.stride(0):
             table = table.contiguous()
-    return o, _Paged(table, has_initial_state, int(item_base), checkpoint_positions, checkpoint_pages)
+    return o, _Paged(table, has_initial_state, int(item_base), checkpoint_positions, checkpoint_pages, read_only)
 
 
 class _Paged:
     """The kernels' state addressing arguments (see the module doc)."""
 
-    def __init__(self, table, has_initial_state, item_base, ck_pos, ck_table):
+    def __init__(self, table, has_initial_state, item_base, ck_pos, ck_table, read_only=None):
         self.table, self.init, self.item_base = table, has_initial_state, item_base
         self.has_ckpt = ck_pos is not None
         self.ck_pos = ck_pos if self.has_ckpt else table
         self.ck_table = ck_table if self.has_ckpt else table
+        self.has_ro = read_only is not None
+        self.ro = read_only if self.has_ro else has_initial_state  # placeholder pointer, never read
 
     def args(self, state):
         """Pointer and scalar arguments, in the kernels' order."""
-        return (self.table, self.init, self.ck_pos, self.ck_table, self.item_base, self.table.stride(0))
+        return (self.table, self.init, self.ck_pos, self.ck_table, self.ro, self.item_base, self.table.stride(0))
 
     def strides(self, state):
         return state.stride()
 
     def meta(self, state):
-        return dict(PER_PAGE=state.shape[1], HAS_CKPT=self.has_ckpt)
+        return dict(PER_PAGE=state.shape[1], HAS_CKPT=self.has_ckpt, HAS_RO=self.has_ro)
 
 
 def _launch_recurrent(o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm, min_len, max_len):
@@ -328,6 +350,7 @@ def _gated_delta_rule_chunked_kernel(
     has_initial_state_ptr,
     ck_pos_ptr,
     ck_table_ptr,
+    ro_ptr,
     item_base,
     stride_tab,
     scale,
@@ -362,6 +385,7 @@ def _gated_delta_rule_chunked_kernel(
     DOT_PRECISION: tl.constexpr,
     PER_PAGE: tl.constexpr,
     HAS_CKPT: tl.constexpr,
+    HAS_RO: tl.constexpr,
 ):
     """Chunked form (prefill): per chunk of CHUNK tokens, with cum = cumsum(g),
     decay[i, j] = exp(cum_i - cum_j) (j <= i), A = strict_lower(beta_i k_i.k_j decay),
@@ -468,7 +492,13 @@ def _gated_delta_rule_chunked_kernel(
             if c0 + CHUNK == ck_end:
                 tl.store(ck_ptrs, s, mask=k_ok[:, None] & v_ok[None, :])
 
-    tl.store(s_ptrs, s, mask=k_ok[:, None] & v_ok[None, :])
+    # A read-only run (a speculative verify run) leaves its state as it was.
+    if HAS_RO:
+        # (As a tile: the interpreter takes no scalar in a mask.)
+        ro = tl.zeros([K_PAD, BLOCK_V], tl.int32) + tl.load(ro_ptr + seq).to(tl.int32)
+        tl.store(s_ptrs, s, mask=k_ok[:, None] & v_ok[None, :] & (ro == 0))
+    else:
+        tl.store(s_ptrs, s, mask=k_ok[:, None] & v_ok[None, :])
 
 
 def gated_delta_rule_chunked_triton(
@@ -488,6 +518,7 @@ def gated_delta_rule_chunked_triton(
     item_base: int,
     checkpoint_positions: torch.Tensor | None = None,
     checkpoint_pages: torch.Tensor | None = None,
+    read_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`gated_delta_rule_recurrent_triton`, in chunks (prefill).
 
@@ -501,7 +532,7 @@ def gated_delta_rule_chunked_triton(
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     o, paged = _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
-                        checkpoint_positions, checkpoint_pages)
+                        checkpoint_positions, checkpoint_pages, read_only)
     if state_pages.shape[0]:
         _launch_chunked(o, q, k, v, g, beta, state, query_start_loc, paged, scale, use_qk_l2norm, 1, q.shape[0],
                         chunk_size)
@@ -573,6 +604,7 @@ def gated_delta_rule_triton(
     item_base: int,
     checkpoint_positions: torch.Tensor | None = None,
     checkpoint_pages: torch.Tensor | None = None,
+    read_only: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each sequence by the kernel that suits it: fewer than ``CHUNKED_MIN_LEN`` tokens
     (decodes, short chunks) recurrent, longer ones chunked. Same contract as both.
@@ -584,7 +616,7 @@ def gated_delta_rule_triton(
     length, only slower on long ones).
     """
     o, paged = _prepare(q, k, v, g, beta, state, query_start_loc, state_pages, has_initial_state, item_base,
-                        checkpoint_positions, checkpoint_pages)
+                        checkpoint_positions, checkpoint_pages, read_only)
     t, b = q.shape[0], state_pages.shape[0]
     if b == 0:
         return o

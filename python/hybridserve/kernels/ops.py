@@ -73,10 +73,19 @@ def _varlen(plans, query_start_loc, state_pages, has_initial_state, checkpoint_p
         query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages, read_only))
 
 
+def _ro(read_only, pool: torch.Tensor) -> torch.Tensor | None:
+    """``read_only`` as the Triton kernels take it: a bool/int8 ``[B]`` tensor on the
+    pool's device, or None (every run writes its state)."""
+    if read_only is None:
+        return None
+    ro = torch.as_tensor(read_only, device=pool.device)
+    return ro if ro.dtype in (torch.bool, torch.int8) else ro.to(torch.bool)
+
+
 class _KeepItems:
     """The read-only (speculative) runs' state items, saved before a kernel that has no
-    read-only flag (the PyTorch and Triton paths) and put back after it: the same
-    result as the native kernels' flag, for one copy of those runs' items of the layer.
+    read-only flag (the PyTorch path) and put back after it: the same result as the
+    native and Triton kernels' flag, for one copy of those runs' items of the layer.
     A no-op without read-only runs."""
 
     def __init__(self, pool, state_pages, item_base: int, n_items: int, read_only):
@@ -128,17 +137,17 @@ def causal_conv1d(x, weight, bias, conv_state, query_start_loc, state_pages, has
         return native.causal_conv1d_bf16(x, weight, bias, conv_state, _varlen(
             plans, query_start_loc, state_pages, has_initial_state, checkpoint_positions, checkpoint_pages,
             read_only), activation, item_base=item_base)
-    keep = _KeepItems(conv_state, state_pages, item_base, 1, read_only)
     if _use_triton(x) and 2 <= weight.shape[-1] <= 4:
         from hybridserve.kernels.causal_conv1d_triton import causal_conv1d_triton
 
-        y = causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_pages,
-                                 has_initial_state, activation, **ck)
-    else:
-        plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
-            query_start_loc, has_initial_state, weight.shape[-1], x.device, checkpoint_positions))
-        y = causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_pages,
-                              has_initial_state, activation, plan, **ck)
+        # The kernel's own flag: read-only runs write nothing back, no copy.
+        return causal_conv1d_triton(x, weight, bias, conv_state, query_start_loc, state_pages,
+                                    has_initial_state, activation, read_only=_ro(read_only, conv_state), **ck)
+    keep = _KeepItems(conv_state, state_pages, item_base, 1, read_only)
+    plan = _plan(plans, ("conv1d", weight.shape[-1]), lambda: Conv1dPlan(
+        query_start_loc, has_initial_state, weight.shape[-1], x.device, checkpoint_positions))
+    y = causal_conv1d_cpu(x, weight, bias, conv_state, query_start_loc, state_pages,
+                          has_initial_state, activation, plan, **ck)
     keep.restore()
     return y
 
@@ -160,18 +169,18 @@ def gated_delta_rule(q, k, v, g, beta, state, query_start_loc, state_pages, has_
                     checkpoint_pages, read_only), key_heads=hk, value_heads=h,
             scale=scale, use_qk_l2norm=use_qk_l2norm, g=g, beta=beta, item_base=item_base)
         return o.view(t, h, vd)
-    keep = _KeepItems(state, state_pages, item_base, v.shape[1], read_only)
     if _use_triton(q):
-        # Per sequence: recurrent kernel under 16 tokens (decode), chunked kernel above.
+        # Per sequence: recurrent kernel under 16 tokens (decode), chunked kernel above;
+        # read-only runs by the kernels' own flag (no copy).
         from hybridserve.kernels.gated_delta_rule_triton import gated_delta_rule_triton
 
-        o = gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_pages,
-                                    has_initial_state, scale, use_qk_l2norm, **ck)
-    else:
-        plan = _plan(plans, ("delta_rule",), lambda: DeltaRulePlan(
-            query_start_loc, has_initial_state, device=q.device, checkpoint_positions=checkpoint_positions))
-        o = gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_pages,
-                                 has_initial_state, scale, use_qk_l2norm, plan=plan, **ck)
+        return gated_delta_rule_triton(q, k, v, g, beta, state, query_start_loc, state_pages,
+                                       has_initial_state, scale, use_qk_l2norm, read_only=_ro(read_only, state), **ck)
+    keep = _KeepItems(state, state_pages, item_base, v.shape[1], read_only)
+    plan = _plan(plans, ("delta_rule",), lambda: DeltaRulePlan(
+        query_start_loc, has_initial_state, device=q.device, checkpoint_positions=checkpoint_positions))
+    o = gated_delta_rule_cpu(q, k, v, g, beta, state, query_start_loc, state_pages,
+                             has_initial_state, scale, use_qk_l2norm, plan=plan, **ck)
     keep.restore()
     return o
 

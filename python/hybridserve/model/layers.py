@@ -141,6 +141,8 @@ class _Fused:
     def hf_views(self) -> dict[str, torch.Tensor]:
         """HF parameter name (relative to this module) -> view of the fused tensor."""
         fused = getattr(self, self._fused_name)
+        if getattr(fused, "qweight", None) is not None:
+            return {}  # served from a quantized weight: no float tensor to fill
         out, at = {}, 0
         for name, rows in self._parts:
             out[f"{name}.weight"] = fused.weight[at:at + rows]

@@ -151,12 +151,19 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
     vision tower and MTP head are skipped; unknown tensors are ignored with a warning.
     ``load_mtp``: also load the MTP layer (``mtp.*``) into ``model.mtp`` (speculative
     decoding's drafter); ConfigError when the checkpoint has none.
+    A path ending in ``.gguf`` is a GGUF file (or the first part of a split one):
+    :func:`hybridserve.quant.gguf.load.load_gguf_model`.
     Weights are cast to ``dtype`` on the way in; peak extra memory is one tensor. MoE
     experts come per expert (``mlp.experts.{e}.gate_proj.weight`` ...) or as HF's fused
     3-D ``mlp.experts.gate_up_proj`` / ``down_proj``; either is copied straight into the
     packed expert parameters (no second copy of the experts at any time).
     """
     model_dir = os.fspath(model_dir)
+    if model_dir.endswith(".gguf"):
+        # A GGUF file (llama.cpp's), served from its quantized blocks.
+        from hybridserve.quant.gguf.load import load_gguf_model
+
+        return load_gguf_model(model_dir, dtype=dtype, device=device, progress=progress, load_mtp=load_mtp)
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"checkpoint directory {model_dir!r} does not exist")
     config = ModelConfig.from_json(model_dir)

@@ -305,6 +305,11 @@ class SparseMoeBlock(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if getattr(self.experts, "quantized", False) or any(
+                getattr(m, "qweight", None) is not None for m in (self.gate, self.shared_expert_gate,
+                                                                   *(self.shared_expert.modules()
+                                                                     if self.shared_expert is not None else ()))):
+            return self._forward_quantized(x)
         if x.dtype == torch.bfloat16 and x.dim() == 2 and x.is_contiguous() and x.device.type == "cpu":
             plan = self._bf16_plan()
             if plan is not None:
@@ -331,6 +336,24 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+    def _forward_quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """A block with quantized weights (a GGUF's): experts kept in their blocks
+        (:class:`hybridserve.quant.gguf.weights.QuantizedExperts`) and/or a quantized
+        router or shared expert. HF's routing, each expert's rows through its own
+        products; the router and the shared expert run as Projections."""
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = route_ref(self.gate(x), self.top_k)
+        if getattr(self.experts, "quantized", False):
+            out = self.experts(x, weights, ids)
+        else:
+            out = ops.fused_moe(x, self.experts.w13, self.experts.w2, weights, ids)
+        self.last_max_load = expert_counts(ids, self.num_experts).max() if ids.numel() else 0
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(shape)
 
 
 def grouped_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,

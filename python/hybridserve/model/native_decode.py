@@ -38,6 +38,7 @@ from torch import nn
 
 from hybridserve.kernels import native
 from hybridserve.model.layers import Projection
+from hybridserve.model.quant_gemm import QuantGemm, quant_matmul_kernel
 
 _BF16 = torch.bfloat16
 
@@ -89,6 +90,11 @@ def rows_as_decodes(qsl, seq_lens, expand) -> tuple[list[int], list[int], list[i
             l_e.append(length)
             s_e.append(b)
     return q_e, l_e, s_e
+
+
+def _served(proj):
+    """What a projection is served from: its quantized weight, else its weight."""
+    return proj.weight if proj.qweight is None else proj.qweight
 
 
 def _view(t: torch.Tensor) -> np.ndarray:
@@ -166,6 +172,13 @@ class NativeDecodeStep:
         self.k_rule, self.k_rope = getattr(k, "gated_delta_rule" + sfx), getattr(k, "qk_norm_rope" + sfx)
         self.k_attn = getattr(k, "paged_attention_decode" + sfx)
         self.k_gemm = k.matmul_bf16 if self.bf16 else k.matmul_rows
+        # A quantized checkpoint: its projections' entries are QuantGemm objects, and
+        # every product goes through _gemm (a float weight's view still to k_gemm).
+        self.quantized = any(getattr(m, "qweight", None) is not None for m in model.modules())
+        self._float_gemm = self.k_gemm
+        if self.quantized:
+            self.k_gemm = self._gemm
+        self._quant_matmul = quant_matmul_kernel()
         self.k_silu_mul, self.k_write_kv = k.silu_mul, k.write_kv
         self.max_rows = Projection.NATIVE_MAX_ROWS_BF16 if self.bf16 else Projection.NATIVE_MAX_ROWS
         self.eps = c.rms_norm_eps
@@ -181,12 +194,14 @@ class NativeDecodeStep:
         # on every call, in C, not module by module.
         self._hook_dicts = [d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         owners = list(self._weight_owners())
-        self._weights = [p.weight for p in owners]
+        self._weights = [_served(p) for p in owners]
         self._fingerprint = self._weights_fingerprint()
         # Every GEMM weight [out, in] row-major in the model's dtype, no bias: the
-        # module path's Projection runs the same native kernel on it.
-        self.ok = all(p.bias is None and p.weight.dtype == model.dtype and p.weight.is_contiguous()
-                      for p in owners)
+        # module path's Projection runs the same native kernel on it (a quantized
+        # one: QuantGemm runs its parts as its linear does).
+        self.ok = all(p.bias is None and (
+            p.weight.dtype == model.dtype and p.weight.is_contiguous() if p.qweight is None
+            else self._quant_matmul is not None and QuantGemm.supports(p.qweight, model.dtype)) for p in owners)
         self._layers = self._build_layers() if self.ok else []
 
     @staticmethod
@@ -196,9 +211,16 @@ class NativeDecodeStep:
         and no forward hooks: tensor parallelism swaps in vocabulary-parallel embedding
         and LM head classes and sums each mixer's and MLP's output in hooks, none of
         which this path would run)."""
-        if type(model.embed_tokens) is not nn.Embedding or type(model.lm_head) is not Projection:
+        # (An embedding kept in a quantized checkpoint's blocks has ``qweight``.)
+        if (type(model.embed_tokens) is not nn.Embedding and getattr(model.embed_tokens, "qweight", None) is None) \
+                or type(model.lm_head) is not Projection:
             return False
         if _hooked(model.modules()):
+            return False
+        # A quantized checkpoint's projections (Projection.qweight) need the native
+        # block GEMM (_core.kernels.quant_matmul).
+        if quant_matmul_kernel() is None and any(getattr(m, "qweight", None) is not None
+                                                 for m in model.modules()):
             return False
         c = model.config
         if not native.available() or model.device.type != "cpu" or model.dtype not in (torch.float32, _BF16):
@@ -224,32 +246,46 @@ class NativeDecodeStep:
         yield m.lm_head
 
     def _weights_fingerprint(self) -> list[int]:
-        return list(map(torch.Tensor.data_ptr, self._weights))
+        return [w.data_ptr() if isinstance(w, torch.Tensor) else id(w) for w in self._weights]
+
+    def _gemm(self, x: np.ndarray, w, out: np.ndarray) -> None:
+        """A quantized model's products: a float weight's view to the float kernel, a
+        quantized one's QuantGemm."""
+        if isinstance(w, np.ndarray):
+            self._float_gemm(x, w, out)
+        else:
+            w(x, out)
+
+    def _entry(self, proj) -> np.ndarray | QuantGemm:
+        """A projection's GEMM entry: its weight's view, or a QuantGemm of its qweight."""
+        if proj.qweight is None:
+            return _view(proj.weight)
+        return QuantGemm(proj.qweight, self.model.dtype, self._float_gemm, self._quant_matmul)
 
     def current(self) -> bool:
         """The views still describe the model's weights (none was moved or re-laid out)
         and no module got a forward hook since they were made."""
         from torch.nn.modules import module as mm
 
-        return (self._fingerprint == self._weights_fingerprint() and self.model.lm_head.weight is self._weights[-1]
+        return (self._fingerprint == self._weights_fingerprint() and _served(self.model.lm_head) is self._weights[-1]
                 and not any(self._hook_dicts) and not mm._global_forward_hooks
                 and not mm._global_forward_pre_hooks)
 
-    @staticmethod
-    def _layer_entry(layer) -> dict:
+    def _layer_entry(self, layer) -> dict:
+        entry = self._entry
         e = {"attn": layer.is_attention,
                  "in_norm": _view(layer.input_layernorm.weight),
                  "post_norm": _view(layer.post_attention_layernorm.weight),
-             "gate_up": _view(layer.mlp.gate_up_proj.weight), "down": _view(layer.mlp.down_proj.weight)}
+             "gate_up": entry(layer.mlp.gate_up_proj), "down": entry(layer.mlp.down_proj)}
         if layer.is_attention:
             a = layer.self_attn
-            e.update(idx=a.layer_idx, qkv_w=_view(a.qkv_proj.weight), o_w=_view(a.o_proj.weight),
+            e.update(idx=a.layer_idx, qkv_w=entry(a.qkv_proj), o_w=entry(a.o_proj),
                      heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_dim, scale=a.scale,
                      q_norm=_view(a.q_norm.weight), k_norm=_view(a.k_norm.weight),
                      q_eps=a.q_norm.eps, k_eps=a.k_norm.eps)
         else:
             d = layer.linear_attn
-            e.update(idx=d.layer_idx, in_w=_view(d.in_proj.weight), out_w=_view(d.out_proj.weight),
+            e.update(idx=d.layer_idx, in_w=entry(d.in_proj), out_w=entry(d.out_proj),
                      conv_w=_view(d.conv1d.weight[:, 0, :]), a_log=_view(d.A_log), dt_bias=_view(d.dt_bias),
                      norm_w=_view(d.norm.weight), norm_eps=d.norm.eps, key_heads=d.num_k_heads,
                      value_heads=d.num_v_heads, scale=d.head_k_dim ** -0.5)
@@ -261,14 +297,17 @@ class NativeDecodeStep:
         self._mtp = None
         if m.mtp is not None:
             t = m.mtp
-            self._mtp = {"layer": self._layer_entry(t.layers[0]), "fc": _view(t.fc.weight),
+            self._mtp = {"layer": self._layer_entry(t.layers[0]), "fc": self._entry(t.fc),
                          "norm_e": _view(t.pre_fc_norm_embedding.weight),
                          "norm_h": _view(t.pre_fc_norm_hidden.weight), "norm": _view(t.norm.weight)}
         self._mtp_buffers: dict[int, tuple[_Buffers, dict]] = {}
         self._replay_buffers: dict[int, tuple] = {}
         self.final_norm = _view(m.norm.weight)
-        self.lm_head = _view(m.lm_head.weight)
-        self.embed = m.embed_tokens.weight
+        self.lm_head = self._entry(m.lm_head)
+        self._draft_heads: dict[int, QuantGemm] = {}
+        # A quantized embedding: its module looks the rows up (dequantized).
+        self.embed = getattr(m.embed_tokens, "weight", None)
+        self.embed_module = m.embed_tokens if getattr(m.embed_tokens, "qweight", None) is not None else None
         return layers
 
     def _bind_cache(self, cache) -> None:
@@ -329,7 +368,7 @@ class NativeDecodeStep:
         ck = varlen.writes
         qsl, table, init = varlen.qsl, varlen.table, varlen.init
         eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
-        torch.index_select(self.embed, 0, batch.input_ids, out=b.residual)
+        self._embed(batch.input_ids, b.residual)
         res, normed = b.residual_np, b.normed_np
         attn_args = None
         first = True
@@ -397,7 +436,7 @@ class NativeDecodeStep:
         hidden = hidden.detach()
         if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
             hidden = hidden.to(self.model.dtype).contiguous()
-        torch.index_select(self.embed, 0, input_ids, out=x["emb"])
+        self._embed(input_ids, x["emb"])
         # [pre_fc_norm_embedding(embed) | pre_fc_norm_hidden(hidden)], then fc.
         norm(x["emb_np"], m["norm_e"], eps, x["e_norm_np"], None, True)
         norm(_view(hidden), m["norm_h"], eps, x["h_norm_np"], None, True)
@@ -455,10 +494,23 @@ class NativeDecodeStep:
                         dt_bias=e["dt_bias"], z=z, norm_weight=e["norm_w"])
         return True
 
+    def _embed(self, ids: torch.Tensor, out: torch.Tensor) -> None:
+        if self.embed_module is None:
+            torch.index_select(self.embed, 0, ids, out=out)
+        else:
+            out.copy_(self.embed_module(ids))
+
     def _lm_head(self, b: _Buffers, rows: torch.Tensor, t: int, vocab: int | None = None) -> torch.Tensor:
         """float32 logits of ``rows`` of ``b.normed`` (of token ids below ``vocab`` only:
         the LM head's first rows, a reduced draft vocabulary)."""
-        head = self.lm_head if vocab is None else self.lm_head[:vocab]
+        if vocab is None:
+            head = self.lm_head
+        elif isinstance(self.lm_head, QuantGemm):
+            head = self._draft_heads.get(vocab)
+            if head is None:
+                head = self._draft_heads[vocab] = self.lm_head.rows(vocab)
+        else:
+            head = self.lm_head[:vocab]
         if rows.shape[0] == t and bool((rows == self._arange(t)).all()):
             sel, sel_np = b.normed, b.normed_np
         else:
@@ -468,7 +520,7 @@ class NativeDecodeStep:
             if sel is b.normed and vocab is None:
                 self.k_gemm(sel_np, head, b.logits_np)
                 return b.logits.float()
-            logits = torch.empty(sel.shape[0], head.shape[0], dtype=_BF16)
+            logits = torch.empty(sel.shape[0], head.shape[0], dtype=_BF16)  # (QuantGemm has .shape too)
             self.k_gemm(sel_np, head, _view(logits))
             return logits.float()
         logits = torch.empty(sel.shape[0], head.shape[0], dtype=torch.float32)

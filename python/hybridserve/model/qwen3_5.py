@@ -309,7 +309,10 @@ class Qwen3_5ForServing(nn.Module):
     def tie_weights(self) -> None:
         """Make the LM head the embedding matrix when the config ties them (again after
         ``to_empty``, which gives each module its own new tensor)."""
-        if self.config.tie_word_embeddings:
+        # (A quantized model's tied head serves from the embedding's blocks instead:
+        # see hybridserve.quant.gguf.load.)
+        if self.config.tie_word_embeddings and isinstance(self.embed_tokens, nn.Embedding) \
+                and self.lm_head.qweight is None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def store_cpu_layout(self) -> None:
@@ -334,11 +337,12 @@ class Qwen3_5ForServing(nn.Module):
             for block in self.modules():
                 if isinstance(block, SparseMoeBlock):
                     for m in block.modules():
-                        if isinstance(m, nn.Linear) and m.weight.dtype != torch.bfloat16:
+                        if isinstance(m, nn.Linear) and m.weight is not None and m.weight.dtype != torch.bfloat16:
                             m.weight.data = transposed_copy(m.weight.data)
                             in_moe.add(m)
             for m in self.modules():
-                if isinstance(m, nn.Linear) and m not in in_moe:
+                # (A quantized projection's weight is None: its blocks stay as loaded.)
+                if isinstance(m, nn.Linear) and m not in in_moe and m.weight is not None:
                     m.weight.data = huge_page_copy(m.weight.data)
 
     def new_cache(self, num_pages: int, block_size: int) -> HybridCache:
@@ -349,13 +353,15 @@ class Qwen3_5ForServing(nn.Module):
                               extra_attention_layers=1 if self.mtp is not None else 0)
         return HybridCache(self.config, layout, num_pages, self.dtype, self.device)
 
+    # The final norm's weight: always a float parameter in the model's dtype, where the
+    # embedding may be kept in a quantized checkpoint's blocks.
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return self.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
+        return self.norm.weight.device
 
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor a checkpoint must provide (local HF names) -> the parameter, or the

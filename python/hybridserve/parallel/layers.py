@@ -11,7 +11,10 @@ columns, and this module adds what sharding needs on top:
 * :func:`install_all_reduces`: one all-reduce on the output of each mixer
   (``self_attn`` / ``linear_attn``) and each MLP/MoE block, as forward hooks, so the
   decoder's code (and parameter names, which the loader and checkpoints use) stay as
-  they are and a CUDA graph captured over the forward captures the all-reduces too.
+  they are and a CUDA graph captured over the forward captures the all-reduces too;
+* :func:`make_mtp_parallel`: the MTP layer's ``fc`` as a row-parallel projection over
+  this rank's input columns (its decoder layer is already the shard's shape, and
+  :func:`install_all_reduces` sums its mixer, MLP and ``fc`` like the trunk's).
 """
 
 from __future__ import annotations
@@ -63,8 +66,27 @@ def make_vocab_parallel(model: Qwen3_5ForServing, group: TPGroup, vocab_start: i
     model.tie_weights()
 
 
+def make_mtp_parallel(model: Qwen3_5ForServing, columns: tuple[int, int]) -> None:
+    """Give the MTP layer's ``fc`` (``[H, 2H]`` in the checkpoint) this rank's input
+    ``columns`` only (on the meta device, before weights exist): the full ``2H`` input
+    (every rank has it: the embedding is all-reduced and the trunk's hidden state is
+    replicated) is cut to them on the way in, and the partial output is summed by
+    :func:`install_all_reduces`."""
+    fc = model.mtp.fc
+    a, b = columns
+    local = Projection(b - a, fc.out_features, bias=False, device=fc.weight.device, dtype=fc.weight.dtype)
+    local.requires_grad_(False)
+
+    def own_columns(module, args):
+        return (args[0][..., a:b].contiguous(),) + tuple(args[1:])
+
+    local.register_forward_pre_hook(own_columns)
+    model.mtp.fc = local
+
+
 def install_all_reduces(model: Qwen3_5ForServing, group: TPGroup) -> list:
-    """Sum every mixer's and every MLP/MoE block's partial output over the ranks."""
+    """Sum every mixer's and every MLP/MoE block's partial output over the ranks (the
+    MTP layer's too, and its row-parallel ``fc``'s)."""
 
     def reduce(kind: str):
         def hook(module, args, out):
@@ -72,7 +94,11 @@ def install_all_reduces(model: Qwen3_5ForServing, group: TPGroup) -> list:
         return hook
 
     handles = []
-    for layer in model.layers:
+    layers = list(model.layers)
+    if model.mtp is not None:
+        layers += list(model.mtp.layers)
+        handles.append(model.mtp.fc.register_forward_hook(reduce("mtp_fc")))
+    for layer in layers:
         mixer = layer.self_attn if layer.is_attention else layer.linear_attn
         handles.append(mixer.register_forward_hook(reduce("mixer")))
         handles.append(layer.mlp.register_forward_hook(reduce("mlp")))

@@ -19,18 +19,19 @@ from safetensors import safe_open
 from hybridserve.config import ModelConfig
 from hybridserve.errors import CheckpointError
 from hybridserve.model.cache import resolve_dtype
-from hybridserve.model.loader import _name_missing, _refuse_quantized, checkpoint_files, local_name
+from hybridserve.model.loader import (_name_missing, _refuse_quantized, _refuse_without_mtp, checkpoint_files,
+                                      local_name)
 from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 from hybridserve.parallel.group import TPGroup
-from hybridserve.parallel.layers import install_all_reduces, make_vocab_parallel
+from hybridserve.parallel.layers import install_all_reduces, make_mtp_parallel, make_vocab_parallel
 from hybridserve.parallel.shard import ShardPlan
 
 logger = logging.getLogger("hybridserve.parallel")
 
 
-def _read_cut(f, name: str, full_shape: tuple[int, ...], shard: ShardPlan) -> torch.Tensor:
+def _read_cut(f, name: str, full_shape: tuple[int, ...], shard: ShardPlan, mtp: bool = False) -> torch.Tensor:
     """This rank's part of checkpoint tensor ``name`` (read through ``get_slice``)."""
-    local = local_name(name)
+    local = local_name(name, mtp=mtp)
     cut = shard.cut(local, full_shape)
     sl = f.get_slice(name)
     if cut is None:
@@ -46,10 +47,10 @@ def _read_cut(f, name: str, full_shape: tuple[int, ...], shard: ShardPlan) -> to
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+def full_shapes(config: ModelConfig, mtp: bool = False) -> dict[str, tuple[int, ...]]:
     """Every checkpoint tensor's full shape, fused expert names included (from a
-    meta-device model of the full shape: no memory)."""
-    full = Qwen3_5ForServing(config, device="meta")
+    meta-device model of the full shape: no memory); with ``mtp`` the MTP layer's too."""
+    full = Qwen3_5ForServing(config, device="meta", mtp=mtp)
     shapes = full.checkpoint_shapes()
     for alias, (t, _) in full.checkpoint_aliases().items():
         shapes[alias] = tuple(t.shape)
@@ -58,9 +59,11 @@ def full_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, group: TPGroup,
                        dtype: str | torch.dtype = "float32", device: str | torch.device = "cpu",
-                       ) -> Qwen3_5ForServing:
+                       load_mtp: bool = False) -> Qwen3_5ForServing:
     """This rank's model: the local shape, its weights read slice by slice, the
-    vocabulary-parallel embedding / LM head and the all-reduce hooks installed."""
+    vocabulary-parallel embedding / LM head and the all-reduce hooks installed.
+    ``load_mtp``: the MTP layer too, sharded like a decoder layer (speculative
+    decoding; a checkpoint without one is refused as the single-process loader does)."""
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"checkpoint directory {model_dir!r} does not exist")
@@ -68,10 +71,17 @@ def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, grou
     dtype = resolve_dtype(dtype)
     device = torch.device(device)
     config = shard.config
-    expected_shapes = full_shapes(config)
+    if load_mtp:
+        _refuse_without_mtp(model_dir, config, checkpoint_files(model_dir))
+    expected_shapes = full_shapes(config, mtp=load_mtp)
 
-    model = Qwen3_5ForServing(shard.local_config(), dtype=dtype, device="meta")
+    model = Qwen3_5ForServing(shard.local_config(), dtype=dtype, device="meta", mtp=load_mtp)
+    if load_mtp:
+        make_mtp_parallel(model, shard.mtp_fc_columns)
     make_vocab_parallel(model, group, shard.vocab_range[0])
+    # The full vocabulary (the model's config has this rank's share): the drafter's
+    # reduced draft vocabulary is cut from the gathered logits.
+    model.tp_vocab_size = config.vocab_size
     model.to_empty(device=device)
     model.tie_weights()
     params = model.checkpoint_tensors()
@@ -81,7 +91,7 @@ def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, grou
     for path in checkpoint_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
-                local = local_name(name)
+                local = local_name(name, mtp=load_mtp)
                 if local is None:
                     continue
                 if local in aliases:
@@ -98,7 +108,7 @@ def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, grou
                         f"tensor {name!r} in {os.path.basename(path)} has shape {list(shape)}, "
                         f"but config.json implies {list(expected_shapes[local])}; the weights do not "
                         "match this config")
-                part = _read_cut(f, name, shape, shard)
+                part = _read_cut(f, name, shape, shard, mtp=load_mtp)
                 if tuple(part.shape) != tuple(target.shape):  # a bug in ShardPlan.cut
                     raise AssertionError(f"{local}: shard {tuple(part.shape)} != local {tuple(target.shape)}")
                 with torch.no_grad():

@@ -17,7 +17,12 @@ and no KV ever crosses ranks:
   replicated (the block's output is a partial sum on each rank);
 * **out_proj / o_proj / down_proj** row-parallel: each rank's output is a partial sum,
   reduced by one all-reduce after each mixer and one after each MLP/MoE block;
-* **embedding and LM head** split over the vocabulary.
+* **embedding and LM head** split over the vocabulary;
+* **the MTP layer** (speculative decoding's drafter) as a decoder layer (its attention
+  by heads, its MLP/MoE by intermediate dimension, its KV one more attention layer in
+  every rank's arena), and its ``fc`` (``[H, 2H]``) row-parallel: rank r multiplies its
+  share of the ``2H`` input columns and the partial outputs are all-reduced, as after
+  an ``o_proj``.
 
 Everything here is integer arithmetic over a :class:`ModelConfig` (no torch): the
 engine, the loader and the planner read the same numbers.
@@ -111,6 +116,13 @@ class ShardPlan:
         return self._range(self.config.linear_num_value_heads)
 
     @property
+    def mtp_fc_columns(self) -> tuple[int, int]:
+        """This rank's input columns of the MTP layer's ``fc`` (``2 * hidden_size`` in all)."""
+        _need_divisible("2 * hidden_size (the MTP layer's fc input)", 2 * self.config.hidden_size,
+                        self.world_size)
+        return self._range(2 * self.config.hidden_size)
+
+    @property
     def replicates_kv(self) -> bool:
         return self.config.num_key_value_heads < self.world_size
 
@@ -140,6 +152,8 @@ class ShardPlan:
         kind = leaf[-1]  # weight / bias / A_log / dt_bias / gate_up_proj / down_proj
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return 0, [self.vocab_range]
+        if name == "mtp.fc.weight":
+            return 1, [self.mtp_fc_columns]
         m = re.search(r"\.(self_attn|linear_attn|mlp)\.(.*)$", name)
         if m is None:
             return None  # layer norms, final norm

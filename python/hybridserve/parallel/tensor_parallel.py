@@ -165,10 +165,11 @@ class TensorParallel:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.group.world_size))
         return max(1, physical_cores() // max(1, local))
 
-    def load_model(self, model_dir: str, dtype: torch.dtype, device: torch.device):
+    def load_model(self, model_dir: str, dtype: torch.dtype, device: torch.device, load_mtp: bool = False):
         from hybridserve.parallel.loader import load_sharded_model
 
-        return load_sharded_model(model_dir, self.shard, self.group, dtype=dtype, device=device)
+        return load_sharded_model(model_dir, self.shard, self.group, dtype=dtype, device=device,
+                                  load_mtp=load_mtp)
 
     def agree_num_pages(self, num_pages: int) -> int:
         # Before the ready barrier: the group still has the start-up limit (ranks that
@@ -209,7 +210,8 @@ class TensorParallel:
         try:
             self.group.ready_barrier()
             self._start_watchdog()
-            self.serve_steps(engine.runner)
+            spec = getattr(engine.core, "spec", None)
+            self.serve_steps(engine.runner, spec.proposer if spec is not None else None)
         except BaseException:  # noqa: BLE001 - report, then exit non-zero
             logger.exception("tensor-parallel rank %d failed", self.group.rank)
             code = 1
@@ -218,16 +220,40 @@ class TensorParallel:
         # Under torchrun the user's command continues only on rank 0.
         os._exit(code) if code else sys.exit(0)
 
-    def serve_steps(self, runner) -> None:
+    def serve_steps(self, runner, proposer=None) -> None:
+        """A worker's loop: replay each operation the driver broadcasts -- a step, and
+        under speculative decoding the step's DeltaNet commit and the drafter's passes
+        (``proposer``: this rank's :class:`~hybridserve.spec.proposer.MTPProposer`) --
+        so every rank runs the same collectives in the same order. A worker keeps no
+        sampler state: what those depend on (accepted rows, the drafter's inputs, its
+        draft ids) comes from the driver."""
         from hybridserve.parallel import plan_message
 
+        if proposer is not None:
+            proposer.group = self.group
+        plan = hidden = None
         while True:
             msg = plan_message.receive(self.group)
             if msg is None:
                 return
-            plan, all_positions = msg
             with self.watched_step():
-                runner.execute(plan, all_positions)
+                if msg.op == plan_message.OP_STEP:
+                    plan = msg.plan
+                    runner.want_hidden = msg.want_hidden
+                    out = runner.execute(plan, msg.all_positions)
+                    hidden = out.hidden if out is not None else None
+                elif msg.op == plan_message.OP_COMMIT:
+                    runner.commit_speculative(torch.from_numpy(msg.accepted))
+                else:  # OP_PROPOSE
+                    if proposer is None or hidden is None:
+                        raise RuntimeError("the driver asked for draft passes, but this rank "
+                                           + ("has no MTP drafter" if proposer is None
+                                              else "ran no step that returned hidden states"))
+                    runner.propose(proposer, hidden, query_start_loc=plan.query_start_loc,
+                                   num_computed=plan.num_computed_tokens, committed=msg.committed,
+                                   next_tokens=msg.next_tokens, table_rows=plan.block_table_rows,
+                                   num_drafts=msg.num_drafts)
+                    hidden = None
 
     # ------------------------------------------------------------ step watchdog
     def watched_step(self):

@@ -35,6 +35,7 @@ from hybridserve.planner.rank import (
     degree_error,
     kv_head_replicas,
     rank_config,
+    rank_mtp_param_count,
     rank_param_split,
     rank_weight_bytes,
     valid_degrees,
@@ -47,7 +48,6 @@ from hybridserve.planner.sizes import (
     matrix_state_bytes,
 )
 from hybridserve.planner.units import GiB, positive_int
-from hybridserve.planner.weights import mtp_param_count
 
 
 def shard_config(config: ModelConfig, n: int) -> ModelConfig | None:
@@ -83,10 +83,14 @@ class DeviceShare:
     arena: ArenaPlan | None
     context_len: int
     sessions: int
+    #: Of ``weight_bytes_per_device``: the device's shard of the MTP layer (speculative
+    #: decoding; 0 without).
+    mtp_weight_bytes_per_device: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "tensor_parallel": self.tensor_parallel,
+            "mtp_weight_bytes_per_device": self.mtp_weight_bytes_per_device,
             "params_per_device": self.params_per_device,
             "replicated_params_per_device": self.replicated_params_per_device,
             "weight_bytes_per_device": self.weight_bytes_per_device,
@@ -123,17 +127,13 @@ def device_share(
     given (an explicit per-device arena budget), else what ``device_memory`` leaves after
     the device's weights (see the rule). ConfigError naming the dimension when ``n`` is
     not a valid degree for this model. ``speculative_tokens`` k > 0: speculative decoding
-    with the MTP layer (its weights on the device, its KV in every page); the engine runs
-    it on one device only, so ``n`` > 1 is a ConfigError."""
-    if speculative_tokens and n > 1:
-        raise ConfigError(
-            f"speculative decoding does not run under tensor parallelism yet ({n} devices asked); "
-            "plan it on one device or leave --speculative-config out")
+    with the MTP layer (the device's shard of its weights, its KV in every page: the layer
+    is sharded like a decoder layer)."""
     shard = rank_config(config, n)
     split = rank_param_split(config, n).values()
     weights = rank_weight_bytes(config, n)
-    if speculative_tokens:
-        weights += mtp_param_count(config) * dtype_bytes(config.torch_dtype)
+    mtp_weights = rank_mtp_param_count(config, n) * dtype_bytes(config.torch_dtype) if speculative_tokens else 0
+    weights += mtp_weights
     if budget_bytes is not None:
         budget = positive_int("per-device arena budget in bytes", budget_bytes)
     elif device_memory is None:
@@ -161,7 +161,7 @@ def device_share(
         kv_head_replicas=kv_head_replicas(config, n),
         kv_bytes_per_token_per_device=kv_bytes_per_token(shard, kv_dtype),
         state_bytes_per_sequence_per_device=matrix_state_bytes(shard) + conv_state_bytes(shard, kv_dtype),
-        arena=arena, context_len=context_len, sessions=sessions,
+        arena=arena, context_len=context_len, sessions=sessions, mtp_weight_bytes_per_device=mtp_weights,
     )
 
 
@@ -200,13 +200,11 @@ def devices_needed(
     speculative_tokens: int = 0,
 ) -> DevicePlan:
     """Walk the valid degrees from 1 (:func:`~hybridserve.planner.rank.valid_degrees`)
-    until one runs ``min_sessions`` sessions of ``context_len`` tokens. O(64). With
-    speculative decoding (``speculative_tokens`` > 0) only one device is considered: the
-    engine does not speculate under tensor parallelism."""
+    until one runs ``min_sessions`` sessions of ``context_len`` tokens. O(64)."""
     positive_int("minimum sessions", min_sessions)
     shares: list[DeviceShare] = []
     needed = None
-    degrees = [1] if speculative_tokens else valid_degrees(config, MAX_TENSOR_PARALLEL)
+    degrees = valid_degrees(config, MAX_TENSOR_PARALLEL)
     for n in degrees:
         share = device_share(
             config, n, device_memory=device_memory, context_len=context_len,

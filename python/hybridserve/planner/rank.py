@@ -13,6 +13,8 @@ architecture (issue 19):
   with them (no state is ever communicated); ``out_proj`` row-parallel;
 * **MLP** and every **MoE expert** (routed and shared) by intermediate width;
 * **embedding and LM head** by vocabulary rows;
+* the **MTP layer** (speculative decoding's drafter) like a decoder layer, and its
+  ``fc`` (``[H, 2H]``) by input columns;
 * *replicated* on every rank: every RMSNorm weight (they scale the hidden size or one
   head's width), the MoE router ``mlp.gate``, ``shared_expert_gate`` and o_proj's
   bias.
@@ -38,7 +40,7 @@ from hybridserve.config import ModelConfig, dtype_bytes
 from hybridserve.errors import ConfigError
 from hybridserve.parallel.shard import ShardPlan
 from hybridserve.planner.units import positive_int
-from hybridserve.planner.weights import ParamSplit, param_split
+from hybridserve.planner.weights import ParamSplit, mtp_param_count, param_count, param_split, quantized_weight_bytes
 
 #: The largest degree the planner tries when it looks for the smallest that fits.
 MAX_TENSOR_PARALLEL = 64
@@ -97,6 +99,22 @@ def rank_param_count(config: ModelConfig, n: int) -> int:
     return sum(p.total for p in rank_param_split(config, n).values())
 
 
+def rank_mtp_param_count(config: ModelConfig, n: int) -> int:
+    """Parameters of the MTP layer one of ``n`` ranks holds: its decoder layer at the
+    rank's shape, its norms whole, and ``2H / n`` of ``fc``'s input columns (ConfigError
+    when ``n`` does not divide them)."""
+    h = config.hidden_size
+    if n > 1:
+        ShardPlan(config, 0, n).mtp_fc_columns  # noqa: B018 - refuses a degree that does not divide 2H
+    return mtp_param_count(rank_config(config, n)) - 2 * h * h + 2 * h * h // n
+
+
 def rank_weight_bytes(config: ModelConfig, n: int) -> int:
-    """Weight bytes on each of ``n`` ranks: :func:`rank_param_count` x the model dtype."""
-    return rank_param_count(config, n) * dtype_bytes(config.torch_dtype)
+    """Weight bytes on each of ``n`` ranks: :func:`rank_param_count` x the model dtype;
+    for a quantized config, the quantized bytes in the share of parameters the rank
+    holds (blocks split along rows with the weights, the replicated small tensors
+    counted at the average rate), rounded up."""
+    quantized = quantized_weight_bytes(config)
+    if quantized is None:
+        return rank_param_count(config, n) * dtype_bytes(config.torch_dtype)
+    return -(-quantized * rank_param_count(config, n) // param_count(config))

@@ -44,7 +44,8 @@ from hybridserve.planner.sizes import (
     matrix_state_bytes,
 )
 from hybridserve.planner.units import GiB, MiB, format_bytes, format_mib, positive_int
-from hybridserve.planner.weights import active_param_count, mtp_param_count, param_count, weight_bytes
+from hybridserve.planner.weights import (active_param_count, describe_quantization, mtp_param_count, param_count,
+                                         weight_bytes)
 
 
 @dataclass(frozen=True)
@@ -170,18 +171,14 @@ def capacity_report(
     decoding with the MTP layer as the engine runs it: the MTP weights count in the
     weights, the MTP layer's KV block in every page (so pages are larger and fewer), and
     sessions still decoding hold up to k drafts + k lookahead slots more
-    (``sessions_paged_while_decoding``); one device only (ConfigError for tensor
-    parallelism, which the engine refuses with speculation).
+    (``sessions_paged_while_decoding``); with ``tensor_parallel`` each device holds its
+    shard of the MTP layer and its share of the MTP KV.
     """
     kv_dtype = cache_dtype(config, kv_dtype)
     check_context(config, context_len)
     if isinstance(speculative_tokens, bool) or not isinstance(speculative_tokens, int) or speculative_tokens < 0:
         raise ConfigError(f"speculative_tokens must be a non-negative integer, got {speculative_tokens!r}")
     spec = speculative_tokens > 0
-    if spec and tensor_parallel is not None and tensor_parallel > 1:
-        raise ConfigError(
-            f"speculative decoding does not run under tensor parallelism yet (--tensor-parallel-size "
-            f"{tensor_parallel}); plan it on one device or leave --speculative-config out")
     params = param_count(config)
     weights = weight_bytes(config, checkpoint_dir, mtp=spec)
     mtp_weights = (weights - weight_bytes(config, checkpoint_dir)) if spec else 0
@@ -189,11 +186,17 @@ def capacity_report(
     # as the arena's pages hold it.
     kv_config = with_mtp_layer(config) if spec else config
     if checkpoint_dir is not None:
-        weight_source = f"safetensors tensors in {os.fspath(checkpoint_dir)}" + (
+        kind = "GGUF tensors (as stored)" if os.fspath(checkpoint_dir).endswith(".gguf") else "safetensors tensors"
+        weight_source = f"{kind} in {os.fspath(checkpoint_dir)}" + (
             f", incl. the MTP layer's {format_bytes(mtp_weights)}" if spec else "")
     else:
         counted = f"({params:,} + {mtp_param_count(config):,} MTP) parameters" if spec else f"{params:,} parameters"
-        weight_source = f"{counted} x {dtype_bytes(config.torch_dtype)} B ({config.torch_dtype})"
+        form = describe_quantization(config)
+        if form is not None:
+            weight_source = f"{params:,} parameters as {form}" + (
+                f", MTP layer {mtp_param_count(config):,} x {dtype_bytes(config.torch_dtype)} B" if spec else "")
+        else:
+            weight_source = f"{counted} x {dtype_bytes(config.torch_dtype)} B ({config.torch_dtype})"
     devices = None
     if pool_bytes is not None:
         positive_int("pool size in bytes", pool_bytes)
@@ -326,7 +329,9 @@ def _tensor_parallel_rows(r: CapacityReport) -> list[tuple[str, str]]:
         ("  weights",
          f"{fb(s.weight_bytes_per_device)} = {s.weight_bytes_per_device / 1e9:,.2f} GB "
          f"({s.params_per_device:,} parameters, {s.replicated_params_per_device:,} of them whole on "
-         "every device: norms" + (", router, shared_expert_gate" if r.num_experts else "") + ")"),
+         "every device: norms" + (", router, shared_expert_gate" if r.num_experts else "") + ")"
+         + (f", incl. its shard of the MTP layer, {fb(s.mtp_weight_bytes_per_device)}"
+            if s.mtp_weight_bytes_per_device else "")),
         (f"  KV per token ({r.kv_dtype})",
          f"{s.kv_bytes_per_token_per_device:,} B of the model's {r.kv_bytes_per_token:,} B"
          + (f" (each KV head on {s.kv_head_replicas} devices)" if s.kv_head_replicas > 1 else "")),

@@ -5,6 +5,10 @@ Each preset is a ``config.json`` (shape only, no weights): ``qwen3.5-27b`` is th
 mixture-of-experts presets (``qwen3.5-35b-a3b``, ``qwen3.5-122b-a10b``,
 ``qwen3.5-397b-a17b``) are the published checkpoints' text configs, flattened to
 ``qwen3_5_moe_text``, each naming where its values come from in ``_source``.
+``*-q4_k_m`` and ``*-fp8`` are the 27B and 35B-A3B shapes in the quantized forms people
+download (a llama-quantize Q4_K_M GGUF, Qwen's FP8 checkpoint): their
+``quantization_config`` makes the planner count the quantized bytes
+(:func:`hybridserve.planner.weights.quantized_weight_bytes`).
 """
 
 from __future__ import annotations

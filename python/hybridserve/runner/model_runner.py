@@ -288,6 +288,18 @@ class ModelRunner:
             return view
         return (buf if width is None else buf[:, :width]).index_select(0, rows)
 
+    # ---- speculative decoding's model work after a step (hybridserve.spec) ----------
+    # The engine calls these, not the model, so that the tensor-parallel driver's runner
+    # can send each to its workers first.
+    def commit_speculative(self, accepted: Any) -> None:
+        """Advance the last step's speculative entries' DeltaNet state over their first
+        ``accepted[b]`` rows (``Qwen3_5ForServing.commit_speculative``)."""
+        self.model.commit_speculative(self.last_batch, self.cache, accepted)
+
+    def propose(self, proposer: Any, hidden: torch.Tensor, **kw: Any) -> list:
+        """The MTP drafter's passes over the last step (``MTPProposer.propose``)."""
+        return proposer.propose(self.last_batch, hidden, **kw)
+
     @torch.inference_mode()
     def execute(self, plan: Any, all_positions: Any = ()) -> StepLogits | None:
         """Run one step; ``None`` when the plan schedules nothing. ``all_positions``:

@@ -303,16 +303,30 @@ def _tensor_bytes(root: Any) -> int:
     return sum(seen.values())
 
 
+def _quantized_bytes(model: Any) -> int:
+    """Bytes of a quantized checkpoint's weights (a GGUF's blocks), which are no
+    parameters: projections' and the embedding's ``qweight`` (a tied head shares the
+    embedding's: counted once), MoE experts kept in blocks (``quantized`` modules)."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        q = getattr(m, "qweight", None)
+        if q is not None:
+            seen[id(q)] = int(q.nbytes)
+        elif getattr(m, "quantized", False) and hasattr(m, "nbytes"):
+            seen[id(m)] = int(m.nbytes)
+    return sum(seen.values())
+
+
 def memory_held(engine: Any) -> dict[str, Any]:
     """What the process holds once the engine is up: the weights (every parameter and
-    buffer of the model), the KV and DeltaNet state pools (the cache's tensors), and
+    buffer of the model, and a quantized checkpoint's blocks), the KV and DeltaNet state pools (the cache's tensors), and
     the runtime (everything else: torch and its allocator, the tokenizer, step
     buffers, CUDA graphs and context). On CUDA the device's memory, with the host's
     resident set reported beside it; on CPU the resident set."""
     import torch
 
     tensors = list(engine.model.parameters()) + list(engine.model.buffers())
-    weights = sum(t.numel() * t.element_size() for t in tensors)
+    weights = sum(t.numel() * t.element_size() for t in tensors) + _quantized_bytes(engine.model)
     pools = _tensor_bytes(engine.cache)
     rss = _resident_bytes()
     device = engine.device
@@ -372,7 +386,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 
 def check_model_dir(path: str) -> None:
-    """A checkpoint must be a directory; say so plainly when it is a file or missing."""
+    """A checkpoint must be a directory or a GGUF file; say so plainly when it is another
+    file or missing."""
+    if path.endswith(".gguf"):
+        if not os.path.isfile(path):
+            raise ConfigError(f"no GGUF file at {path!r}")
+        return
     if os.path.isfile(path):
         raise ConfigError(
             f"{path!r} is a file, not a directory: give the checkpoint directory that holds "

@@ -175,7 +175,7 @@ class SpecDecoder:
                 if len(e.logprobs) > 1:
                     extra_lp[key] = e.logprobs[1:]
             rows = torch.from_numpy(np.where(nd > 0, accepted, 0).astype(np.int32))
-            self.model.commit_speculative(self.runner.last_batch, self.cache, rows)
+            self.runner.commit_speculative(rows)
         flat = np.asarray([t for b in sorted(per_entry) for t in per_entry[b]], dtype=np.int32)
         drafts = None
         if self.drafting and step is not None and step.hidden is not None:
@@ -230,8 +230,8 @@ class SpecDecoder:
                     out_ids = state.samples[si].token_ids
                     if pos - len(prompt) < len(out_ids):
                         next_tokens[b] = out_ids[pos - len(prompt)]
-        drafts = self.proposer.propose(
-            self.runner.last_batch, step.hidden, query_start_loc=qsl, num_computed=computed,
+        drafts = self.runner.propose(
+            self.proposer, step.hidden, query_start_loc=qsl, num_computed=computed,
             committed=committed, next_tokens=next_tokens, table_rows=np.asarray(plan.block_table_rows),
             num_drafts=want)
         if structured is not None and structured.active:

@@ -57,12 +57,37 @@ class MTPProposer:
         self.block_table_buf = block_table_buf
         self.block_size = block_size
         self.device = block_table_buf.device
-        v = model.config.vocab_size
+        # A tensor-parallel rank's model has its share of the vocabulary in its config
+        # (the loader records the whole).
+        tp_vocab = getattr(model, "tp_vocab_size", None)
+        v = tp_vocab or model.config.vocab_size
         n = default_draft_vocab_size(v) if draft_vocab_size is None else min(int(draft_vocab_size), v)
         if n < 1:
             raise ValueError(f"draft_vocab_size must be at least 1, got {draft_vocab_size}")
-        # (None: the full LM head.)
-        self.draft_vocab = None if n == v else n
+        # (None: the full LM head.) Under tensor parallelism the head is split over the
+        # vocabulary: the draft vocabulary is the first ``cut`` columns of the gathered
+        # logits (the same drafts; only the saving is lost).
+        self.draft_vocab = None if n == v or tp_vocab else n
+        self.cut = n if tp_vocab and n < v else None
+        # Tensor parallelism (set by the runner): each pass's draft ids are the driver's
+        # argmax (only it has the gathered logits), broadcast to the workers, whose
+        # next chained pass feeds them too.
+        self.group: Any = None
+
+    def _ids(self, logits: torch.Tensor, n: int) -> np.ndarray:
+        """The draft ids (the argmax over the draft vocabulary) of one pass's ``n`` rows,
+        on every rank."""
+        group = self.group
+        if group is None or group.is_driver:
+            lg = logits if self.cut is None else logits[:, : self.cut]
+            ids = lg.argmax(dim=-1).cpu().numpy().astype(np.int64)
+            if group is None:
+                return ids
+        else:
+            ids = None
+        from hybridserve.parallel.plan_message import share_ids
+
+        return share_ids(group, ids, n)
 
     @torch.inference_mode()
     def propose(self, batch: ForwardBatch, hidden: torch.Tensor, *, query_start_loc: np.ndarray,
@@ -114,13 +139,13 @@ class MTPProposer:
         drafts: list[list[int]] = [[] for _ in range(B)]
         if not len(want):
             return drafts
-        tok = logits.argmax(dim=-1)
+        tok = self._ids(logits, len(want))
         h = mtp_hidden.index_select(0, torch.from_numpy(last[want]).to(self.device))
         ents_w = ents[want]
         need = drafting[want]
         pos = seq_lens[want] - 1  # the last committed row's position
         tables_w = tables.index_select(0, torch.from_numpy(want).to(self.device))
-        toks = [tok.cpu().numpy()]
+        toks = [tok]
         alive = np.arange(len(want))
         bs = self.block_size
         for j in range(1, int(need.max())):
@@ -148,7 +173,7 @@ class MTPProposer:
             lg, h_new = self.model.mtp_forward(h if every else h.index_select(0, a_t), cb.input_ids, cb,
                                                self.cache, self.draft_vocab)
             full = np.full(len(want), -1, dtype=np.int64)
-            full[alive] = lg.argmax(dim=-1).cpu().numpy()
+            full[alive] = self._ids(lg, len(alive))
             toks.append(full)
             prev = full
             if every:

@@ -1,0 +1,161 @@
+"""The pieces a GGUF model is served from besides :class:`~hybridserve.quant.ggml.GGMLWeight`:
+
+- :class:`PlainWeight`: a float part of a fused projection whose other parts are blocks
+  (llama-quantize leaves some small tensors in F32/F16);
+- :class:`ColumnPermutedWeight`: a block weight whose input features the converter
+  permuted (``ssm_out`` under the value-head reorder): the activation is permuted
+  instead, the blocks stay as stored;
+- :class:`QuantizedEmbedding`: the token embedding kept as blocks, dequantizing the
+  looked-up rows only;
+- :class:`QuantizedExperts`: an MoE layer's routed experts, per expert weights in blocks
+  (views of the file's ``[E, out, row_bytes]`` tensors).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.quant.ggml import GGMLWeight
+from hybridserve.quant.weight import ConcatWeight, QuantizedWeight
+
+
+class PlainWeight:
+    """A float ``[out, in]`` weight with the :class:`QuantizedWeight` contract."""
+
+    def __init__(self, w: torch.Tensor, qtype: str | None = None):
+        if w.dim() != 2:
+            raise ValueError(f"PlainWeight takes a 2-D weight, got {list(w.shape)}")
+        self.w = w.contiguous()
+        self.shape = (int(w.shape[0]), int(w.shape[1]))
+        self.qtype = qtype or str(w.dtype).removeprefix("torch.")
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w.to(x.dtype))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.w.to(dtype)
+
+    def rows(self, start: int, stop: int) -> "PlainWeight":
+        return PlainWeight(self.w[start:stop], self.qtype)
+
+    def __repr__(self) -> str:
+        return f"PlainWeight({self.qtype}, {list(self.shape)})"
+
+
+class ColumnPermutedWeight:
+    """``W = inner`` with its columns put back: ``inner[:, j] = W[:, perm[j]]``, so
+    ``x @ W.T = x[..., perm] @ inner.T``."""
+
+    def __init__(self, inner: QuantizedWeight, perm: torch.Tensor):
+        if perm.numel() != inner.shape[1]:
+            raise ValueError(f"column permutation of {perm.numel()} for {inner.shape[1]} columns")
+        self.inner = inner
+        self.perm = perm.to(torch.long)
+        self.inv = torch.argsort(self.perm)
+        self.shape = inner.shape
+        self.qtype = inner.qtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.linear(x.index_select(-1, self.perm))
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.inner.dequantize(dtype).index_select(1, self.inv)
+
+    def rows(self, start: int, stop: int) -> "ColumnPermutedWeight":
+        return ColumnPermutedWeight(self.inner.rows(start, stop), self.perm)
+
+    def __repr__(self) -> str:
+        return f"ColumnPermutedWeight({self.inner!r})"
+
+
+def _dequantize_rows(w: GGMLWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of ``w`` as float32 ``[len(ids), in]`` (gguf's reference dequantize)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    picked = w.data.index_select(0, ids.reshape(-1).to(torch.long))
+    out = dequantize(picked.numpy(), GGMLQuantizationType(w.type.ggml_id))
+    return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(-1, w.shape[1])
+
+
+class QuantizedEmbedding(nn.Module):
+    """The token embedding in blocks (``weight``: the table as a
+    :class:`~hybridserve.quant.ggml.GGMLWeight` ``[vocab, hidden]``); a lookup dequantizes
+    the rows it reads, in ``dtype`` (the model's)."""
+
+    def __init__(self, qweight: GGMLWeight, dtype: torch.dtype):
+        super().__init__()
+        self.qweight = qweight
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = qweight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        native = getattr(self.qweight, "embedding", None)
+        if native is not None:
+            return native(ids, self.dtype)
+        return _dequantize_rows(self.qweight, ids).reshape(*ids.shape, self.embedding_dim).to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qweight.qtype}"
+
+
+class QuantizedExperts(nn.Module):
+    """``num`` routed SwiGLU experts whose weights stay in blocks: expert ``e`` computes
+    ``down[e](silu(x @ gate[e].T) * (x @ up[e].T))``; ``gate_up[e]`` is its gate and up
+    weights stacked by rows (one product)."""
+
+    quantized = True
+
+    def __init__(self, gate: list[QuantizedWeight], up: list[QuantizedWeight], down: list[QuantizedWeight]):
+        super().__init__()
+        if not (len(gate) == len(up) == len(down)) or not gate:
+            raise ValueError("QuantizedExperts needs as many gate, up and down weights, at least one")
+        self.num = len(gate)
+        self.inter, self.hidden = gate[0].shape
+        self.gate_up = [ConcatWeight([g, u]) for g, u in zip(gate, up)]
+        self.down = list(down)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.gate_up) + sum(w.nbytes for w in self.down)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """``x [T, H]``, routing ``weights`` / ``ids`` ``[T, k]`` -> ``[T, H]`` (x's dtype):
+        each chosen expert's output times its weight, summed over the k in float32."""
+        out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num).tolist()
+        k = ids.shape[1]
+        at = 0
+        for e, n in enumerate(counts):
+            if not n:
+                continue
+            sel = order[at:at + n]
+            at += n
+            tok = sel // k
+            xe = x.index_select(0, tok)
+            gu = self.gate_up[e].linear(xe)
+            act = F.silu(gu[:, :self.inter]) * gu[:, self.inter:]
+            y = self.down[e].linear(act)
+            out.index_add_(0, tok, y.float() * weights.reshape(-1)[sel, None].float())
+        return out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        types = sorted({w.qtype for w in self.gate_up} | {w.qtype for w in self.down})
+        return f"num={self.num}, hidden={self.hidden}, inter={self.inter}, types={types}"
