@@ -8,19 +8,25 @@
 //!   registers, whose width this AMD core runs at full rate (it splits 512-bit ones),
 //!   then the integer scale by `vpmulld`.
 //!
-//! Q8_0 and Q4_0 weights are signed: llama.cpp's sign trick (`|w|` times `x` with
-//! `w`'s sign) makes them unsigned. Q4_K / Q5_K store `q >= 0` with a min, Q6_K `q + 32`:
+//! Q8_0, Q4_0 and Q5_0 weights are signed: llama.cpp's sign trick (`|w|` times `x` with
+//! `w`'s sign) makes them unsigned; Q5_1 is unsigned with a min. Q4_K / Q5_K store `q >= 0` with a min, Q6_K `q + 32`:
 //! their mins and offsets are taken from the activation's 16-sums ([`super::act`]).
 //! The k-quants' integer sum of a super-block is exact and its float steps those of
-//! [`super::dot_scalar`], so the three paths agree bit for bit there; Q8_0 / Q4_0
+//! [`super::dot_scalar`], so the three paths agree bit for bit there; the 32-weight blocks
 //! accumulate per block in float32 lanes (rounding order differs from the scalar sum).
 
 use super::act::ActRow;
 
+/// `KIND`s of the 32-weight block kernel `q32`.
+pub const Q8_0: u8 = 0;
+pub const Q4_0: u8 = 1;
+pub const Q5_0: u8 = 2;
+pub const Q5_1: u8 = 3;
+
 macro_rules! kernels {
     ($name:ident, $feat:literal, $vnni:literal) => {
         pub mod $name {
-            use super::ActRow;
+            use super::{ActRow, Q4_0, Q5_0, Q5_1, Q8_0};
                         use std::arch::x86_64::*;
 
             /// Unsigned bytes `u` times signed bytes `x`, four neighbours summed into
@@ -90,17 +96,39 @@ macro_rules! kernels {
                 _mm256_loadu_si256(p as *const __m256i)
             }
 
-            /// Q8_0 (`FOUR = false`) or Q4_0 weights: blocks of 32 signed values.
+            /// 32 bits as 32 bytes: `0xFF` where bit `i` is set (llama.cpp's
+            /// `bytes_from_bits_32`): each byte picks its bit's byte, ORs in every other
+            /// bit and tests for all ones.
+            #[inline]
             #[target_feature(enable = $feat)]
-            pub unsafe fn q8_0_q4_0<const R: usize, const FOUR: bool>(
+            unsafe fn bits_to_bytes(bits: u32) -> __m256i {
+                let v = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32(bits as i32),
+                    _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
+                );
+                let v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+                _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1))
+            }
+
+            /// Blocks of 32 weights: `KIND` [`Q8_0`], [`Q4_0`], [`Q5_0`] (signed values,
+            /// the sign trick) or [`Q5_1`] (unsigned with a min, taken from the
+            /// activation's block sums).
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q32<const R: usize, const KIND: u8>(
                 w: *const u8,
                 nb: usize,
                 xs: &[ActRow<'_>; R],
             ) -> [f32; R] {
-                let bb = if FOUR { 18 } else { 34 };
+                let bb = match KIND {
+                    Q8_0 => 34,
+                    Q4_0 => 18,
+                    Q5_0 => 22,
+                    _ => 24,
+                };
                 // Two accumulators per row (even and odd blocks): one FMA chain per
                 // row would wait on its latency every block.
                 let mut acc = [[_mm256_setzero_ps(); R]; 2];
+                let mut macc = [0.0f32; R];
                 let m4 = _mm256_set1_epi8(0x0F);
                 // A macro, not a closure: closures here can stay out-of-line calls.
                 macro_rules! one {
@@ -108,19 +136,36 @@ macro_rules! kernels {
                     let (acc, b): (&mut [__m256; R], usize) = ($acc, $b);
                     let blk = w.add(b * bb);
                     let dw = h2f(blk);
-                    let wq = if FOUR {
-                        let q = _mm_loadu_si128(blk.add(2) as *const __m128i);
-                        let v = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
-                        _mm256_sub_epi8(_mm256_and_si256(v, m4), _mm256_set1_epi8(8))
-                    } else {
-                        ld(blk.add(2))
+                    // The nibbles of the 16 bytes at `p`: low ones first, then high.
+                    macro_rules! nib {
+                        ($p:expr) => {{
+                            let q = _mm_loadu_si128($p as *const __m128i);
+                            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), m4)
+                        }};
+                    }
+                    // The fifth bits (a u32 at `p`) as 0x10 bytes.
+                    macro_rules! fifth {
+                        ($p:expr) => {
+                            _mm256_and_si256(bits_to_bytes(($p as *const u32).read_unaligned()), _mm256_set1_epi8(0x10))
+                        };
+                    }
+                    let wq = match KIND {
+                        Q8_0 => ld(blk.add(2)),
+                        Q4_0 => _mm256_sub_epi8(nib!(blk.add(2)), _mm256_set1_epi8(8)),
+                        Q5_0 => _mm256_sub_epi8(_mm256_or_si256(nib!(blk.add(6)), fifth!(blk.add(2))), _mm256_set1_epi8(16)),
+                        _ => _mm256_or_si256(nib!(blk.add(8)), fifth!(blk.add(4))),
                     };
-                    let u = _mm256_abs_epi8(wq);
+                    let u = if KIND == Q5_1 { wq } else { _mm256_abs_epi8(wq) };
                     for r in 0..R {
                         let x = ld(xs[r].qs.as_ptr().add(32 * b) as *const u8);
-                        let p = idot(u, _mm256_sign_epi8(x, wq));
-                        let d = _mm256_set1_ps(dw * *xs[r].d.get_unchecked(b));
+                        let x = if KIND == Q5_1 { x } else { _mm256_sign_epi8(x, wq) };
+                        let p = idot(u, x);
+                        let dx = *xs[r].d.get_unchecked(b);
+                        let d = _mm256_set1_ps(dw * dx);
                         acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
+                        if KIND == Q5_1 {
+                            macc[r] += h2f(blk.add(2)) * dx * *xs[r].sums.get_unchecked(b) as f32;
+                        }
                     }
                     }};
                 }
@@ -140,7 +185,7 @@ macro_rules! kernels {
                 let acc = *a0;
                 let mut res = [0.0f32; R];
                 for r in 0..R {
-                    res[r] = hsum_ps(acc[r]);
+                    res[r] = hsum_ps(acc[r]) + macc[r];
                 }
                 res
             }

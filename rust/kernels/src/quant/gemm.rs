@@ -138,19 +138,23 @@ fn dot_rows<const R: usize>(isa: QIsa, ty: GgmlType, wr: &[u8], act: &QAct, t: u
     let nb = act.k / ty.block_size();
     #[cfg(target_arch = "x86_64")]
     {
-        use super::dot_x86::{avx2, vnni};
+        use super::dot_x86::{avx2, vnni, Q4_0, Q5_0, Q5_1, Q8_0};
         let p = wr.as_ptr();
         // SAFETY: the ISA was checked by the caller; `wr` holds `nb` blocks of `ty` and
         // every activation row `k` values.
         unsafe {
             match (isa, ty) {
-                (QIsa::Avx512Vnni, GgmlType::Q8_0) => return vnni::q8_0_q4_0::<R, false>(p, nb, &xs),
-                (QIsa::Avx512Vnni, GgmlType::Q4_0) => return vnni::q8_0_q4_0::<R, true>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q8_0) => return vnni::q32::<R, Q8_0>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q4_0) => return vnni::q32::<R, Q4_0>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q5_0) => return vnni::q32::<R, Q5_0>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q5_1) => return vnni::q32::<R, Q5_1>(p, nb, &xs),
                 (QIsa::Avx512Vnni, GgmlType::Q4K) => return vnni::q4k_q5k::<R, false>(p, nb, &xs),
                 (QIsa::Avx512Vnni, GgmlType::Q5K) => return vnni::q4k_q5k::<R, true>(p, nb, &xs),
                 (QIsa::Avx512Vnni, GgmlType::Q6K) => return vnni::q6k::<R>(p, nb, &xs),
-                (QIsa::Avx2, GgmlType::Q8_0) => return avx2::q8_0_q4_0::<R, false>(p, nb, &xs),
-                (QIsa::Avx2, GgmlType::Q4_0) => return avx2::q8_0_q4_0::<R, true>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q8_0) => return avx2::q32::<R, Q8_0>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q4_0) => return avx2::q32::<R, Q4_0>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q5_0) => return avx2::q32::<R, Q5_0>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q5_1) => return avx2::q32::<R, Q5_1>(p, nb, &xs),
                 (QIsa::Avx2, GgmlType::Q4K) => return avx2::q4k_q5k::<R, false>(p, nb, &xs),
                 (QIsa::Avx2, GgmlType::Q5K) => return avx2::q4k_q5k::<R, true>(p, nb, &xs),
                 (QIsa::Avx2, GgmlType::Q6K) => return avx2::q6k::<R>(p, nb, &xs),
@@ -206,7 +210,15 @@ mod tests {
     use crate::quant::act::f32_to_f16;
     use crate::quant::blocks::dequantize_block;
 
-    const TYPES: [GgmlType; 5] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+    const TYPES: [GgmlType; 7] = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
 
     struct Lcg(u64);
     impl Lcg {
@@ -226,7 +238,11 @@ mod tests {
         for b in w.chunks_exact_mut(ty.block_bytes()) {
             let mut put = |at: usize, v: f32| b[at..at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
             match ty {
-                GgmlType::Q8_0 | GgmlType::Q4_0 => put(0, 0.01 + 0.02 * g.f().abs()),
+                GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => put(0, 0.01 + 0.02 * g.f().abs()),
+                GgmlType::Q5_1 => {
+                    put(0, 0.01 + 0.02 * g.f().abs());
+                    put(2, 0.05 * g.f());
+                }
                 GgmlType::Q4K | GgmlType::Q5K => {
                     put(0, 0.001 + 0.002 * g.f().abs());
                     put(2, 0.001 + 0.002 * g.f().abs());
