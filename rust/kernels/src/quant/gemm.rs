@@ -107,6 +107,43 @@ pub fn quant_matmul_with<T: Elem>(
     let tasks = n.div_ceil(ROWS_PER_TASK);
     for_each_task(tasks, m * n * k / 4, |task| {
         let (j0, j1) = (task * ROWS_PER_TASK, ((task + 1) * ROWS_PER_TASK).min(n));
+        // Many rows on the k-quants: each super-block unpacked once for all rows.
+        #[cfg(target_arch = "x86_64")]
+        if m > MANY_MIN_ROWS && ty.is_k() && isa != QIsa::Scalar {
+            let rows: Vec<ActRow<'_>> = (0..m).map(|t| act.row(t)).collect();
+            let nb = k / QK_K;
+            let mut acc = vec![0.0f32; m];
+            let mut j = j0;
+            if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
+                // Eight weight rows at a time, one output per lane.
+                let mut acc8 = vec![[0.0f32; 8]; m];
+                while j + 8 <= j1 {
+                    let p = w[j * rb..(j + 8) * rb].as_ptr();
+                    acc8.fill([0.0; 8]);
+                    // SAFETY: as below, for eight rows `rb` bytes apart.
+                    unsafe { many8(isa, ty, p, rb, nb, &rows, &mut acc8) };
+                    for (t, a) in acc8.iter().enumerate() {
+                        for (i, &v) in a.iter().enumerate() {
+                            // SAFETY: column j + i of every row belongs to this task alone.
+                            unsafe { ptr.put(t * n + j + i, v) };
+                        }
+                    }
+                    j += 8;
+                }
+            }
+            for j in j..j1 {
+                let p = w[j * rb..(j + 1) * rb].as_ptr();
+                acc.fill(0.0);
+                // SAFETY: the ISA was checked above; the row holds `nb` super-blocks and
+                // every activation row `k` values.
+                unsafe { many(isa, ty, p, nb, &rows, &mut acc) };
+                for (t, &v) in acc.iter().enumerate() {
+                    // SAFETY: column j of every row belongs to this task alone.
+                    unsafe { ptr.put(t * n + j, v) };
+                }
+            }
+            return;
+        }
         for j in j0..j1 {
             let wr = &w[j * rb..(j + 1) * rb];
             let mut t = 0;
@@ -129,6 +166,41 @@ pub fn quant_matmul_with<T: Elem>(
         }
     });
     Ok(())
+}
+
+/// Above this many activation rows the k-quants unpack each super-block once for
+/// all rows (below, the register-blocked kernels keep the unpacked block in registers).
+const MANY_MIN_ROWS: usize = 4;
+
+/// # Safety
+/// `isa` runs on this CPU and is not scalar; `p` holds `nb` super-blocks of `ty` (a
+/// k-quant) and every row of `xs` `256 nb` values.
+#[cfg(target_arch = "x86_64")]
+unsafe fn many(isa: QIsa, ty: GgmlType, p: *const u8, nb: usize, xs: &[ActRow<'_>], acc: &mut [f32]) {
+    use super::dot_x86::{avx2, vnni};
+    match (isa, ty) {
+        (QIsa::Avx512Vnni, GgmlType::Q4K) => vnni::q4k_q5k_many::<false>(p, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q5K) => vnni::q4k_q5k_many::<true>(p, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q6K) => vnni::q6k_many(p, nb, xs, acc),
+        (_, GgmlType::Q4K) => avx2::q4k_q5k_many::<false>(p, nb, xs, acc),
+        (_, GgmlType::Q5K) => avx2::q4k_q5k_many::<true>(p, nb, xs, acc),
+        (_, GgmlType::Q6K) => avx2::q6k_many(p, nb, xs, acc),
+        _ => unreachable!("many() takes the k-quants"),
+    }
+}
+
+/// # Safety
+/// As [`many`], for eight weight rows `rb` bytes apart from `p`; `ty` Q4_K or Q5_K.
+#[cfg(target_arch = "x86_64")]
+unsafe fn many8(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 8]]) {
+    use super::dot_x86::{avx2, vnni};
+    match (isa, ty) {
+        (QIsa::Avx512Vnni, GgmlType::Q4K) => vnni::q4k_q5k_x8::<false>(p, rb, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q5K) => vnni::q4k_q5k_x8::<true>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q4K) => avx2::q4k_q5k_x8::<false>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q5K) => avx2::q4k_q5k_x8::<true>(p, rb, nb, xs, acc),
+        _ => unreachable!("many8() takes Q4_K and Q5_K"),
+    }
 }
 
 /// One weight row against activation rows `t..t + R`.
