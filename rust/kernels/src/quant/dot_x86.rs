@@ -420,23 +420,34 @@ macro_rules! kernels {
                         let scj = _mm256_loadu_si256(sc[j].as_ptr() as *const __m256i);
                         for (r, x) in xs.iter().enumerate() {
                             let xp = x.qs.as_ptr().add(256 * b + 32 * j) as *const i32;
-                            let mut p = _mm256_setzero_si256();
-                            for q in 0..8 {
-                                p = idot_acc(p, vj[q], _mm256_set1_epi32(xp.add(q).read_unaligned()));
+                            // Two chains: each waits on its own accumulator only.
+                            let (mut p, mut p1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                            for q in 0..4 {
+                                p = idot_acc(p, vj[2 * q], _mm256_set1_epi32(xp.add(2 * q).read_unaligned()));
+                                p1 = idot_acc(p1, vj[2 * q + 1], _mm256_set1_epi32(xp.add(2 * q + 1).read_unaligned()));
                             }
+                            let p = _mm256_add_epi32(p, p1);
                             let s = isum.get_unchecked_mut(r);
                             *s = _mm256_add_epi32(*s, _mm256_mullo_epi32(p, scj));
                         }
                     }
                     let d = _mm256_loadu_ps(dv.as_ptr());
                     let dmin = _mm256_loadu_ps(dmv.as_ptr());
-                    let mv: [__m256i; 8] = std::array::from_fn(|j| _mm256_loadu_si256(mn[j].as_ptr() as *const __m256i));
+                    // The min term by pairs of sub-blocks in int16 (`vpmaddwd`): a min is at
+                    // most 63 and a sub-block's activation sum at most 32 x 127 in size.
+                    let mv: [__m256i; 4] = std::array::from_fn(|jp| {
+                        let pair: [i32; 8] =
+                            std::array::from_fn(|i| (mn[2 * jp][i] & 0xFFFF) | (mn[2 * jp + 1][i] << 16));
+                        _mm256_loadu_si256(pair.as_ptr() as *const __m256i)
+                    });
                     for (r, x) in xs.iter().enumerate() {
                         let s = x.sums.as_ptr().add(16 * b);
                         let mut mins = _mm256_setzero_si256();
-                        for j in 0..8 {
-                            let bs = *s.add(2 * j) + *s.add(2 * j + 1);
-                            mins = _mm256_add_epi32(mins, _mm256_mullo_epi32(mv[j], _mm256_set1_epi32(bs)));
+                        for jp in 0..4 {
+                            let b0 = *s.add(4 * jp) + *s.add(4 * jp + 1);
+                            let b1 = *s.add(4 * jp + 2) + *s.add(4 * jp + 3);
+                            let bs = _mm256_set1_epi32((b0 & 0xFFFF) | (b1 << 16));
+                            mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mv[jp], bs));
                         }
                         let dx = _mm256_set1_ps(*x.d.get_unchecked(b));
                         let t1 = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(*isum.get_unchecked(r)));
