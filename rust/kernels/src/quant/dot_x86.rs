@@ -458,6 +458,85 @@ macro_rules! kernels {
                 }
             }
 
+            /// Eight Q6_K weight rows against any number of activation rows, laid out
+            /// as [`q4k_q5k_x8`]; the offset term by int16 pairs (`vpmaddwd`). Equal to
+            /// [`q6k`] bit for bit.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q6k_x8(w: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 8]]) {
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x30);
+                let mut isum = vec![_mm256_setzero_si256(); xs.len()];
+                for b in 0..nb {
+                    let mut v = [[_mm256_setzero_si256(); 8]; 8];
+                    let mut sc = [[0i32; 8]; 16];
+                    let mut dv = [0.0f32; 8];
+                    for i in 0..8 {
+                        let blk = w.add(i * rb + b * 210);
+                        dv[i] = h2f(blk.add(208));
+                        for (gi, s) in sc.iter_mut().enumerate() {
+                            s[i] = *blk.add(192 + gi) as i8 as i32;
+                        }
+                        for h in 0..2 {
+                            let a = ld(blk.add(64 * h));
+                            let bq = ld(blk.add(64 * h + 32));
+                            let qh = ld(blk.add(128 + 32 * h));
+                            v[4 * h][i] =
+                                _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(qh), m2));
+                            v[4 * h + 1][i] =
+                                _mm256_or_si256(_mm256_and_si256(bq, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(qh), m2));
+                            v[4 * h + 2][i] = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(a), m4),
+                                _mm256_and_si256(qh, m2),
+                            );
+                            v[4 * h + 3][i] = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(bq), m4),
+                                _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
+                            );
+                        }
+                    }
+                    for vg in v.iter_mut() {
+                        *vg = transpose8(vg);
+                    }
+                    for s in isum.iter_mut() {
+                        *s = _mm256_setzero_si256();
+                    }
+                    for g in 0..8 {
+                        let vg = &v[g];
+                        let s0 = _mm256_loadu_si256(sc[2 * g].as_ptr() as *const __m256i);
+                        let s1 = _mm256_loadu_si256(sc[2 * g + 1].as_ptr() as *const __m256i);
+                        for (r, x) in xs.iter().enumerate() {
+                            let xp = x.qs.as_ptr().add(256 * b + 32 * g) as *const i32;
+                            let (mut p0, mut p1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                            for q in 0..4 {
+                                p0 = idot_acc(p0, vg[q], _mm256_set1_epi32(xp.add(q).read_unaligned()));
+                                p1 = idot_acc(p1, vg[q + 4], _mm256_set1_epi32(xp.add(q + 4).read_unaligned()));
+                            }
+                            let s = isum.get_unchecked_mut(r);
+                            *s = _mm256_add_epi32(*s, _mm256_add_epi32(_mm256_mullo_epi32(p0, s0), _mm256_mullo_epi32(p1, s1)));
+                        }
+                    }
+                    let d = _mm256_loadu_ps(dv.as_ptr());
+                    // Scales (int8) and 16-sums (at most 16 x 127 in size) fit int16.
+                    let sp: [__m256i; 8] = std::array::from_fn(|k| {
+                        let pair: [i32; 8] = std::array::from_fn(|i| (sc[2 * k][i] & 0xFFFF) | (sc[2 * k + 1][i] << 16));
+                        _mm256_loadu_si256(pair.as_ptr() as *const __m256i)
+                    });
+                    for (r, x) in xs.iter().enumerate() {
+                        let s = x.sums.as_ptr().add(16 * b);
+                        let mut off = _mm256_setzero_si256();
+                        for k in 0..8 {
+                            let bs = _mm256_set1_epi32((*s.add(2 * k) & 0xFFFF) | (*s.add(2 * k + 1) << 16));
+                            off = _mm256_add_epi32(off, _mm256_madd_epi16(sp[k], bs));
+                        }
+                        let v = _mm256_sub_epi32(*isum.get_unchecked(r), _mm256_slli_epi32::<5>(off));
+                        let dx = _mm256_set1_ps(*x.d.get_unchecked(b));
+                        let t = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(v));
+                        let a = acc.get_unchecked_mut(r).as_mut_ptr();
+                        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), t));
+                    }
+                }
+            }
+
             /// [`q6k`] for any number of activation rows, each super-block unpacked
             /// once (as [`q4k_q5k_many`]); equal to [`q6k`] bit for bit.
             #[target_feature(enable = $feat)]

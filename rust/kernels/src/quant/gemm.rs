@@ -114,7 +114,7 @@ pub fn quant_matmul_with<T: Elem>(
             let nb = k / QK_K;
             let mut acc = vec![0.0f32; m];
             let mut j = j0;
-            if matches!(ty, GgmlType::Q4K | GgmlType::Q5K) {
+            {
                 // Eight weight rows at a time, one output per lane.
                 let mut acc8 = vec![[0.0f32; 8]; m];
                 while j + 8 <= j1 {
@@ -190,7 +190,7 @@ unsafe fn many(isa: QIsa, ty: GgmlType, p: *const u8, nb: usize, xs: &[ActRow<'_
 }
 
 /// # Safety
-/// As [`many`], for eight weight rows `rb` bytes apart from `p`; `ty` Q4_K or Q5_K.
+/// As [`many`], for eight weight rows `rb` bytes apart from `p`.
 #[cfg(target_arch = "x86_64")]
 unsafe fn many8(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 8]]) {
     use super::dot_x86::{avx2, vnni};
@@ -199,7 +199,9 @@ unsafe fn many8(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs:
         (QIsa::Avx512Vnni, GgmlType::Q5K) => vnni::q4k_q5k_x8::<true>(p, rb, nb, xs, acc),
         (_, GgmlType::Q4K) => avx2::q4k_q5k_x8::<false>(p, rb, nb, xs, acc),
         (_, GgmlType::Q5K) => avx2::q4k_q5k_x8::<true>(p, rb, nb, xs, acc),
-        _ => unreachable!("many8() takes Q4_K and Q5_K"),
+        (QIsa::Avx512Vnni, GgmlType::Q6K) => vnni::q6k_x8(p, rb, nb, xs, acc),
+        (_, GgmlType::Q6K) => avx2::q6k_x8(p, rb, nb, xs, acc),
+        _ => unreachable!("many8() takes the k-quants"),
     }
 }
 
