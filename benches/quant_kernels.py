@@ -45,7 +45,7 @@ def random_blocks(qtype: str, n: int, k: int, rng: np.random.Generator) -> torch
     t = GGML_TYPES[qtype]
     data = rng.integers(0, 256, (n * k // t.block_size, t.block_bytes), dtype=np.uint8)
     half = np.frombuffer(np.float16(0.001).tobytes(), np.uint8)
-    at = {"q8_0": [0], "q4_0": [0], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
+    at = {"q8_0": [0], "q4_0": [0], "q5_0": [0], "q5_1": [0, 2], "q4_k": [0, 2], "q5_k": [0, 2], "q6_k": [208]}[qtype]
     for a in at:
         data[:, a:a + 2] = half
     if qtype == "q8_0":

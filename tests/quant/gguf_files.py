@@ -29,7 +29,8 @@ from hybridserve.model.tiny import (CHAT_TEMPLATE, ENDOFTEXT_ID, IM_END_ID, SPEC
 QTYPES = {
     "f32": gguf.GGMLQuantizationType.F32, "f16": gguf.GGMLQuantizationType.F16,
     "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
-    "q4_0": gguf.GGMLQuantizationType.Q4_0, "q4_k": gguf.GGMLQuantizationType.Q4_K,
+    "q4_0": gguf.GGMLQuantizationType.Q4_0, "q5_0": gguf.GGMLQuantizationType.Q5_0,
+    "q5_1": gguf.GGMLQuantizationType.Q5_1, "q4_k": gguf.GGMLQuantizationType.Q4_K,
     "q5_k": gguf.GGMLQuantizationType.Q5_K, "q6_k": gguf.GGMLQuantizationType.Q6_K,
 }
 ARCH = {False: "qwen35", True: "qwen35moe"}

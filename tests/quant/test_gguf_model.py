@@ -32,6 +32,7 @@ CASES = {
     # Tied head from the embedding's blocks (test-b widened so every input holds 32-blocks).
     "dense-q4_0-tied": dict(preset="test-b", qtype="q4_0", hidden_size=64, intermediate_size=128,
                             linear_value_head_dim=32),
+    "dense-q5_0-q5_1": dict(preset="test-a", qtype="q5_0", types={"ffn_down": "q5_1", "attn_v": "q5_1"}),
     "dense-f16": dict(preset="test-a", qtype="f16"),
     "dense-bf16-tied": dict(preset="test-b", qtype="bf16"),
     "dense-q4_k_m": dict(preset="test-a", qtype="q4_k", types={"ffn_down": "q6_k", "attn_v": "q6_k",

@@ -38,6 +38,9 @@ CASES = {
     "dense-q8_0": dict(preset="test-a", qtype="q8_0"),
     "dense-q4_0-tied": dict(preset="test-b", qtype="q4_0", hidden_size=64, intermediate_size=128,
                             linear_value_head_dim=32),
+    # llama-quantize's fallbacks on rows not a multiple of 256 (the default model's
+    # Q4_K_M / Q5_K_M files).
+    "dense-q5_0-q5_1": dict(preset="test-a", qtype="q5_0", types={"ffn_down": "q5_1", "attn_v": "q5_1"}),
     "dense-q4_k_m": dict(preset="test-a", qtype="q4_k", types={"ffn_down": "q6_k", "attn_v": "q6_k",
                                                                 "attn_qkv": "q5_k"}, **KQUANT_DENSE),
 }

@@ -26,10 +26,13 @@ class GGMLType:
     block_bytes: int   # bytes per block
 
 
-# The block types served (what llama-quantize writes for Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K).
+# The block types served (what llama-quantize writes for Q8_0, Q4_0, Q4_K_M, Q5_K_M, Q6_K;
+# Q5_0 / Q5_1 are its fallbacks in the k-quant files for rows not a multiple of 256).
 GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
     GGMLType("q8_0", 8, 32, 34),
     GGMLType("q4_0", 2, 32, 18),
+    GGMLType("q5_0", 6, 32, 22),
+    GGMLType("q5_1", 7, 32, 24),
     GGMLType("q4_k", 12, 256, 144),
     GGMLType("q5_k", 13, 256, 176),
     GGMLType("q6_k", 14, 256, 210),

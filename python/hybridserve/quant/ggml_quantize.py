@@ -2,7 +2,7 @@
 
 For tests and for making quantized checkpoints without llama.cpp: ``quantize(w, qtype)``
 returns the ``uint8 [rows, row_bytes]`` blocks that a GGUF file stores for ``w``.
-Q8_0 and Q4_0 are the ``gguf`` package's own quantizers (bit-exact with ggml). The
+Q8_0, Q4_0, Q5_0 and Q5_1 are the ``gguf`` package's own quantizers (bit-exact with ggml). The
 package has none for the k-quants, so Q4_K, Q5_K and Q6_K are written here after the
 block layouts of llama.cpp's ``ggml-quants.c`` (``block_q4_K`` etc.); the scale search
 is a plain min/max one rather than ggml's iterative ``make_qkx2_quants``, so the bytes
@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 QK_K = 256
-_BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+_BLOCK = {"q8_0": (32, 34), "q4_0": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 
 
 def row_bytes(cols: int, qtype: str) -> int:
@@ -36,11 +36,11 @@ def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
         raise ValueError(f"{qtype} rows hold whole blocks of {bs}; {cols} columns is not a multiple")
     if not np.isfinite(w).all():
         raise ValueError("quantize takes finite weights (found NaN or inf)")
-    if qtype in ("q8_0", "q4_0"):
+    if qtype in ("q8_0", "q4_0", "q5_0", "q5_1"):
         from gguf import GGMLQuantizationType
         from gguf.quants import quantize as gq
 
-        out = gq(w, GGMLQuantizationType.Q8_0 if qtype == "q8_0" else GGMLQuantizationType.Q4_0)
+        out = gq(w, GGMLQuantizationType[qtype.upper()])
         return np.ascontiguousarray(out, dtype=np.uint8).reshape(rows, cols // bs * bb)
     blocks = w.reshape(-1, QK_K)
     q = {"q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}[qtype](blocks)

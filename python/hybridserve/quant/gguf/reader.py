@@ -131,7 +131,7 @@ class GGUFFile:
                         f"tensor {t.name!r} in {os.path.basename(part)} has GGML type "
                         f"{getattr(t.tensor_type, 'name', type_id)}, which hybridserve does not serve; "
                         f"served types: {', '.join(SERVED_TYPE_NAMES)} (re-quantize with llama-quantize "
-                        "to Q8_0, Q4_K_M, Q5_K_M or Q6_K)")
+                        "to Q8_0, Q4_0, Q4_K_M, Q5_K_M or Q6_K)")
                 if t.name in self.tensors:
                     raise CheckpointError(f"tensor {t.name!r} appears twice in {path!r}")
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))

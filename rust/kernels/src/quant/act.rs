@@ -35,7 +35,8 @@ pub fn f32_to_f16(x: f32) -> u16 {
 }
 
 /// Quantized activation rows: `qs` `[rows, k]`, `d` one scale per block, `sums`
-/// (Q8_K only) the sum of each 16 consecutive `qs`.
+/// the sum of each 16 consecutive `qs` (Q8_K: the k-quants' mins and offsets) or of
+/// each block (Q8_0: Q5_1's min; llama.cpp's Q8_1 keeps it as `s`).
 pub struct QAct {
     pub k: usize,
     pub block: usize,
@@ -51,17 +52,27 @@ impl QAct {
             block,
             qs: vec![0; rows * k],
             d: vec![0.0; rows * k / block],
-            sums: if block == QK_K { vec![0; rows * k / 16] } else { Vec::new() },
+            sums: vec![0; rows * k / Self::sum_group(block)],
+        }
+    }
+
+    /// Values per entry of `sums`.
+    fn sum_group(block: usize) -> usize {
+        if block == QK_K {
+            16
+        } else {
+            block
         }
     }
 
     #[inline(always)]
     pub fn row(&self, t: usize) -> ActRow<'_> {
         let nb = self.k / self.block;
+        let ns = self.k / Self::sum_group(self.block);
         ActRow {
             qs: &self.qs[t * self.k..(t + 1) * self.k],
             d: &self.d[t * nb..(t + 1) * nb],
-            sums: if self.sums.is_empty() { &[] } else { &self.sums[t * self.k / 16..(t + 1) * self.k / 16] },
+            sums: &self.sums[t * ns..(t + 1) * ns],
         }
     }
 
@@ -73,6 +84,9 @@ impl QAct {
         let d = &mut self.d[t * nb..(t + 1) * nb];
         if self.block == 32 {
             quantize_q8_0(x, qs, d);
+            for (s, b) in self.sums[t * nb..(t + 1) * nb].iter_mut().zip(qs.chunks_exact(32)) {
+                *s = b.iter().map(|&q| q as i32).sum();
+            }
         } else {
             quantize_q8_k(x, qs, d, &mut self.sums[t * k / 16..(t + 1) * k / 16]);
         }

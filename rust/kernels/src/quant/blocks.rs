@@ -5,6 +5,9 @@
 //! * Q8_0 (34 bytes / 32 weights): `d: f16`, `qs: [i8; 32]`; `w = d q`.
 //! * Q4_0 (18 / 32): `d: f16`, `qs: [u8; 16]`; weight `i < 16` is the low nibble of
 //!   `qs[i]`, `i >= 16` the high nibble of `qs[i - 16]`; `w = d (q - 8)`.
+//! * Q5_0 (22 / 32): `d: f16`, `qh: [u8; 4]` (a little-endian u32: bit `i` is weight
+//!   `i`'s fifth bit), `qs: [u8; 16]` nibbles as Q4_0; `w = d (q - 16)`.
+//! * Q5_1 (24 / 32): `d, m: f16`, then `qh` and `qs` as Q5_0; `w = d q + m`.
 //! * Q4_K (144 / 256): `d, dmin: f16`, `scales: [u8; 12]` (eight 6-bit scales and
 //!   mins, [`scale_min_k4`]), `qs: [u8; 128]`: four runs of 32 bytes, run `j` holding
 //!   sub-block `2j` in its low nibbles and `2j + 1` in its high; `w = d sc q - dmin m`.
@@ -20,6 +23,8 @@
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GgmlType {
     Q4_0 = 2,
+    Q5_0 = 6,
+    Q5_1 = 7,
     Q8_0 = 8,
     Q4K = 12,
     Q5K = 13,
@@ -32,6 +37,8 @@ impl GgmlType {
     pub fn from_id(id: u32) -> Option<GgmlType> {
         Some(match id {
             2 => GgmlType::Q4_0,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
             8 => GgmlType::Q8_0,
             12 => GgmlType::Q4K,
             13 => GgmlType::Q5K,
@@ -43,6 +50,8 @@ impl GgmlType {
     pub fn name(self) -> &'static str {
         match self {
             GgmlType::Q4_0 => "q4_0",
+            GgmlType::Q5_0 => "q5_0",
+            GgmlType::Q5_1 => "q5_1",
             GgmlType::Q8_0 => "q8_0",
             GgmlType::Q4K => "q4_k",
             GgmlType::Q5K => "q5_k",
@@ -53,7 +62,7 @@ impl GgmlType {
     /// Weights per block.
     pub fn block_size(self) -> usize {
         match self {
-            GgmlType::Q4_0 | GgmlType::Q8_0 => 32,
+            GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q5_1 | GgmlType::Q8_0 => 32,
             _ => QK_K,
         }
     }
@@ -62,6 +71,8 @@ impl GgmlType {
     pub fn block_bytes(self) -> usize {
         match self {
             GgmlType::Q4_0 => 18,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
             GgmlType::Q8_0 => 34,
             GgmlType::Q4K => 144,
             GgmlType::Q5K => 176,
@@ -133,21 +144,45 @@ pub fn dequantize_block(ty: GgmlType, b: &[u8], out: &mut [f32]) {
                 out[i + 16] = d * ((b[2 + i] >> 4) as i32 - 8) as f32;
             }
         }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let d = rd_f16(b, 0);
+            let one = ty == GgmlType::Q5_1;
+            let at = if one { 4 } else { 2 };
+            let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+            let qs = &b[at + 4..at + 20];
+            for i in 0..16 {
+                let lo = ((qs[i] & 0xF) as u32 | (((qh >> i) & 1) << 4)) as i32;
+                let hi = ((qs[i] >> 4) as u32 | (((qh >> (i + 16)) & 1) << 4)) as i32;
+                if one {
+                    let m = rd_f16(b, 2);
+                    out[i] = d * lo as f32 + m;
+                    out[i + 16] = d * hi as f32 + m;
+                } else {
+                    out[i] = d * (lo - 16) as f32;
+                    out[i + 16] = d * (hi - 16) as f32;
+                }
+            }
+        }
         GgmlType::Q4K | GgmlType::Q5K => {
             let (d, dmin) = (rd_f16(b, 0), rd_f16(b, 2));
             let scales = &b[4..16];
             let five = ty == GgmlType::Q5K;
-            let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+            let (qh, qs): (&[u8; 32], &[u8; 128]) = if five {
+                (b[16..48].try_into().unwrap(), b[48..176].try_into().unwrap())
+            } else {
+                (&[0u8; 32], b[16..144].try_into().unwrap())
+            };
+            // Branch-free inner loops over fixed-size arrays (the compiler vectorizes
+            // them): the prefill path dequantizes whole weights through here.
             for j in 0..8 {
                 let (sc, m) = scale_min_k4(j, scales);
                 let (ds, dm) = (d * sc as f32, dmin * m as f32);
-                let run = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+                let run: &[u8; 32] = qs[32 * (j / 2)..32 * (j / 2) + 32].try_into().unwrap();
+                let shift = 4 * (j % 2) as u32;
+                let o: &mut [f32] = &mut out[32 * j..32 * j + 32];
                 for l in 0..32 {
-                    let mut q = if j % 2 == 0 { run[l] & 0xF } else { run[l] >> 4 } as u32;
-                    if five {
-                        q |= (((qh[l] >> j) & 1) as u32) << 4;
-                    }
-                    out[32 * j + l] = ds * q as f32 - dm;
+                    let q = ((run[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4);
+                    o[l] = ds * q as f32 - dm;
                 }
             }
         }
@@ -155,15 +190,16 @@ pub fn dequantize_block(ty: GgmlType, b: &[u8], out: &mut [f32]) {
             let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
             let d = rd_f16(b, 208);
             for h in 0..2 {
+                let qhh: &[u8; 32] = qh[32 * h..32 * h + 32].try_into().unwrap();
                 for k in 0..4 {
                     let g = 4 * h + k;
+                    let lo: &[u8; 32] = ql[64 * h + 32 * (k % 2)..64 * h + 32 * (k % 2) + 32].try_into().unwrap();
+                    let shift = 4 * (k / 2) as u32;
+                    let (d0, d1) = (d * (sc[2 * g] as i8) as f32, d * (sc[2 * g + 1] as i8) as f32);
+                    let o: &mut [f32] = &mut out[32 * g..32 * g + 32];
                     for l in 0..32 {
-                        let lo = ql[64 * h + 32 * (k % 2) + l];
-                        let lo = if k < 2 { lo & 0xF } else { lo >> 4 };
-                        let hi = (qh[32 * h + l] >> (2 * k)) & 3;
-                        let q = (lo | (hi << 4)) as i32 - 32;
-                        let i = 32 * g + l;
-                        out[i] = d * (sc[i / 16] as i8) as f32 * q as f32;
+                        let q = (((lo[l] >> shift) & 0xF) | (((qhh[l] >> (2 * k)) & 3) << 4)) as i32 - 32;
+                        o[l] = if l < 16 { d0 } else { d1 } * q as f32;
                     }
                 }
             }

@@ -30,6 +30,30 @@ pub fn dot(ty: GgmlType, w: &[u8], nb: usize, x: ActRow<'_>) -> f32 {
             }
             acc
         }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            // Q5_1: `sum (d q + m) xd x = d xd sum q x + m xd sum x` (the block's
+            // activation sum kept by [`super::act`]).
+            let one = ty == GgmlType::Q5_1;
+            let (bb, at) = if one { (24, 4) } else { (22, 2) };
+            let mut acc = 0.0f32;
+            for b in 0..nb {
+                let blk = &w[b * bb..(b + 1) * bb];
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                let xq = &x.qs[32 * b..32 * b + 32];
+                let mut s = 0i32;
+                for l in 0..32 {
+                    let nib = if l < 16 { blk[at + 4 + l] & 0xF } else { blk[at + 4 + l - 16] >> 4 };
+                    let q = (nib as u32 | (((qh >> l) & 1) << 4)) as i32;
+                    s += if one { q } else { q - 16 } * xq[l] as i32;
+                }
+                let dx = x.d[b];
+                acc += rd_f16(blk, 0) * dx * s as f32;
+                if one {
+                    acc += rd_f16(blk, 2) * dx * x.sums[b] as f32;
+                }
+            }
+            acc
+        }
         GgmlType::Q4K | GgmlType::Q5K => {
             let five = ty == GgmlType::Q5K;
             let bb = ty.block_bytes();

@@ -8,19 +8,25 @@
 //!   registers, whose width this AMD core runs at full rate (it splits 512-bit ones),
 //!   then the integer scale by `vpmulld`.
 //!
-//! Q8_0 and Q4_0 weights are signed: llama.cpp's sign trick (`|w|` times `x` with
-//! `w`'s sign) makes them unsigned. Q4_K / Q5_K store `q >= 0` with a min, Q6_K `q + 32`:
+//! Q8_0, Q4_0 and Q5_0 weights are signed: llama.cpp's sign trick (`|w|` times `x` with
+//! `w`'s sign) makes them unsigned; Q5_1 is unsigned with a min. Q4_K / Q5_K store `q >= 0` with a min, Q6_K `q + 32`:
 //! their mins and offsets are taken from the activation's 16-sums ([`super::act`]).
 //! The k-quants' integer sum of a super-block is exact and its float steps those of
-//! [`super::dot_scalar`], so the three paths agree bit for bit there; Q8_0 / Q4_0
+//! [`super::dot_scalar`], so the three paths agree bit for bit there; the 32-weight blocks
 //! accumulate per block in float32 lanes (rounding order differs from the scalar sum).
 
 use super::act::ActRow;
 
+/// `KIND`s of the 32-weight block kernel `q32`.
+pub const Q8_0: u8 = 0;
+pub const Q4_0: u8 = 1;
+pub const Q5_0: u8 = 2;
+pub const Q5_1: u8 = 3;
+
 macro_rules! kernels {
     ($name:ident, $feat:literal, $vnni:literal) => {
         pub mod $name {
-            use super::ActRow;
+            use super::{ActRow, Q4_0, Q5_0, Q5_1, Q8_0};
                         use std::arch::x86_64::*;
 
             /// Unsigned bytes `u` times signed bytes `x`, four neighbours summed into
@@ -90,17 +96,39 @@ macro_rules! kernels {
                 _mm256_loadu_si256(p as *const __m256i)
             }
 
-            /// Q8_0 (`FOUR = false`) or Q4_0 weights: blocks of 32 signed values.
+            /// 32 bits as 32 bytes: `0xFF` where bit `i` is set (llama.cpp's
+            /// `bytes_from_bits_32`): each byte picks its bit's byte, ORs in every other
+            /// bit and tests for all ones.
+            #[inline]
             #[target_feature(enable = $feat)]
-            pub unsafe fn q8_0_q4_0<const R: usize, const FOUR: bool>(
+            unsafe fn bits_to_bytes(bits: u32) -> __m256i {
+                let v = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32(bits as i32),
+                    _mm256_setr_epi64x(0, 0x0101_0101_0101_0101, 0x0202_0202_0202_0202, 0x0303_0303_0303_0303),
+                );
+                let v = _mm256_or_si256(v, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+                _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1))
+            }
+
+            /// Blocks of 32 weights: `KIND` [`Q8_0`], [`Q4_0`], [`Q5_0`] (signed values,
+            /// the sign trick) or [`Q5_1`] (unsigned with a min, taken from the
+            /// activation's block sums).
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q32<const R: usize, const KIND: u8>(
                 w: *const u8,
                 nb: usize,
                 xs: &[ActRow<'_>; R],
             ) -> [f32; R] {
-                let bb = if FOUR { 18 } else { 34 };
+                let bb = match KIND {
+                    Q8_0 => 34,
+                    Q4_0 => 18,
+                    Q5_0 => 22,
+                    _ => 24,
+                };
                 // Two accumulators per row (even and odd blocks): one FMA chain per
                 // row would wait on its latency every block.
                 let mut acc = [[_mm256_setzero_ps(); R]; 2];
+                let mut macc = [0.0f32; R];
                 let m4 = _mm256_set1_epi8(0x0F);
                 // A macro, not a closure: closures here can stay out-of-line calls.
                 macro_rules! one {
@@ -108,19 +136,36 @@ macro_rules! kernels {
                     let (acc, b): (&mut [__m256; R], usize) = ($acc, $b);
                     let blk = w.add(b * bb);
                     let dw = h2f(blk);
-                    let wq = if FOUR {
-                        let q = _mm_loadu_si128(blk.add(2) as *const __m128i);
-                        let v = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
-                        _mm256_sub_epi8(_mm256_and_si256(v, m4), _mm256_set1_epi8(8))
-                    } else {
-                        ld(blk.add(2))
+                    // The nibbles of the 16 bytes at `p`: low ones first, then high.
+                    macro_rules! nib {
+                        ($p:expr) => {{
+                            let q = _mm_loadu_si128($p as *const __m128i);
+                            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), m4)
+                        }};
+                    }
+                    // The fifth bits (a u32 at `p`) as 0x10 bytes.
+                    macro_rules! fifth {
+                        ($p:expr) => {
+                            _mm256_and_si256(bits_to_bytes(($p as *const u32).read_unaligned()), _mm256_set1_epi8(0x10))
+                        };
+                    }
+                    let wq = match KIND {
+                        Q8_0 => ld(blk.add(2)),
+                        Q4_0 => _mm256_sub_epi8(nib!(blk.add(2)), _mm256_set1_epi8(8)),
+                        Q5_0 => _mm256_sub_epi8(_mm256_or_si256(nib!(blk.add(6)), fifth!(blk.add(2))), _mm256_set1_epi8(16)),
+                        _ => _mm256_or_si256(nib!(blk.add(8)), fifth!(blk.add(4))),
                     };
-                    let u = _mm256_abs_epi8(wq);
+                    let u = if KIND == Q5_1 { wq } else { _mm256_abs_epi8(wq) };
                     for r in 0..R {
                         let x = ld(xs[r].qs.as_ptr().add(32 * b) as *const u8);
-                        let p = idot(u, _mm256_sign_epi8(x, wq));
-                        let d = _mm256_set1_ps(dw * *xs[r].d.get_unchecked(b));
+                        let x = if KIND == Q5_1 { x } else { _mm256_sign_epi8(x, wq) };
+                        let p = idot(u, x);
+                        let dx = *xs[r].d.get_unchecked(b);
+                        let d = _mm256_set1_ps(dw * dx);
                         acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
+                        if KIND == Q5_1 {
+                            macc[r] += h2f(blk.add(2)) * dx * *xs[r].sums.get_unchecked(b) as f32;
+                        }
                     }
                     }};
                 }
@@ -140,7 +185,7 @@ macro_rules! kernels {
                 let acc = *a0;
                 let mut res = [0.0f32; R];
                 for r in 0..R {
-                    res[r] = hsum_ps(acc[r]);
+                    res[r] = hsum_ps(acc[r]) + macc[r];
                 }
                 res
             }
@@ -203,6 +248,342 @@ macro_rules! kernels {
                     }
                 }
                 acc
+            }
+
+            /// [`q4k_q5k`] for any number of activation rows: each super-block is
+            /// unpacked once (bytes and scale registers) and every row runs against it,
+            /// so a row costs its dot products alone. The same integer sums and float
+            /// steps per row as [`q4k_q5k`]: equal bit for bit. `acc[r] +=` row `r`'s
+            /// products.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q4k_q5k_many<const FIVE: bool>(w: *const u8, nb: usize, xs: &[ActRow<'_>], acc: &mut [f32]) {
+                let bb = if FIVE { 176 } else { 144 };
+                let qs_at = if FIVE { 48 } else { 16 };
+                let m4 = _mm256_set1_epi8(0x0F);
+                let h5 = _mm256_set1_epi8(0x10);
+                for b in 0..nb {
+                    let blk = w.add(b * bb);
+                    let (d, dmin) = (h2f(blk), h2f(blk.add(2)));
+                    let q = &*(blk.add(4) as *const [u8; 12]);
+                    let mut sm = [(0u8, 0u8); 8];
+                    for j in 0..4 {
+                        sm[j] = (q[j] & 63, q[j + 4] & 63);
+                        sm[j + 4] = ((q[j + 8] & 0xF) | ((q[j] >> 6) << 4), (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
+                    }
+                    let qh = if FIVE { ld(blk.add(16)) } else { _mm256_setzero_si256() };
+                    let mut u = [_mm256_setzero_si256(); 8];
+                    let mut sc = [_mm256_setzero_si256(); 8];
+                    for j in 0..4 {
+                        let q = ld(blk.add(qs_at + 32 * j));
+                        let mut lo = _mm256_and_si256(q, m4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                        if FIVE {
+                            let bl = _mm256_set1_epi8((1u8 << (2 * j)) as i8);
+                            let bh = _mm256_set1_epi8((1u8 << (2 * j + 1)) as i8);
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), h5));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), h5));
+                        }
+                        u[2 * j] = lo;
+                        u[2 * j + 1] = hi;
+                        let (s0, s1) = (sm[2 * j].0 as i32, sm[2 * j + 1].0 as i32);
+                        sc[2 * j] = scales(s0, s0);
+                        sc[2 * j + 1] = scales(s1, s1);
+                    }
+                    let m = |j: usize| sm[j].1 as i32;
+                    let m_lo = _mm256_setr_epi32(m(0), m(0), m(1), m(1), m(2), m(2), m(3), m(3));
+                    let m_hi = _mm256_setr_epi32(m(4), m(4), m(5), m(5), m(6), m(6), m(7), m(7));
+                    for (r, x) in xs.iter().enumerate() {
+                        let xp = x.qs.as_ptr().add(256 * b) as *const u8;
+                        let mut i0 = sdot(u[0], ld(xp), sc[0]);
+                        let mut i1 = sdot(u[1], ld(xp.add(32)), sc[1]);
+                        for j in 1..4 {
+                            i0 = _mm256_add_epi32(i0, sdot(u[2 * j], ld(xp.add(64 * j)), sc[2 * j]));
+                            i1 = _mm256_add_epi32(i1, sdot(u[2 * j + 1], ld(xp.add(64 * j + 32)), sc[2 * j + 1]));
+                        }
+                        let s = x.sums.as_ptr().add(16 * b);
+                        let mins = hsum_i32(_mm256_add_epi32(
+                            _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s as *const __m256i)),
+                            _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s.add(8) as *const __m256i)),
+                        ));
+                        let dx = *x.d.get_unchecked(b);
+                        let a = acc.get_unchecked_mut(r);
+                        *a += d * dx * hsum_i32(_mm256_add_epi32(i0, i1)) as f32 - dmin * dx * mins as f32;
+                    }
+                }
+            }
+
+            /// `acc + ` [`idot`]`(u, x)`.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn idot_acc(acc: __m256i, u: __m256i, x: __m256i) -> __m256i {
+                if $vnni {
+                    _mm256_dpbusd_epi32(acc, u, x)
+                } else {
+                    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)))
+                }
+            }
+
+            /// An 8 x 8 transpose of 32-bit lanes: `out[q]` lane `i` is `r[i]` lane `q`.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn transpose8(r: &[__m256i; 8]) -> [__m256i; 8] {
+                let t0 = _mm256_unpacklo_epi32(r[0], r[1]);
+                let t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+                let t2 = _mm256_unpacklo_epi32(r[2], r[3]);
+                let t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+                let t4 = _mm256_unpacklo_epi32(r[4], r[5]);
+                let t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+                let t6 = _mm256_unpacklo_epi32(r[6], r[7]);
+                let t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+                let u0 = _mm256_unpacklo_epi64(t0, t2);
+                let u1 = _mm256_unpackhi_epi64(t0, t2);
+                let u2 = _mm256_unpacklo_epi64(t1, t3);
+                let u3 = _mm256_unpackhi_epi64(t1, t3);
+                let u4 = _mm256_unpacklo_epi64(t4, t6);
+                let u5 = _mm256_unpackhi_epi64(t4, t6);
+                let u6 = _mm256_unpacklo_epi64(t5, t7);
+                let u7 = _mm256_unpackhi_epi64(t5, t7);
+                [
+                    _mm256_permute2x128_si256::<0x20>(u0, u4),
+                    _mm256_permute2x128_si256::<0x20>(u1, u5),
+                    _mm256_permute2x128_si256::<0x20>(u2, u6),
+                    _mm256_permute2x128_si256::<0x20>(u3, u7),
+                    _mm256_permute2x128_si256::<0x31>(u0, u4),
+                    _mm256_permute2x128_si256::<0x31>(u1, u5),
+                    _mm256_permute2x128_si256::<0x31>(u2, u6),
+                    _mm256_permute2x128_si256::<0x31>(u3, u7),
+                ]
+            }
+
+            /// Eight Q4_K / Q5_K weight rows (`rb` bytes apart) against any number of
+            /// activation rows: `acc[r][i] +=` activation row `r` times weight row `i`.
+            /// Each super-block of the eight rows is unpacked once and transposed so a
+            /// register's lane `i` holds four bytes of weight row `i`: one instruction
+            /// then takes four products for each of eight outputs (four activation bytes
+            /// broadcast), with no horizontal sums, and each sub-block's scale is one
+            /// lane-wise multiply per activation row. Integer sums are exact and the
+            /// float steps per output those of [`super::super::dot_scalar`] (lane-wise,
+            /// no fused multiply-add): equal bit for bit.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q4k_q5k_x8<const FIVE: bool>(
+                w: *const u8,
+                rb: usize,
+                nb: usize,
+                xs: &[ActRow<'_>],
+                acc: &mut [[f32; 8]],
+            ) {
+                let bb = if FIVE { 176 } else { 144 };
+                let qs_at = if FIVE { 48 } else { 16 };
+                let m4 = _mm256_set1_epi8(0x0F);
+                let h5 = _mm256_set1_epi8(0x10);
+                let mut isum = vec![_mm256_setzero_si256(); xs.len()];
+                for b in 0..nb {
+                    // v[j][i]: sub-block j of weight row i (32 bytes), then transposed.
+                    let mut v = [[_mm256_setzero_si256(); 8]; 8];
+                    let mut sc = [[0i32; 8]; 8];
+                    let mut mn = [[0i32; 8]; 8];
+                    let (mut dv, mut dmv) = ([0.0f32; 8], [0.0f32; 8]);
+                    for i in 0..8 {
+                        let blk = w.add(i * rb + b * bb);
+                        dv[i] = h2f(blk);
+                        dmv[i] = h2f(blk.add(2));
+                        let q = &*(blk.add(4) as *const [u8; 12]);
+                        for j in 0..4 {
+                            sc[j][i] = (q[j] & 63) as i32;
+                            mn[j][i] = (q[j + 4] & 63) as i32;
+                            sc[j + 4][i] = ((q[j + 8] & 0xF) | ((q[j] >> 6) << 4)) as i32;
+                            mn[j + 4][i] = ((q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4)) as i32;
+                        }
+                        let qh = if FIVE { ld(blk.add(16)) } else { _mm256_setzero_si256() };
+                        for j in 0..4 {
+                            let q = ld(blk.add(qs_at + 32 * j));
+                            let mut lo = _mm256_and_si256(q, m4);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                            if FIVE {
+                                let bl = _mm256_set1_epi8((1u8 << (2 * j)) as i8);
+                                let bh = _mm256_set1_epi8((1u8 << (2 * j + 1)) as i8);
+                                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), h5));
+                                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), h5));
+                            }
+                            v[2 * j][i] = lo;
+                            v[2 * j + 1][i] = hi;
+                        }
+                    }
+                    for vj in v.iter_mut() {
+                        *vj = transpose8(vj);
+                    }
+                    for s in isum.iter_mut() {
+                        *s = _mm256_setzero_si256();
+                    }
+                    for j in 0..8 {
+                        let vj = &v[j];
+                        let scj = _mm256_loadu_si256(sc[j].as_ptr() as *const __m256i);
+                        for (r, x) in xs.iter().enumerate() {
+                            let xp = x.qs.as_ptr().add(256 * b + 32 * j) as *const i32;
+                            // Two chains: each waits on its own accumulator only.
+                            let (mut p, mut p1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                            for q in 0..4 {
+                                p = idot_acc(p, vj[2 * q], _mm256_set1_epi32(xp.add(2 * q).read_unaligned()));
+                                p1 = idot_acc(p1, vj[2 * q + 1], _mm256_set1_epi32(xp.add(2 * q + 1).read_unaligned()));
+                            }
+                            let p = _mm256_add_epi32(p, p1);
+                            let s = isum.get_unchecked_mut(r);
+                            *s = _mm256_add_epi32(*s, _mm256_mullo_epi32(p, scj));
+                        }
+                    }
+                    let d = _mm256_loadu_ps(dv.as_ptr());
+                    let dmin = _mm256_loadu_ps(dmv.as_ptr());
+                    // The min term by pairs of sub-blocks in int16 (`vpmaddwd`): a min is at
+                    // most 63 and a sub-block's activation sum at most 32 x 127 in size.
+                    let mv: [__m256i; 4] = std::array::from_fn(|jp| {
+                        let pair: [i32; 8] =
+                            std::array::from_fn(|i| (mn[2 * jp][i] & 0xFFFF) | (mn[2 * jp + 1][i] << 16));
+                        _mm256_loadu_si256(pair.as_ptr() as *const __m256i)
+                    });
+                    for (r, x) in xs.iter().enumerate() {
+                        let s = x.sums.as_ptr().add(16 * b);
+                        let mut mins = _mm256_setzero_si256();
+                        for jp in 0..4 {
+                            let b0 = *s.add(4 * jp) + *s.add(4 * jp + 1);
+                            let b1 = *s.add(4 * jp + 2) + *s.add(4 * jp + 3);
+                            let bs = _mm256_set1_epi32((b0 & 0xFFFF) | (b1 << 16));
+                            mins = _mm256_add_epi32(mins, _mm256_madd_epi16(mv[jp], bs));
+                        }
+                        let dx = _mm256_set1_ps(*x.d.get_unchecked(b));
+                        let t1 = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(*isum.get_unchecked(r)));
+                        let t2 = _mm256_mul_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mins));
+                        let a = acc.get_unchecked_mut(r).as_mut_ptr();
+                        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), _mm256_sub_ps(t1, t2)));
+                    }
+                }
+            }
+
+            /// Eight Q6_K weight rows against any number of activation rows, laid out
+            /// as [`q4k_q5k_x8`]; the offset term by int16 pairs (`vpmaddwd`). Equal to
+            /// [`q6k`] bit for bit.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q6k_x8(w: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 8]]) {
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x30);
+                let mut isum = vec![_mm256_setzero_si256(); xs.len()];
+                for b in 0..nb {
+                    let mut v = [[_mm256_setzero_si256(); 8]; 8];
+                    let mut sc = [[0i32; 8]; 16];
+                    let mut dv = [0.0f32; 8];
+                    for i in 0..8 {
+                        let blk = w.add(i * rb + b * 210);
+                        dv[i] = h2f(blk.add(208));
+                        for (gi, s) in sc.iter_mut().enumerate() {
+                            s[i] = *blk.add(192 + gi) as i8 as i32;
+                        }
+                        for h in 0..2 {
+                            let a = ld(blk.add(64 * h));
+                            let bq = ld(blk.add(64 * h + 32));
+                            let qh = ld(blk.add(128 + 32 * h));
+                            v[4 * h][i] =
+                                _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(qh), m2));
+                            v[4 * h + 1][i] =
+                                _mm256_or_si256(_mm256_and_si256(bq, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(qh), m2));
+                            v[4 * h + 2][i] = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(a), m4),
+                                _mm256_and_si256(qh, m2),
+                            );
+                            v[4 * h + 3][i] = _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16::<4>(bq), m4),
+                                _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
+                            );
+                        }
+                    }
+                    for vg in v.iter_mut() {
+                        *vg = transpose8(vg);
+                    }
+                    for s in isum.iter_mut() {
+                        *s = _mm256_setzero_si256();
+                    }
+                    for g in 0..8 {
+                        let vg = &v[g];
+                        let s0 = _mm256_loadu_si256(sc[2 * g].as_ptr() as *const __m256i);
+                        let s1 = _mm256_loadu_si256(sc[2 * g + 1].as_ptr() as *const __m256i);
+                        for (r, x) in xs.iter().enumerate() {
+                            let xp = x.qs.as_ptr().add(256 * b + 32 * g) as *const i32;
+                            let (mut p0, mut p1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                            for q in 0..4 {
+                                p0 = idot_acc(p0, vg[q], _mm256_set1_epi32(xp.add(q).read_unaligned()));
+                                p1 = idot_acc(p1, vg[q + 4], _mm256_set1_epi32(xp.add(q + 4).read_unaligned()));
+                            }
+                            let s = isum.get_unchecked_mut(r);
+                            *s = _mm256_add_epi32(*s, _mm256_add_epi32(_mm256_mullo_epi32(p0, s0), _mm256_mullo_epi32(p1, s1)));
+                        }
+                    }
+                    let d = _mm256_loadu_ps(dv.as_ptr());
+                    // Scales (int8) and 16-sums (at most 16 x 127 in size) fit int16.
+                    let sp: [__m256i; 8] = std::array::from_fn(|k| {
+                        let pair: [i32; 8] = std::array::from_fn(|i| (sc[2 * k][i] & 0xFFFF) | (sc[2 * k + 1][i] << 16));
+                        _mm256_loadu_si256(pair.as_ptr() as *const __m256i)
+                    });
+                    for (r, x) in xs.iter().enumerate() {
+                        let s = x.sums.as_ptr().add(16 * b);
+                        let mut off = _mm256_setzero_si256();
+                        for k in 0..8 {
+                            let bs = _mm256_set1_epi32((*s.add(2 * k) & 0xFFFF) | (*s.add(2 * k + 1) << 16));
+                            off = _mm256_add_epi32(off, _mm256_madd_epi16(sp[k], bs));
+                        }
+                        let v = _mm256_sub_epi32(*isum.get_unchecked(r), _mm256_slli_epi32::<5>(off));
+                        let dx = _mm256_set1_ps(*x.d.get_unchecked(b));
+                        let t = _mm256_mul_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(v));
+                        let a = acc.get_unchecked_mut(r).as_mut_ptr();
+                        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), t));
+                    }
+                }
+            }
+
+            /// [`q6k`] for any number of activation rows, each super-block unpacked
+            /// once (as [`q4k_q5k_many`]); equal to [`q6k`] bit for bit.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q6k_many(w: *const u8, nb: usize, xs: &[ActRow<'_>], acc: &mut [f32]) {
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x30);
+                for b in 0..nb {
+                    let blk = w.add(b * 210);
+                    let sc = std::slice::from_raw_parts(blk.add(192), 16);
+                    let d = h2f(blk.add(208));
+                    let mut u = [_mm256_setzero_si256(); 8];
+                    let mut s = [_mm256_setzero_si256(); 8];
+                    for h in 0..2 {
+                        let a = ld(blk.add(64 * h));
+                        let bq = ld(blk.add(64 * h + 32));
+                        let qh = ld(blk.add(128 + 32 * h));
+                        u[4 * h] = _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(qh), m2));
+                        u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(bq, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(qh), m2));
+                        u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(a), m4), _mm256_and_si256(qh, m2));
+                        u[4 * h + 3] = _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(bq), m4),
+                            _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
+                        );
+                    }
+                    for g in 0..8 {
+                        s[g] = scales(sc[2 * g] as i8 as i32, sc[2 * g + 1] as i8 as i32);
+                    }
+                    let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr() as *const __m128i));
+                    let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i));
+                    for (r, x) in xs.iter().enumerate() {
+                        let xp = x.qs.as_ptr().add(256 * b) as *const u8;
+                        let mut i0 = sdot(u[0], ld(xp), s[0]);
+                        let mut i1 = sdot(u[1], ld(xp.add(32)), s[1]);
+                        for g in (2..8).step_by(2) {
+                            i0 = _mm256_add_epi32(i0, sdot(u[g], ld(xp.add(32 * g)), s[g]));
+                            i1 = _mm256_add_epi32(i1, sdot(u[g + 1], ld(xp.add(32 * g + 32)), s[g + 1]));
+                        }
+                        let sp = x.sums.as_ptr().add(16 * b);
+                        let off = _mm256_add_epi32(
+                            _mm256_mullo_epi32(sc_lo, _mm256_loadu_si256(sp as *const __m256i)),
+                            _mm256_mullo_epi32(sc_hi, _mm256_loadu_si256(sp.add(8) as *const __m256i)),
+                        );
+                        let v = _mm256_sub_epi32(_mm256_add_epi32(i0, i1), _mm256_slli_epi32::<5>(off));
+                        let a = acc.get_unchecked_mut(r);
+                        *a += d * *x.d.get_unchecked(b) * hsum_i32(v) as f32;
+                    }
+                }
             }
 
             /// Q6_K weights.

@@ -5,6 +5,8 @@
 //! the activation rows, up to four at a time, so a row's unpacked blocks are reused from
 //! registers and its bytes from L1. One or two activation rows only stream the weight:
 //! consecutive rows in a task keep that stream sequential for the hardware prefetcher.
+//! Above four activation rows the k-quants take eight weight rows per pass instead,
+//! their unpacked super-blocks transposed so each lane is one output ([`many8`]).
 //! A row's result does not depend on how many rows share the call: each output is one
 //! dot product in one fixed order.
 
@@ -107,6 +109,43 @@ pub fn quant_matmul_with<T: Elem>(
     let tasks = n.div_ceil(ROWS_PER_TASK);
     for_each_task(tasks, m * n * k / 4, |task| {
         let (j0, j1) = (task * ROWS_PER_TASK, ((task + 1) * ROWS_PER_TASK).min(n));
+        // Many rows on the k-quants: each super-block unpacked once for all rows.
+        #[cfg(target_arch = "x86_64")]
+        if m > MANY_MIN_ROWS && ty.is_k() && isa != QIsa::Scalar {
+            let rows: Vec<ActRow<'_>> = (0..m).map(|t| act.row(t)).collect();
+            let nb = k / QK_K;
+            let mut acc = vec![0.0f32; m];
+            let mut j = j0;
+            {
+                // Eight weight rows at a time, one output per lane.
+                let mut acc8 = vec![[0.0f32; 8]; m];
+                while j + 8 <= j1 {
+                    let p = w[j * rb..(j + 8) * rb].as_ptr();
+                    acc8.fill([0.0; 8]);
+                    // SAFETY: as below, for eight rows `rb` bytes apart.
+                    unsafe { many8(isa, ty, p, rb, nb, &rows, &mut acc8) };
+                    for (t, a) in acc8.iter().enumerate() {
+                        for (i, &v) in a.iter().enumerate() {
+                            // SAFETY: column j + i of every row belongs to this task alone.
+                            unsafe { ptr.put(t * n + j + i, v) };
+                        }
+                    }
+                    j += 8;
+                }
+            }
+            for j in j..j1 {
+                let p = w[j * rb..(j + 1) * rb].as_ptr();
+                acc.fill(0.0);
+                // SAFETY: the ISA was checked above; the row holds `nb` super-blocks and
+                // every activation row `k` values.
+                unsafe { many(isa, ty, p, nb, &rows, &mut acc) };
+                for (t, &v) in acc.iter().enumerate() {
+                    // SAFETY: column j of every row belongs to this task alone.
+                    unsafe { ptr.put(t * n + j, v) };
+                }
+            }
+            return;
+        }
         for j in j0..j1 {
             let wr = &w[j * rb..(j + 1) * rb];
             let mut t = 0;
@@ -131,6 +170,43 @@ pub fn quant_matmul_with<T: Elem>(
     Ok(())
 }
 
+/// Above this many activation rows the k-quants unpack each super-block once for
+/// all rows (below, the register-blocked kernels keep the unpacked block in registers).
+const MANY_MIN_ROWS: usize = 4;
+
+/// # Safety
+/// `isa` runs on this CPU and is not scalar; `p` holds `nb` super-blocks of `ty` (a
+/// k-quant) and every row of `xs` `256 nb` values.
+#[cfg(target_arch = "x86_64")]
+unsafe fn many(isa: QIsa, ty: GgmlType, p: *const u8, nb: usize, xs: &[ActRow<'_>], acc: &mut [f32]) {
+    use super::dot_x86::{avx2, vnni};
+    match (isa, ty) {
+        (QIsa::Avx512Vnni, GgmlType::Q4K) => vnni::q4k_q5k_many::<false>(p, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q5K) => vnni::q4k_q5k_many::<true>(p, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q6K) => vnni::q6k_many(p, nb, xs, acc),
+        (_, GgmlType::Q4K) => avx2::q4k_q5k_many::<false>(p, nb, xs, acc),
+        (_, GgmlType::Q5K) => avx2::q4k_q5k_many::<true>(p, nb, xs, acc),
+        (_, GgmlType::Q6K) => avx2::q6k_many(p, nb, xs, acc),
+        _ => unreachable!("many() takes the k-quants"),
+    }
+}
+
+/// # Safety
+/// As [`many`], for eight weight rows `rb` bytes apart from `p`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn many8(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 8]]) {
+    use super::dot_x86::{avx2, vnni};
+    match (isa, ty) {
+        (QIsa::Avx512Vnni, GgmlType::Q4K) => vnni::q4k_q5k_x8::<false>(p, rb, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q5K) => vnni::q4k_q5k_x8::<true>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q4K) => avx2::q4k_q5k_x8::<false>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q5K) => avx2::q4k_q5k_x8::<true>(p, rb, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q6K) => vnni::q6k_x8(p, rb, nb, xs, acc),
+        (_, GgmlType::Q6K) => avx2::q6k_x8(p, rb, nb, xs, acc),
+        _ => unreachable!("many8() takes the k-quants"),
+    }
+}
+
 /// One weight row against activation rows `t..t + R`.
 #[inline(always)]
 fn dot_rows<const R: usize>(isa: QIsa, ty: GgmlType, wr: &[u8], act: &QAct, t: usize) -> [f32; R] {
@@ -138,19 +214,23 @@ fn dot_rows<const R: usize>(isa: QIsa, ty: GgmlType, wr: &[u8], act: &QAct, t: u
     let nb = act.k / ty.block_size();
     #[cfg(target_arch = "x86_64")]
     {
-        use super::dot_x86::{avx2, vnni};
+        use super::dot_x86::{avx2, vnni, Q4_0, Q5_0, Q5_1, Q8_0};
         let p = wr.as_ptr();
         // SAFETY: the ISA was checked by the caller; `wr` holds `nb` blocks of `ty` and
         // every activation row `k` values.
         unsafe {
             match (isa, ty) {
-                (QIsa::Avx512Vnni, GgmlType::Q8_0) => return vnni::q8_0_q4_0::<R, false>(p, nb, &xs),
-                (QIsa::Avx512Vnni, GgmlType::Q4_0) => return vnni::q8_0_q4_0::<R, true>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q8_0) => return vnni::q32::<R, Q8_0>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q4_0) => return vnni::q32::<R, Q4_0>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q5_0) => return vnni::q32::<R, Q5_0>(p, nb, &xs),
+                (QIsa::Avx512Vnni, GgmlType::Q5_1) => return vnni::q32::<R, Q5_1>(p, nb, &xs),
                 (QIsa::Avx512Vnni, GgmlType::Q4K) => return vnni::q4k_q5k::<R, false>(p, nb, &xs),
                 (QIsa::Avx512Vnni, GgmlType::Q5K) => return vnni::q4k_q5k::<R, true>(p, nb, &xs),
                 (QIsa::Avx512Vnni, GgmlType::Q6K) => return vnni::q6k::<R>(p, nb, &xs),
-                (QIsa::Avx2, GgmlType::Q8_0) => return avx2::q8_0_q4_0::<R, false>(p, nb, &xs),
-                (QIsa::Avx2, GgmlType::Q4_0) => return avx2::q8_0_q4_0::<R, true>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q8_0) => return avx2::q32::<R, Q8_0>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q4_0) => return avx2::q32::<R, Q4_0>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q5_0) => return avx2::q32::<R, Q5_0>(p, nb, &xs),
+                (QIsa::Avx2, GgmlType::Q5_1) => return avx2::q32::<R, Q5_1>(p, nb, &xs),
                 (QIsa::Avx2, GgmlType::Q4K) => return avx2::q4k_q5k::<R, false>(p, nb, &xs),
                 (QIsa::Avx2, GgmlType::Q5K) => return avx2::q4k_q5k::<R, true>(p, nb, &xs),
                 (QIsa::Avx2, GgmlType::Q6K) => return avx2::q6k::<R>(p, nb, &xs),
@@ -206,7 +286,15 @@ mod tests {
     use crate::quant::act::f32_to_f16;
     use crate::quant::blocks::dequantize_block;
 
-    const TYPES: [GgmlType; 5] = [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+    const TYPES: [GgmlType; 7] = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
 
     struct Lcg(u64);
     impl Lcg {
@@ -226,7 +314,11 @@ mod tests {
         for b in w.chunks_exact_mut(ty.block_bytes()) {
             let mut put = |at: usize, v: f32| b[at..at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
             match ty {
-                GgmlType::Q8_0 | GgmlType::Q4_0 => put(0, 0.01 + 0.02 * g.f().abs()),
+                GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => put(0, 0.01 + 0.02 * g.f().abs()),
+                GgmlType::Q5_1 => {
+                    put(0, 0.01 + 0.02 * g.f().abs());
+                    put(2, 0.05 * g.f());
+                }
                 GgmlType::Q4K | GgmlType::Q5K => {
                     put(0, 0.001 + 0.002 * g.f().abs());
                     put(2, 0.001 + 0.002 * g.f().abs());

@@ -1,4 +1,4 @@
-//! Kernels on llama.cpp's quantized blocks (GGUF's Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), the
+//! Kernels on llama.cpp's quantized blocks (GGUF's Q8_0, Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K), the
 //! weights kept in their blocks as the file stores them:
 //!
 //! * [`blocks`]: the layouts and a scalar dequantizer (the reference);

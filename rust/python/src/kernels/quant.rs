@@ -10,7 +10,7 @@ use hybridserve_cpu_kernels::quant::{self as q, GgmlType, QIsa};
 fn ggml_type(id: u32) -> PyResult<GgmlType> {
     GgmlType::from_id(id).ok_or_else(|| {
         PyValueError::new_err(format!(
-            "GGML type id {id} has no native kernel; supported: 2 (q4_0), 8 (q8_0), 12 (q4_k), 13 (q5_k), 14 (q6_k)"
+            "GGML type id {id} has no native kernel; supported: 2 (q4_0), 6 (q5_0), 7 (q5_1), 8 (q8_0), 12 (q4_k), 13 (q5_k), 14 (q6_k)"
         ))
     })
 }
