@@ -217,8 +217,17 @@ class TensorParallel:
             code = 1
         finally:
             self.group.close()
-        # Under torchrun the user's command continues only on rank 0.
-        os._exit(code) if code else sys.exit(0)
+        # Under torchrun the user's command continues only on rank 0. The process ends
+        # here without the interpreter's finalization: its daemon threads (the watchdog)
+        # and gloo's own threads are still alive, and tearing down torch's C++ statics
+        # under them aborted the worker now and then (SIGABRT after a clean shutdown).
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream must not change the exit code
+                pass
+        os._exit(code)
 
     def serve_steps(self, runner, proposer=None) -> None:
         """A worker's loop: replay each operation the driver broadcasts -- a step, and
