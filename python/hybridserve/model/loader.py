@@ -18,7 +18,7 @@ from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 from hybridserve.quant import ConcatWeight
 from hybridserve.quant.checkpoint import QuantizedTensors, quantization_method, read_quantization_config
-from hybridserve.quant.tiles import FloatWeight
+from hybridserve.quant.weight import FloatWeight
 
 # Checkpoint prefixes of the language model: causal-LM naming, then the VL wrapper's.
 _LM_PREFIXES = ("model.language_model.", "model.")
