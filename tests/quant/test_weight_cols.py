@@ -29,8 +29,8 @@ def _ggml(qtype: str, out: int, inp: int, seed: int = 0) -> GGMLWeight:
 
 def _has_blocks(w) -> bool:
     """Whether a GGML block part is in ``w`` (its kernel rounds activations to 8 bits)."""
-    if isinstance(w, GGMLWeight):
-        return True
+    if w is None or isinstance(w, GGMLWeight):
+        return w is not None
     return any(_has_blocks(p) for p in getattr(w, "parts", [])) or _has_blocks(getattr(w, "inner", None))
 
 
