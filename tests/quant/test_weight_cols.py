@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gguf_files import QTYPES, _quantize
+from gguf_files import _quantize
 from hybridserve.quant.awq import AWQWeight
 from hybridserve.quant.fp8 import FP8BlockWeight
 from hybridserve.quant.ggml import GGML_TYPES, GGMLWeight
