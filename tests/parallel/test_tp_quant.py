@@ -32,6 +32,7 @@ from hybridserve import LLM, SamplingParams
 from hybridserve.errors import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "quant"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 SAFETENSORS_TOL = 1e-4
 GGUF_TOL = 1e-3
@@ -138,14 +139,14 @@ def test_tp2_quantized_safetensors_match_one_process(method, form, quant_ckpts, 
 # ---- refusals and the shard's content, without spawning ranks
 
 
-def _load_rank(path, rank, n=2):
+def _load_rank(path, rank, n=2, load_mtp=False):
     from hybridserve.config import ModelConfig
     from hybridserve.parallel import ShardPlan
     from hybridserve.parallel.loader import load_sharded_model
 
     cfg = ModelConfig.from_json(path)
     return load_sharded_model(path, ShardPlan(cfg, rank, n), SimpleNamespace(rank=rank, world_size=n),
-                              dtype="float32")
+                              dtype="float32", load_mtp=load_mtp)
 
 
 def test_gguf_split_inside_a_block_is_refused(gguf_files):
@@ -169,13 +170,15 @@ def test_awq_split_inside_a_group_is_refused(tmp_path):
 def test_gguf_shards_hold_blocks_and_rebuild_the_weights(gguf_files):
     # Each rank's block shards put side by side are the one-process weights: column-
     # parallel by rows, row-parallel by columns, the embedding by vocabulary rows; the
-    # k-quant mix's parts stay in their own block types.
+    # k-quant mix's parts stay in their own block types. With the MTP layer: its fc
+    # ([H, 2H], nextn.eh_proj) split by input columns like a row-parallel projection.
     from hybridserve.model.loader import load_model
     from hybridserve.quant.ggml import GGMLWeight
 
-    path = gguf_files("q4_k_m", **GGUF_CASES["q4_k_m"])
-    full, cfg = load_model(path, progress=False)
-    shards = [_load_rank(path, r) for r in range(2)]
+    path = gguf_files("q4_k_m-mtp", mtp=True, **GGUF_CASES["q4_k_m"])
+    full, cfg = load_model(path, progress=False, load_mtp=True)
+    shards = [_load_rank(path, r, load_mtp=True) for r in range(2)]
+    assert isinstance(full.mtp.fc.qweight, GGMLWeight)
     mods = [dict(s.named_modules()) for s in shards]
     for name, m in full.named_modules():
         q = getattr(m, "qweight", None)
@@ -194,3 +197,43 @@ def test_gguf_shards_hold_blocks_and_rebuild_the_weights(gguf_files):
         assert torch.equal(want, q.dequantize()), name
         if isinstance(q, GGMLWeight):
             assert isinstance(a, GGMLWeight) and a.qtype == q.qtype and a.nbytes * 2 == q.nbytes, name
+
+
+@pytest.mark.parametrize("method", ["fp8", "awq"])
+def test_quantized_safetensors_ranks_read_only_their_slices(method, quant_ckpts, monkeypatch):
+    # Each rank reads its slices through get_slice (never a whole tensor), widened at most
+    # to whole scale blocks (FP8: 128 columns) / groups and int32 packs (AWQ); the split
+    # quantized tensors are read about half each.
+    import hybridserve.parallel.loader as tp_loader
+    from test_tp_loader import RecordingOpen
+
+    path = quant_ckpts[method]
+    monkeypatch.setenv("HYBRIDSERVE_QUANT_CPU", "keep")
+    monkeypatch.setitem(tp_loader.__dict__, "_real_safe_open", tp_loader.safe_open)
+    from safetensors import safe_open
+
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        sizes = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    total = {n: int(torch.Size(s).numel()) for n, s in sizes.items()}
+    reads = [{}, {}]
+    for rank in range(2):
+        monkeypatch.setattr(tp_loader, "safe_open", RecordingOpen(reads[rank]))
+        _load_rank(path, rank)
+    lead = "weight" if method == "fp8" else "qweight"
+    split = [n for n in total if n.endswith(f".{lead}") and any(
+        k in n for k in ("o_proj", "down_proj", "out_proj", "gate_proj", "up_proj", "in_proj_qkv", "in_proj_z"))]
+    assert split
+    for n in split:
+        stem = n.rpartition(".")[0]
+        for r in range(2):
+            got = reads[r][n]
+            if method == "fp8":
+                # Rows exactly half; columns widened to the scale block's first column.
+                out, inp = sizes[n]
+                assert total[n] // 2 <= got <= total[n] // 2 + out * 127, (n, got)
+            else:
+                assert got == total[n] // 2, (n, got)
+            companion = f"{stem}.weight_scale_inv" if method == "fp8" else f"{stem}.scales"
+            # (Each of a fused cut's ranges reads its own scale rows: in_proj_qkv's three
+            # ranges may read one block row of scales three times.)
+            assert 0 < reads[r][companion] <= 3 * total[companion], companion
