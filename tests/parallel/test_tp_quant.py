@@ -68,13 +68,17 @@ def gguf_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def quant_ckpts(tmp_path_factory):
-    from hybridserve.quant.tiny import DENSE, write_quantized_checkpoint
+    from hybridserve.quant.tiny import DENSE, MOE, write_quantized_checkpoint
 
     root = tmp_path_factory.mktemp("tp-quant")
     # AWQ at group 64: the tiny shapes' row-parallel inputs (128 wide) split into whole
     # groups at TP=2 (group 128 cannot split them: see the refusal test).
-    return {m: write_quantized_checkpoint(root / m, m, seed=5, group_size=64 if m == "awq" else 128,
+    made = {m: write_quantized_checkpoint(root / m, m, seed=5, group_size=64 if m == "awq" else 128,
                                           **DENSE)[0] for m in ("fp8", "awq")}
+    # MoE: the routed and shared experts dequantized at load (each rank its slice), the
+    # attention / DeltaNet projections kept.
+    made["fp8-moe"] = write_quantized_checkpoint(root / "fp8-moe", "fp8", seed=5, **MOE)[0]
+    return made
 
 
 class RowCapture:
@@ -126,7 +130,8 @@ def test_tp2_gguf_matches_one_process(case, gguf_files):
     _compare(gguf_files(case, **GGUF_CASES[case]), GGUF_TOL)
 
 
-@pytest.mark.parametrize("method,form", [("fp8", "keep"), ("awq", "keep"), ("fp8", "dequantize")])
+@pytest.mark.parametrize("method,form", [("fp8", "keep"), ("awq", "keep"), ("fp8", "dequantize"),
+                                         ("fp8-moe", "keep")])
 def test_tp2_quantized_safetensors_match_one_process(method, form, quant_ckpts, monkeypatch):
     # "keep": served quantized (the native kernels on the CPU; FP8's row-parallel inputs
     # of 128 split inside a scale block, so through the zero-padded column window);

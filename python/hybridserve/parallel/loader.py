@@ -5,6 +5,10 @@ ranges along the cut dimension are read (``ShardPlan.cut``), so a rank never hol
 full projection, expert stack or embedding table, not even transiently: peak extra
 memory is one shard of one tensor. Names, presence and shape checks are the
 single-process loader's (:mod:`hybridserve.model.loader`), against the full shapes.
+A quantized checkpoint's tensors (FP8, AWQ) are read the same way, widened only to the
+format's unit (a 128-row/column scale block, an AWQ group or int32 pack) and cut to the
+exact range with ``rows`` / ``cols``; a GGUF file has its own loader
+(:mod:`hybridserve.parallel.gguf`).
 """
 
 from __future__ import annotations
@@ -265,6 +269,7 @@ def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, grou
     model.eval()
     # parameters() counts a tied embedding / LM head once.
     held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(m.qweight.nbytes for m in model.modules() if isinstance(m, Projection) and m.qweight is not None)
     logger.info("rank %d of %d holds %.1f MiB of weights (its shard plus the replicated norms, "
                 "router and any replicated KV heads)", shard.rank, shard.world_size, held / 2**20)
     return model
