@@ -48,6 +48,9 @@ GGUF_CASES = {
                    linear_value_head_dim=256),
     "moe-q8_0": dict(preset="moe-a", qtype="q8_0", linear_value_head_dim=32, moe_intermediate_size=64,
                      shared_expert_intermediate_size=64),
+    # The LM head tied to an embedding kept in blocks: both vocabulary-parallel from the
+    # same row shard.
+    "q4_0-tied": dict(preset="test-a", qtype="q4_0", linear_value_head_dim=32, tie_word_embeddings=True),
 }
 
 
