@@ -76,9 +76,10 @@ def shard_or_refuse(name: str, qtype: str, full_shape: tuple[int, ...], shard: S
             except (SliceError, ConfigError):
                 continue
         raise ConfigError(
-            f"tensor_parallel_size={n} cannot split {name!r} ({qtype}, {list(full_shape)}): {e}. Sizes whose "
-            f"splits fall on its block boundaries (up to 8): {works or 'none but 1'}; choose one of them, or "
-            "serve a checkpoint quantized with smaller blocks") from None
+            f"tensor_parallel_size={n} cannot split {name!r} ({qtype}, {list(full_shape)}): {e}. "
+            f"tensor_parallel_size values up to 8 whose splits fall on its block boundaries: {works} "
+            "(1: one process); use one of them, or a checkpoint quantized with smaller blocks (a k-quant's "
+            "256 columns -> Q8_0's 32; an AWQ group_size of 64)") from None
 
 
 def _slice_quantized(qt: QuantizedTensors, handles, name: str, full_shape: tuple[int, int],
