@@ -245,3 +245,32 @@ def test_quantized_safetensors_ranks_read_only_their_slices(method, quant_ckpts,
             # (Each of a fused cut's ranges reads its own scale rows: in_proj_qkv's three
             # ranges may read one block row of scales three times.)
             assert 0 < reads[r][companion] <= 3 * total[companion], companion
+
+
+def test_gguf_experts_split_inside_a_block_are_dequantized(gguf_files):
+    # A k-quant MoE whose experts' intermediate range (256 -> 128 a rank) cuts through
+    # ffn_down_exps' 256-column Q6_K blocks: each expert's down shard is dequantized at
+    # load (the brief's allowance for MoE), gate/up stay in Q4_K blocks; every shard is
+    # exactly the one-process weights' cut.
+    from hybridserve.model.loader import load_model
+    from hybridserve.quant.ggml import GGMLWeight
+    from hybridserve.quant.weight import FloatWeight
+
+    path = gguf_files("moe-q4_k_m", preset="moe-a", qtype="q4_k", types={"ffn_down": "q6_k"}, hidden_size=256,
+                      num_attention_heads=4, head_dim=128, linear_value_head_dim=256, moe_intermediate_size=256,
+                      shared_expert_intermediate_size=512)
+    full, cfg = load_model(path, progress=False)
+    shards = [_load_rank(path, r) for r in range(2)]
+    i = cfg.moe_intermediate_size // 2
+    for li, layer in enumerate(full.layers):
+        ex = layer.mlp.experts
+        for r, s in enumerate(shards):
+            sx = s.layers[li].mlp.experts
+            for e in range(ex.num):
+                gu = sx.gate_up[e]
+                assert all(isinstance(p, GGMLWeight) and p.qtype == "q4_k" for p in gu.parts)
+                assert isinstance(sx.down[e], FloatWeight)
+                want = ex.gate_up[e].dequantize()
+                assert torch.equal(gu.dequantize(), torch.cat([want[r * i:(r + 1) * i],
+                                                               want[2 * i + r * i:2 * i + (r + 1) * i]]))
+                assert torch.equal(sx.down[e].dequantize(), ex.down[e].dequantize()[:, r * i:(r + 1) * i])

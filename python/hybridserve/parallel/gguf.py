@@ -16,7 +16,9 @@ this rank's rows and columns are read and copied):
   with a ConfigError naming the tensor, its type and the sizes that work;
 - the token embedding (and a tied LM head) / ``output.weight`` by vocabulary rows;
 - an MoE layer's experts in blocks stay in blocks: per expert, gate/up rows and down
-  columns of this rank's intermediate range (:class:`QuantizedExperts` of the shards).
+  columns of this rank's intermediate range (:class:`QuantizedExperts` of the shards);
+  where that range cuts through the down projection's blocks, each expert's down shard
+  is dequantized at load instead (logged), the rest stays in blocks.
 
 Float tensors (norms, conv, gates, float projections) are read, their converter
 transforms undone, and cut like a safetensors checkpoint's.
@@ -45,7 +47,7 @@ from hybridserve.quant.gguf import names
 from hybridserve.quant.gguf.load import _is_mtp, _Loader
 from hybridserve.quant.gguf.reader import GGUFFile, Tensor
 from hybridserve.quant.gguf.weights import ColumnPermutedWeight, QuantizedExperts
-from hybridserve.quant.weight import ConcatWeight, FloatWeight
+from hybridserve.quant.weight import ConcatWeight, FloatWeight, SliceError
 
 logger = logging.getLogger("hybridserve.parallel")
 
@@ -98,6 +100,7 @@ class _ShardLoader:
         self.config = shard.config
         self.ld = _Loader(f, self.config, dtype)
         self.expected = full_shapes(self.config, mtp=load_mtp)
+        self.warned_experts = False
 
     def _check_shape(self, t: Tensor, local: str, full: tuple[int, ...]) -> None:
         if t.quantized and tuple(t.shape) != tuple(full):
@@ -189,8 +192,29 @@ class _ShardLoader:
                         out.append(w if probe else _own(w, mapped))
                     return out
 
-                per[kind] = shard_or_refuse(t.name, t.type_name, tuple(t.shape), self.shard, build)
+                try:
+                    per[kind] = build(self.shard, False)
+                except SliceError as e:
+                    # The experts' intermediate range cuts through blocks (e.g. a k-quant
+                    # down at 4 ranks of a 512-wide expert): each expert's shard is
+                    # dequantized at load instead of refusing the size (the MoE layer's
+                    # other kinds stay in blocks).
+                    if not self.warned_experts:  # once a load: every layer's would say the same
+                        self.warned_experts = True
+                        logger.warning("%s (%s): %s; tensor_parallel_size=%d holds the experts' shards of "
+                                       "such tensors dequantized (%s)", t.name, t.type_name, e,
+                                       self.shard.world_size, self.dtype)
+                    per[kind] = [self._dequantized_expert(qtype, mapped[e], full[kind][1:], kind, a, b)
+                                 for e in range(c.num_experts)]
             block.experts = QuantizedExperts(per["gate"], per["up"], per["down"])
+
+    def _dequantized_expert(self, qtype: str, data: torch.Tensor, shape, kind: str, a: int, b: int) -> FloatWeight:
+        w = GGMLWeight(qtype, data, shape)
+        if kind == "down":
+            vals = w.dequantize(torch.float32)[:, a:b]  # one expert's [H, I] at a time
+        else:
+            vals = w.rows(a, b).dequantize(torch.float32)
+        return FloatWeight(vals.to(self.dtype).contiguous(), qtype)
 
     def load_floats(self, model: Qwen3_5ForServing) -> None:
         """Fill every float parameter the shard still has with its cut."""
