@@ -140,9 +140,3 @@ def test_scale_without_its_weight_is_refused(quant_dirs, tmp_path):
     save_file(t, os.fspath(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"down_proj' lacks its weight"):
         load_model(d, progress=False)
-
-
-def test_tensor_parallel_loader_refuses_quantized(quant_dirs):
-    from hybridserve.model.loader import _refuse_quantized
-    with pytest.raises(ConfigError, match=r"\(fp8\); tensor parallelism .*\(tensor_parallel_size 1\)"):
-        _refuse_quantized(os.fspath(quant_dirs("fp8", "dense")[0]))

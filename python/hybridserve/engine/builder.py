@@ -141,10 +141,6 @@ def resolve_config(args: EngineArgs) -> ResolvedConfig:
         )
     config = ModelConfig.from_json(args.model)
     parallel, cpu_threads = None, args.cpu_threads
-    if args.model.endswith(".gguf") and args.tensor_parallel_size > 1:
-        # Slicing blocks along block boundaries is not written yet.
-        raise ConfigError(f"tensor parallelism does not serve GGUF files yet ({args.model!r}, "
-                          f"tensor_parallel_size={args.tensor_parallel_size}): use tensor_parallel_size=1")
     if args.tensor_parallel_size > 1:
         from hybridserve.parallel.tensor_parallel import TensorParallel
 

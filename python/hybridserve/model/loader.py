@@ -17,8 +17,8 @@ from hybridserve.model.layers import Projection, _Fused
 from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 from hybridserve.quant import ConcatWeight
-from hybridserve.quant.checkpoint import QuantizedTensors, quantization_method, read_quantization_config
-from hybridserve.quant.tiles import FloatWeight
+from hybridserve.quant.checkpoint import QuantizedTensors, quantization_method
+from hybridserve.quant.weight import FloatWeight
 
 # Checkpoint prefixes of the language model: causal-LM naming, then the VL wrapper's.
 _LM_PREFIXES = ("model.language_model.", "model.")
@@ -72,19 +72,6 @@ def local_name(name: str, mtp: bool = False) -> str | None:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
-
-
-def _refuse_quantized(model_dir: str) -> None:
-    """Refuse every quantized checkpoint (the tensor-parallel loader: it slices float
-    weights only)."""
-    quant = read_quantization_config(model_dir)
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-        raise ConfigError(
-            f"{model_dir!r} is a quantized checkpoint ({method}); tensor parallelism loads float32, "
-            "bfloat16 or float16 weights only: serve it on one process (tensor_parallel_size 1) or use "
-            "the unquantized checkpoint"
-        )
 
 
 def _quantized_projections(model: Qwen3_5ForServing) -> dict[str, tuple[Projection, list[str]]]:

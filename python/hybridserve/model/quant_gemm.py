@@ -9,8 +9,8 @@ the float few-row GEMM for a float part, the activation's columns permuted first
 the weight's input features were stored permuted.
 
 The weight classes are recognised by their attributes (``parts``: stacked rows;
-``inner`` + ``perm``: permuted columns; ``type.ggml_id`` + ``data``: GGML blocks; ``w``: a
-float part), so this module imports nothing from :mod:`hybridserve.quant`.
+``inner`` + ``perm``: permuted columns; ``type.ggml_id`` + ``data``: GGML blocks; ``weight``
+a float tensor: a float part -- FP8's ``weight`` is uint8 bits, so it is not one), so this module imports nothing from :mod:`hybridserve.quant`.
 """
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint16).numpy() if t.dtype == _BF16 else t.numpy()
 
 
+def _float_part(w) -> torch.Tensor | None:
+    """The float tensor of a float part (``FloatWeight.weight``), else None."""
+    t = getattr(w, "weight", None)
+    return t if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() == 2 else None
+
+
 class QuantGemm:
     """``out[:] = x @ W.T`` for one quantized weight ``W`` (``x``, ``out`` numpy views in
     the model's dtype: float32, or bfloat16 as uint16 bits)."""
@@ -70,7 +76,7 @@ class QuantGemm:
             return QuantGemm.supports(qweight.inner, dtype)
         if hasattr(qweight, "type") and hasattr(qweight, "data"):
             return qweight.data.dtype == torch.uint8 and qweight.data.is_contiguous()
-        return isinstance(getattr(qweight, "w", None), torch.Tensor)
+        return _float_part(qweight) is not None
 
     def _flatten(self, w, at: int, perm) -> None:
         parts = getattr(w, "parts", None)
@@ -88,7 +94,7 @@ class QuantGemm:
         if hasattr(w, "type") and hasattr(w, "data"):
             self.leaves.append((at, at + rows, perm, "blocks", (w.data.numpy(), int(w.type.ggml_id))))
         else:
-            self.leaves.append((at, at + rows, perm, "float", _np(w.w.to(self.dtype).contiguous())))
+            self.leaves.append((at, at + rows, perm, "float", _np(_float_part(w).to(self.dtype).contiguous())))
 
     def rows(self, stop: int) -> "QuantGemm":
         """The first ``stop`` rows (a reduced draft vocabulary of the LM head)."""

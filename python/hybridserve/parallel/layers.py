@@ -6,6 +6,7 @@ columns, and this module adds what sharding needs on top:
 
 * :class:`VocabParallelEmbedding`: looks up the ids in this rank's vocabulary range
   (zeros elsewhere) and all-reduces;
+* :class:`VocabParallelQuantizedEmbedding`: the same over a table kept in blocks;
 * :class:`VocabParallelLMHead`: this rank's vocabulary slice of the logits, gathered on
   the driver (rank 0) in vocabulary order;
 * :func:`install_all_reduces`: one all-reduce on the output of each mixer
@@ -25,6 +26,7 @@ from torch import nn
 
 from hybridserve.model.qwen3_5 import Projection, Qwen3_5ForServing
 from hybridserve.parallel.group import TPGroup
+from hybridserve.quant.gguf.weights import QuantizedEmbedding
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -39,6 +41,24 @@ class VocabParallelEmbedding(nn.Embedding):
         local = ids - self.start
         mine = (local >= 0) & (local < self.num_embeddings)
         out = F.embedding(local.clamp(0, self.num_embeddings - 1), self.weight)
+        out = out * mine.unsqueeze(-1).to(out.dtype)
+        return self.group.all_reduce(out, kind="embedding")
+
+
+class VocabParallelQuantizedEmbedding(QuantizedEmbedding):
+    """Rows ``[start, start + num_embeddings)`` of a token embedding kept in blocks (a
+    GGUF's): this rank's rows of the table, looked up (dequantizing the rows read) for
+    the ids in its range, zeros elsewhere, then all-reduced."""
+
+    def __init__(self, qweight, dtype: torch.dtype, start: int, group: TPGroup) -> None:
+        super().__init__(qweight, dtype)
+        self.start = start
+        self.group = group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        mine = (local >= 0) & (local < self.num_embeddings)
+        out = super().forward(local.clamp(0, self.num_embeddings - 1))
         out = out * mine.unsqueeze(-1).to(out.dtype)
         return self.group.all_reduce(out, kind="embedding")
 

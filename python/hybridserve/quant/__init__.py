@@ -5,6 +5,9 @@ decode reads fewer of them. Each format is one class with the same small contrac
 (:class:`QuantizedWeight`); :class:`hybridserve.model.layers.Projection` holds one in
 place of its ``weight`` and sends its inputs to :meth:`QuantizedWeight.linear`.
 
+- :mod:`.weight`: the contract (``rows`` / ``cols``: the slices fused projections and
+  tensor parallelism take), fused parts (:class:`ConcatWeight`), float parts
+  (:class:`FloatWeight`) and FP8's column window (:class:`ColumnWindowWeight`).
 - :mod:`.ggml`: llama.cpp's block formats (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K; F32/F16/BF16
   come in as plain tensors), as GGUF files store them.
 - :mod:`.fp8`: Qwen's official FP8 checkpoints (e4m3, 128 x 128 block scales).
@@ -14,6 +17,6 @@ place of its ``weight`` and sends its inputs to :meth:`QuantizedWeight.linear`.
   ones for tests, the device check and benches.
 """
 
-from hybridserve.quant.weight import ConcatWeight, QuantizedWeight
+from hybridserve.quant.weight import ColumnWindowWeight, ConcatWeight, FloatWeight, QuantizedWeight, SliceError
 
-__all__ = ["ConcatWeight", "QuantizedWeight"]
+__all__ = ["ColumnWindowWeight", "ConcatWeight", "FloatWeight", "QuantizedWeight", "SliceError"]

@@ -134,6 +134,21 @@ class AWQWeight:
             raise ValueError(f"rows {start}:{stop} out of range for {self.shape[0]} rows")
         return AWQWeight(self.packed[start:stop], self.scales[start:stop], self.zeros[start:stop], self.group_size)
 
+    def cols(self, start: int, stop: int) -> "AWQWeight":
+        """Columns ``start:stop``, whole groups only (each group has its own scale and zero
+        point per output: a split inside one would need a re-quantization); SliceError
+        otherwise. Rows split anywhere (the repacked layout is row-major; the
+        checkpoint's packing of 8 output columns per int32 is undone at load)."""
+        from hybridserve.quant.weight import SliceError, check_cols
+
+        check_cols(self, start, stop)
+        g = self.group_size
+        if start % g or stop % g:
+            raise SliceError(f"AWQ int4 holds groups of {g} input columns; columns {start}:{stop} cut through "
+                             f"one (a split must fall on a multiple of {g})")
+        return AWQWeight(self.packed[:, start // 2:stop // 2], self.scales[:, start // g:stop // g],
+                         self.zeros[:, start // g:stop // g], g)
+
     def to(self, device) -> "AWQWeight":
         return AWQWeight(self.packed.to(device), self.scales.to(device), self.zeros.to(device), self.group_size)
 

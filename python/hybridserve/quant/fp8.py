@@ -84,6 +84,24 @@ class FP8BlockWeight:
         first, last = a // BLOCK, max(-(-b // BLOCK), a // BLOCK + 1)
         return FP8BlockWeight(self.weight[start:stop], self.scale[first:last], a - first * BLOCK)
 
+    def cols(self, start: int, stop: int):
+        """Columns ``start:stop``. The scale multiplies each element, so any split is exact:
+        on a 128-column boundary the shard is an FP8BlockWeight of its own (its scale
+        columns a view); inside a scale block it is widened to that block's first column,
+        the extra leading columns' bits zeroed, and served as a
+        :class:`~hybridserve.quant.weight.ColumnWindowWeight` (the activation padded with
+        zeros): no re-quantization, at most 127 extra columns held."""
+        from hybridserve.quant.weight import ColumnWindowWeight, check_cols
+
+        check_cols(self, start, stop)
+        first = start // BLOCK * BLOCK
+        w = self.weight[:, first:stop].clone()
+        scale = self.scale[:, first // BLOCK:-(-stop // BLOCK)]
+        if first == start:
+            return FP8BlockWeight(w, scale, self.row_offset)
+        w[:, :start - first] = 0  # e4m3 +0: the padded activation's zeros times zero
+        return ColumnWindowWeight(FP8BlockWeight(w, scale, self.row_offset), start - first, stop - first)
+
     def to(self, device) -> "FP8BlockWeight":
         return FP8BlockWeight(self.weight.to(device), self.scale.to(device), self.row_offset)
 

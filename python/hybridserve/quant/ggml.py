@@ -132,5 +132,29 @@ class GGMLWeight:
             raise ValueError(f"rows {start}:{stop} out of range for {self.shape[0]} rows")
         return GGMLWeight(self.qtype, self.data[start:stop], (stop - start, self.shape[1]))
 
+    def cols(self, start: int, stop: int) -> "GGMLWeight":
+        """Columns ``start:stop`` (a row-parallel shard): whole blocks only, so both ends
+        must be multiples of the block size (32; 256 for the k-quants); a copy of those
+        blocks' bytes (SliceError otherwise: blocks are not re-quantized)."""
+        from hybridserve.quant.weight import SliceError, check_cols
+
+        check_cols(self, start, stop)
+        size = self.type.block_size
+        if start % size or stop % size:
+            raise SliceError(f"{self.qtype} holds blocks of {size} input columns; columns {start}:{stop} "
+                             f"cut through one (a split must fall on a multiple of {size})")
+        bb = self.type.block_bytes
+        data = self.data[:, start // size * bb:stop // size * bb].contiguous()
+        return GGMLWeight(self.qtype, data, (self.shape[0], stop - start))
+
+    @staticmethod
+    def cat_cols(parts: list["GGMLWeight"]) -> "GGMLWeight":
+        """Weights of one type and as many rows, side by side along the input features
+        (each part whole blocks, so each row's blocks are just concatenated)."""
+        if len({p.qtype for p in parts}) != 1 or len({p.shape[0] for p in parts}) != 1:
+            raise ValueError("cat_cols needs parts of one block type and as many rows")
+        data = torch.cat([p.data for p in parts], dim=1)
+        return GGMLWeight(parts[0].qtype, data, (parts[0].shape[0], sum(p.shape[1] for p in parts)))
+
     def __repr__(self) -> str:
         return f"GGMLWeight({self.qtype}, {list(self.shape)})"

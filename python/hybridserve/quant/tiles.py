@@ -35,28 +35,6 @@ def cpu_linear(w, x: torch.Tensor) -> torch.Tensor:
     return y.reshape(*lead, w.shape[0])
 
 
-class FloatWeight:
-    """A float part of a fused projection whose other parts are quantized (a module a
-    quantized checkpoint leaves unconverted, e.g. the DeltaNet's small ``in_proj_a/b``):
-    the same contract over a plain ``[out, in]`` tensor."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight.contiguous()
-        self.shape = (int(weight.shape[0]), int(weight.shape[1]))
-        self.qtype = {torch.bfloat16: "bf16", torch.float16: "f16"}.get(weight.dtype, "f32")
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.numel() * self.weight.element_size()
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.weight.to(dtype)
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
-
-    def rows(self, start: int, stop: int) -> "FloatWeight":
-        return FloatWeight(self.weight[start:stop])
-
-    def to(self, device) -> "FloatWeight":
-        return FloatWeight(self.weight.to(device))
+# The float part of a fused projection lives with the contract (one class for the
+# safetensors and the GGUF paths); imported here by its old name's users.
+from hybridserve.quant.weight import FloatWeight  # noqa: E402,F401

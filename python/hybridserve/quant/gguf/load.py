@@ -4,7 +4,7 @@ with every quantized tensor kept in its blocks.
 - A projection whose tensors (one, or the parts of a fused one: q|k|v, gate|up, DeltaNet's
   qkv|z|b|a) include a block tensor is served from them (:meth:`Projection.quantize_`,
   a :class:`~hybridserve.quant.ConcatWeight` of the parts; float parts as
-  :class:`~hybridserve.quant.gguf.weights.PlainWeight`); the float weight is never
+  :class:`~hybridserve.quant.weight.FloatWeight`); the float weight is never
   allocated.
 - An MoE layer's routed experts in blocks become
   :class:`~hybridserve.quant.gguf.weights.QuantizedExperts` (views of the file's 3-D
@@ -33,9 +33,8 @@ from hybridserve.quant.ggml import GGMLWeight
 from hybridserve.quant.gguf import names
 from hybridserve.quant.gguf.config import hf_config
 from hybridserve.quant.gguf.reader import GGUFFile, Tensor
-from hybridserve.quant.gguf.weights import (ColumnPermutedWeight, PlainWeight, QuantizedEmbedding,
-                                            QuantizedExperts)
-from hybridserve.quant.weight import ConcatWeight
+from hybridserve.quant.gguf.weights import ColumnPermutedWeight, QuantizedEmbedding, QuantizedExperts
+from hybridserve.quant.weight import ConcatWeight, FloatWeight
 
 
 def gguf_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -68,7 +67,7 @@ class _Loader:
             if perm is not None:
                 w = ColumnPermutedWeight(w, perm)
         else:
-            w = PlainWeight(names.plain_to_hf(local, t.plain(), self.config, (rows, cols)).to(self.dtype),
+            w = FloatWeight(names.plain_to_hf(local, t.plain(), self.config, (rows, cols)).to(self.dtype),
                             t.type_name.lower())
         if tuple(w.shape) != (rows, cols):
             raise CheckpointError(f"GGUF tensor {t.name!r} has shape {list(t.shape)}; the metadata implies "
@@ -114,7 +113,7 @@ class _Loader:
                     per[kind] = [GGMLWeight(t.type_name.lower(), data[e], t.shape[1:]) for e in range(ex.num)]
                 else:
                     vals = t.plain().to(self.dtype)
-                    per[kind] = [PlainWeight(vals[e], t.type_name.lower()) for e in range(ex.num)]
+                    per[kind] = [FloatWeight(vals[e], t.type_name.lower()) for e in range(ex.num)]
             block.experts = QuantizedExperts(per["gate"], per["up"], per["down"])
 
     def load(self, model: Qwen3_5ForServing) -> None:

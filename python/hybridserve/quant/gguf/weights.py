@@ -1,7 +1,8 @@
 """The pieces a GGUF model is served from besides :class:`~hybridserve.quant.ggml.GGMLWeight`:
 
-- :class:`PlainWeight`: a float part of a fused projection whose other parts are blocks
-  (llama-quantize leaves some small tensors in F32/F16);
+- :class:`PlainWeight` (:class:`~hybridserve.quant.weight.FloatWeight`): a float part of a
+  fused projection whose other parts are blocks (llama-quantize leaves some small
+  tensors in F32/F16);
 - :class:`ColumnPermutedWeight`: a block weight whose input features the converter
   permuted (``ssm_out`` under the value-head reorder): the activation is permuted
   instead, the blocks stay as stored;
@@ -19,34 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.quant.ggml import GGMLWeight
-from hybridserve.quant.weight import ConcatWeight, QuantizedWeight
+from hybridserve.quant.weight import ConcatWeight, FloatWeight, QuantizedWeight, SliceError, check_cols
 
 
-class PlainWeight:
-    """A float ``[out, in]`` weight with the :class:`QuantizedWeight` contract."""
-
-    def __init__(self, w: torch.Tensor, qtype: str | None = None):
-        if w.dim() != 2:
-            raise ValueError(f"PlainWeight takes a 2-D weight, got {list(w.shape)}")
-        self.w = w.contiguous()
-        self.shape = (int(w.shape[0]), int(w.shape[1]))
-        self.qtype = qtype or str(w.dtype).removeprefix("torch.")
-
-    @property
-    def nbytes(self) -> int:
-        return self.w.numel() * self.w.element_size()
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w.to(x.dtype))
-
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.w.to(dtype)
-
-    def rows(self, start: int, stop: int) -> "PlainWeight":
-        return PlainWeight(self.w[start:stop], self.qtype)
-
-    def __repr__(self) -> str:
-        return f"PlainWeight({self.qtype}, {list(self.shape)})"
+# The float weight is the safetensors path's too (one class, in quant/weight.py).
+PlainWeight = FloatWeight
 
 
 class ColumnPermutedWeight:
@@ -75,8 +53,34 @@ class ColumnPermutedWeight:
     def rows(self, start: int, stop: int) -> "ColumnPermutedWeight":
         return ColumnPermutedWeight(self.inner.rows(start, stop), self.perm)
 
+    def cols(self, start: int, stop: int) -> QuantizedWeight:
+        """Columns ``start:stop`` of ``W`` (HF's input order). They are stored in runs
+        of consecutive inner columns (under the value-head reorder: one run per value
+        head of a key head's group, ``key heads per rank x head dim`` wide); each run is
+        cut from the inner weight (whole blocks: SliceError otherwise), the runs set side
+        by side, and the shard keeps the permutation that remains among them."""
+        check_cols(self, start, stop)
+        stored = torch.sort(self.inv[start:stop]).values
+        breaks = (torch.nonzero(stored[1:] - stored[:-1] != 1).flatten() + 1).tolist()
+        bounds = [0, *breaks, len(stored)]
+        runs = [self.inner.cols(int(stored[a]), int(stored[b - 1]) + 1) for a, b in zip(bounds, bounds[1:])]
+        inner = runs[0] if len(runs) == 1 else _cat_cols(runs)
+        perm = self.perm.index_select(0, stored) - start
+        if torch.equal(perm, torch.arange(len(perm))):
+            return inner
+        return ColumnPermutedWeight(inner, perm)
+
     def __repr__(self) -> str:
         return f"ColumnPermutedWeight({self.inner!r})"
+
+
+def _cat_cols(parts: list) -> QuantizedWeight:
+    """Column slices of one weight side by side (block or float)."""
+    if all(isinstance(p, GGMLWeight) for p in parts):
+        return GGMLWeight.cat_cols(parts)
+    if all(isinstance(p, FloatWeight) for p in parts):
+        return FloatWeight(torch.cat([p.weight for p in parts], dim=1), parts[0].qtype)
+    raise SliceError(f"columns of {type(parts[0]).__name__} cannot be set side by side")
 
 
 def _dequantize_rows(w: GGMLWeight, ids: torch.Tensor) -> torch.Tensor:
