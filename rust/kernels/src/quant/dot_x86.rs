@@ -110,9 +110,84 @@ macro_rules! kernels {
                 _mm256_cmpeq_epi8(v, _mm256_set1_epi64x(-1))
             }
 
-            /// Blocks of 32 weights: `KIND` [`Q8_0`], [`Q4_0`], [`Q5_0`] (signed values,
-            /// the sign trick) or [`Q5_1`] (unsigned with a min, taken from the
-            /// activation's block sums).
+            /// A 32-weight block at `blk` as unsigned bytes in weight order, the weight
+            /// being `u - off32::<KIND>()` times the block's scale: Q8_0 on VNNI flips
+            /// the sign bit (`w + 128`), Q4_0 / Q5_0 keep their stored `q`; Q5_1 is
+            /// unsigned already. On AVX2, Q8_0 stays signed (`vpmaddubsw` would saturate
+            /// on `w + 128`): [`bdot`] takes the sign trick there.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn unpack32<const KIND: u8>(blk: *const u8) -> __m256i {
+                let m4 = _mm256_set1_epi8(0x0F);
+                // The nibbles of the 16 bytes at `p`: low ones first, then high.
+                macro_rules! nib {
+                    ($p:expr) => {{
+                        let q = _mm_loadu_si128($p as *const __m128i);
+                        _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), m4)
+                    }};
+                }
+                // The fifth bits (a u32 at `p`) as 0x10 bytes.
+                macro_rules! fifth {
+                    ($p:expr) => {
+                        _mm256_and_si256(bits_to_bytes(($p as *const u32).read_unaligned()), _mm256_set1_epi8(0x10))
+                    };
+                }
+                match KIND {
+                    Q8_0 if $vnni => _mm256_xor_si256(ld(blk.add(2)), _mm256_set1_epi8(-128)),
+                    Q8_0 => ld(blk.add(2)),
+                    Q4_0 => nib!(blk.add(2)),
+                    Q5_0 => _mm256_or_si256(nib!(blk.add(6)), fifth!(blk.add(2))),
+                    _ => _mm256_or_si256(nib!(blk.add(8)), fifth!(blk.add(4))),
+                }
+            }
+
+            /// The offset [`unpack32`]'s bytes carry (`OFF` times the activation block's
+            /// sum comes off the integer dot product).
+            const fn off32<const KIND: u8>() -> i32 {
+                match KIND {
+                    Q8_0 if $vnni => 128,
+                    Q4_0 => 8,
+                    Q5_0 => 16,
+                    _ => 0,
+                }
+            }
+
+            /// [`idot`] of unpacked weight bytes `u` ([`unpack32`]) and activation bytes.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn bdot<const KIND: u8>(u: __m256i, x: __m256i) -> __m256i {
+                if KIND == Q8_0 && !$vnni {
+                    idot(_mm256_abs_epi8(u), _mm256_sign_epi8(x, u))
+                } else {
+                    idot(u, x)
+                }
+            }
+
+            /// Lane `i`: the sum of `p[i]`'s eight lanes (integers: exact in any order).
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn sum8(p: &[__m256i; 8]) -> __m256i {
+                macro_rules! pair {
+                    ($a:expr, $b:expr) => {
+                        _mm256_add_epi32(_mm256_unpacklo_epi32($a, $b), _mm256_unpackhi_epi32($a, $b))
+                    };
+                }
+                macro_rules! quad {
+                    ($a:expr, $b:expr) => {
+                        _mm256_add_epi32(_mm256_unpacklo_epi64($a, $b), _mm256_unpackhi_epi64($a, $b))
+                    };
+                }
+                let r0 = quad!(pair!(p[0], p[1]), pair!(p[2], p[3]));
+                let r1 = quad!(pair!(p[4], p[5]), pair!(p[6], p[7]));
+                _mm256_add_epi32(_mm256_permute2x128_si256::<0x20>(r0, r1), _mm256_permute2x128_si256::<0x31>(r0, r1))
+            }
+
+            /// Blocks of 32 weights (`KIND` [`Q8_0`], [`Q4_0`], [`Q5_0`], [`Q5_1`]), one
+            /// weight row against `R` activation rows. The float order is the one
+            /// [`super::super::dot_scalar`] and [`q32_x8`] take: each block's exact
+            /// integer sum `s` gives `f = (d_w d_x) s` (Q5_1: `+ (m d_x) sum_x`), block
+            /// `b` goes to accumulator `b % 8` (a lane here), and the eight are summed as
+            /// [`hsum_ps`] does; so any path gives a row the same bits.
             #[target_feature(enable = $feat)]
             pub unsafe fn q32<const R: usize, const KIND: u8>(
                 w: *const u8,
@@ -125,71 +200,144 @@ macro_rules! kernels {
                     Q5_0 => 22,
                     _ => 24,
                 };
-                // Two accumulators per row (even and odd blocks): one FMA chain per
-                // row would wait on its latency every block.
-                let mut acc = [[_mm256_setzero_ps(); R]; 2];
-                let mut macc = [0.0f32; R];
-                let m4 = _mm256_set1_epi8(0x0F);
-                // A macro, not a closure: closures here can stay out-of-line calls.
-                macro_rules! one {
-                    ($acc:expr, $b:expr) => {{
-                    let (acc, b): (&mut [__m256; R], usize) = ($acc, $b);
-                    let blk = w.add(b * bb);
-                    let dw = h2f(blk);
-                    // The nibbles of the 16 bytes at `p`: low ones first, then high.
-                    macro_rules! nib {
-                        ($p:expr) => {{
-                            let q = _mm_loadu_si128($p as *const __m128i);
-                            _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16::<4>(q), q), m4)
+                let off = off32::<KIND>();
+                let mut acc = [_mm256_setzero_ps(); R];
+                let mut b0 = 0;
+                while b0 < nb {
+                    let nblk = (nb - b0).min(8);
+                    let mut p = [[_mm256_setzero_si256(); 8]; R];
+                    let (mut dh, mut mh) = ([0u16; 8], [0u16; 8]);
+                    macro_rules! block {
+                        ($i:expr) => {{
+                            let i: usize = $i;
+                            let blk = w.add((b0 + i) * bb);
+                            dh[i] = (blk as *const u16).read_unaligned();
+                            if KIND == Q5_1 {
+                                mh[i] = (blk.add(2) as *const u16).read_unaligned();
+                            }
+                            let u = unpack32::<KIND>(blk);
+                            for r in 0..R {
+                                p[r][i] = bdot::<KIND>(u, ld(xs[r].qs.as_ptr().add(32 * (b0 + i)) as *const u8));
+                            }
                         }};
                     }
-                    // The fifth bits (a u32 at `p`) as 0x10 bytes.
-                    macro_rules! fifth {
-                        ($p:expr) => {
-                            _mm256_and_si256(bits_to_bytes(($p as *const u32).read_unaligned()), _mm256_set1_epi8(0x10))
-                        };
-                    }
-                    let wq = match KIND {
-                        Q8_0 => ld(blk.add(2)),
-                        Q4_0 => _mm256_sub_epi8(nib!(blk.add(2)), _mm256_set1_epi8(8)),
-                        Q5_0 => _mm256_sub_epi8(_mm256_or_si256(nib!(blk.add(6)), fifth!(blk.add(2))), _mm256_set1_epi8(16)),
-                        _ => _mm256_or_si256(nib!(blk.add(8)), fifth!(blk.add(4))),
-                    };
-                    let u = if KIND == Q5_1 { wq } else { _mm256_abs_epi8(wq) };
-                    for r in 0..R {
-                        let x = ld(xs[r].qs.as_ptr().add(32 * b) as *const u8);
-                        let x = if KIND == Q5_1 { x } else { _mm256_sign_epi8(x, wq) };
-                        let p = idot(u, x);
-                        let dx = *xs[r].d.get_unchecked(b);
-                        let d = _mm256_set1_ps(dw * dx);
-                        acc[r] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(p), acc[r]);
-                        if KIND == Q5_1 {
-                            macc[r] += h2f(blk.add(2)) * dx * *xs[r].sums.get_unchecked(b) as f32;
+                    if nblk == 8 {
+                        for i in 0..8 {
+                            block!(i);
+                        }
+                    } else {
+                        for i in 0..nblk {
+                            block!(i);
                         }
                     }
-                    }};
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(mh.as_ptr() as *const __m128i));
+                    for r in 0..R {
+                        let (dx, xsum) = if nblk == 8 {
+                            (
+                                _mm256_loadu_ps(xs[r].d.as_ptr().add(b0)),
+                                _mm256_loadu_si256(xs[r].sums.as_ptr().add(b0) as *const __m256i),
+                            )
+                        } else {
+                            let (mut d, mut s) = ([0.0f32; 8], [0i32; 8]);
+                            d[..nblk].copy_from_slice(&xs[r].d[b0..b0 + nblk]);
+                            s[..nblk].copy_from_slice(&xs[r].sums[b0..b0 + nblk]);
+                            (_mm256_loadu_ps(d.as_ptr()), _mm256_loadu_si256(s.as_ptr() as *const __m256i))
+                        };
+                        let mut s = sum8(&p[r]);
+                        if off != 0 {
+                            s = _mm256_sub_epi32(s, _mm256_mullo_epi32(xsum, _mm256_set1_epi32(off)));
+                        }
+                        let mut f = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s));
+                        if KIND == Q5_1 {
+                            f = _mm256_add_ps(f, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
+                        }
+                        acc[r] = _mm256_add_ps(acc[r], f);
+                    }
+                    b0 += 8;
                 }
-                let [a0, a1] = &mut acc;
-                let mut b = 0;
-                while b + 2 <= nb {
-                    one!(&mut *a0, b);
-                    one!(&mut *a1, b + 1);
-                    b += 2;
-                }
-                if b < nb {
-                    one!(&mut *a0, b);
-                }
-                for r in 0..R {
-                    a0[r] = _mm256_add_ps(a0[r], a1[r]);
-                }
-                let acc = *a0;
-                let mut res = [0.0f32; R];
-                for r in 0..R {
-                    res[r] = hsum_ps(acc[r]) + macc[r];
-                }
-                res
+                std::array::from_fn(|r| hsum_ps(acc[r]))
             }
 
+            /// Eight weight rows of 32-weight blocks (`rb` bytes apart) against any
+            /// number of activation rows, as [`q4k_q5k_x8`] lays them out (each block of
+            /// the eight rows unpacked once, transposed so lane `i` is weight row `i`);
+            /// the float steps of [`q32`] lane-wise: `acc[r]` is row `r`'s eight
+            /// accumulators (block `b` into `8 (b % 8)..`), zeroed here, and on return
+            /// `acc[r][..8]` holds the eight outputs. Equal to [`q32`] bit for bit.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q32_x8<const KIND: u8>(
+                w: *const u8,
+                rb: usize,
+                nb: usize,
+                xs: &[ActRow<'_>],
+                acc: &mut [[f32; 64]],
+            ) {
+                let bb = match KIND {
+                    Q8_0 => 34,
+                    Q4_0 => 18,
+                    Q5_0 => 22,
+                    _ => 24,
+                };
+                let off = off32::<KIND>();
+                let signed = KIND == Q8_0 && !$vnni;
+                for a in acc.iter_mut() {
+                    a.fill(0.0);
+                }
+                for b in 0..nb {
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    let (mut dh, mut mh) = ([0u16; 8], [0u16; 8]);
+                    for i in 0..8 {
+                        let blk = w.add(i * rb + b * bb);
+                        dh[i] = (blk as *const u16).read_unaligned();
+                        if KIND == Q5_1 {
+                            mh[i] = (blk.add(2) as *const u16).read_unaligned();
+                        }
+                        v[i] = unpack32::<KIND>(blk);
+                    }
+                    // Signed Q8_0 on AVX2: magnitudes to multiply, the weights for the signs.
+                    let vs = transpose8(&v);
+                    let vu = if signed { transpose8(&v.map(|r| _mm256_abs_epi8(r))) } else { vs };
+                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
+                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(mh.as_ptr() as *const __m128i));
+                    let l = 8 * (b % 8);
+                    for (r, x) in xs.iter().enumerate() {
+                        let xp = x.qs.as_ptr().add(32 * b) as *const i32;
+                        let (mut p0, mut p1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+                        for q in 0..4 {
+                            let mut x0 = _mm256_set1_epi32(xp.add(2 * q).read_unaligned());
+                            let mut x1 = _mm256_set1_epi32(xp.add(2 * q + 1).read_unaligned());
+                            if signed {
+                                x0 = _mm256_sign_epi8(x0, vs[2 * q]);
+                                x1 = _mm256_sign_epi8(x1, vs[2 * q + 1]);
+                            }
+                            p0 = idot_acc(p0, vu[2 * q], x0);
+                            p1 = idot_acc(p1, vu[2 * q + 1], x1);
+                        }
+                        let xsum = *x.sums.get_unchecked(b);
+                        let mut s = _mm256_add_epi32(p0, p1);
+                        if off != 0 {
+                            s = _mm256_sub_epi32(s, _mm256_set1_epi32(off * xsum));
+                        }
+                        let dx = _mm256_set1_ps(*x.d.get_unchecked(b));
+                        let mut f = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s));
+                        if KIND == Q5_1 {
+                            f = _mm256_add_ps(f, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_set1_ps(xsum as f32)));
+                        }
+                        let a = acc.get_unchecked_mut(r).as_mut_ptr().add(l);
+                        _mm256_storeu_ps(a, _mm256_add_ps(_mm256_loadu_ps(a), f));
+                    }
+                }
+                // The eight accumulators summed in `hsum_ps`'s order, lane-wise.
+                for a in acc.iter_mut().take(xs.len()) {
+                    let v: [__m256; 8] = std::array::from_fn(|l| _mm256_loadu_ps(a.as_ptr().add(8 * l)));
+                    let t = _mm256_add_ps(
+                        _mm256_add_ps(_mm256_add_ps(v[0], v[4]), _mm256_add_ps(v[2], v[6])),
+                        _mm256_add_ps(_mm256_add_ps(v[1], v[5]), _mm256_add_ps(v[3], v[7])),
+                    );
+                    _mm256_storeu_ps(a.as_mut_ptr(), t);
+                }
+            }
             /// Q4_K (`FIVE = false`) or Q5_K weights.
             #[target_feature(enable = $feat)]
             pub unsafe fn q4k_q5k<const R: usize, const FIVE: bool>(
