@@ -23,6 +23,13 @@ pub const Q4_0: u8 = 1;
 pub const Q5_0: u8 = 2;
 pub const Q5_1: u8 = 3;
 
+/// Bytes ahead of the weight being read that the one-row kernels prefetch (the
+/// timing harness in `quant::timing` compared 0.5 to 16 KiB; 2 to 4 KiB read fastest).
+#[inline(always)]
+fn pf_dist() -> usize {
+    2048
+}
+
 macro_rules! kernels {
     ($name:ident, $feat:literal, $vnni:literal) => {
         pub mod $name {
@@ -163,6 +170,30 @@ macro_rules! kernels {
                 }
             }
 
+            /// Eight float16 bit patterns in a register, built in registers: a 128-bit
+            /// load over eight 16-bit stores would wait for them (no store forwarding).
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn halves(h: &[u16; 8]) -> __m128i {
+                let w = |i: usize| h[i] as i64 | (h[i + 1] as i64) << 16 | (h[i + 2] as i64) << 32 | (h[i + 3] as i64) << 48;
+                let (lo, hi) = (w(0), w(4));
+                _mm_set_epi64x(hi, lo)
+            }
+
+            /// Asks for the cache lines of `len` bytes from `p` (may lie past the weight:
+            /// a prefetch does not fault). One weight row streams from memory: the
+            /// hardware prefetcher alone keeps too few lines in flight for a kernel
+            /// that spends tens of cycles on each.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn prefetch(p: *const u8, len: usize) {
+                let mut o = 0;
+                while o < len {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8);
+                    o += 64;
+                }
+            }
+
             /// Lane `i`: the sum of `p[i]`'s eight lanes (integers: exact in any order).
             #[inline]
             #[target_feature(enable = $feat)]
@@ -201,10 +232,12 @@ macro_rules! kernels {
                     _ => 24,
                 };
                 let off = off32::<KIND>();
+                let pf = super::pf_dist();
                 let mut acc = [_mm256_setzero_ps(); R];
                 let mut b0 = 0;
                 while b0 < nb {
                     let nblk = (nb - b0).min(8);
+                    prefetch(w.wrapping_add(b0 * bb + pf), 8 * bb);
                     let mut p = [[_mm256_setzero_si256(); 8]; R];
                     let (mut dh, mut mh) = ([0u16; 8], [0u16; 8]);
                     macro_rules! block {
@@ -230,8 +263,8 @@ macro_rules! kernels {
                             block!(i);
                         }
                     }
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
-                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(mh.as_ptr() as *const __m128i));
+                    let dw = _mm256_cvtph_ps(halves(&dh));
+                    let mw = if KIND == Q5_1 { _mm256_cvtph_ps(halves(&mh)) } else { _mm256_setzero_ps() };
                     for r in 0..R {
                         let (dx, xsum) = if nblk == 8 {
                             (
@@ -298,8 +331,8 @@ macro_rules! kernels {
                     // Signed Q8_0 on AVX2: magnitudes to multiply, the weights for the signs.
                     let vs = transpose8(&v);
                     let vu = if signed { transpose8(&v.map(|r| _mm256_abs_epi8(r))) } else { vs };
-                    let dw = _mm256_cvtph_ps(_mm_loadu_si128(dh.as_ptr() as *const __m128i));
-                    let mw = _mm256_cvtph_ps(_mm_loadu_si128(mh.as_ptr() as *const __m128i));
+                    let dw = _mm256_cvtph_ps(halves(&dh));
+                    let mw = if KIND == Q5_1 { _mm256_cvtph_ps(halves(&mh)) } else { _mm256_setzero_ps() };
                     let l = 8 * (b % 8);
                     for (r, x) in xs.iter().enumerate() {
                         let xp = x.qs.as_ptr().add(32 * b) as *const i32;
@@ -734,42 +767,93 @@ macro_rules! kernels {
                 }
             }
 
+            /// Int32 scales in lanes as [`sdot`] takes them: as they are for VNNI's
+            /// `vpmulld`, each repeated in both 16-bit halves for `vpmaddwd`.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn scale_lanes(s: __m256i) -> __m256i {
+                if $vnni {
+                    s
+                } else {
+                    _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(s))
+                }
+            }
+
+            /// A Q6_K half's four groups of 32 six-bit values from its 32 + 32 low-nibble
+            /// bytes `a`, `bq` and 32 high-bit bytes `qh`. With AVX-512VL one ternary-logic
+            /// instruction takes "low nibble of one, bits 4..6 of the other, zero above".
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn q6_groups(a: __m256i, bq: __m256i, qh: __m256i) -> [__m256i; 4] {
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x30);
+                if $vnni {
+                    // `m4 ? lo : hi` bitwise (truth table 0xD8 on (hi, lo, m4)), then the
+                    // two bits above the six cleared.
+                    let m6 = _mm256_set1_epi8(0x3F);
+                    macro_rules! sel {
+                        ($lo:expr, $hi:expr) => {
+                            _mm256_and_si256(_mm256_ternarylogic_epi32::<0xD8>($hi, $lo, m4), m6)
+                        };
+                    }
+                    let _ = m2;
+                    [
+                        sel!(a, _mm256_slli_epi16::<4>(qh)),
+                        sel!(bq, _mm256_slli_epi16::<2>(qh)),
+                        sel!(_mm256_srli_epi16::<4>(a), qh),
+                        sel!(_mm256_srli_epi16::<4>(bq), _mm256_srli_epi16::<2>(qh)),
+                    ]
+                } else {
+                    [
+                        _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(qh), m2)),
+                        _mm256_or_si256(_mm256_and_si256(bq, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(qh), m2)),
+                        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(a), m4), _mm256_and_si256(qh, m2)),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(bq), m4),
+                            _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
+                        ),
+                    ]
+                }
+            }
+
             /// Q6_K weights.
             #[target_feature(enable = $feat)]
             pub unsafe fn q6k<const R: usize>(w: *const u8, nb: usize, xs: &[ActRow<'_>; R]) -> [f32; R] {
-                let m4 = _mm256_set1_epi8(0x0F);
-                let m2 = _mm256_set1_epi8(0x30);
                 let mut acc = [0.0f32; R];
+                // Lanes 0..4 take scale 2k of a half's eight, 4..8 scale 2k + 1.
+                let pick = [
+                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
+                    _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+                    _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
+                    _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7),
+                ];
+                let pf = super::pf_dist();
                 for b in 0..nb {
                     let blk = w.add(b * 210);
+                    prefetch(blk.wrapping_add(pf), 210);
                     let sc = std::slice::from_raw_parts(blk.add(192), 16);
                     let d = h2f(blk.add(208));
+                    // The sixteen scales widened once (lane j: scale j, and 8 + j); each
+                    // group's scale register is then one lane permute.
+                    let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr() as *const __m128i));
+                    let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i));
+                    let (sp_lo, sp_hi) = (scale_lanes(sc_lo), scale_lanes(sc_hi));
                     let mut isum = [_mm256_setzero_si256(); R];
                     for h in 0..2 {
                         let a = ld(blk.add(64 * h));
                         let bq = ld(blk.add(64 * h + 32));
                         let qh = ld(blk.add(128 + 32 * h));
-                        let groups = [
-                            _mm256_or_si256(_mm256_and_si256(a, m4), _mm256_and_si256(_mm256_slli_epi16::<4>(qh), m2)),
-                            _mm256_or_si256(_mm256_and_si256(bq, m4), _mm256_and_si256(_mm256_slli_epi16::<2>(qh), m2)),
-                            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(a), m4), _mm256_and_si256(qh, m2)),
-                            _mm256_or_si256(
-                                _mm256_and_si256(_mm256_srli_epi16::<4>(bq), m4),
-                                _mm256_and_si256(_mm256_srli_epi16::<2>(qh), m2),
-                            ),
-                        ];
+                        let groups = q6_groups(a, bq, qh);
                         for (k, &u) in groups.iter().enumerate() {
                             let g = 4 * h + k;
-                            let s = scales(sc[2 * g] as i8 as i32, sc[2 * g + 1] as i8 as i32);
+                            let s = _mm256_permutevar8x32_epi32(if h == 0 { sp_lo } else { sp_hi }, pick[k]);
                             for r in 0..R {
                                 let x = ld(xs[r].qs.as_ptr().add(256 * b + 32 * g) as *const u8);
                                 isum[r] = _mm256_add_epi32(isum[r], sdot(u, x, s));
                             }
                         }
                     }
-                    // The offset 32 sum_g sc_g sums_g, in lanes: scales widened to int32.
-                    let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr() as *const __m128i));
-                    let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i));
+                    // The offset 32 sum_g sc_g sums_g, in lanes.
                     for r in 0..R {
                         let s = xs[r].sums.as_ptr().add(16 * b);
                         let off = _mm256_add_epi32(

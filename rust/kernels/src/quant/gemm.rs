@@ -106,9 +106,16 @@ pub fn quant_matmul_with<T: Elem>(
         act.set_row(t, xr);
     }
     let act = &act;
-    let tasks = n.div_ceil(ROWS_PER_TASK);
+    // One or two activation rows stream the weight: a few long runs of rows per thread
+    // keep each thread's reads sequential (and its prefetches on its own rows).
+    let per_task = if m <= 2 {
+        n.div_ceil(8 * crate::pool::num_threads()).next_multiple_of(8).max(ROWS_PER_TASK)
+    } else {
+        ROWS_PER_TASK
+    };
+    let tasks = n.div_ceil(per_task);
     for_each_task(tasks, m * n * k / 4, |task| {
-        let (j0, j1) = (task * ROWS_PER_TASK, ((task + 1) * ROWS_PER_TASK).min(n));
+        let (j0, j1) = (task * per_task, ((task + 1) * per_task).min(n));
         let mut j = j0;
         // Many rows: eight weight rows per pass, each block unpacked once for all rows.
         #[cfg(target_arch = "x86_64")]
