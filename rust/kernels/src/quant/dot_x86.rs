@@ -23,11 +23,30 @@ pub const Q4_0: u8 = 1;
 pub const Q5_0: u8 = 2;
 pub const Q5_1: u8 = 3;
 
-/// Bytes ahead of the weight being read that the one-row kernels prefetch (the
-/// timing harness in `quant::timing` compared 0.5 to 16 KiB; 2 to 4 KiB read fastest).
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Bytes ahead of the weight being read that the one-row kernels prefetch, and ahead
+/// in each of the eight weight rows the many-row kernels read at once (atomics only
+/// so that the timing harness can compare distances in one process).
+static PF_DIST: AtomicUsize = AtomicUsize::new(2048);
+static PF_ROWS_DIST: AtomicUsize = AtomicUsize::new(512);
+
 #[inline(always)]
 fn pf_dist() -> usize {
-    2048
+    PF_DIST.load(Ordering::Relaxed)
+}
+
+#[inline(always)]
+fn pf_rows() -> usize {
+    PF_ROWS_DIST.load(Ordering::Relaxed)
+}
+
+/// Sets the prefetch distances (one-row, many-row); 0 turns a prefetch off... in effect
+/// it re-reads the current line, which is already there.
+#[cfg(test)]
+pub(crate) fn set_prefetch(one: usize, rows: usize) {
+    PF_DIST.store(one, Ordering::Relaxed);
+    PF_ROWS_DIST.store(rows, Ordering::Relaxed);
 }
 
 macro_rules! kernels {
@@ -317,7 +336,15 @@ macro_rules! kernels {
                 for a in acc.iter_mut() {
                     a.fill(0.0);
                 }
+                // The eight rows are one run of `8 rb` bytes, read a block of each row at a
+                // time: too many short streams for the hardware prefetcher. The next pass's
+                // run is asked for a slice per block instead.
+                let pf_on = super::pf_rows() != 0;
+                let slice = (8 * rb).div_ceil(nb);
                 for b in 0..nb {
+                    if pf_on {
+                        prefetch(w.wrapping_add(8 * rb + b * slice), slice);
+                    }
                     let mut v = [_mm256_setzero_si256(); 8];
                     let (mut dh, mut mh) = ([0u16; 8], [0u16; 8]);
                     for i in 0..8 {
@@ -383,8 +410,10 @@ macro_rules! kernels {
                 let m4 = _mm256_set1_epi8(0x0F);
                 let h5 = _mm256_set1_epi8(0x10);
                 let mut acc = [0.0f32; R];
+                let pf = super::pf_dist();
                 for b in 0..nb {
                     let blk = w.add(b * bb);
+                    prefetch(blk.wrapping_add(pf), bb);
                     let (d, dmin) = (h2f(blk), h2f(blk.add(2)));
                     // Unpacked in straight code: a closure here stays an out-of-line call.
                     let q = &*(blk.add(4) as *const [u8; 12]);
@@ -558,7 +587,15 @@ macro_rules! kernels {
                 let m4 = _mm256_set1_epi8(0x0F);
                 let h5 = _mm256_set1_epi8(0x10);
                 let mut isum = vec![_mm256_setzero_si256(); xs.len()];
+                // The eight rows are one run of `8 rb` bytes, read a block of each row at a
+                // time: too many short streams for the hardware prefetcher. The next pass's
+                // run is asked for a slice per block instead.
+                let pf_on = super::pf_rows() != 0;
+                let slice = (8 * rb).div_ceil(nb);
                 for b in 0..nb {
+                    if pf_on {
+                        prefetch(w.wrapping_add(8 * rb + b * slice), slice);
+                    }
                     // v[j][i]: sub-block j of weight row i (32 bytes), then transposed.
                     let mut v = [[_mm256_setzero_si256(); 8]; 8];
                     let mut sc = [[0i32; 8]; 8];
@@ -647,7 +684,15 @@ macro_rules! kernels {
                 let m4 = _mm256_set1_epi8(0x0F);
                 let m2 = _mm256_set1_epi8(0x30);
                 let mut isum = vec![_mm256_setzero_si256(); xs.len()];
+                // The eight rows are one run of `8 rb` bytes, read a block of each row at a
+                // time: too many short streams for the hardware prefetcher. The next pass's
+                // run is asked for a slice per block instead.
+                let pf_on = super::pf_rows() != 0;
+                let slice = (8 * rb).div_ceil(nb);
                 for b in 0..nb {
+                    if pf_on {
+                        prefetch(w.wrapping_add(8 * rb + b * slice), slice);
+                    }
                     let mut v = [[_mm256_setzero_si256(); 8]; 8];
                     let mut sc = [[0i32; 8]; 16];
                     let mut dv = [0.0f32; 8];

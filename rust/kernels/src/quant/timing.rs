@@ -39,10 +39,10 @@ fn weight(ty: GgmlType, n: usize, k: usize, seed: usize) -> Vec<u8> {
     w
 }
 
+/// Copies enough to spill the last-level cache; one with QT_HOT set (compute alone).
 fn ring<T>(bytes_each: usize, mut make: impl FnMut(usize) -> T) -> Vec<T> {
-    (0..RING_BYTES.div_ceil(bytes_each).max(1))
-        .map(&mut make)
-        .collect()
+    let copies = if std::env::var("QT_HOT").is_ok() { 1 } else { RING_BYTES.div_ceil(bytes_each).max(1) };
+    (0..copies).map(&mut make).collect()
 }
 
 /// Sums the bytes as u64 words, split over the pool as the GEMM splits rows.
@@ -61,6 +61,31 @@ fn read_all(w: &[u8]) -> u64 {
     total.into_inner()
 }
 
+#[repr(C)]
+struct Timespec {
+    sec: i64,
+    nsec: i64,
+}
+extern "C" {
+    fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+}
+
+/// Seconds: CPU time of this thread with QT_CPU set (one thread: the kernel runs inline,
+/// and time the thread spends descheduled on a loaded machine does not count), else
+/// wall-clock time.
+fn now() -> f64 {
+    if std::env::var("QT_CPU").is_ok() {
+        let mut ts = Timespec { sec: 0, nsec: 0 };
+        // SAFETY: CLOCK_THREAD_CPUTIME_ID (3) with a valid out pointer.
+        unsafe { clock_gettime(3, &mut ts) };
+        ts.sec as f64 + ts.nsec as f64 * 1e-9
+    } else {
+        use std::sync::OnceLock;
+        static T0: OnceLock<Instant> = OnceLock::new();
+        T0.get_or_init(Instant::now).elapsed().as_secs_f64()
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     v[v.len() / 2]
@@ -68,16 +93,20 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Runs each named closure `reps` times per round, rounds interleaved; medians in ms.
 fn interleave(fns: &mut [(String, Box<dyn FnMut() + '_>)], rounds: usize, reps: usize) -> Vec<f64> {
-    let mut samples = vec![vec![]; fns.len()];
+    let mut samples: Vec<Vec<f64>> = vec![vec![]; fns.len()];
     for _ in 0..rounds {
         for (i, (_, f)) in fns.iter_mut().enumerate() {
             f();
             for _ in 0..reps {
-                let t0 = Instant::now();
+                let t0 = now();
                 f();
-                samples[i].push(t0.elapsed().as_secs_f64() * 1e3);
+                samples[i].push((now() - t0) * 1e3);
             }
         }
+    }
+    for (s, (name, _)) in samples.iter().zip(fns.iter()) {
+        let min = s.iter().cloned().fold(f64::MAX, f64::min);
+        println!("  {name}: min {min:.3} ms");
     }
     samples.into_iter().map(median).collect()
 }
@@ -128,14 +157,11 @@ fn lm_head_one_row() {
 fn sixteen_rows() {
     let th = threads();
     set_num_threads(th);
-    let m: usize = std::env::var("QT_ROWS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(16);
+    let m: usize = std::env::var("QT_ROWS").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
     let (n, k) = (4096, 768);
     let x: Vec<f32> = (0..m * k).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
     let xb: Vec<u16> = x.iter().map(|&v| crate::bf16::from_f32(v)).collect();
-    let types = [
+    let all = [
         GgmlType::Q8_0,
         GgmlType::Q4_0,
         GgmlType::Q5_0,
@@ -144,48 +170,48 @@ fn sixteen_rows() {
         GgmlType::Q5K,
         GgmlType::Q6K,
     ];
+    // QT_TYPES=q8_0,q4_k: a subset; QT_PF_ROWS=0,512: each type at each many-row
+    // prefetch distance.
+    let types: Vec<GgmlType> = match std::env::var("QT_TYPES") {
+        Ok(v) => all.into_iter().filter(|t| v.split(',').any(|n| n == t.name())).collect(),
+        Err(_) => all.to_vec(),
+    };
+    let dists: Vec<usize> = std::env::var("QT_PF_ROWS")
+        .ok()
+        .map(|v| v.split(',').map(|d| d.parse().unwrap()).collect())
+        .unwrap_or(vec![512]);
     let wb = ring(n * k * 2, |s| {
-        (0..n * k)
-            .map(|i| crate::bf16::from_f32(((i * 7 + s) % 19) as f32 * 0.001))
-            .collect::<Vec<u16>>()
+        (0..n * k).map(|i| crate::bf16::from_f32(((i * 7 + s) % 19) as f32 * 0.001)).collect::<Vec<u16>>()
     });
-    let wq: Vec<Vec<Vec<u8>>> = types
-        .iter()
-        .map(|&ty| ring(ty.row_bytes(k) * n, |s| weight(ty, n, k, s)))
-        .collect();
-    let mut outs = vec![vec![0.0f32; m * n]; types.len() + 1];
-    let mut idx = vec![0usize; types.len() + 1];
+    let wq: Vec<Vec<Vec<u8>>> = types.iter().map(|&ty| ring(ty.row_bytes(k) * n, |s| weight(ty, n, k, s))).collect();
+    let out = std::cell::RefCell::new(vec![0.0f32; m * n]);
+    let turn = std::cell::Cell::new(0usize);
     let mut fns: Vec<(String, Box<dyn FnMut() + '_>)> = vec![];
-    let (o0, rest) = outs.split_first_mut().unwrap();
-    let (i0, irest) = idx.split_first_mut().unwrap();
-    let (xr, xbr, wbr) = (&x, &xb, &wb);
+    let (xr, xbr, wbr, outr, turnr) = (&x, &xb, &wb, &out, &turn);
     fns.push((
         "bf16".into(),
         Box::new(move || {
-            *i0 = (*i0 + 1) % wbr.len();
-            matmul_bf16(Rows::dense(xbr, k).unwrap(), &wbr[*i0], n, Out::F32(o0)).unwrap()
+            turnr.set(turnr.get() + 1);
+            let w = &wbr[turnr.get() % wbr.len()];
+            matmul_bf16(Rows::dense(xbr, k).unwrap(), w, n, Out::F32(&mut outr.borrow_mut())).unwrap()
         }),
     ));
-    for (((ty, o), i), r) in types
-        .iter()
-        .zip(rest.iter_mut())
-        .zip(irest.iter_mut())
-        .zip(wq.iter())
-    {
-        let ty = *ty;
-        fns.push((
-            ty.name().into(),
-            Box::new(move || {
-                *i = (*i + 1) % r.len();
-                quant_matmul(Rows::dense(xr, k).unwrap(), &r[*i], ty, Out::F32(o)).unwrap()
-            }),
-        ));
+    for (&ty, r) in types.iter().zip(wq.iter()) {
+        for &d in &dists {
+            fns.push((
+                format!("{} pf={d}", ty.name()),
+                Box::new(move || {
+                    super::dot_x86::set_prefetch(2048, d);
+                    turnr.set(turnr.get() + 1);
+                    let w = &r[turnr.get() % r.len()];
+                    quant_matmul(Rows::dense(xr, k).unwrap(), w, ty, Out::F32(&mut outr.borrow_mut())).unwrap()
+                }),
+            ));
+        }
     }
-    let med = interleave(&mut fns, 5, 5);
+    let med = interleave(&mut fns, 7, 5);
     for ((name, _), ms) in fns.iter().zip(&med) {
-        println!(
-            "{m} rows {n}x{k} threads={th} {name}: {ms:.3} ms, {:.2}x bf16",
-            med[0] / ms
-        );
+        println!("{m} rows {n}x{k} threads={th} {name}: {ms:.3} ms, {:.2}x bf16", med[0] / ms);
     }
+    super::dot_x86::set_prefetch(2048, 512);
 }
