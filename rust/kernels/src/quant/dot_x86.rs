@@ -694,14 +694,16 @@ macro_rules! kernels {
                         prefetch(w.wrapping_add(8 * rb + b * slice), slice);
                     }
                     let mut v = [[_mm256_setzero_si256(); 8]; 8];
-                    let mut sc = [[0i32; 8]; 16];
-                    let mut dv = [0.0f32; 8];
+                    // Scales widened per row (row i: scales 0..8, 8..16), then transposed:
+                    // `sc[gi]` lane i is row i's scale gi.
+                    let (mut slo, mut shi) = ([_mm256_setzero_si256(); 8], [_mm256_setzero_si256(); 8]);
+                    let mut dh = [0u16; 8];
                     for i in 0..8 {
                         let blk = w.add(i * rb + b * 210);
-                        dv[i] = h2f(blk.add(208));
-                        for (gi, s) in sc.iter_mut().enumerate() {
-                            s[i] = *blk.add(192 + gi) as i8 as i32;
-                        }
+                        dh[i] = (blk.add(208) as *const u16).read_unaligned();
+                        let s16 = _mm_loadu_si128(blk.add(192) as *const __m128i);
+                        slo[i] = _mm256_cvtepi8_epi32(s16);
+                        shi[i] = _mm256_cvtepi8_epi32(_mm_srli_si128::<8>(s16));
                         for h in 0..2 {
                             let a = ld(blk.add(64 * h));
                             let bq = ld(blk.add(64 * h + 32));
@@ -723,13 +725,23 @@ macro_rules! kernels {
                     for vg in v.iter_mut() {
                         *vg = transpose8(vg);
                     }
+                    let (tlo, thi) = (transpose8(&slo), transpose8(&shi));
+                    macro_rules! sc {
+                        ($gi:expr) => {{
+                            let gi: usize = $gi;
+                            if gi < 8 {
+                                tlo[gi]
+                            } else {
+                                thi[gi - 8]
+                            }
+                        }};
+                    }
                     for s in isum.iter_mut() {
                         *s = _mm256_setzero_si256();
                     }
                     for g in 0..8 {
                         let vg = &v[g];
-                        let s0 = _mm256_loadu_si256(sc[2 * g].as_ptr() as *const __m256i);
-                        let s1 = _mm256_loadu_si256(sc[2 * g + 1].as_ptr() as *const __m256i);
+                        let (s0, s1) = (sc!(2 * g), sc!(2 * g + 1));
                         for (r, x) in xs.iter().enumerate() {
                             let xp = x.qs.as_ptr().add(256 * b + 32 * g) as *const i32;
                             let (mut p0, mut p1) = (_mm256_setzero_si256(), _mm256_setzero_si256());
@@ -741,18 +753,26 @@ macro_rules! kernels {
                             *s = _mm256_add_epi32(*s, _mm256_add_epi32(_mm256_mullo_epi32(p0, s0), _mm256_mullo_epi32(p1, s1)));
                         }
                     }
-                    let d = _mm256_loadu_ps(dv.as_ptr());
-                    // Scales (int8) and 16-sums (at most 16 x 127 in size) fit int16.
-                    let sp: [__m256i; 8] = std::array::from_fn(|k| {
-                        let pair: [i32; 8] = std::array::from_fn(|i| (sc[2 * k][i] & 0xFFFF) | (sc[2 * k + 1][i] << 16));
-                        _mm256_loadu_si256(pair.as_ptr() as *const __m256i)
-                    });
+                    let d = _mm256_cvtph_ps(halves(&dh));
+                    // Scales (int8) and 16-sums (at most 16 x 127 in size) fit int16: pairs
+                    // (2k, 2k + 1) in one int32 lane each, for `vpmaddwd`.
+                    let lo16 = _mm256_set1_epi32(0xFFFF);
+                    let mut sp = [_mm256_setzero_si256(); 8];
+                    for (k, spk) in sp.iter_mut().enumerate() {
+                        *spk = _mm256_or_si256(_mm256_and_si256(sc!(2 * k), lo16), _mm256_slli_epi32::<16>(sc!(2 * k + 1)));
+                    }
                     for (r, x) in xs.iter().enumerate() {
                         let s = x.sums.as_ptr().add(16 * b);
+                        // The sixteen sums as int16 pairs: `vpackssdw` packs within 128-bit
+                        // halves, the permute puts the pairs back in order.
+                        let pk = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packs_epi32(
+                            _mm256_loadu_si256(s as *const __m256i),
+                            _mm256_loadu_si256(s.add(8) as *const __m256i),
+                        ));
                         let mut off = _mm256_setzero_si256();
-                        for k in 0..8 {
-                            let bs = _mm256_set1_epi32((*s.add(2 * k) & 0xFFFF) | (*s.add(2 * k + 1) << 16));
-                            off = _mm256_add_epi32(off, _mm256_madd_epi16(sp[k], bs));
+                        for (k, spk) in sp.iter().enumerate() {
+                            let bs = _mm256_permutevar8x32_epi32(pk, _mm256_set1_epi32(k as i32));
+                            off = _mm256_add_epi32(off, _mm256_madd_epi16(*spk, bs));
                         }
                         let v = _mm256_sub_epi32(*isum.get_unchecked(r), _mm256_slli_epi32::<5>(off));
                         let dx = _mm256_set1_ps(*x.d.get_unchecked(b));
