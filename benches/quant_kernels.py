@@ -7,8 +7,8 @@ GEMM, at the projection shapes of the llama.cpp side-by-side bench's presets.
    the bfloat16 weight, bfloat16 activations both. Reported: milliseconds, GB/s of
    weight bytes read (the decode bound), and the speed-up over bfloat16.
 2. **Crossover** (``--only crossover``): for the prefill path, the native GEMM against
-   dequantized tiles into torch's GEMM (``GGMLWeight.linear``'s two paths) as rows grow;
-   sets ``hybridserve.quant.ggml.NATIVE_MAX_ROWS``.
+   dequantized tiles into torch's GEMM (``GGMLWeight.linear``'s two paths) as rows grow,
+   per type; sets ``hybridserve.quant.tiles.NATIVE_MAX_ROWS``.
 
 Every weight is used from a ring of copies larger than the last-level cache (a model's
 weights come from memory); ratios are measured in one run, rounds alternated, medians
@@ -21,6 +21,7 @@ Weights are random valid blocks (the kernels' time does not depend on the values
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -63,13 +64,19 @@ class Ring:
         return self.items[self.i]
 
 
+# Wall-clock time, or with ``--clock thread`` this thread's CPU time: at one thread the
+# kernels and torch run on the calling thread, and on a machine other jobs load the time
+# spent descheduled then does not count.
+CLOCK = time.perf_counter
+
+
 def timed(fn, reps: int) -> list[float]:
     fn()
     out = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        out.append(time.perf_counter() - t0)
+        out.append(CLOCK() - t0)
     return out
 
 
@@ -108,28 +115,29 @@ def gemm_table(threads: list[int], presets: list[str], types: list[str], rows_li
             del wb, wq
 
 
-def crossover(threads: list[int], rounds: int, reps: int) -> None:
+def crossover(threads: list[int], types: list[str], rows_list: list[int], rounds: int, reps: int) -> None:
+    from hybridserve.quant import tiles
+
     rng = np.random.default_rng(1)
     n, k = SHAPES["peer-0.1b"]["gate_up"]
     print("\n| type | threads | rows | native GEMM ms | dequantized tiles + torch ms | native / tiles |")
     print("|---|---|---|---|---|---|")
-    for t in ("q8_0", "q4_k", "q6_k"):
+    for t in types:
         w = GGMLWeight(t, random_blocks(t, n, k, rng), (n, k))
         for th in threads:
             torch.set_num_threads(th)
             native.set_threads(th)
-            for rows in (8, 16, 32, 64, 128, 256):
+            for rows in rows_list:
                 x = torch.randn(rows, k).to(torch.bfloat16)
-                from hybridserve.quant import ggml as g
 
-                def tiles():
-                    old = g.NATIVE_MAX_ROWS
-                    g.NATIVE_MAX_ROWS = 0
+                def tiles_path():
+                    old = tiles.NATIVE_MAX_ROWS.get(t)
+                    tiles.NATIVE_MAX_ROWS[t] = 0
                     try:
                         return w.linear(x)
                     finally:
-                        g.NATIVE_MAX_ROWS = old
-                med = alternate({"native": lambda: qk.matmul(x, w.data, w.type.ggml_id), "tiles": tiles},
+                        tiles.NATIVE_MAX_ROWS[t] = old
+                med = alternate({"native": lambda: qk.matmul(x, w.data, w.type.ggml_id), "tiles": tiles_path},
                                 rounds, reps)
                 print(f"| {t} | {th} | {rows} | {med['native'] * 1e3:.2f} | {med['tiles'] * 1e3:.2f} | "
                       f"{med['native'] / med['tiles']:.2f} |", flush=True)
@@ -141,18 +149,25 @@ def main() -> None:
     ap.add_argument("--presets", nargs="+", default=list(SHAPES))
     ap.add_argument("--types", nargs="+", default=list(GGML_TYPES))
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--cross-rows", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", choices=["gemm", "crossover"])
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall")
     a = ap.parse_args()
+    if a.clock == "thread":
+        if a.threads != [1]:
+            raise SystemExit("--clock thread measures one thread: use --threads 1")
+        global CLOCK
+        CLOCK = time.thread_time
     if not qk.available():
         raise SystemExit("the extension lacks the quantized kernels: rebuild (pip install -e .)")
     print(f"torch threads: {a.threads}; quant ISA: {qk.isa()}; bf16 ISA: {native.bf16_isa()}; "
-          f"torch {torch.__version__}")
+          f"torch {torch.__version__}; clock: {a.clock}; load average: {os.getloadavg()}")
     if a.only != "crossover":
         gemm_table(a.threads, a.presets, a.types, a.rows, a.rounds, a.reps)
     if a.only != "gemm":
-        crossover(a.threads, a.rounds, a.reps)
+        crossover(a.threads, a.types, a.cross_rows, a.rounds, a.reps)
 
 
 if __name__ == "__main__":

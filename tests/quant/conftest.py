@@ -89,7 +89,7 @@ from hybridserve.memory.layout import arena_layout
 from hybridserve.model import ForwardBatch, load_model
 from hybridserve.model.cache import dtype_name
 from hybridserve.sampling import SamplingParams
-from hybridserve.quant.tiles import NATIVE_MAX_ROWS
+from hybridserve.quant.tiles import native_max_rows
 from hybridserve.quant.tiny import DENSE, MOE, write_quantized_checkpoint
 
 KINDS = {"dense": DENSE, "moe": MOE}
@@ -195,7 +195,7 @@ def kernel_cases(weight, dequantized, rows=range(1, 18)):
     for m in rows:
         for dt in (torch.float32, torch.bfloat16):
             x = torch.randn(m, weight.shape[1], generator=gen).to(dt)
-            native = m <= NATIVE_MAX_ROWS and weight.native(x) is not None
+            native = m <= native_max_rows(weight.qtype) and weight.native(x) is not None
             native_calls += native
             y = weight.linear(x)
             assert y.dtype == dt and y.shape == (m, weight.shape[0])

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.kernels import quant as qk
-from hybridserve.quant.ggml import GGML_TYPES, NATIVE_MAX_ROWS, GGMLWeight
+from hybridserve.quant.ggml import GGML_TYPES, GGMLWeight
+from hybridserve.quant.tiles import native_max_rows
 from hybridserve.quant.ggml_quantize import quantize
 
 pytest.importorskip("gguf")
@@ -104,7 +105,7 @@ def test_linear_dispatch_decode_and_prefill(qtype, dtype):
                         out_bf16=dtype == torch.bfloat16)
     # ... and prefill-sized: dequantized tiles and torch's GEMM on unquantized x, which
     # is F.linear on the reference weight (rounded to x's dtype) up to GEMM rounding.
-    t = NATIVE_MAX_ROWS + 9
+    t = native_max_rows(qtype) + 9
     x = _x(t, 768, seed=4, dtype=dtype)
     y = w.linear(x)
     ref = F.linear(x.double(), wref.to(dtype).double())

@@ -39,15 +39,6 @@ GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
 )}
 GGML_BY_ID: dict[int, GGMLType] = {t.ggml_id: t for t in GGML_TYPES.values()}
 
-# Activation rows up to which ``GGMLWeight.linear`` runs the native GEMM on the blocks;
-# above, prefill's path (dequantized tiles into torch's GEMM) is faster (see
-# benches/quant_kernels.py, benches/RESULTS.md "Quantized blocks: native kernels").
-NATIVE_MAX_ROWS = 32
-# Weight rows per dequantized tile on the prefill path: bounds the temporary (a few MiB
-# at the widest layers) while keeping each torch GEMM large.
-PREFILL_TILE_ROWS = 512
-
-
 class GGMLWeight:
     """A ``[out, in]`` weight in one GGML block type; ``data`` is ``uint8 [out, row_bytes]``."""
 
@@ -80,29 +71,32 @@ class GGMLWeight:
         return torch.from_numpy(np.ascontiguousarray(w)).reshape(self.shape).to(dtype)
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T`` in ``x``'s dtype. Up to :data:`NATIVE_MAX_ROWS` rows (decode, MoE
-        experts): the native GEMM on the blocks, ``x`` quantized per row as llama.cpp
-        does (Q8_0 / Q8_K). More rows (prefill): tiles of :data:`PREFILL_TILE_ROWS`
-        weight rows dequantized natively into ``x``'s dtype and torch's GEMM, ``x``
-        unquantized. Without the native kernels (or off the CPU), the reference:
-        ``F.linear`` on :meth:`dequantize`."""
+        """``x @ W.T`` in ``x``'s dtype (:func:`hybridserve.quant.tiles.cpu_linear`). Up to
+        ``native_max_rows(qtype)`` rows (decode, MoE experts): the native GEMM on the
+        blocks, ``x`` quantized per row as llama.cpp does (Q8_0 / Q8_K). More rows
+        (prefill): tiles of weight rows dequantized natively into ``x``'s dtype and
+        torch's GEMM, ``x`` unquantized. Without the native kernels (or off the CPU),
+        the reference: ``F.linear`` on :meth:`dequantize`."""
         from hybridserve.kernels import quant as qk
+        from hybridserve.quant.tiles import cpu_linear
 
         if (not qk.available() or x.device.type != "cpu"
                 or x.dtype not in (torch.float32, torch.bfloat16)):
             return F.linear(x, self.dequantize(x.dtype).to(x.device))
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.shape[1])
-        t = x2.shape[0]
-        if t <= NATIVE_MAX_ROWS:
-            out = qk.matmul(x2, self._blocks(), self.type.ggml_id)
-        else:
-            data = self._blocks()
-            out = torch.empty(t, self.shape[0], dtype=x.dtype)
-            for j in range(0, self.shape[0], PREFILL_TILE_ROWS):
-                w = qk.dequantize(data[j:j + PREFILL_TILE_ROWS], self.type.ggml_id, self.shape[1], x.dtype)
-                out[:, j:j + w.shape[0]] = x2 @ w.t()
-        return out.reshape(*lead, self.shape[0])
+        return cpu_linear(self, x)
+
+    def native(self, x2: torch.Tensor) -> torch.Tensor:
+        """``x2 @ W.T`` (``x2`` ``[T, in]`` float32 / bfloat16) by the block GEMM."""
+        from hybridserve.kernels import quant as qk
+
+        return qk.matmul(x2, self._blocks(), self.type.ggml_id)
+
+    def dequantize_tile(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``start:stop`` of ``W`` as ``dtype`` by the native dequantizer (exactly
+        the reference's values; bfloat16 rounds them once)."""
+        from hybridserve.kernels import quant as qk
+
+        return qk.dequantize(self._blocks()[start:stop], self.type.ggml_id, self.shape[1], dtype)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` of ``W`` (an embedding table ``[vocab, hidden]``) as ``dtype``

@@ -7,32 +7,55 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Rows up to which the native kernel runs; past it dequantized tiles and torch's GEMM
-# (benches/quant_safetensors.py; RESULTS.md, "FP8 and int4 safetensors").
-NATIVE_MAX_ROWS = 16
+# Activation rows up to which a weight's native kernel on its quantized form runs, per
+# format (the weight's ``qtype``); past it, dequantized tiles into torch's GEMM win. The
+# one place both paths read: the GGML block types (benches/quant_kernels.py --only
+# crossover; RESULTS.md "Quantized blocks: the eight-row kernels and per-type crossover")
+# and the safetensors formats (benches/quant_safetensors.py; RESULTS.md "FP8 and int4
+# safetensors").
+NATIVE_MAX_ROWS: dict[str, int] = {
+    "q8_0": 64, "q4_0": 64, "q5_0": 64, "q5_1": 64,
+    "q4_k": 64, "q5_k": 64, "q6_k": 32,
+    "fp8_e4m3_b128": 16, "awq_int4": 16,
+}
+# A format not listed above.
+NATIVE_MAX_ROWS_DEFAULT = 16
 # Weight rows per dequantized tile of the long-input path: one tile's float copy at a
-# time instead of a whole-weight temporary.
+# time instead of a whole-weight temporary, each torch GEMM still large.
 TILE_ROWS = 512
 
 
+def native_max_rows(qtype: str) -> int:
+    """Rows up to which :func:`cpu_linear` runs ``qtype``'s native kernel."""
+    return NATIVE_MAX_ROWS.get(qtype, NATIVE_MAX_ROWS_DEFAULT)
+
+
 def cpu_linear(w, x: torch.Tensor) -> torch.Tensor:
-    """``x @ W.T`` for a weight with ``native(x2)`` (None where the kernel cannot run),
-    ``rows(a, b)`` and ``dequantize(dtype)``; in ``x``'s dtype."""
+    """``x @ W.T`` in ``x``'s dtype on the CPU, for a quantized weight with ``qtype``,
+    ``shape``, ``native(x2)`` (the kernel on the quantized form; None where it cannot
+    run) and either ``dequantize_tile(a, b, dtype)`` (rows ``a:b`` as ``dtype``) or
+    ``rows(a, b)`` and ``dequantize(dtype)``. Up to :func:`native_max_rows` rows (decode,
+    MoE experts) the native kernel; longer inputs (prefill) tiles of :data:`TILE_ROWS`
+    weight rows dequantized into torch's GEMM."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    n = w.shape[0]
     y = None
-    if 0 < x2.shape[0] <= NATIVE_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+    if 0 < x2.shape[0] <= native_max_rows(w.qtype) and x.dtype in (torch.float32, torch.bfloat16):
         y = w.native(x2)
     if y is None:
-        n = w.shape[0]
+        tile = getattr(w, "dequantize_tile", None)
+        if tile is None:
+            def tile(a, b, dtype):
+                return w.rows(a, b).dequantize(dtype)
         if n <= TILE_ROWS:
-            y = F.linear(x2, w.dequantize(x.dtype))
+            y = F.linear(x2, tile(0, n, x.dtype))
         else:
             y = torch.empty(x2.shape[0], n, dtype=x.dtype)
             for a in range(0, n, TILE_ROWS):
                 b = min(a + TILE_ROWS, n)
-                y[:, a:b] = F.linear(x2, w.rows(a, b).dequantize(x.dtype))
-    return y.reshape(*lead, w.shape[0])
+                y[:, a:b] = F.linear(x2, tile(a, b, x.dtype))
+    return y.reshape(*lead, n)
 
 
 # The float part of a fused projection lives with the contract (one class for the

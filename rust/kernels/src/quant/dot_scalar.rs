@@ -10,49 +10,47 @@ use super::blocks::{rd_f16, scale_min_k4, GgmlType, QK_K};
 /// `w_row . x` for one weight row (`nb` blocks) and one quantized activation row.
 pub fn dot(ty: GgmlType, w: &[u8], nb: usize, x: ActRow<'_>) -> f32 {
     match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 => {
-            let mut acc = 0.0f32;
-            for b in 0..nb {
-                let blk = &w[b * ty.block_bytes()..(b + 1) * ty.block_bytes()];
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            // Per block the exact integer sum `s` and `f = (d xd) s` (Q5_1, whose
+            // `sum (d q + m) xd x = d xd sum q x + m xd sum x` takes the block's
+            // activation sum from [`super::act`]: `+ (m xd) sum x`); block `b` into
+            // accumulator `b % 8`, the eight summed pairwise at the end. The SIMD paths
+            // keep the eight in lanes and take these steps exactly.
+            let bb = ty.block_bytes();
+            let one = ty == GgmlType::Q5_1;
+            let at = if one { 4 } else { 2 };
+            let mut lanes = [0.0f32; 8];
+            for b in 0..nb.next_multiple_of(8) {
+                if b >= nb {
+                    // The vector paths add zeros in the last group's empty lanes.
+                    lanes[b % 8] += 0.0;
+                    continue;
+                }
+                let blk = &w[b * bb..(b + 1) * bb];
                 let xq = &x.qs[32 * b..32 * b + 32];
                 let mut s = 0i32;
                 for l in 0..32 {
-                    let q = if ty == GgmlType::Q8_0 {
-                        blk[2 + l] as i8 as i32
-                    } else if l < 16 {
-                        (blk[2 + l] & 0xF) as i32 - 8
-                    } else {
-                        (blk[2 + l - 16] >> 4) as i32 - 8
+                    let q = match ty {
+                        GgmlType::Q8_0 => blk[2 + l] as i8 as i32,
+                        GgmlType::Q4_0 => (if l < 16 { blk[2 + l] & 0xF } else { blk[2 + l - 16] >> 4 }) as i32 - 8,
+                        _ => {
+                            let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                            let nib = if l < 16 { blk[at + 4 + l] & 0xF } else { blk[at + 4 + l - 16] >> 4 };
+                            let q = (nib as u32 | (((qh >> l) & 1) << 4)) as i32;
+                            if one { q } else { q - 16 }
+                        }
                     };
                     s += q * xq[l] as i32;
                 }
-                acc += rd_f16(blk, 0) * x.d[b] * s as f32;
-            }
-            acc
-        }
-        GgmlType::Q5_0 | GgmlType::Q5_1 => {
-            // Q5_1: `sum (d q + m) xd x = d xd sum q x + m xd sum x` (the block's
-            // activation sum kept by [`super::act`]).
-            let one = ty == GgmlType::Q5_1;
-            let (bb, at) = if one { (24, 4) } else { (22, 2) };
-            let mut acc = 0.0f32;
-            for b in 0..nb {
-                let blk = &w[b * bb..(b + 1) * bb];
-                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-                let xq = &x.qs[32 * b..32 * b + 32];
-                let mut s = 0i32;
-                for l in 0..32 {
-                    let nib = if l < 16 { blk[at + 4 + l] & 0xF } else { blk[at + 4 + l - 16] >> 4 };
-                    let q = (nib as u32 | (((qh >> l) & 1) << 4)) as i32;
-                    s += if one { q } else { q - 16 } * xq[l] as i32;
-                }
                 let dx = x.d[b];
-                acc += rd_f16(blk, 0) * dx * s as f32;
+                let mut f = rd_f16(blk, 0) * dx * s as f32;
                 if one {
-                    acc += rd_f16(blk, 2) * dx * x.sums[b] as f32;
+                    f += rd_f16(blk, 2) * dx * x.sums[b] as f32;
                 }
+                lanes[b % 8] += f;
             }
-            acc
+            let l = lanes;
+            ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]))
         }
         GgmlType::Q4K | GgmlType::Q5K => {
             let five = ty == GgmlType::Q5K;

@@ -106,47 +106,71 @@ pub fn quant_matmul_with<T: Elem>(
         act.set_row(t, xr);
     }
     let act = &act;
-    let tasks = n.div_ceil(ROWS_PER_TASK);
+    // One or two activation rows stream the weight: a few long runs of rows per thread
+    // keep each thread's reads sequential (and its prefetches on its own rows).
+    let per_task = if m <= 2 {
+        n.div_ceil(8 * crate::pool::num_threads()).next_multiple_of(8).max(ROWS_PER_TASK)
+    } else {
+        ROWS_PER_TASK
+    };
+    let tasks = n.div_ceil(per_task);
     for_each_task(tasks, m * n * k / 4, |task| {
-        let (j0, j1) = (task * ROWS_PER_TASK, ((task + 1) * ROWS_PER_TASK).min(n));
-        // Many rows on the k-quants: each super-block unpacked once for all rows.
+        let (j0, j1) = (task * per_task, ((task + 1) * per_task).min(n));
+        let mut j = j0;
+        // Many rows: eight weight rows per pass, each block unpacked once for all rows.
         #[cfg(target_arch = "x86_64")]
-        if m > MANY_MIN_ROWS && ty.is_k() && isa != QIsa::Scalar {
+        if m > MANY_MIN_ROWS && isa != QIsa::Scalar {
             let rows: Vec<ActRow<'_>> = (0..m).map(|t| act.row(t)).collect();
-            let nb = k / QK_K;
-            let mut acc = vec![0.0f32; m];
-            let mut j = j0;
-            {
-                // Eight weight rows at a time, one output per lane.
-                let mut acc8 = vec![[0.0f32; 8]; m];
-                while j + 8 <= j1 {
-                    let p = w[j * rb..(j + 8) * rb].as_ptr();
-                    acc8.fill([0.0; 8]);
-                    // SAFETY: as below, for eight rows `rb` bytes apart.
-                    unsafe { many8(isa, ty, p, rb, nb, &rows, &mut acc8) };
-                    for (t, a) in acc8.iter().enumerate() {
-                        for (i, &v) in a.iter().enumerate() {
-                            // SAFETY: column j + i of every row belongs to this task alone.
-                            unsafe { ptr.put(t * n + j + i, v) };
+            let nb = k / ty.block_size();
+            if ty.is_k() {
+                let mut acc = vec![0.0f32; m];
+                {
+                    // Eight weight rows at a time, one output per lane.
+                    let mut acc8 = vec![[0.0f32; 8]; m];
+                    while j + 8 <= j1 {
+                        let p = w[j * rb..(j + 8) * rb].as_ptr();
+                        acc8.fill([0.0; 8]);
+                        // SAFETY: as below, for eight rows `rb` bytes apart.
+                        unsafe { many8(isa, ty, p, rb, nb, &rows, &mut acc8) };
+                        for (t, a) in acc8.iter().enumerate() {
+                            for (i, &v) in a.iter().enumerate() {
+                                // SAFETY: column j + i of every row belongs to this task alone.
+                                unsafe { ptr.put(t * n + j + i, v) };
+                            }
                         }
+                        j += 8;
                     }
-                    j += 8;
                 }
-            }
-            for j in j..j1 {
-                let p = w[j * rb..(j + 1) * rb].as_ptr();
-                acc.fill(0.0);
-                // SAFETY: the ISA was checked above; the row holds `nb` super-blocks and
-                // every activation row `k` values.
-                unsafe { many(isa, ty, p, nb, &rows, &mut acc) };
-                for (t, &v) in acc.iter().enumerate() {
-                    // SAFETY: column j of every row belongs to this task alone.
-                    unsafe { ptr.put(t * n + j, v) };
+                for j in j..j1 {
+                    let p = w[j * rb..(j + 1) * rb].as_ptr();
+                    acc.fill(0.0);
+                    // SAFETY: the ISA was checked above; the row holds `nb` super-blocks and
+                    // every activation row `k` values.
+                    unsafe { many(isa, ty, p, nb, &rows, &mut acc) };
+                    for (t, &v) in acc.iter().enumerate() {
+                        // SAFETY: column j of every row belongs to this task alone.
+                        unsafe { ptr.put(t * n + j, v) };
+                    }
                 }
+                return;
             }
-            return;
+            // The 32-weight blocks: eight rows per pass; the rest below, same float steps.
+            let mut acc = vec![[0.0f32; 64]; m];
+            while j + 8 <= j1 {
+                let p = w[j * rb..(j + 8) * rb].as_ptr();
+                // SAFETY: the ISA was checked above; eight rows of `nb` blocks `rb` bytes
+                // apart, every activation row `k` values.
+                unsafe { many8_32(isa, ty, p, rb, nb, &rows, &mut acc) };
+                for (t, a) in acc.iter().enumerate() {
+                    for (i, &v) in a[..8].iter().enumerate() {
+                        // SAFETY: column j + i of every row belongs to this task alone.
+                        unsafe { ptr.put(t * n + j + i, v) };
+                    }
+                }
+                j += 8;
+            }
         }
-        for j in j0..j1 {
+        for j in j..j1 {
             let wr = &w[j * rb..(j + 1) * rb];
             let mut t = 0;
             while t < m {
@@ -204,6 +228,24 @@ unsafe fn many8(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs:
         (QIsa::Avx512Vnni, GgmlType::Q6K) => vnni::q6k_x8(p, rb, nb, xs, acc),
         (_, GgmlType::Q6K) => avx2::q6k_x8(p, rb, nb, xs, acc),
         _ => unreachable!("many8() takes the k-quants"),
+    }
+}
+
+/// # Safety
+/// As [`many8`], for the 32-weight block types; `acc` has one entry per row of `xs`.
+#[cfg(target_arch = "x86_64")]
+unsafe fn many8_32(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 64]]) {
+    use super::dot_x86::{avx2, vnni, Q4_0, Q5_0, Q5_1, Q8_0};
+    match (isa, ty) {
+        (QIsa::Avx512Vnni, GgmlType::Q8_0) => vnni::q32_x8::<Q8_0>(p, rb, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q4_0) => vnni::q32_x8::<Q4_0>(p, rb, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q5_0) => vnni::q32_x8::<Q5_0>(p, rb, nb, xs, acc),
+        (QIsa::Avx512Vnni, GgmlType::Q5_1) => vnni::q32_x8::<Q5_1>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q8_0) => avx2::q32_x8::<Q8_0>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q4_0) => avx2::q32_x8::<Q4_0>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q5_0) => avx2::q32_x8::<Q5_0>(p, rb, nb, xs, acc),
+        (_, GgmlType::Q5_1) => avx2::q32_x8::<Q5_1>(p, rb, nb, xs, acc),
+        _ => unreachable!("many8_32() takes the 32-weight blocks"),
     }
 }
 
@@ -353,7 +395,7 @@ mod tests {
             let mut blk = vec![0.0f32; ty.block_size()];
             dequantize_block(ty, &w[..ty.block_bytes()], &mut blk);
             assert_eq!(&deq[..ty.block_size()], &blk[..]);
-            for m in [1usize, 2, 3, 5, 9] {
+            for m in [1usize, 2, 3, 5, 9, 17] {
                 let x: Vec<f32> = (0..m * k).map(|_| g.f()).collect();
                 // The reference: the dequantized weight times the quantized-dequantized activation.
                 let mut act = QAct::new(m, k, if ty.is_k() { QK_K } else { 32 });
@@ -382,11 +424,9 @@ mod tests {
                     }
                     outs.push((isa, out));
                 }
-                // The k-quants' paths take the same float steps: equal bit for bit.
-                if ty.is_k() {
-                    for (isa, o) in &outs[1..] {
-                        assert_eq!(o, &outs[0].1, "{ty:?} {isa:?} differs from scalar");
-                    }
+                // Every path takes the same float steps: equal bit for bit.
+                for (isa, o) in &outs[1..] {
+                    assert_eq!(o, &outs[0].1, "{ty:?} {isa:?} m={m} differs from scalar");
                 }
             }
         }

@@ -17,6 +17,8 @@ pub mod dot_scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod dot_x86;
 pub mod gemm;
+#[cfg(test)]
+mod timing;
 
 pub use blocks::GgmlType;
 pub use gemm::{dequantize_rows, dequantize_rows_with, quant_matmul, quant_matmul_with};
