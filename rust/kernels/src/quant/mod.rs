@@ -16,9 +16,11 @@ pub mod blocks;
 pub mod dot_scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod dot_x86;
+pub mod experts;
 pub mod gemm;
 
 pub use blocks::GgmlType;
+pub use experts::{quant_experts, quant_experts_with, ExpertBlocks, QuantExperts, Route};
 pub use gemm::{dequantize_rows, dequantize_rows_with, quant_matmul, quant_matmul_with};
 
 /// The instruction set the quantized kernels run with.
