@@ -94,8 +94,9 @@ def q8_act_ref(x: torch.Tensor, k_quant: bool) -> torch.Tensor:
 
 
 def experts_available() -> bool:
-    """True when the extension has the fused experts kernel (:func:`experts`)."""
-    return _k is not None and hasattr(_k, "quant_experts")
+    """True when the extension has the fused experts kernel (:func:`experts`) and the
+    quantized kernels are on (:func:`available`)."""
+    return available() and hasattr(_k, "quant_experts")
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
