@@ -7,6 +7,9 @@
 //! * [`gemm`]: the few-row GEMM `x W^T` (decode steps, MoE experts, the LM head) and
 //!   the row dequantizer (embedding lookups, prefill tiles), split over output rows on
 //!   the crate's pool.
+//! * [`experts`]: an MoE layer's routed experts in one call on the file's 3-D expert
+//!   tensors (each token quantized once, pairs grouped by expert, `gemm`'s row kernels
+//!   on (expert, row tile) tasks, the weighted sum in a fixed order).
 //!
 //! Decode reads every weight byte once per step, so the bytes are the cost: a Q4_K
 //! row is 0.56 bytes per weight against bfloat16's 2.
