@@ -301,3 +301,27 @@ fn bad_input_is_refused() {
     // The fine case runs, and an expert load comes back.
     assert_eq!(run(&[2, 2], &[0.5, 0.5], 1, &ex, &mut o).unwrap(), 2);
 }
+
+/// `cargo test --release -p hybridserve-cpu-kernels quant::experts::tests::timing -- --ignored --nocapture`:
+/// the bench shape (hidden 1,024, 64 experts of 256, top-8), Q4_K gate / up, Q6_K down.
+#[test]
+#[ignore]
+fn timing() {
+    let mut g = Lcg(2);
+    let (e, h, inter, k) = (64, 1024, 256, 8);
+    let case = Case::new((GgmlType::Q4K, Some(GgmlType::Q4K), GgmlType::Q6K), e, h, inter, &mut g);
+    crate::pool::set_num_threads(1);
+    for t in [1usize, 16] {
+        let x: Vec<f32> = (0..t * h).map(|_| g.f()).collect();
+        let (ids, w) = random_route(t, k, e, &mut g);
+        let mut o = vec![0.0f32; t * h];
+        let mut best = f64::MAX;
+        for _ in 0..50 {
+            let t0 = std::time::Instant::now();
+            quant_experts(Rows::new(&x, t, h, h).unwrap(), Route { ids: &ids, weights: &w, top_k: k }, &case.experts(), Out::F32(&mut o))
+                .unwrap();
+            best = best.min(t0.elapsed().as_secs_f64());
+        }
+        println!("T={t}: {:.3} ms", best * 1e3);
+    }
+}
