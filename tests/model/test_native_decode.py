@@ -54,7 +54,29 @@ def _both_paths(model, cache, batch):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("preset", ["test-a", "test-b"])
 def test_decode_steps_equal_the_module_path_bit_for_bit(preset, dtype, tiny_dirs, make_book, runs):
-    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
+    _decode_steps_equal(tiny_dirs[preset], dtype, make_book, runs)
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    from hybridserve.model.tiny import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny-moe-native")
+    return {p: write_tiny_checkpoint(root / p, preset=p, seed=7) for p in ("moe-a", "moe-b")}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("preset", ["moe-a", "moe-b"])
+def test_moe_decode_steps_equal_the_module_path_bit_for_bit(preset, dtype, moe_dirs, make_book, runs):
+    """An MoE model takes the native step too (its sparse blocks as their module, the
+    routed experts' native call): bit-identical to the module path, top-3 of 7 experts
+    and top-1 of 5, each with a shared expert."""
+    _decode_steps_equal(moe_dirs[preset], dtype, make_book, runs)
+
+
+def _decode_steps_equal(path, dtype, make_book, runs):
+    model, config = load_model(path, dtype=dtype, progress=False)
+    assert NativeDecodeStep.applies_to(model)
     cache = model.new_cache(96, 16)
     book = make_book(cache, seed=1)
     rng = random.Random(5)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_helpers import KQUANT_DENSE, greedy
+from gguf_helpers import KQUANT_DENSE, KQUANT_MOE, greedy
 from hybridserve.model import load_model
 from hybridserve.model import native_decode as nd
 from hybridserve.model import quant_gemm
@@ -43,6 +43,11 @@ CASES = {
     "dense-q5_0-q5_1": dict(preset="test-a", qtype="q5_0", types={"ffn_down": "q5_1", "attn_v": "q5_1"}),
     "dense-q4_k_m": dict(preset="test-a", qtype="q4_k", types={"ffn_down": "q6_k", "attn_v": "q6_k",
                                                                 "attn_qkv": "q5_k"}, **KQUANT_DENSE),
+    # MoE: the sparse blocks run as their module inside the native step (the routed
+    # experts' native call on the file's 3-D blocks, the router and shared expert as
+    # Projections), the rest of each layer natively.
+    "moe-q8_0": dict(preset="moe-a", qtype="q8_0"),
+    "moe-q4_k_m": dict(preset="moe-a", qtype="q4_k", types={"ffn_down": "q6_k"}, **KQUANT_MOE),
 }
 
 

@@ -91,3 +91,35 @@ def q8_act_ref(x: torch.Tensor, k_quant: bool) -> torch.Tensor:
     q = torch.round(iscale * b).clamp(max=127)                  # rint: half to even
     d = torch.where(mx == 0, torch.zeros_like(mx), 1 / iscale)
     return (q * d).reshape(t, k)
+
+
+def experts_available() -> bool:
+    """True when the extension has the fused experts kernel (:func:`experts`) and the
+    quantized kernels are on (:func:`available`)."""
+    return available() and hasattr(_k, "quant_experts")
+
+
+def experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            gate: tuple[torch.Tensor, int], up: tuple[torch.Tensor, int] | None,
+            down: tuple[torch.Tensor, int], isa: str | None = None) -> tuple[torch.Tensor, int]:
+    """An MoE layer's routed experts on GGML blocks in one native call: ``x`` ``[T, H]``
+    float32 or bfloat16, routing ``weights`` / ``ids`` ``[T, k]``; ``gate`` / ``up`` /
+    ``down`` each (blocks ``uint8 [E, rows, row_bytes]`` C-contiguous, GGML type id):
+    gate and up ``[E, I, .]`` (``up`` None: ``gate`` holds both, ``[E, 2I, .]``), down
+    ``[E, H, .]``. Returns (``[T, H]`` in ``x``'s dtype: each chosen expert's output
+    times its weight, summed in float32 in expert order; the most pairs any expert
+    received). Each token's activation is quantized once (llama.cpp's Q8_0 / Q8_K), as
+    :func:`matmul` does per product; a token's result does not depend on the others."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"the quantized experts take float32 or bfloat16 activations, got {x.dtype}")
+    x = x.detach()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    ids = ids.detach().to(torch.int64).contiguous()
+    weights = weights.detach().to(torch.float32).contiguous()
+    out = torch.empty(x.shape[0], x.shape[1], dtype=x.dtype)
+    o = out.view(torch.uint16).numpy() if x.dtype == torch.bfloat16 else out.numpy()
+    load = _k.quant_experts(_np_x(x), ids.numpy(), weights.numpy(), gate[0].numpy(), int(gate[1]),
+                            None if up is None else up[0].numpy(), None if up is None else int(up[1]),
+                            down[0].numpy(), int(down[1]), o, isa or _ISA)
+    return out, load

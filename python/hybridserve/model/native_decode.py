@@ -1,4 +1,4 @@
-"""A decode step of the dense model on the CPU's native kernels, without per-op Python.
+"""A decode step of the model (dense or MoE) on the CPU's native kernels, without per-op Python.
 
 At one sequence the model's decode step is a few dozen small kernel calls per layer,
 and before this path most of the time outside the GEMMs was the Python around them,
@@ -27,8 +27,15 @@ passes (:meth:`NativeDecodeStep.run_mtp`; :meth:`NativeDecodeStep.mtp_draft` run
 passes in one call from host arrays, for the proposer) and the replay that commits the accepted rows
 (:meth:`NativeDecodeStep.replay`), each bit-identical to its module path
 (``tests/spec/test_spec_verify_commit.py``, ``tests/spec/test_mtp_model.py``); everything else
-(prefill, mixed steps, MoE, biases, a weight not in the row-major layout, tensor
+(prefill, mixed steps, biases, a weight not in the row-major layout, tensor
 parallelism or any forward hook, ``HYBRIDSERVE_NO_NATIVE``) takes the module path.
+
+An MoE model's sparse blocks (:class:`~hybridserve.model.moe.SparseMoeBlock`) run as
+their module, called on the step's buffer: that module is already one native call for
+the routed experts (and the shared expert) on every CPU form of the weights (float32's
+``moe_block``, bfloat16's ``moe_block_bf16``, a GGUF's ``quant_experts``), with its own
+checks and caches, so calling it keeps the step bit-identical to the module path while
+the rest of the layer (norms, mixers) runs as native calls without the glue.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from torch import nn
 
 from hybridserve.kernels import native
 from hybridserve.model.layers import Projection
+from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.quant_gemm import QuantGemm, quant_matmul_kernel
 
 _BF16 = torch.bfloat16
@@ -207,8 +215,8 @@ class NativeDecodeStep:
 
     @staticmethod
     def applies_to(model) -> bool:
-        """Whether this path can serve the model at all (CPU, float32 or bfloat16, dense,
-        no attention biases, the native kernels loaded, the model's own module classes
+        """Whether this path can serve the model at all (CPU, float32 or bfloat16, dense
+        or MoE, no attention biases, the native kernels loaded, the model's own module classes
         and no forward hooks: tensor parallelism swaps in vocabulary-parallel embedding
         and LM head classes and sums each mixer's and MLP's output in hooks, none of
         which this path would run)."""
@@ -227,7 +235,7 @@ class NativeDecodeStep:
         if not native.available() or model.device.type != "cpu" or model.dtype not in (torch.float32, _BF16):
             return False
         # (A model without layers has no residual stream to add: the module path's case.)
-        return not c.is_moe and not bool(c.raw.get("attention_bias", False)) and len(model.layers) > 0
+        return not bool(c.raw.get("attention_bias", False)) and len(model.layers) > 0
 
     def _weight_owners(self):
         m = self.model
@@ -238,12 +246,15 @@ class NativeDecodeStep:
             else:
                 yield layer.linear_attn.in_proj
                 yield layer.linear_attn.out_proj
-            yield layer.mlp.gate_up_proj
-            yield layer.mlp.down_proj
+            # (A sparse MoE block runs as its module: not a GEMM of this path's.)
+            if not isinstance(layer.mlp, SparseMoeBlock):
+                yield layer.mlp.gate_up_proj
+                yield layer.mlp.down_proj
         if m.mtp is not None:
             ml = m.mtp.layers[0]
-            yield from (m.mtp.fc, ml.self_attn.qkv_proj, ml.self_attn.o_proj, ml.mlp.gate_up_proj,
-                        ml.mlp.down_proj)
+            yield from (m.mtp.fc, ml.self_attn.qkv_proj, ml.self_attn.o_proj)
+            if not isinstance(ml.mlp, SparseMoeBlock):
+                yield from (ml.mlp.gate_up_proj, ml.mlp.down_proj)
         yield m.lm_head
 
     def _weights_fingerprint(self) -> list[int]:
@@ -276,8 +287,11 @@ class NativeDecodeStep:
         entry = self._entry
         e = {"attn": layer.is_attention,
                  "in_norm": _view(layer.input_layernorm.weight),
-                 "post_norm": _view(layer.post_attention_layernorm.weight),
-             "gate_up": entry(layer.mlp.gate_up_proj), "down": entry(layer.mlp.down_proj)}
+                 "post_norm": _view(layer.post_attention_layernorm.weight)}
+        if isinstance(layer.mlp, SparseMoeBlock):
+            e["moe"] = layer.mlp
+        else:
+            e.update(gate_up=entry(layer.mlp.gate_up_proj), down=entry(layer.mlp.down_proj))
         if layer.is_attention:
             a = layer.self_attn
             e.update(idx=a.layer_idx, qkv_w=entry(a.qkv_proj), o_w=entry(a.o_proj),
@@ -396,9 +410,7 @@ class NativeDecodeStep:
                             a_log=e["a_log"], dt_bias=e["dt_bias"], z=b.z_np, norm_weight=e["norm_w"], **ck)
                 gemm(b.rule_out_np, e["out_w"], b.mixer_out_np)
             norm(b.mixer_out_np, e["post_norm"], eps, normed, res, True)
-            gemm(normed, e["gate_up"], b.gate_up_np)
-            self.k_silu_mul(b.gate_up_np, self.inter)
-            gemm(b.act_np, e["down"], b.mlp_out_np)
+            self._mlp(e, b)
         # The last residual add and the final norm, row-wise (so every row, then the
         # sampled ones: the same values as selecting first), then the LM head.
         norm(b.mlp_out_np, self.final_norm, eps, normed, res, True)
@@ -460,9 +472,7 @@ class NativeDecodeStep:
         norm(res, e["in_norm"], eps, normed, None, True)
         self._attention(e, b, attn_args)
         norm(b.mixer_out_np, e["post_norm"], eps, normed, res, True)
-        gemm(normed, e["gate_up"], b.gate_up_np)
-        self.k_silu_mul(b.gate_up_np, self.inter)
-        gemm(b.act_np, e["down"], b.mlp_out_np)
+        self._mlp(e, b)
         norm(b.mlp_out_np, m["norm"], eps, normed, res, True)
 
     def mtp_draft(self, hidden: torch.Tensor, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray,
@@ -586,6 +596,17 @@ class NativeDecodeStep:
                         norm_eps=e["norm_eps"], a=ba_np[:, hv:], b=ba_np[:, :hv], a_log=e["a_log"],
                         dt_bias=e["dt_bias"], z=z, norm_weight=e["norm_w"])
         return True
+
+    def _mlp(self, e: dict, b: _Buffers) -> None:
+        """The layer's MLP from ``b.normed`` into ``b.mlp_out``: the dense SwiGLU's two
+        GEMMs, or the sparse MoE block's module (see the module docstring)."""
+        moe = e.get("moe")
+        if moe is not None:
+            b.mlp_out.copy_(moe(b.normed))
+            return
+        self.k_gemm(b.normed_np, e["gate_up"], b.gate_up_np)
+        self.k_silu_mul(b.gate_up_np, self.inter)
+        self.k_gemm(b.act_np, e["down"], b.mlp_out_np)
 
     def _embed(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         if self.embed_module is None:

@@ -9,7 +9,8 @@
 - :class:`QuantizedEmbedding`: the token embedding kept as blocks, dequantizing the
   looked-up rows only;
 - :class:`QuantizedExperts`: an MoE layer's routed experts, per expert weights in blocks
-  (views of the file's ``[E, out, row_bytes]`` tensors).
+  (views of the file's ``[E, out, row_bytes]`` tensors), run by one native call on those
+  tensors (``hybridserve.kernels.quant.experts``) or, as the reference, a loop over experts.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.quant.ggml import GGMLWeight
+from hybridserve.quant.tiles import native_max_rows
 from hybridserve.quant.weight import ConcatWeight, FloatWeight, QuantizedWeight, SliceError, check_cols
 
 
@@ -118,10 +120,35 @@ class QuantizedEmbedding(nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qweight.qtype}"
 
 
+def _stacked(ws: list[QuantizedWeight]) -> tuple[torch.Tensor, int] | None:
+    """Per-expert weights that are consecutive row blocks of one tensor (the file's
+    ``[E, rows, row_bytes]``, as the loader views it) as that tensor, with their GGML
+    type id; None where they are not (float parts, slices, mixed types)."""
+    if not ws or not all(isinstance(w, GGMLWeight) for w in ws):
+        return None
+    d0 = ws[0].data
+    if d0.device.type != "cpu" or not d0.is_contiguous() or d0.numel() == 0:
+        return None
+    step, base = d0.numel(), d0.untyped_storage().data_ptr()
+    for e, w in enumerate(ws):
+        d = w.data
+        if (w.qtype != ws[0].qtype or tuple(d.shape) != tuple(d0.shape) or not d.is_contiguous()
+                or d.untyped_storage().data_ptr() != base or d.data_ptr() != d0.data_ptr() + e * step):
+            return None
+    return d0.as_strided((len(ws), *d0.shape), (step, d0.shape[1], 1)), ws[0].type.ggml_id
+
+
 class QuantizedExperts(nn.Module):
     """``num`` routed SwiGLU experts whose weights stay in blocks: expert ``e`` computes
     ``down[e](silu(x @ gate[e].T) * (x @ up[e].T))``; ``gate_up[e]`` is its gate and up
-    weights stacked by rows (one product)."""
+    weights stacked by rows (one product).
+
+    Where every kind is one block tensor (the loader's views of the file's 3-D tensors)
+    and the native kernels are there, :meth:`forward` is one call on those tensors
+    (``hybridserve.kernels.quant.experts``) up to its types' few-row limit an expert;
+    past that (prefill), or without them, :meth:`forward_loop`, the per-expert loop (the
+    reference the kernel is tested against: on the CPU each product is the same native
+    few-row GEMM, so both agree but for the last bit of ``silu``)."""
 
     quantized = True
 
@@ -133,14 +160,46 @@ class QuantizedExperts(nn.Module):
         self.inter, self.hidden = gate[0].shape
         self.gate_up = [ConcatWeight([g, u]) for g, u in zip(gate, up)]
         self.down = list(down)
+        kinds = (_stacked(gate), _stacked(up), _stacked(down))
+        # (gate, up, down) as (blocks [E, rows, row_bytes], GGML id), or None.
+        self.blocks = kinds if all(k is not None for k in kinds) else None
 
     @property
     def nbytes(self) -> int:
         return sum(w.nbytes for w in self.gate_up) + sum(w.nbytes for w in self.down)
 
+    def native_ok(self, x: torch.Tensor) -> bool:
+        """True where :meth:`forward` can take the native call for ``x`` (before the
+        per-expert row bound)."""
+        from hybridserve.kernels import quant as qk
+
+        return (self.blocks is not None and qk.experts_available() and x.device.type == "cpu"
+                and x.dim() == 2 and x.dtype in (torch.float32, torch.bfloat16))
+
+    def _native_rows(self) -> int:
+        """Rows an expert up to which the native kernel runs: the smallest of its block
+        types' few-row limits (:func:`~hybridserve.quant.tiles.native_max_rows`)."""
+        types = {w.qtype for w in self.down}
+        for w in self.gate_up:
+            types |= {p.qtype for p in getattr(w, "parts", [w])}
+        return min(native_max_rows(t) for t in types)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """``x [T, H]``, routing ``weights`` / ``ids`` ``[T, k]`` -> ``[T, H]`` (x's dtype):
         each chosen expert's output times its weight, summed over the k in float32."""
+        if self.native_ok(x):
+            from hybridserve.kernels import quant as qk
+            from hybridserve.kernels.moe import expert_counts
+
+            limit = self._native_rows()
+            if ids.numel() <= limit or int(expert_counts(ids, self.num).max()) <= limit:
+                gate, up, down = self.blocks
+                return qk.experts(x, weights, ids, gate, up, down)[0]
+        return self.forward_loop(x, weights, ids)
+
+    def forward_loop(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` as a loop over the experts that received rows, each one's
+        products through its weights' ``linear``."""
         out = torch.zeros(x.shape[0], self.hidden, dtype=torch.float32, device=x.device)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)

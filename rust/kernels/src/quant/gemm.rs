@@ -21,7 +21,7 @@ use crate::{KernelError, Rows};
 /// Weight rows per task.
 const ROWS_PER_TASK: usize = 32;
 /// Activation rows per register block.
-const MR: usize = 4;
+pub(crate) const MR: usize = 4;
 
 #[derive(Clone, Copy)]
 enum OutPtr {
@@ -67,7 +67,7 @@ fn check_weight(ty: GgmlType, w_len: usize, k: usize) -> Result<(usize, usize), 
     Ok((rb, w_len / rb))
 }
 
-fn check_isa(isa: QIsa) -> Result<(), KernelError> {
+pub(crate) fn check_isa(isa: QIsa) -> Result<(), KernelError> {
     if isa.supported() {
         Ok(())
     } else {
@@ -196,13 +196,13 @@ pub fn quant_matmul_with<T: Elem>(
 
 /// Above this many activation rows the k-quants unpack each super-block once for
 /// all rows (below, the register-blocked kernels keep the unpacked block in registers).
-const MANY_MIN_ROWS: usize = 4;
+pub(crate) const MANY_MIN_ROWS: usize = 4;
 
 /// # Safety
 /// `isa` runs on this CPU and is not scalar; `p` holds `nb` super-blocks of `ty` (a
 /// k-quant) and every row of `xs` `256 nb` values.
 #[cfg(target_arch = "x86_64")]
-unsafe fn many(isa: QIsa, ty: GgmlType, p: *const u8, nb: usize, xs: &[ActRow<'_>], acc: &mut [f32]) {
+pub(crate) unsafe fn many(isa: QIsa, ty: GgmlType, p: *const u8, nb: usize, xs: &[ActRow<'_>], acc: &mut [f32]) {
     use super::dot_x86::{avx2, vnni};
     match (isa, ty) {
         (QIsa::Avx512Vnni, GgmlType::Q4K) => vnni::q4k_q5k_many::<false>(p, nb, xs, acc),
@@ -218,7 +218,7 @@ unsafe fn many(isa: QIsa, ty: GgmlType, p: *const u8, nb: usize, xs: &[ActRow<'_
 /// # Safety
 /// As [`many`], for eight weight rows `rb` bytes apart from `p`.
 #[cfg(target_arch = "x86_64")]
-unsafe fn many8(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 8]]) {
+pub(crate) unsafe fn many8(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, xs: &[ActRow<'_>], acc: &mut [[f32; 8]]) {
     use super::dot_x86::{avx2, vnni};
     match (isa, ty) {
         (QIsa::Avx512Vnni, GgmlType::Q4K) => vnni::q4k_q5k_x8::<false>(p, rb, nb, xs, acc),
@@ -251,7 +251,7 @@ unsafe fn many8_32(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, 
 
 /// One weight row against activation rows `t..t + R`.
 #[inline(always)]
-fn dot_rows<const R: usize>(isa: QIsa, ty: GgmlType, wr: &[u8], act: &QAct, t: usize) -> [f32; R] {
+pub(crate) fn dot_rows<const R: usize>(isa: QIsa, ty: GgmlType, wr: &[u8], act: &QAct, t: usize) -> [f32; R] {
     let xs: [ActRow<'_>; R] = std::array::from_fn(|i| act.row(t + i));
     let nb = act.k / ty.block_size();
     #[cfg(target_arch = "x86_64")]

@@ -7,6 +7,9 @@
 //! * [`gemm`]: the few-row GEMM `x W^T` (decode steps, MoE experts, the LM head) and
 //!   the row dequantizer (embedding lookups, prefill tiles), split over output rows on
 //!   the crate's pool.
+//! * [`experts`]: an MoE layer's routed experts in one call on the file's 3-D expert
+//!   tensors (each token quantized once, pairs grouped by expert, `gemm`'s row kernels
+//!   on (expert, row tile) tasks, the weighted sum in a fixed order).
 //!
 //! Decode reads every weight byte once per step, so the bytes are the cost: a Q4_K
 //! row is 0.56 bytes per weight against bfloat16's 2.
@@ -16,11 +19,13 @@ pub mod blocks;
 pub mod dot_scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod dot_x86;
+pub mod experts;
 pub mod gemm;
 #[cfg(test)]
 mod timing;
 
 pub use blocks::GgmlType;
+pub use experts::{quant_experts, quant_experts_with, ExpertBlocks, QuantExperts, Route};
 pub use gemm::{dequantize_rows, dequantize_rows_with, quant_matmul, quant_matmul_with};
 
 /// The instruction set the quantized kernels run with.

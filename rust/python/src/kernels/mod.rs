@@ -26,6 +26,7 @@ mod cache_write;
 mod checks;
 mod moe_bf16;
 mod quant;
+mod quant_moe;
 mod quant_fp8;
 mod sample;
 use bf16::*;
@@ -425,6 +426,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     cache_write::register(m)?;
     moe_bf16::register(m)?;
     quant::register(m)?;
+    quant_moe::register(m)?;
     quant_fp8::register(m)?;
     sample::register(m)?;
     Ok(())

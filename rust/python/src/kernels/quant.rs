@@ -7,7 +7,7 @@ use super::*;
 use hybridserve_cpu_kernels::matmul_bf16::Out;
 use hybridserve_cpu_kernels::quant::{self as q, GgmlType, QIsa};
 
-fn ggml_type(id: u32) -> PyResult<GgmlType> {
+pub(super) fn ggml_type(id: u32) -> PyResult<GgmlType> {
     GgmlType::from_id(id).ok_or_else(|| {
         PyValueError::new_err(format!(
             "GGML type id {id} has no native kernel; supported: 2 (q4_0), 6 (q5_0), 7 (q5_1), 8 (q8_0), 12 (q4_k), 13 (q5_k), 14 (q6_k)"
@@ -15,7 +15,7 @@ fn ggml_type(id: u32) -> PyResult<GgmlType> {
     })
 }
 
-fn isa_of(isa: Option<&str>) -> PyResult<QIsa> {
+pub(super) fn isa_of(isa: Option<&str>) -> PyResult<QIsa> {
     match isa {
         None => Ok(QIsa::detect()),
         Some(s) => QIsa::from_name(s).ok_or_else(|| {
@@ -32,7 +32,7 @@ fn blocks<'a>(w: &'a PyReadonlyArray2<'_, u8>) -> PyResult<&'a [u8]> {
 }
 
 /// Runs `f` with `out` as float32 or bfloat16 bits, the GIL released.
-fn with_out<'py>(
+pub(super) fn with_out<'py>(
     py: Python<'py>,
     out: &Bound<'py, PyAny>,
     f: impl for<'o> FnOnce(Out<'o>) -> Result<(), KernelError> + Send,
