@@ -202,7 +202,10 @@ class MTPProposer:
         need = drafting[want]
         if not bool((need == need[0]).all()):
             return None
-        fast = self.model._usable_native_step()
+        from hybridserve.model.native_decode import NATIVE_STEP
+
+        # (The native step that ran the step's forward: its weights' views were checked then.)
+        fast = batch.op_plans.get(NATIVE_STEP) or self.model._usable_native_step()
         if fast is None:
             return None
         ids = batch.input_ids.numpy()
