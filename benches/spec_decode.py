@@ -43,10 +43,13 @@ def _prompts(tok, n: int) -> list[list[int]]:
     return [tok.encode(texts[i % len(texts)]) for i in range(n)]
 
 
-def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int) -> tuple[float, list, dict, float]:
+def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int,
+         draft_vocab: int | None = None) -> tuple[float, list, dict, float]:
     kw = dict(dtype="auto", max_model_len=1024, cpu_threads=threads, max_num_seqs=max(len(prompts), 1))
     if k is not None:
         kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        if draft_vocab is not None:
+            kw["speculative_config"]["draft_vocab_size"] = draft_vocab
     llm = LLM(model, **kw)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -86,14 +89,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     ap.add_argument("--skip-large", action="store_true")
     ap.add_argument("--draft-vocab", type=int, default=None,
-                    help="drafts from the first N token ids (default: the proposer's default for the vocabulary)")
+                    help="drafts from the first N token ids (speculative_config's draft_vocab_size; "
+                         "default: the proposer's default for the vocabulary)")
     a = ap.parse_args()
-    if a.draft_vocab is not None:
-        # The proposer's default cut (speculative_config's draft_vocab_size, once the
-        # engine hands it to the proposer, says the same per engine).
-        from hybridserve.spec import proposer
-
-        proposer.DRAFT_VOCAB_CUT = a.draft_vocab
     torch.set_num_threads(a.threads)
     model = a.model or default_model.path()
     from hybridserve.tokenizer import load_tokenizer
@@ -102,8 +100,12 @@ def main() -> None:
     ks = [int(x) for x in a.ks.split(",")]
     from hybridserve.spec import proposer
 
+    from hybridserve.config import ModelConfig
+
+    vocab = ModelConfig.from_json(model).vocab_size
+    dv = a.draft_vocab if a.draft_vocab is not None else proposer.default_draft_vocab_size(vocab)
     print(f"model {model}; torch threads {torch.get_num_threads()}; {a.reps} reps (medians); greedy, "
-          f"{a.max_tokens} output tokens; draft vocabulary: first {proposer.DRAFT_VOCAB_CUT} ids at most; "
+          f"{a.max_tokens} output tokens; draft vocabulary: first {min(dv, vocab)} of {vocab} ids; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
     p1 = _prompts(tok, 1)
@@ -113,7 +115,7 @@ def main() -> None:
     ref = None
     for _ in range(a.reps):
         for k in [None] + ks:
-            r, toks, st, rc = _run(model, p1, a.max_tokens, k, a.threads)
+            r, toks, st, rc = _run(model, p1, a.max_tokens, k, a.threads, a.draft_vocab)
             rates.setdefault(k, []).append(r)
             cpu_rates.setdefault(k, []).append(rc)
             stats[k] = st
@@ -142,7 +144,7 @@ def main() -> None:
     large: dict = {}
     for _ in range(a.reps):
         for k in (None, best):
-            r, toks, st, _ = _run(model, pl, a.max_tokens // 2, k, a.threads)
+            r, toks, st, _ = _run(model, pl, a.max_tokens // 2, k, a.threads, a.draft_vocab)
             large.setdefault(k, []).append(r)
             stats[("large", k)] = st
     lb = statistics.median(large[None])

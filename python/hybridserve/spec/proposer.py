@@ -36,14 +36,22 @@ from hybridserve.model.batch import ForwardBatch
 # the cut changes which drafts are proposed (acceptance), never the output: acceptance
 # compares against the target's full distribution. At a large vocabulary the LM head is
 # most of a draft pass (248K x 1024 at the 0.8B shape); benches/spec_commit.py times
-# the pass with and without the cut.
+# the pass with and without the cut. At a small model it is too: at the default model
+# (8192 ids, hidden 192) three draft passes' LM heads were ~15% of a k=3 step's CPU
+# time, and its first 1024 ids left the mean accepted length within 1% of the full
+# vocabulary's on eight prompts (benches/RESULTS.md, issue 34's batch-1 section).
 DRAFT_VOCAB_CUT = 32768
+# The default keeps the first 1/DRAFT_VOCAB_SHARE of the ids, at least DRAFT_VOCAB_MIN
+# (a small vocabulary stays whole) and at most DRAFT_VOCAB_CUT.
+DRAFT_VOCAB_SHARE = 8
+DRAFT_VOCAB_MIN = 1024
 
 
 def default_draft_vocab_size(vocab_size: int) -> int:
-    """The draft vocabulary when none is configured: the whole vocabulary up to
-    :data:`DRAFT_VOCAB_CUT` ids, its first :data:`DRAFT_VOCAB_CUT` ids above."""
-    return min(vocab_size, DRAFT_VOCAB_CUT)
+    """The draft vocabulary when none is configured: the first eighth of the ids
+    (:data:`DRAFT_VOCAB_SHARE`), at least :data:`DRAFT_VOCAB_MIN` ids (the whole of a
+    smaller vocabulary), at most :data:`DRAFT_VOCAB_CUT`."""
+    return min(vocab_size, DRAFT_VOCAB_CUT, max(DRAFT_VOCAB_MIN, vocab_size // DRAFT_VOCAB_SHARE))
 
 
 class MTPProposer:
