@@ -81,6 +81,7 @@ class MTPProposer:
         # argmax (only it has the gathered logits), broadcast to the workers, whose
         # next chained pass feeds them too.
         self.group: Any = None
+        self._lasts: dict[int, np.ndarray] = {}
 
     def _ids(self, logits: torch.Tensor, n: int) -> np.ndarray:
         """The draft ids (the argmax over the draft vocabulary) of one pass's ``n`` rows,
@@ -109,6 +110,12 @@ class MTPProposer:
         ``table_rows[b]`` its block-table row. ``batch``/``hidden`` are the step's
         ForwardBatch and the trunk's post-norm hidden states ``[T, H]``."""
         B = len(committed)
+        if B == 1 and self.device.type == "cpu" and hidden.device.type == "cpu":
+            # One sequence (batch 1): its rows are a slice of the step's, no gathers.
+            drafts = self._propose_one(batch, hidden, int(query_start_loc[0]), int(committed[0]),
+                                       int(next_tokens[0]), int(table_rows[0]), int(num_drafts[0]))
+            if drafts is not None:
+                return drafts
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         take = (np.asarray(committed) > 0) & (np.asarray(next_tokens) >= 0)
         ents = np.nonzero(take)[0]
@@ -198,6 +205,39 @@ class MTPProposer:
         for i, e in enumerate(ents_w.tolist()):
             drafts[e] = [int(t[i]) for t in toks[: need[i]]]
         return drafts
+
+    def _propose_one(self, batch: ForwardBatch, hidden: torch.Tensor, start: int, committed: int,
+                     next_token: int, table_row: int, num_drafts: int) -> list[list[int]] | None:
+        """:meth:`_propose_native` for a batch of one sequence whose ``committed`` rows
+        start at row ``start``: the same inputs to ``mtp_draft``, sliced instead of
+        gathered. None where the general path must run."""
+        if committed <= 0 or next_token < 0:
+            return [[]]
+        if num_drafts <= 0:
+            return None  # (the MTP prefill alone: the general path)
+        from hybridserve.model.native_decode import NATIVE_STEP
+
+        fast = batch.op_plans.get(NATIVE_STEP) or self.model._usable_native_step()
+        if fast is None:
+            return None
+        end = start + committed
+        ids_host = np.empty(committed, dtype=np.int64)
+        ids_host[:-1] = batch.input_ids.numpy()[start + 1:end]
+        ids_host[-1] = next_token
+        tables = np.broadcast_to(self.block_table_buf.numpy()[table_row], (committed,) + self.block_table_buf.shape[1:])
+        h = hidden if start == 0 and end == hidden.shape[0] else hidden[start:end]
+        out = fast.mtp_draft(h, ids_host, batch.positions.numpy()[start:end], batch.slot_mapping.numpy()[start:end],
+                             tables, self._last(committed), num_drafts, self.cache, self.draft_vocab)
+        if out is None:
+            return None
+        return [out[:, 0].tolist()]
+
+    def _last(self, n: int) -> np.ndarray:
+        """``[n - 1]``: the row of the last committed token (kept per n)."""
+        got = self._lasts.get(n)
+        if got is None:
+            got = self._lasts[n] = np.array([n - 1], dtype=np.int64)
+        return got
 
     def _propose_native(self, batch: ForwardBatch, hidden: torch.Tensor, src: np.ndarray, last: np.ndarray,
                         n: np.ndarray, ents: np.ndarray, want: np.ndarray, drafting: np.ndarray,
