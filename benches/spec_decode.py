@@ -43,10 +43,13 @@ def _prompts(tok, n: int) -> list[list[int]]:
     return [tok.encode(texts[i % len(texts)]) for i in range(n)]
 
 
-def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int) -> tuple[float, list, dict]:
+def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int,
+         draft_vocab: int | None = None) -> tuple[float, list, dict, float]:
     kw = dict(dtype="auto", max_model_len=1024, cpu_threads=threads, max_num_seqs=max(len(prompts), 1))
     if k is not None:
         kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k}
+        if draft_vocab is not None:
+            kw["speculative_config"]["draft_vocab_size"] = draft_vocab
     llm = LLM(model, **kw)
     eng = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -57,8 +60,15 @@ def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int) -> t
         eng.add_request(f"r{i}", p, params)
     t_first = None
     done = {}
+    # The engine's thread CPU time over the same steps as the wall clock: on a loaded
+    # machine the wall time is mostly waiting for a core, the CPU time is the work.
+    cpu = 0.0
     while eng.has_unfinished_requests():
-        for o in eng.step():
+        c0 = time.thread_time()
+        outs = eng.step()
+        if t_first is not None:
+            cpu += time.thread_time() - c0
+        for o in outs:
             if t_first is None and any(c.token_ids for c in o.outputs):
                 t_first = time.perf_counter()
             if o.finished:
@@ -66,7 +76,7 @@ def _run(model: str, prompts, max_tokens: int, k: int | None, threads: int) -> t
     t_end = time.perf_counter()
     toks = [done[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
     produced = sum(len(t) for t in toks) - len(prompts)
-    return produced / (t_end - t_first), toks, eng.stats()
+    return produced / (t_end - t_first), toks, eng.stats(), produced / max(cpu, 1e-9)
 
 
 def main() -> None:
@@ -79,14 +89,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     ap.add_argument("--skip-large", action="store_true")
     ap.add_argument("--draft-vocab", type=int, default=None,
-                    help="drafts from the first N token ids (default: the proposer's default for the vocabulary)")
+                    help="drafts from the first N token ids (speculative_config's draft_vocab_size; "
+                         "default: the proposer's default for the vocabulary)")
     a = ap.parse_args()
-    if a.draft_vocab is not None:
-        # The proposer's default cut (speculative_config's draft_vocab_size, once the
-        # engine hands it to the proposer, says the same per engine).
-        from hybridserve.spec import proposer
-
-        proposer.DRAFT_VOCAB_CUT = a.draft_vocab
     torch.set_num_threads(a.threads)
     model = a.model or default_model.path()
     from hybridserve.tokenizer import load_tokenizer
@@ -95,33 +100,41 @@ def main() -> None:
     ks = [int(x) for x in a.ks.split(",")]
     from hybridserve.spec import proposer
 
+    from hybridserve.config import ModelConfig
+
+    vocab = ModelConfig.from_json(model).vocab_size
+    dv = a.draft_vocab if a.draft_vocab is not None else proposer.default_draft_vocab_size(vocab)
     print(f"model {model}; torch threads {torch.get_num_threads()}; {a.reps} reps (medians); greedy, "
-          f"{a.max_tokens} output tokens; draft vocabulary: first {proposer.DRAFT_VOCAB_CUT} ids at most; "
+          f"{a.max_tokens} output tokens; draft vocabulary: first {min(dv, vocab)} of {vocab} ids; "
           f"load average {os.getloadavg()[0]:.1f}", flush=True)
 
     p1 = _prompts(tok, 1)
     rates: dict = {}
+    cpu_rates: dict = {}
     stats: dict = {}
     ref = None
     for _ in range(a.reps):
         for k in [None] + ks:
-            r, toks, st = _run(model, p1, a.max_tokens, k, a.threads)
+            r, toks, st, rc = _run(model, p1, a.max_tokens, k, a.threads, a.draft_vocab)
             rates.setdefault(k, []).append(r)
+            cpu_rates.setdefault(k, []).append(rc)
             stats[k] = st
             if k is None:
                 ref = toks
             elif toks != ref:
                 sys.exit(f"greedy output with k={k} differs from speculation off")
     base = statistics.median(rates[None])
-    print("\nbatch 1:")
-    print(f"  off      {base:8.1f} tok/s")
+    base_cpu = statistics.median(cpu_rates[None])
+    print("\nbatch 1 (wall tok/s and on/off; then per CPU second of the engine's thread):")
+    print(f"  off      {base:8.1f} tok/s          CPU {base_cpu:8.1f} tok/s")
     best = None
     for k in ks:
         m = statistics.median(rates[k])
         st = stats[k]
         acc = st.get("spec_acceptance_rate")
         by = ", ".join("-" if x is None else f"{x:.2f}" for x in st.get("spec_acceptance_by_position") or [])
-        print(f"  k={k}      {m:8.1f} tok/s  {m / base:5.2f}x   acceptance {acc if acc is None else f'{acc:.3f}'}"
+        mc = statistics.median(cpu_rates[k])
+        print(f"  k={k}      {m:8.1f} tok/s  {m / base:5.2f}x   CPU {mc:8.1f} tok/s {mc / base_cpu:5.2f}x   acceptance {acc if acc is None else f'{acc:.3f}'}"
               f"  by position [{by}]  mean accepted length {st.get('spec_mean_accepted_length') or 0:.2f}")
         if best is None or m > statistics.median(rates[best]):
             best = k
@@ -131,7 +144,7 @@ def main() -> None:
     large: dict = {}
     for _ in range(a.reps):
         for k in (None, best):
-            r, toks, st = _run(model, pl, a.max_tokens // 2, k, a.threads)
+            r, toks, st, _ = _run(model, pl, a.max_tokens // 2, k, a.threads, a.draft_vocab)
             large.setdefault(k, []).append(r)
             stats[("large", k)] = st
     lb = statistics.median(large[None])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,3 +150,39 @@ def test_a_forward_hook_sends_decode_steps_to_the_module_path(tiny_dirs, make_bo
     assert not torch.equal(hooked, plain)  # the hook ran
     cache.arena.copy_(before)
     assert torch.equal(model(batch, cache), plain) and runs["native"] == 2  # and without it, native again
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_rope_table_rows_are_cos_sin_of_each_position(tiny_dirs, dtype):
+    """The native step looks rope's cos/sin rows up in a table it grows on demand; each
+    row must be the bits ``RotaryEmbedding.cos_sin`` gives that position in any batch
+    (the module path computes them per step)."""
+    model, _ = load_model(tiny_dirs["test-a"], dtype=dtype, progress=False)
+    step = NativeDecodeStep(model)
+    rng = random.Random(2)
+    # Small positions first, then past the first table (it grows), then a batch mixing both.
+    for positions in ([0], [3, 1, 2, 7], [rng.randrange(5000) for _ in range(9)], [4999, 0, 1500, 1024, 1023]):
+        p = torch.tensor(positions, dtype=torch.int64)
+        cos, sin = model.rotary.cos_sin(p, model.dtype)
+        got_cos, got_sin = step._cos_sin(p.numpy())
+        bits = torch.uint16 if dtype == "bfloat16" else torch.float32
+        assert np.array_equal(got_cos, cos.view(bits).numpy()) and np.array_equal(got_sin, sin.view(bits).numpy())
+
+
+def test_the_draft_argmax_is_torchs_first_maximum_on_bfloat16(tiny_dirs):
+    """Drafts take numpy's argmax of the bfloat16 logits widened to float32: the same
+    first maximum as torch's argmax, with ties and NaN (first NaN) included."""
+    model, _ = load_model(tiny_dirs["test-a"], dtype="bfloat16", progress=False)
+    step = NativeDecodeStep(model)
+    torch.manual_seed(0)
+    h = torch.randn(3, model.config.hidden_size).to(torch.bfloat16)
+    vocab = model.lm_head.weight.shape[0]
+    got = step._draft_argmax(h.view(torch.uint16).numpy(), 3, None)
+    # The logits the call computed (its buffer), through torch's argmax.
+    want = torch.from_numpy(step._widen[(3, vocab)][0].copy()).view(torch.bfloat16).argmax(dim=-1)
+    assert torch.equal(got, want)
+    # Ties, negatives, -0.0 / +0.0 and NaN through the same widening.
+    x = torch.tensor([[-1.0, -0.0, 0.0, -0.0], [2.0, 5.0, 5.0, 1.0], [-3.0, float("nan"), 7.0, float("nan")],
+                      [-5.0, -2.0, -2.0, -9.0]], dtype=torch.bfloat16)
+    w = (x.view(torch.uint16).numpy().astype(np.uint32) << 16).view(np.float32)
+    assert np.array_equal(np.argmax(w, axis=-1), x.argmax(dim=-1).numpy())

@@ -20,7 +20,7 @@ from hybridserve.errors import ConfigError
 from hybridserve.model import ForwardBatch, load_model
 from hybridserve.model.tiny import write_tiny_checkpoint
 from hybridserve.spec.config import SpeculativeConfig
-from hybridserve.spec.proposer import DRAFT_VOCAB_CUT, MTPProposer, default_draft_vocab_size
+from hybridserve.spec.proposer import DRAFT_VOCAB_CUT, DRAFT_VOCAB_MIN, MTPProposer, default_draft_vocab_size
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +42,12 @@ def test_draft_vocab_size_parses_and_round_trips():
     assert SpeculativeConfig.parse({"num_speculative_tokens": 1, "draft_vocab_size": None}).draft_vocab_size is None
 
 
-def test_the_default_cuts_only_large_vocabularies():
-    assert default_draft_vocab_size(8192) == 8192
-    assert default_draft_vocab_size(248_320) == DRAFT_VOCAB_CUT < 248_320
+def test_the_default_keeps_an_eighth_of_the_ids_within_bounds():
+    assert default_draft_vocab_size(272) == 272  # below the floor: the whole vocabulary
+    assert default_draft_vocab_size(DRAFT_VOCAB_MIN + 5) == DRAFT_VOCAB_MIN
+    assert default_draft_vocab_size(8192) == 1024  # the default model
+    assert default_draft_vocab_size(248_320) == 248_320 // 8 < DRAFT_VOCAB_CUT
+    assert default_draft_vocab_size(1_000_000) == DRAFT_VOCAB_CUT
 
 
 @pytest.mark.parametrize("native_on", [True, False])

@@ -69,12 +69,27 @@ def _hooked(modules) -> bool:
 DECODE_ROWS = "rows_as_decodes"
 
 
+# The key of ``ForwardBatch.op_plans`` under which the :class:`NativeDecodeStep` that ran
+# the batch's forward lies: the step's commit and drafts run on it without checking the
+# weights' views again (they were checked for this step).
+NATIVE_STEP = "native_step"
+
+
 def decode_rows_layout(batch, expand) -> None:
     """Put the layout of :func:`rows_as_decodes` (sequences with ``expand[b]`` as decodes)
     into ``batch.op_plans[DECODE_ROWS]``."""
+    dev = batch.input_ids.device
+    if dev.type == "cpu":
+        # (Host tensors: from numpy arrays, several times cheaper than torch.tensor of a list.)
+        qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
+        q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(), expand)
+        tables = batch.block_tables if len(s_e) == batch.block_tables.shape[0] and s_e == list(range(len(s_e))) \
+            else batch.block_tables.index_select(0, torch.from_numpy(np.array(s_e, dtype=np.int64)))
+        batch.op_plans[DECODE_ROWS] = (torch.from_numpy(np.array(q_e, dtype=np.int32)),
+                                       torch.from_numpy(np.array(l_e, dtype=np.int32)), tables)
+        return
     qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
     q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(), expand)
-    dev = batch.input_ids.device
     tables = batch.block_tables if s_e == list(range(len(s_e))) and len(s_e) == batch.block_tables.shape[0] \
         else batch.block_tables.index_select(0, torch.tensor(s_e, dtype=torch.long, device=dev))
     batch.op_plans[DECODE_ROWS] = (torch.tensor(q_e, dtype=torch.int32, device=dev),
@@ -165,6 +180,12 @@ class _Buffers:
         self.logits_np = _view(self.logits) if self.logits is not None else None
 
 
+class _SpecProj:
+    """One DeltaNet layer's in_proj output of a verify step, with its column views."""
+
+    __slots__ = ("proj_np", "ring_mixed", "ring_ba", "mixed_np", "z_np", "ba_np", "b_np", "a_np")
+
+
 class NativeDecodeStep:
     """The decode step of one :class:`Qwen3_5ForServing` over one cache (see the module
     docstring). Built lazily by the model, which asks :meth:`takes` before each step
@@ -196,6 +217,16 @@ class NativeDecodeStep:
         self._aranges: dict[int, torch.Tensor] = {}
         self._qsls: dict[int, np.ndarray] = {}
         self._cache = None
+        # Rope's cos/sin of positions 0 .. n-1 (numpy views, grown on demand): a step's
+        # rows are looked up, not computed (cos_sin is elementwise per position, so a
+        # row of the table has the bits cos_sin gives that position in any batch).
+        self._rope: tuple | None = None
+        # The verify steps' per-layer in_proj outputs (row count -> layer -> buffers):
+        # the ring is views of them, no copy (see :meth:`_spec_proj`).
+        self._spec_projs: dict[int, dict] = {}
+        # A draft pass's argmax input: its bfloat16 logits widened to float32 (numpy's
+        # argmax, same first-maximum rule as torch's, several times faster on bfloat16).
+        self._widen: dict[tuple, np.ndarray] = {}
         # The GEMM weights (Parameters) and where their memory was when the views were
         # made: a re-layout (``weight.data = ...``) moves it, and :meth:`current` sees that.
         self._modules = list(model.modules())
@@ -386,6 +417,10 @@ class NativeDecodeStep:
         self._embed(batch.input_ids, b.residual)
         res, normed = b.residual_np, b.normed_np
         attn_args = None
+        ring_views = ring_np = None
+        if ring is not None and ring.get("all"):
+            ring_views = self._spec_proj(t)
+            ring_np = ring["np"] = {}
         first = True
         for e in self._layers:
             if first:
@@ -398,16 +433,26 @@ class NativeDecodeStep:
                     attn_args = self._attention_inputs(batch, b)
                 self._attention(e, b, attn_args)
             else:
-                gemm(normed, e["in_w"], b.proj_np)
-                if ring is not None:
-                    rows_r = ring["rows"]
-                    ring[e["idx"]] = (b.ring_mixed.index_select(0, rows_r), b.ring_ba.index_select(0, rows_r))
-                self.k_conv(b.mixed_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, b.conv_np,
+                if ring_views is not None:
+                    # Every row is a speculative row: this layer's in_proj output goes to
+                    # its own buffer, and the ring is views of it (valid until the next
+                    # verify step of this row count; the commit reads it before).
+                    pb = ring_views[e["idx"]]
+                    gemm(normed, e["in_w"], pb.proj_np)
+                    ring[e["idx"]] = (pb.ring_mixed, pb.ring_ba)
+                    ring_np[e["idx"]] = (pb.mixed_np, pb.ba_np)
+                else:
+                    pb = b
+                    gemm(normed, e["in_w"], b.proj_np)
+                    if ring is not None:
+                        rows_r = ring["rows"]
+                        ring[e["idx"]] = (b.ring_mixed.index_select(0, rows_r), b.ring_ba.index_select(0, rows_r))
+                self.k_conv(pb.mixed_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, b.conv_np,
                             item_base=e["conv_base"], silu=True, **ck)
                 self.k_rule(b.q_np, b.k_np, b.v_np, e["rec_pool"], qsl, table, init, b.rule_out_np,
                             item_base=e["rec_base"], key_heads=e["key_heads"], value_heads=e["value_heads"],
-                            scale=e["scale"], l2norm=True, norm_eps=e["norm_eps"], a=b.a_np, b=b.b_np,
-                            a_log=e["a_log"], dt_bias=e["dt_bias"], z=b.z_np, norm_weight=e["norm_w"], **ck)
+                            scale=e["scale"], l2norm=True, norm_eps=e["norm_eps"], a=pb.a_np, b=pb.b_np,
+                            a_log=e["a_log"], dt_bias=e["dt_bias"], z=pb.z_np, norm_weight=e["norm_w"], **ck)
                 gemm(b.rule_out_np, e["out_w"], b.mixer_out_np)
             norm(b.mixer_out_np, e["post_norm"], eps, normed, res, True)
             self._mlp(e, b)
@@ -454,7 +499,8 @@ class NativeDecodeStep:
                 got = self._mtp_buffers[t] = (_Buffers(self.model, t), extra)
         return got
 
-    def _mtp_pass(self, hidden: torch.Tensor, input_ids: torch.Tensor, b: _Buffers, x: dict, attn_args) -> None:
+    def _mtp_pass(self, hidden: torch.Tensor, input_ids: torch.Tensor, b: _Buffers, x: dict, attn_args,
+                  hidden_np: np.ndarray | None = None) -> None:
         """The MTP layer over ``t`` rows into ``b.normed`` (the layer's normed output),
         the kernels of :class:`~hybridserve.model.mtp.MultiTokenPredictor` in its order.
         ``hidden`` is read before ``b`` is written (so it may be ``b.normed`` itself)."""
@@ -462,10 +508,16 @@ class NativeDecodeStep:
         eps, gemm, norm = self.eps, self.k_gemm, self.k_norm
         self._embed(input_ids, x["emb"])
         # [pre_fc_norm_embedding(embed) | pre_fc_norm_hidden(hidden)], then fc.
-        norm(x["emb_np"], m["norm_e"], eps, x["e_norm_np"], None, True)
-        norm(_view(hidden), m["norm_h"], eps, x["h_norm_np"], None, True)
-        x["e_np"][...] = x["e_norm_np"]
-        x["h_np"][...] = x["h_norm_np"]
+        h_np = _view(hidden) if hidden_np is None else hidden_np
+        if input_ids.shape[0] == 1:
+            # One row: the halves of ``cat`` are contiguous, the norms write them in place.
+            norm(x["emb_np"], m["norm_e"], eps, x["e_np"], None, True)
+            norm(h_np, m["norm_h"], eps, x["h_np"], None, True)
+        else:
+            norm(x["emb_np"], m["norm_e"], eps, x["e_norm_np"], None, True)
+            norm(h_np, m["norm_h"], eps, x["h_norm_np"], None, True)
+            x["e_np"][...] = x["e_norm_np"]
+            x["h_np"][...] = x["h_norm_np"]
         gemm(x["cat_np"], m["fc"], b.residual_np)
         e = m["layer"]
         res, normed = b.residual_np, b.normed_np
@@ -522,11 +574,18 @@ class NativeDecodeStep:
         # before it writes normed.)
         pos = positions[last] if not every else positions
         tab = tables[last] if not every else tables
+        # Every chained pass's positions, slots, lengths and rope rows at once.
         bs = cache.block_size
-        ar = np.arange(n)
+        p = pos[None, :] + np.arange(1, steps)[:, None]  # [steps - 1, n]
+        slots_all = tab[np.arange(n)[None, :], p // bs].astype(np.int64) * bs + p % bs
+        lens_all = p + 1
+        cos_all, sin_all = self._cos_sin(p.reshape(-1))
+        rows = self._qsl(n)[:n]
+        b, x = self._mtp_bufs(n)
         for j in range(1, steps):
-            p = pos + j
-            b = self._mtp_rows(h, ids, p, tab[ar, p // bs].astype(np.int64) * bs + p % bs, tab)
+            r = slice((j - 1) * n, j * n)
+            self._mtp_pass(h, ids, b, x, (cos_all[r], sin_all[r], slots_all[j - 1], rows, lens_all[j - 1], tab,
+                                          None), hidden_np=None if j == 1 else b.normed_np)
             h = b.normed
             ids = self._draft_argmax(b.normed_np, n, vocab)
             out[j] = ids.numpy()
@@ -539,9 +598,8 @@ class NativeDecodeStep:
         (``normed``: the layer's output)."""
         t = int(p.shape[0])
         b, x = self._mtp_bufs(t)
-        cos, sin = self.model.rotary.cos_sin(torch.from_numpy(p), self.model.dtype)
-        self._mtp_pass(hidden, ids, b, x, (_view(cos), _view(sin), slots, self._qsl(t)[:t], p + 1, tables,
-                                           (cos, sin)))
+        cos, sin = self._cos_sin(p)
+        self._mtp_pass(hidden, ids, b, x, (cos, sin, slots, self._qsl(t)[:t], p + 1, tables, None))
         return b
 
     def _draft_argmax(self, sel_np: np.ndarray, n: int, vocab: int | None) -> torch.Tensor:
@@ -549,13 +607,20 @@ class NativeDecodeStep:
         _lm_head's GEMM into a buffer, logits in the model's dtype (whose argmax is that
         of their float32 widening)."""
         head = self._head(vocab)
-        key = ("draft_logits", n, head.shape[0])
-        lg = self._mtp_buffers.get(key)
-        if lg is None:
+        key = (n, head.shape[0])
+        got = self._widen.get(key)
+        if got is None:
             with torch.inference_mode(False):
-                lg = self._mtp_buffers[key] = torch.empty(n, head.shape[0], dtype=self.model.dtype)
-        self.k_gemm(sel_np, head, _view(lg))
-        return lg.argmax(dim=-1)
+                lg = torch.empty(n, head.shape[0], dtype=self.model.dtype)
+            got = self._widen[key] = (_view(lg), np.empty(lg.shape, dtype=np.uint32) if self.bf16 else None)
+        lg_np, w = got
+        self.k_gemm(sel_np, head, lg_np)
+        if w is None:
+            return torch.from_numpy(np.argmax(lg_np, axis=-1))
+        # bfloat16 bits << 16 are the float32 of the same value (exact), and numpy's
+        # argmax takes the first maximum (and the first NaN) as torch's does.
+        np.left_shift(lg_np, 16, out=w, dtype=np.uint32)
+        return torch.from_numpy(np.argmax(w.view(np.float32), axis=-1))
 
     def replay(self, ring: dict, sel: torch.Tensor | None, query_start_loc, state_pages, has_initial_state,
                cache) -> bool:
@@ -581,13 +646,22 @@ class NativeDecodeStep:
                                                _view(torch.empty(n, c.linear_value_dim, dtype=dt)),
                                                _view(torch.zeros(n, c.linear_value_dim, dtype=dt)))
         conv, q, k, v, out, z = b
+        views = ring.get("np")
         for e in self._layers:
             if e["attn"]:
                 continue
-            mixed, ba = ring[e["idx"]]
-            if sel is not None:
-                mixed, ba = mixed.index_select(0, sel), ba.index_select(0, sel)
-            m_np, ba_np = _view(mixed), _view(ba)
+            if views is not None and (sel is None or isinstance(sel, slice)):
+                # (A prefix of the rows: a view of the ring's views.)
+                m_np, ba_np = views[e["idx"]]
+                if sel is not None:
+                    m_np, ba_np = m_np[sel], ba_np[sel]
+            else:
+                mixed, ba = ring[e["idx"]]
+                if isinstance(sel, slice):
+                    mixed, ba = mixed[sel], ba[sel]
+                elif sel is not None:
+                    mixed, ba = mixed.index_select(0, sel), ba.index_select(0, sel)
+                m_np, ba_np = _view(mixed), _view(ba)
             hv = e["value_heads"]
             self.k_conv(m_np, e["conv_w"], None, e["conv_pool"], qsl, table, init, conv,
                         item_base=e["conv_base"], silu=True)
@@ -645,6 +719,40 @@ class NativeDecodeStep:
         self.k_gemm(sel_np, head, logits.numpy())
         return logits
 
+    def _spec_proj(self, t: int) -> dict:
+        """Per DeltaNet layer, a ``t``-row in_proj output buffer with its column views (the
+        ring of a verify step whose rows are all speculative)."""
+        got = self._spec_projs.get(t)
+        if got is None:
+            c, dt = self.model.config, self.model.dtype
+            cd, vd, hv = c.linear_conv_dim, c.linear_value_dim, c.linear_num_value_heads
+            got = {}
+            with torch.inference_mode(False):
+                for e in self._layers:
+                    if e["attn"]:
+                        continue
+                    pb = _SpecProj()
+                    proj = torch.empty(t, cd + vd + 2 * hv, dtype=dt)
+                    p = pb.proj_np = _view(proj)
+                    pb.ring_mixed, pb.ring_ba = proj[:, :cd], proj[:, cd + vd:]
+                    pb.mixed_np, pb.z_np, pb.ba_np = p[:, :cd], p[:, cd:cd + vd], p[:, cd + vd:]
+                    pb.b_np, pb.a_np = p[:, cd + vd:cd + vd + hv], p[:, cd + vd + hv:]
+                    got[e["idx"]] = pb
+            self._spec_projs[t] = got
+        return got
+
+    def _cos_sin(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rope's cos and sin rows of ``positions`` in the model's dtype (numpy, bfloat16
+        as bits): rows of a table of :meth:`RotaryEmbedding.cos_sin` over 0 .. n-1."""
+        n = int(positions.max()) + 1 if positions.size else 0
+        tab = self._rope
+        if tab is None or tab[0].shape[0] < n:
+            size = max(n, 2 * tab[0].shape[0] if tab is not None else 1024)
+            with torch.inference_mode(False):
+                cos, sin = self.model.rotary.cos_sin(torch.arange(size), self.model.dtype)
+            tab = self._rope = (_view(cos), _view(sin), cos, sin)
+        return tab[0][positions], tab[1][positions]
+
     def _qsl(self, t: int) -> np.ndarray:
         """``query_start_loc`` of ``t`` one-token sequences."""
         a = self._qsls.get(t)
@@ -663,7 +771,7 @@ class NativeDecodeStep:
         slots, and the decode kernel's rows, lengths and block tables."""
         t = b.residual.shape[0]
         # (An MTP pass has no speculative runs: its layout is in op_plans alone.)
-        cos, sin = self.model.rotary.cos_sin(batch.positions, self.model.dtype)
+        cos, sin = self._cos_sin(batch.positions.numpy())
         lay = batch.op_plans.get(DECODE_ROWS)
         if lay is None:
             lens, tables = batch.seq_lens, batch.block_tables
@@ -673,9 +781,8 @@ class NativeDecodeStep:
             _, lens, tables = lay
         if tables.dtype != torch.int32 or not tables.is_contiguous():
             tables = tables.to(torch.int32).contiguous()
-        return (_view(cos), _view(sin), batch.slot_mapping.numpy().astype(np.int64, copy=False),
-                self._qsl(t)[:t], lens.numpy().astype(np.int64), tables.numpy(),
-                (cos, sin, tables))
+        return (cos, sin, batch.slot_mapping.numpy().astype(np.int64, copy=False),
+                self._qsl(t)[:t], lens.numpy().astype(np.int64), tables.numpy(), tables)
 
     def _attention(self, e: dict, b: _Buffers, args) -> None:
         cos, sin, slots, rows, lens, tables, _keep = args

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,7 +33,7 @@ from hybridserve.model.hugepages import huge_page_copy, transposed_copy
 from hybridserve.model.layers import MLP, GatedRMSNorm, Projection, ZeroCenteredRMSNorm, _Fused
 from hybridserve.model.moe import SparseMoeBlock
 from hybridserve.model.mtp import MultiTokenPredictor
-from hybridserve.model.native_decode import DECODE_ROWS, NativeDecodeStep, decode_rows_layout
+from hybridserve.model.native_decode import DECODE_ROWS, NATIVE_STEP, NativeDecodeStep, decode_rows_layout
 
 
 class RotaryEmbedding:
@@ -457,6 +458,7 @@ class Qwen3_5ForServing(nn.Module):
         if fast is not None:
             logits = fast.run(batch, cache)
             if logits is not None:
+                batch.op_plans[NATIVE_STEP] = fast
                 return (logits, fast.last_hidden.clone()) if return_hidden else logits
         x = self.embed_tokens(batch.input_ids)
         self._moe_rows = x.shape[0]
@@ -482,6 +484,24 @@ class Qwen3_5ForServing(nn.Module):
     def _open_ring(batch: ForwardBatch) -> None:
         """Set up ``batch.spec_ring`` when the batch has speculative runs: the rows the
         DeltaNet layers record (those runs' rows, in batch order)."""
+        flags = batch.speculative
+        if flags is not None and flags.device.type == "cpu":
+            # (CPU: host lists, tensors through numpy arrays.)
+            flags = flags.tolist()
+            seqs = [b for b, f in enumerate(flags) if f]
+            if not seqs:
+                batch.spec_ring = None
+                batch.op_plans.pop(DECODE_ROWS, None)
+                return
+            qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
+            lens = [qsl[b + 1] - qsl[b] for b in seqs]
+            # "all": every row of the batch is a speculative row (rows = 0 .. T-1).
+            every = sum(lens) == batch.num_tokens
+            rows = torch.arange(batch.num_tokens) if every else torch.from_numpy(
+                np.array([r for b in seqs for r in range(qsl[b], qsl[b + 1])], dtype=np.int64))
+            decode_rows_layout(batch, flags)
+            batch.spec_ring = {"seqs": seqs, "lens": lens, "rows": rows, "all": every}
+            return
         seqs = batch.speculative_seqs()
         if not seqs:
             batch.spec_ring = None
@@ -493,7 +513,7 @@ class Qwen3_5ForServing(nn.Module):
         spec = set(seqs)
         # The speculative runs attend as decodes, one per row (see Attention.forward).
         decode_rows_layout(batch, [b in spec for b in range(batch.num_seqs)])
-        batch.spec_ring = {"seqs": seqs, "lens": lens,
+        batch.spec_ring = {"seqs": seqs, "lens": lens, "all": len(rows) == batch.num_tokens,
                            "rows": torch.tensor(rows, dtype=torch.long, device=batch.input_ids.device)}
 
     def spec_ring_bytes(self, batch: ForwardBatch) -> int:
@@ -520,7 +540,8 @@ class Qwen3_5ForServing(nn.Module):
                 raise ValueError("commit_speculative: run forward on this batch first (its ring is empty), "
                                  "and commit once")
             return
-        acc = torch.as_tensor(accepted).reshape(-1).tolist()
+        acc = accepted.tolist() if isinstance(accepted, np.ndarray) else \
+            torch.as_tensor(accepted).reshape(-1).tolist()
         if len(acc) != batch.num_seqs:
             raise ValueError(f"commit_speculative: accepted has {len(acc)} entries, the batch {batch.num_seqs} "
                              "sequences")
@@ -540,14 +561,19 @@ class Qwen3_5ForServing(nn.Module):
             seqs_t = torch.tensor(seqs, dtype=torch.long, device=dev)
             pages = batch.state_pages.index_select(0, seqs_t)
             init = batch.has_initial_state.index_select(0, seqs_t)
-        # Every row accepted: the ring as it is.
-        sel_t = None if len(sel) == off else torch.tensor(sel, dtype=torch.long, device=dev)
-        fast = self._usable_native_step() if dev.type == "cpu" else None
+        # Every row accepted: the ring as it is; one run: a prefix of it.
+        sel_t = None if len(sel) == off else slice(0, len(sel)) if len(seqs) == 1 else \
+            torch.tensor(sel, dtype=torch.long, device=dev)
+        fast = None
+        if dev.type == "cpu":
+            fast = batch.op_plans.get(NATIVE_STEP) or self._usable_native_step()
         if fast is not None and fast.replay(ring, sel_t, qsl, pages, init, cache):
             batch.spec_ring = None
             return
         if sel_t is None:
             sel_t = torch.arange(off, device=dev)
+        elif isinstance(sel_t, slice):
+            sel_t = torch.arange(len(sel), device=dev)
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device=dev)
         plans: dict = {}
         for layer in self.layers:

@@ -71,7 +71,8 @@ def plain_greedy(row: SamplingRow, extra: int) -> bool:
 
 
 def _argmax(x: torch.Tensor) -> np.ndarray:
-    x = x.float().contiguous()
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
     if x.device.type == "cpu":
         return np.argmax(x.numpy(), axis=-1)
     return x.argmax(dim=-1).cpu().numpy()
@@ -92,7 +93,10 @@ def accept(sampler: Any, logits: torch.Tensor, entries: Sequence[VerifyEntry], f
         return
     if all(plain_greedy(e.row, len(e.drafts) + 1) for e in alive):
         rows = [r for e in alive for r in e.rows]
-        top = _argmax(logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device)))
+        if rows == list(range(logits.shape[0])):
+            top = _argmax(logits)  # (every entry still matching: all the rows, no gather)
+        else:
+            top = _argmax(logits.index_select(0, torch.tensor(rows, dtype=torch.int64, device=logits.device)))
         at = 0
         for e in alive:
             d = len(e.drafts)

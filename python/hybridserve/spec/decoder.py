@@ -141,8 +141,10 @@ class SpecDecoder:
                 if row is None:
                     row = engine._sampling_rows(plan, np.asarray([b]), np.asarray([1]))[0]
                 drafts = ids[qsl[b] + 1: qsl[b] + 1 + d].tolist()
+                # (history: the sample's own list, read before the scheduler's update
+                # appends this step's tokens to it.)
                 entries.append(VerifyEntry(drafts=drafts, rows=list(range(at, at + d)), row=row,
-                                           history=list(sample.token_ids), key=(rid, si)))
+                                           history=sample.token_ids, key=(rid, si)))
                 at += d
                 first.append(per_entry[b][0])
                 if out is not None and out.logprobs is not None and sample.logprobs is not None:

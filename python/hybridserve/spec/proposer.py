@@ -36,14 +36,22 @@ from hybridserve.model.batch import ForwardBatch
 # the cut changes which drafts are proposed (acceptance), never the output: acceptance
 # compares against the target's full distribution. At a large vocabulary the LM head is
 # most of a draft pass (248K x 1024 at the 0.8B shape); benches/spec_commit.py times
-# the pass with and without the cut.
+# the pass with and without the cut. At a small model it is too: at the default model
+# (8192 ids, hidden 192) three draft passes' LM heads were ~15% of a k=3 step's CPU
+# time, and its first 1024 ids left the mean accepted length within 1% of the full
+# vocabulary's on eight prompts (benches/RESULTS.md, issue 34's batch-1 section).
 DRAFT_VOCAB_CUT = 32768
+# The default keeps the first 1/DRAFT_VOCAB_SHARE of the ids, at least DRAFT_VOCAB_MIN
+# (a small vocabulary stays whole) and at most DRAFT_VOCAB_CUT.
+DRAFT_VOCAB_SHARE = 8
+DRAFT_VOCAB_MIN = 1024
 
 
 def default_draft_vocab_size(vocab_size: int) -> int:
-    """The draft vocabulary when none is configured: the whole vocabulary up to
-    :data:`DRAFT_VOCAB_CUT` ids, its first :data:`DRAFT_VOCAB_CUT` ids above."""
-    return min(vocab_size, DRAFT_VOCAB_CUT)
+    """The draft vocabulary when none is configured: the first eighth of the ids
+    (:data:`DRAFT_VOCAB_SHARE`), at least :data:`DRAFT_VOCAB_MIN` ids (the whole of a
+    smaller vocabulary), at most :data:`DRAFT_VOCAB_CUT`."""
+    return min(vocab_size, DRAFT_VOCAB_CUT, max(DRAFT_VOCAB_MIN, vocab_size // DRAFT_VOCAB_SHARE))
 
 
 class MTPProposer:
@@ -73,6 +81,7 @@ class MTPProposer:
         # argmax (only it has the gathered logits), broadcast to the workers, whose
         # next chained pass feeds them too.
         self.group: Any = None
+        self._lasts: dict[int, np.ndarray] = {}
 
     def _ids(self, logits: torch.Tensor, n: int) -> np.ndarray:
         """The draft ids (the argmax over the draft vocabulary) of one pass's ``n`` rows,
@@ -101,6 +110,12 @@ class MTPProposer:
         ``table_rows[b]`` its block-table row. ``batch``/``hidden`` are the step's
         ForwardBatch and the trunk's post-norm hidden states ``[T, H]``."""
         B = len(committed)
+        if B == 1 and self.device.type == "cpu" and hidden.device.type == "cpu":
+            # One sequence (batch 1): its rows are a slice of the step's, no gathers.
+            drafts = self._propose_one(batch, hidden, int(query_start_loc[0]), int(committed[0]),
+                                       int(next_tokens[0]), int(table_rows[0]), int(num_drafts[0]))
+            if drafts is not None:
+                return drafts
         qsl = np.asarray(query_start_loc, dtype=np.int64)
         take = (np.asarray(committed) > 0) & (np.asarray(next_tokens) >= 0)
         ents = np.nonzero(take)[0]
@@ -191,6 +206,39 @@ class MTPProposer:
             drafts[e] = [int(t[i]) for t in toks[: need[i]]]
         return drafts
 
+    def _propose_one(self, batch: ForwardBatch, hidden: torch.Tensor, start: int, committed: int,
+                     next_token: int, table_row: int, num_drafts: int) -> list[list[int]] | None:
+        """:meth:`_propose_native` for a batch of one sequence whose ``committed`` rows
+        start at row ``start``: the same inputs to ``mtp_draft``, sliced instead of
+        gathered. None where the general path must run."""
+        if committed <= 0 or next_token < 0:
+            return [[]]
+        if num_drafts <= 0:
+            return None  # (the MTP prefill alone: the general path)
+        from hybridserve.model.native_decode import NATIVE_STEP
+
+        fast = batch.op_plans.get(NATIVE_STEP) or self.model._usable_native_step()
+        if fast is None:
+            return None
+        end = start + committed
+        ids_host = np.empty(committed, dtype=np.int64)
+        ids_host[:-1] = batch.input_ids.numpy()[start + 1:end]
+        ids_host[-1] = next_token
+        tables = np.broadcast_to(self.block_table_buf.numpy()[table_row], (committed,) + self.block_table_buf.shape[1:])
+        h = hidden if start == 0 and end == hidden.shape[0] else hidden[start:end]
+        out = fast.mtp_draft(h, ids_host, batch.positions.numpy()[start:end], batch.slot_mapping.numpy()[start:end],
+                             tables, self._last(committed), num_drafts, self.cache, self.draft_vocab)
+        if out is None:
+            return None
+        return [out[:, 0].tolist()]
+
+    def _last(self, n: int) -> np.ndarray:
+        """``[n - 1]``: the row of the last committed token (kept per n)."""
+        got = self._lasts.get(n)
+        if got is None:
+            got = self._lasts[n] = np.array([n - 1], dtype=np.int64)
+        return got
+
     def _propose_native(self, batch: ForwardBatch, hidden: torch.Tensor, src: np.ndarray, last: np.ndarray,
                         n: np.ndarray, ents: np.ndarray, want: np.ndarray, drafting: np.ndarray,
                         next_tokens: np.ndarray, table_rows: np.ndarray, B: int) -> list[list[int]] | None:
@@ -202,7 +250,10 @@ class MTPProposer:
         need = drafting[want]
         if not bool((need == need[0]).all()):
             return None
-        fast = self.model._usable_native_step()
+        from hybridserve.model.native_decode import NATIVE_STEP
+
+        # (The native step that ran the step's forward: its weights' views were checked then.)
+        fast = batch.op_plans.get(NATIVE_STEP) or self.model._usable_native_step()
         if fast is None:
             return None
         ids = batch.input_ids.numpy()
