@@ -224,9 +224,10 @@ class NativeDecodeStep:
         # The verify steps' per-layer in_proj outputs (row count -> layer -> buffers):
         # the ring is views of them, no copy (see :meth:`_spec_proj`).
         self._spec_projs: dict[int, dict] = {}
-        # A draft pass's argmax input: its bfloat16 logits widened to float32 (numpy's
-        # argmax, same first-maximum rule as torch's, several times faster on bfloat16).
-        self._widen: dict[tuple, np.ndarray] = {}
+        # Per (rows, draft vocabulary): a draft pass's logits buffer (numpy view) and, in
+        # bfloat16, the float32 widening its argmax reads (numpy's argmax, the same
+        # first-maximum rule as torch's, several times faster than torch's on bfloat16).
+        self._widen: dict[tuple, tuple] = {}
         # The GEMM weights (Parameters) and where their memory was when the views were
         # made: a re-layout (``weight.data = ...``) moves it, and :meth:`current` sees that.
         self._modules = list(model.modules())
