@@ -14,8 +14,8 @@ import torch.nn.functional as F
 # and the safetensors formats (benches/quant_safetensors.py; RESULTS.md "FP8 and int4
 # safetensors").
 NATIVE_MAX_ROWS: dict[str, int] = {
-    "q8_0": 64, "q4_0": 64, "q5_0": 64, "q5_1": 64,
-    "q4_k": 64, "q5_k": 64, "q6_k": 32,
+    "q8_0": 64, "q4_0": 128, "q5_0": 128, "q5_1": 128,
+    "q4_k": 128, "q5_k": 128, "q6_k": 128,
     "fp8_e4m3_b128": 16, "awq_int4": 16,
 }
 # A format not listed above.

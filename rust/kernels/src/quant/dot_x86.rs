@@ -41,8 +41,8 @@ fn pf_rows() -> usize {
     PF_ROWS_DIST.load(Ordering::Relaxed)
 }
 
-/// Sets the prefetch distances (one-row, many-row); 0 turns a prefetch off... in effect
-/// it re-reads the current line, which is already there.
+/// Sets the prefetch distances (one-row, many-row; the timing harness's variants). A
+/// many-row distance of 0 turns its prefetch off; a one-row 0 asks for the line being read.
 #[cfg(test)]
 pub(crate) fn set_prefetch(one: usize, rows: usize) {
     PF_DIST.store(one, Ordering::Relaxed);

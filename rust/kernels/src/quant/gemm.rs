@@ -5,8 +5,9 @@
 //! the activation rows, up to four at a time, so a row's unpacked blocks are reused from
 //! registers and its bytes from L1. One or two activation rows only stream the weight:
 //! consecutive rows in a task keep that stream sequential for the hardware prefetcher.
-//! Above four activation rows the k-quants take eight weight rows per pass instead,
-//! their unpacked super-blocks transposed so each lane is one output ([`many8`]).
+//! Above four activation rows every type takes eight weight rows per pass instead,
+//! their unpacked blocks transposed so each lane is one output ([`many8`], [`many8_32`]),
+//! the next pass's rows prefetched meanwhile.
 //! A row's result does not depend on how many rows share the call: each output is one
 //! dot product in one fixed order.
 
