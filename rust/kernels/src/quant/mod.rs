@@ -6,7 +6,9 @@
 //! * [`dot_scalar`], [`dot_x86`]: one weight row against a few activation rows;
 //! * [`gemm`]: the few-row GEMM `x W^T` (decode steps, MoE experts, the LM head) and
 //!   the row dequantizer (embedding lookups, prefill tiles), split over output rows on
-//!   the crate's pool.
+//!   the crate's pool;
+//! * [`prefill`]: the many-row GEMM (prefill), weight tiles unpacked once to bytes and
+//!   run against many activation rows, with the same results.
 //!
 //! Decode reads every weight byte once per step, so the bytes are the cost: a Q4_K
 //! row is 0.56 bytes per weight against bfloat16's 2.
@@ -17,9 +19,11 @@ pub mod dot_scalar;
 #[cfg(target_arch = "x86_64")]
 pub mod dot_x86;
 pub mod gemm;
+pub mod prefill;
 
 pub use blocks::GgmlType;
 pub use gemm::{dequantize_rows, dequantize_rows_with, quant_matmul, quant_matmul_with};
+pub use prefill::{quant_matmul_prefill, quant_matmul_prefill_with};
 
 /// The instruction set the quantized kernels run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
