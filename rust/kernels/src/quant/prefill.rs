@@ -35,6 +35,8 @@ use crate::{KernelError, Rows};
 pub const NR: usize = 16;
 /// Activation rows per register block.
 pub const MR: usize = 4;
+/// Tiles per task: a block of activation rows runs against each while it sits in L1.
+const TASK_TILES: usize = 4;
 
 /// The float steps a type takes per block (see [`super::dot_scalar::dot`]).
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -241,20 +243,32 @@ impl Acts {
                         std::slice::from_raw_parts_mut(p.2.add(t * k / sgroup), k / sgroup),
                     )
                 };
-                if k_quant {
-                    quantize_q8_k(xr, &mut qs, d, sums);
-                } else {
-                    quantize_q8_0(xr, &mut qs, d);
-                    for (s, b) in sums.iter_mut().zip(qs.chunks_exact(32)) {
-                        *s = b.iter().map(|&q| q as i32).sum();
-                    }
-                }
-                for (u, &q) in xu.iter_mut().zip(&qs) {
-                    *u = (q as u8) ^ 0x80;
-                }
+                // SAFETY: only AVX-512 VNNI CPUs get here, and they have AVX2.
+                unsafe { quantize_row(k_quant, xr, &mut qs, d, sums, xu) };
             }
         });
         a
+    }
+}
+
+/// One activation row quantized (as [`super::act`] does, the same code) and offset by
+/// 128. Compiled for AVX2 so the roundings inline as `vroundps` (bit-identical to the
+/// libm calls the generic build makes, and a large part of the time without it).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg_attr(target_arch = "x86_64", target_feature(enable = "avx2,fma,f16c"))]
+unsafe fn quantize_row(k_quant: bool, xr: &[f32], qs: &mut [i8], d: &mut [f32], sums: &mut [i32], xu: &mut [u8]) {
+    if k_quant {
+        quantize_q8_k(xr, qs, d, sums);
+    } else {
+        quantize_q8_0(xr, qs, d);
+        for (s, b) in sums.iter_mut().zip(qs.chunks_exact(32)) {
+            *s = b.iter().map(|&q| q as i32).sum();
+        }
+    }
+    for (u, &q) in xu.iter_mut().zip(qs.iter()) {
+        *u = (q as u8) ^ 0x80;
     }
 }
 
@@ -314,35 +328,45 @@ pub fn quant_matmul_prefill_with<T: Elem>(
     }
     let acts = Acts::new(&x, ty.is_k());
     let acts = &acts;
-    for_each_task(n.div_ceil(NR), m * n * k / 16, |task| {
-        let j0 = task * NR;
-        let j1 = (j0 + NR).min(n);
-        let mut tile = Tile::new(ty, k);
-        tile.pack(ty, k, &w[j0 * rb..j1 * rb], rb);
+    let tiles = n.div_ceil(NR);
+    for_each_task(tiles.div_ceil(TASK_TILES), m * n * k / 16, |task| {
+        let t0 = task * TASK_TILES;
+        let tl: Vec<(usize, usize, Tile)> = (t0..(t0 + TASK_TILES).min(tiles))
+            .map(|ti| {
+                let (j0, j1) = (ti * NR, (ti * NR + NR).min(n));
+                let mut tile = Tile::new(ty, k);
+                tile.pack(ty, k, &w[j0 * rb..j1 * rb], rb);
+                (j0, j1, tile)
+            })
+            .collect();
         let mut res = [[0.0f32; NR]; MR];
         let mut t = 0;
         while t < m {
             let r = (m - t).min(MR);
             // Short last block: its missing rows repeat the last one (not stored).
             let rows: [usize; MR] = std::array::from_fn(|i| t + i.min(r - 1));
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: VNNI was checked above; the tile and the rows hold K values.
-            unsafe {
-                match kind(ty) {
-                    Kind::B32 => vnni::block::<{ Kind::B32 as u8 }>(&tile, acts, rows, k, &mut res),
-                    Kind::B32Min => vnni::block::<{ Kind::B32Min as u8 }>(&tile, acts, rows, k, &mut res),
-                    Kind::K45 => vnni::block::<{ Kind::K45 as u8 }>(&tile, acts, rows, k, &mut res),
-                    Kind::K6 => vnni::block::<{ Kind::K6 as u8 }>(&tile, acts, rows, k, &mut res),
+            // Every tile of the task against these rows, while they are in L1.
+            for (j0, j1, tile) in &tl {
+                let (j0, j1) = (*j0, *j1);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: VNNI was checked above; the tile and the rows hold K values.
+                unsafe {
+                    match kind(ty) {
+                        Kind::B32 => vnni::block::<{ Kind::B32 as u8 }>(tile, acts, rows, k, &mut res),
+                        Kind::B32Min => vnni::block::<{ Kind::B32Min as u8 }>(tile, acts, rows, k, &mut res),
+                        Kind::K45 => vnni::block::<{ Kind::K45 as u8 }>(tile, acts, rows, k, &mut res),
+                        Kind::K6 => vnni::block::<{ Kind::K6 as u8 }>(tile, acts, rows, k, &mut res),
+                    }
                 }
-            }
-            for (i, rr) in res.iter().enumerate().take(r) {
-                for (c, &v) in rr.iter().enumerate().take(j1 - j0) {
-                    let at = (t + i) * n + j0 + c;
-                    // SAFETY: columns j0..j1 belong to this task alone.
-                    unsafe {
-                        match ptr {
-                            OutPtr::F32(p) => *p.add(at) = v,
-                            OutPtr::Bf16(p) => *p.add(at) = from_f32(v),
+                for (i, rr) in res.iter().enumerate().take(r) {
+                    for (c, &v) in rr.iter().enumerate().take(j1 - j0) {
+                        let at = (t + i) * n + j0 + c;
+                        // SAFETY: columns j0..j1 belong to this task alone.
+                        unsafe {
+                            match ptr {
+                                OutPtr::F32(p) => *p.add(at) = v,
+                                OutPtr::Bf16(p) => *p.add(at) = from_f32(v),
+                            }
                         }
                     }
                 }
@@ -512,7 +536,7 @@ mod tests {
     fn equals_the_few_row_kernels() {
         let mut g = Lcg(11);
         for ty in TYPES {
-            for &(n, k) in &[(37usize, 512usize), (16, 256), (5, 768)] {
+            for &(n, k) in &[(37usize, 512usize), (16, 256), (5, 768), (150, 256)] {
                 let w = random_weight(ty, n, k, &mut g);
                 for m in [1usize, 3, 4, 9, 33] {
                     let x: Vec<f32> = (0..m * k).map(|_| g.f() * 3.0).collect();
