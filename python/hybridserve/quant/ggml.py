@@ -39,11 +39,18 @@ GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
 )}
 GGML_BY_ID: dict[int, GGMLType] = {t.ggml_id: t for t in GGML_TYPES.values()}
 
-# Activation rows up to which ``GGMLWeight.linear`` runs the native GEMM on the blocks;
-# above, prefill's path (dequantized tiles into torch's GEMM) is faster (see
-# benches/quant_kernels.py, benches/RESULTS.md "Quantized blocks: native kernels").
+# Activation rows up to which ``GGMLWeight.linear`` runs the few-row native GEMM on the
+# blocks; above, prefill's path (see benches/quant_kernels.py, benches/RESULTS.md
+# "Quantized blocks: native kernels" and "GGUF prefill").
 NATIVE_MAX_ROWS = 32
-# Weight rows per dequantized tile on the prefill path: bounds the temporary (a few MiB
+# Prefill's path on CPUs with AVX-512 VNNI: the many-row int8 GEMM
+# (``quant.matmul_prefill``: weight tiles unpacked once to bytes), which rounds the
+# activations as llama.cpp does and measured at least as fast as the dequantized tiles
+# into torch's bfloat16 GEMM (faster at a few hundred rows, where the tiles'
+# dequantization weighs most). Elsewhere (AVX2, where the int8 path would be the few-row
+# kernel) the tiles, on unquantized activations.
+PREFILL_INT8_ISAS = ("avx512_vnni",)
+# Weight rows per dequantized tile on the tiles path: bounds the temporary (a few MiB
 # at the widest layers) while keeping each torch GEMM large.
 PREFILL_TILE_ROWS = 512
 
@@ -82,10 +89,11 @@ class GGMLWeight:
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W.T`` in ``x``'s dtype. Up to :data:`NATIVE_MAX_ROWS` rows (decode, MoE
         experts): the native GEMM on the blocks, ``x`` quantized per row as llama.cpp
-        does (Q8_0 / Q8_K). More rows (prefill): tiles of :data:`PREFILL_TILE_ROWS`
-        weight rows dequantized natively into ``x``'s dtype and torch's GEMM, ``x``
-        unquantized. Without the native kernels (or off the CPU), the reference:
-        ``F.linear`` on :meth:`dequantize`."""
+        does (Q8_0 / Q8_K). More rows (prefill), on a CPU in :data:`PREFILL_INT8_ISAS`:
+        the many-row int8 GEMM, the same rounding and the same results row by row;
+        elsewhere tiles of :data:`PREFILL_TILE_ROWS` weight rows dequantized natively
+        into ``x``'s dtype and torch's GEMM, ``x`` unquantized. Without the native
+        kernels (or off the CPU), the reference: ``F.linear`` on :meth:`dequantize`."""
         from hybridserve.kernels import quant as qk
 
         if (not qk.available() or x.device.type != "cpu"
@@ -96,6 +104,8 @@ class GGMLWeight:
         t = x2.shape[0]
         if t <= NATIVE_MAX_ROWS:
             out = qk.matmul(x2, self._blocks(), self.type.ggml_id)
+        elif qk.isa() in PREFILL_INT8_ISAS:
+            out = qk.matmul_prefill(x2, self._blocks(), self.type.ggml_id)
         else:
             data = self._blocks()
             out = torch.empty(t, self.shape[0], dtype=x.dtype)
