@@ -6,9 +6,10 @@ GEMM, at the projection shapes of the llama.cpp side-by-side bench's presets.
    ``hybridserve.kernels.quant.matmul`` per GGML type against ``native.linear_bf16`` on
    the bfloat16 weight, bfloat16 activations both. Reported: milliseconds, GB/s of
    weight bytes read (the decode bound), and the speed-up over bfloat16.
-2. **Crossover** (``--only crossover``): for the prefill path, the native GEMM against
-   dequantized tiles into torch's GEMM (``GGMLWeight.linear``'s two paths) as rows grow;
-   sets ``hybridserve.quant.ggml.NATIVE_MAX_ROWS``.
+2. **Crossover** (``--only crossover``): for the prefill path, the few-row native GEMM
+   and the many-row int8 GEMM (``quant.matmul_prefill``) against dequantized tiles into
+   torch's GEMM as rows grow; sets ``hybridserve.quant.ggml.NATIVE_MAX_ROWS`` and
+   ``PREFILL_INT8_ISAS``.
 
 Every weight is used from a ring of copies larger than the last-level cache (a model's
 weights come from memory); ratios are measured in one run, rounds alternated, medians
@@ -63,13 +64,18 @@ class Ring:
         return self.items[self.i]
 
 
+# ``--clock thread``: the calling thread's CPU time, for 1-thread runs on a loaded machine
+# (with one thread the kernels and torch run on the caller's thread).
+CLOCK = time.perf_counter
+
+
 def timed(fn, reps: int) -> list[float]:
     fn()
     out = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         fn()
-        out.append(time.perf_counter() - t0)
+        out.append(CLOCK() - t0)
     return out
 
 
@@ -111,28 +117,31 @@ def gemm_table(threads: list[int], presets: list[str], types: list[str], rows_li
 def crossover(threads: list[int], rounds: int, reps: int) -> None:
     rng = np.random.default_rng(1)
     n, k = SHAPES["peer-0.1b"]["gate_up"]
-    print("\n| type | threads | rows | native GEMM ms | dequantized tiles + torch ms | native / tiles |")
-    print("|---|---|---|---|---|---|")
-    for t in ("q8_0", "q4_k", "q6_k"):
+    print("\n| type | threads | rows | few-row GEMM ms | int8 prefill GEMM ms | dequantized tiles + torch ms "
+          "| few-row / tiles | int8 prefill / tiles |")
+    print("|---|---|---|---|---|---|---|---|")
+    for t in ("q8_0", "q5_0", "q4_k", "q6_k"):
         w = GGMLWeight(t, random_blocks(t, n, k, rng), (n, k))
         for th in threads:
             torch.set_num_threads(th)
             native.set_threads(th)
-            for rows in (8, 16, 32, 64, 128, 256):
+            for rows in (8, 16, 32, 64, 128, 256, 1024):
                 x = torch.randn(rows, k).to(torch.bfloat16)
                 from hybridserve.quant import ggml as g
 
                 def tiles():
-                    old = g.NATIVE_MAX_ROWS
-                    g.NATIVE_MAX_ROWS = 0
+                    old = g.NATIVE_MAX_ROWS, g.PREFILL_INT8_ISAS
+                    g.NATIVE_MAX_ROWS, g.PREFILL_INT8_ISAS = 0, ()
                     try:
                         return w.linear(x)
                     finally:
-                        g.NATIVE_MAX_ROWS = old
-                med = alternate({"native": lambda: qk.matmul(x, w.data, w.type.ggml_id), "tiles": tiles},
-                                rounds, reps)
-                print(f"| {t} | {th} | {rows} | {med['native'] * 1e3:.2f} | {med['tiles'] * 1e3:.2f} | "
-                      f"{med['native'] / med['tiles']:.2f} |", flush=True)
+                        g.NATIVE_MAX_ROWS, g.PREFILL_INT8_ISAS = old
+                med = alternate({"native": lambda: qk.matmul(x, w.data, w.type.ggml_id),
+                                 "int8": lambda: qk.matmul_prefill(x, w.data, w.type.ggml_id),
+                                 "tiles": tiles}, rounds, reps)
+                print(f"| {t} | {th} | {rows} | {med['native'] * 1e3:.2f} | {med['int8'] * 1e3:.2f} | "
+                      f"{med['tiles'] * 1e3:.2f} | {med['native'] / med['tiles']:.2f} | "
+                      f"{med['int8'] / med['tiles']:.2f} |", flush=True)
 
 
 def main() -> None:
@@ -144,10 +153,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--only", choices=["gemm", "crossover"])
+    ap.add_argument("--clock", choices=["wall", "thread"], default="wall",
+                    help="thread: the caller's CPU time (meaningful with --threads 1 only)")
     a = ap.parse_args()
+    global CLOCK
+    if a.clock == "thread":
+        if a.threads != [1]:
+            raise SystemExit("--clock thread measures the calling thread alone: use it with --threads 1")
+        CLOCK = time.thread_time
     if not qk.available():
         raise SystemExit("the extension lacks the quantized kernels: rebuild (pip install -e .)")
-    print(f"torch threads: {a.threads}; quant ISA: {qk.isa()}; bf16 ISA: {native.bf16_isa()}; "
+    print(f"clock: {a.clock}; torch threads: {a.threads}; quant ISA: {qk.isa()}; bf16 ISA: {native.bf16_isa()}; "
           f"torch {torch.__version__}")
     if a.only != "crossover":
         gemm_table(a.threads, a.presets, a.types, a.rows, a.rounds, a.reps)
