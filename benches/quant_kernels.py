@@ -6,9 +6,10 @@ GEMM, at the projection shapes of the llama.cpp side-by-side bench's presets.
    ``hybridserve.kernels.quant.matmul`` per GGML type against ``native.linear_bf16`` on
    the bfloat16 weight, bfloat16 activations both. Reported: milliseconds, GB/s of
    weight bytes read (the decode bound), and the speed-up over bfloat16.
-2. **Crossover** (``--only crossover``): for the prefill path, the native GEMM against
-   dequantized tiles into torch's GEMM (``GGMLWeight.linear``'s two paths) as rows grow,
-   per type; sets ``hybridserve.quant.tiles.NATIVE_MAX_ROWS``.
+2. **Crossover** (``--only crossover``): for the prefill path, the few-row native GEMM
+   and the many-row int8 GEMM (``quant.matmul_prefill``) against dequantized tiles into
+   torch's GEMM as rows grow, per type; sets ``hybridserve.quant.tiles.NATIVE_MAX_ROWS``
+   and ``hybridserve.quant.ggml.PREFILL_INT8_ISAS``.
 
 Every weight is used from a ring of copies larger than the last-level cache (a model's
 weights come from memory); ratios are measured in one run, rounds alternated, medians
@@ -120,8 +121,9 @@ def crossover(threads: list[int], types: list[str], rows_list: list[int], rounds
 
     rng = np.random.default_rng(1)
     n, k = SHAPES["peer-0.1b"]["gate_up"]
-    print("\n| type | threads | rows | native GEMM ms | dequantized tiles + torch ms | native / tiles |")
-    print("|---|---|---|---|---|---|")
+    print("\n| type | threads | rows | few-row GEMM ms | int8 prefill GEMM ms | dequantized tiles + torch ms "
+          "| few-row / tiles | int8 prefill / tiles |")
+    print("|---|---|---|---|---|---|---|---|")
     for t in types:
         w = GGMLWeight(t, random_blocks(t, n, k, rng), (n, k))
         for th in threads:
@@ -131,16 +133,19 @@ def crossover(threads: list[int], types: list[str], rows_list: list[int], rounds
                 x = torch.randn(rows, k).to(torch.bfloat16)
 
                 def tiles_path():
-                    old = tiles.NATIVE_MAX_ROWS.get(t)
-                    tiles.NATIVE_MAX_ROWS[t] = 0
+                    from hybridserve.quant import ggml as g
+                    old = tiles.NATIVE_MAX_ROWS.get(t), g.PREFILL_INT8_ISAS
+                    tiles.NATIVE_MAX_ROWS[t], g.PREFILL_INT8_ISAS = 0, ()
                     try:
                         return w.linear(x)
                     finally:
-                        tiles.NATIVE_MAX_ROWS[t] = old
-                med = alternate({"native": lambda: qk.matmul(x, w.data, w.type.ggml_id), "tiles": tiles_path},
-                                rounds, reps)
-                print(f"| {t} | {th} | {rows} | {med['native'] * 1e3:.2f} | {med['tiles'] * 1e3:.2f} | "
-                      f"{med['native'] / med['tiles']:.2f} |", flush=True)
+                        tiles.NATIVE_MAX_ROWS[t], g.PREFILL_INT8_ISAS = old
+                med = alternate({"native": lambda: qk.matmul(x, w.data, w.type.ggml_id),
+                                 "int8": lambda: qk.matmul_prefill(x, w.data, w.type.ggml_id),
+                                 "tiles": tiles_path}, rounds, reps)
+                print(f"| {t} | {th} | {rows} | {med['native'] * 1e3:.2f} | {med['int8'] * 1e3:.2f} | "
+                      f"{med['tiles'] * 1e3:.2f} | {med['native'] / med['tiles']:.2f} | "
+                      f"{med['int8'] / med['tiles']:.2f} |", flush=True)
 
 
 def main() -> None:

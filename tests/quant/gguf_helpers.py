@@ -91,8 +91,10 @@ def greedy(model, config, prompt, steps, block_size=16, logits=None):
 # activation row to 8 bits before the integer dot products: Q8_0 blocks of 32 against
 # Q8_0 / Q4_0 weights, Q8_K blocks of 256 against the k-quants (q8_act_ref, the plain
 # PyTorch reference of that rounding). It does so for products of at most
-# native_max_rows(qtype) rows (hybridserve.quant.tiles) (decode, the routed rows of an expert, short
-# prompts); longer inputs run dequantized tiles on unrounded activations. A tiny random
+# native_max_rows(qtype) rows (hybridserve.quant.tiles) (decode, the routed rows of an
+# expert, short prompts), and for longer inputs too on a CPU in PREFILL_INT8_ISAS (the
+# many-row int8 GEMM); elsewhere longer inputs run dequantized tiles on unrounded
+# activations. A tiny random
 # model amplifies that rounding a lot (measured: max |logit error| 0.01-0.3 of the
 # logits' standard deviation), enough to flip near-tied greedy choices; so the oracle
 # applies the same rounding at the same products (HF's own modules, a pre-hook on each
@@ -106,12 +108,13 @@ def _round_rows(x: torch.Tensor, qtype: str | None, perm=None) -> torch.Tensor:
     weight, unrounded); ``perm``: the weight's input features were stored permuted, so the
     blocks run over ``x[..., perm]``."""
     from hybridserve.kernels import quant as qk
+    from hybridserve.quant.ggml import PREFILL_INT8_ISAS
     from hybridserve.quant.tiles import native_max_rows
 
     if qtype is None or not qk.available():
         return x
     flat = x.reshape(-1, x.shape[-1])
-    if flat.shape[0] > native_max_rows(qtype) or flat.shape[0] == 0:
+    if flat.shape[0] == 0 or (flat.shape[0] > native_max_rows(qtype) and qk.isa() not in PREFILL_INT8_ISAS):
         return x
     if perm is not None:
         flat = flat[:, perm]

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.kernels import quant as qk
-from hybridserve.quant.ggml import GGML_TYPES, GGMLWeight
+from hybridserve.quant.ggml import GGML_TYPES, PREFILL_INT8_ISAS, GGMLWeight
 from hybridserve.quant.tiles import native_max_rows
 from hybridserve.quant.ggml_quantize import quantize
 
@@ -103,15 +103,50 @@ def test_linear_dispatch_decode_and_prefill(qtype, dtype):
     assert y.shape == (2, 3, 300) and y.dtype == dtype
     _check_vs_reference(y.reshape(6, 300).float(), x.reshape(6, 768), wref, k_quant,
                         out_bf16=dtype == torch.bfloat16)
-    # ... and prefill-sized: dequantized tiles and torch's GEMM on unquantized x, which
-    # is F.linear on the reference weight (rounded to x's dtype) up to GEMM rounding.
+    # ... and prefill-sized: on a VNNI CPU the many-row int8 GEMM, which is the few-row
+    # kernel's rounding and its scalar path's results exactly; elsewhere dequantized
+    # tiles and torch's GEMM on unquantized x, which is F.linear on the reference weight
+    # (rounded to x's dtype) up to GEMM rounding.
     t = native_max_rows(qtype) + 9
     x = _x(t, 768, seed=4, dtype=dtype)
     y = w.linear(x)
+    if qk.isa() in PREFILL_INT8_ISAS:
+        assert y.dtype == dtype and torch.equal(y, qk.matmul(x, w.data, w.type.ggml_id, isa="scalar"))
+        _check_vs_reference(y.float(), x, wref, k_quant, out_bf16=dtype == torch.bfloat16)
+        return
     ref = F.linear(x.double(), wref.to(dtype).double())
     mag = x.double().abs() @ wref.to(dtype).double().abs().T
     tol = mag * (RTOL if dtype == torch.float32 else 2.0 ** -7)
     assert y.dtype == dtype and ((y.double() - ref).abs() <= tol + 1e-6).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_prefill_gemm_equals_the_few_row_kernel(qtype, isa):
+    """The many-row GEMM (``matmul_prefill``) row by row: on VNNI (the tiled int8
+    kernel) bit for bit the few-row kernels, scalar and SIMD, for every type (one float
+    order on every path); on the other instruction sets it is the few-row kernel itself. And within
+    float rounding of the torch reference of llama.cpp's activation rounding times
+    ``gguf``'s dequantize."""
+    if _ORDER[isa] > _ORDER[qk.isa()]:
+        pytest.skip(f"this CPU cannot run {isa}")
+    k_quant = qtype.endswith("_k")
+    k = 512
+    w = _weight(qtype, 83, k, seed=5)           # 83: several 16-row tiles, a short last one
+    wref = w.dequantize()
+    for t in (1, 5, 33, 70):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = _x(t, k, seed=10 + t, dtype=dtype)
+            y = qk.matmul_prefill(x, w.data, w.type.ggml_id, isa=isa)
+            assert y.shape == (t, 83) and y.dtype == dtype
+            few = qk.matmul(x, w.data, w.type.ggml_id, isa=isa)
+            assert torch.equal(y, qk.matmul(x, w.data, w.type.ggml_id, isa="scalar")), (t, dtype)
+            assert torch.equal(y, few), (t, dtype)
+            _check_vs_reference(y.float(), x, wref, k_quant, out_bf16=dtype == torch.bfloat16)
+    # Strided rows are taken as the few-row kernel takes them.
+    x = _x(40, 2 * k, seed=3)[:, :k]
+    assert torch.equal(qk.matmul_prefill(x, w.data, w.type.ggml_id, isa=isa),
+                       qk.matmul_prefill(x.contiguous(), w.data, w.type.ggml_id, isa=isa))
 
 
 @pytest.mark.parametrize("qtype", TYPES)

@@ -57,6 +57,24 @@ def matmul(x: torch.Tensor, data: torch.Tensor, ggml_id: int, out_dtype: torch.d
     return out
 
 
+def matmul_prefill(x: torch.Tensor, data: torch.Tensor, ggml_id: int, out_dtype: torch.dtype | None = None,
+                   isa: str | None = None) -> torch.Tensor:
+    """:func:`matmul` for many rows (prefill): the same arguments and the same results
+    (llama.cpp's activation rounding; equal to the scalar kernel bit for bit), each
+    weight tile unpacked once to bytes and run against every row (AVX-512 VNNI; the
+    few-row kernel on other CPUs)."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"quantized matmul takes float32 or bfloat16 activations, got {x.dtype}")
+    out_dtype = out_dtype or x.dtype
+    x = x.detach()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], data.shape[0], dtype=out_dtype)
+    o = out.view(torch.uint16).numpy() if out_dtype == torch.bfloat16 else out.numpy()
+    _k.quant_matmul_prefill(_np_x(x), data.numpy(), int(ggml_id), o, isa or _ISA)
+    return out
+
+
 def dequantize(data: torch.Tensor, ggml_id: int, k: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rows of blocks ``uint8 [R, row_bytes]`` as ``[R, k]`` float32 or bfloat16."""
     if dtype not in (torch.float32, torch.bfloat16):

@@ -39,6 +39,15 @@ GGML_TYPES: dict[str, GGMLType] = {t.name: t for t in (
 )}
 GGML_BY_ID: dict[int, GGMLType] = {t.ggml_id: t for t in GGML_TYPES.values()}
 
+# Prefill's path on CPUs with AVX-512 VNNI: the many-row int8 GEMM
+# (``quant.matmul_prefill``: weight tiles unpacked once to bytes), which rounds the
+# activations as llama.cpp does and measured at least as fast as the dequantized tiles
+# into torch's bfloat16 GEMM (faster at a few hundred rows, where the tiles'
+# dequantization weighs most). Elsewhere (AVX2, where the int8 path would be the few-row
+# kernel) the tiles, on unquantized activations.
+PREFILL_INT8_ISAS = ("avx512_vnni",)
+
+
 class GGMLWeight:
     """A ``[out, in]`` weight in one GGML block type; ``data`` is ``uint8 [out, row_bytes]``."""
 
@@ -74,9 +83,11 @@ class GGMLWeight:
         """``x @ W.T`` in ``x``'s dtype (:func:`hybridserve.quant.tiles.cpu_linear`). Up to
         ``native_max_rows(qtype)`` rows (decode, MoE experts): the native GEMM on the
         blocks, ``x`` quantized per row as llama.cpp does (Q8_0 / Q8_K). More rows
-        (prefill): tiles of weight rows dequantized natively into ``x``'s dtype and
-        torch's GEMM, ``x`` unquantized. Without the native kernels (or off the CPU),
-        the reference: ``F.linear`` on :meth:`dequantize`."""
+        (prefill), on a CPU in :data:`PREFILL_INT8_ISAS`: the many-row int8 GEMM
+        (:meth:`prefill`), with the same activation rounding; elsewhere tiles of weight
+        rows dequantized natively into ``x``'s dtype and torch's GEMM, ``x`` unquantized.
+        Without the native kernels (or off the CPU), the reference: ``F.linear`` on
+        :meth:`dequantize`."""
         from hybridserve.kernels import quant as qk
         from hybridserve.quant.tiles import cpu_linear
 
@@ -97,6 +108,16 @@ class GGMLWeight:
         from hybridserve.kernels import quant as qk
 
         return qk.dequantize(self._blocks()[start:stop], self.type.ggml_id, self.shape[1], dtype)
+
+    def prefill(self, x2: torch.Tensor) -> torch.Tensor | None:
+        """``x2 @ W.T`` by the many-row int8 GEMM (weight tiles unpacked once to bytes,
+        the activations rounded as the few-row kernel and llama.cpp round them), on a
+        CPU in :data:`PREFILL_INT8_ISAS`; None elsewhere (then the tiles)."""
+        from hybridserve.kernels import quant as qk
+
+        if qk.isa() not in PREFILL_INT8_ISAS:
+            return None
+        return qk.matmul_prefill(x2, self._blocks(), self.type.ggml_id)
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows ``ids`` of ``W`` (an embedding table ``[vocab, hidden]``) as ``dtype``

@@ -34,15 +34,19 @@ def cpu_linear(w, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` in ``x``'s dtype on the CPU, for a quantized weight with ``qtype``,
     ``shape``, ``native(x2)`` (the kernel on the quantized form; None where it cannot
     run) and either ``dequantize_tile(a, b, dtype)`` (rows ``a:b`` as ``dtype``) or
-    ``rows(a, b)`` and ``dequantize(dtype)``. Up to :func:`native_max_rows` rows (decode,
-    MoE experts) the native kernel; longer inputs (prefill) tiles of :data:`TILE_ROWS`
-    weight rows dequantized into torch's GEMM."""
+    ``rows(a, b)`` and ``dequantize(dtype)``, and optionally ``prefill(x2)`` (a many-row
+    kernel on the quantized form; None where it cannot run). Up to
+    :func:`native_max_rows` rows (decode, MoE experts) the native kernel; longer inputs
+    (prefill) ``prefill`` where the weight has one that runs here, else tiles of
+    :data:`TILE_ROWS` weight rows dequantized into torch's GEMM."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     n = w.shape[0]
     y = None
     if 0 < x2.shape[0] <= native_max_rows(w.qtype) and x.dtype in (torch.float32, torch.bfloat16):
         y = w.native(x2)
+    elif x2.shape[0] and x.dtype in (torch.float32, torch.bfloat16) and hasattr(w, "prefill"):
+        y = w.prefill(x2)
     if y is None:
         tile = getattr(w, "dequantize_tile", None)
         if tile is None:

@@ -6,7 +6,9 @@
 //! * [`dot_scalar`], [`dot_x86`]: one weight row against a few activation rows;
 //! * [`gemm`]: the few-row GEMM `x W^T` (decode steps, MoE experts, the LM head) and
 //!   the row dequantizer (embedding lookups, prefill tiles), split over output rows on
-//!   the crate's pool.
+//!   the crate's pool;
+//! * [`prefill`]: the many-row GEMM (prefill), weight tiles unpacked once to bytes and
+//!   run against many activation rows, with the same activation rounding;
 //! * [`experts`]: an MoE layer's routed experts in one call on the file's 3-D expert
 //!   tensors (each token quantized once, pairs grouped by expert, `gemm`'s row kernels
 //!   on (expert, row tile) tasks, the weighted sum in a fixed order).
@@ -21,12 +23,14 @@ pub mod dot_scalar;
 pub mod dot_x86;
 pub mod experts;
 pub mod gemm;
+pub mod prefill;
 #[cfg(test)]
 mod timing;
 
 pub use blocks::GgmlType;
 pub use experts::{quant_experts, quant_experts_with, ExpertBlocks, QuantExperts, Route};
 pub use gemm::{dequantize_rows, dequantize_rows_with, quant_matmul, quant_matmul_with};
+pub use prefill::{quant_matmul_prefill, quant_matmul_prefill_with};
 
 /// The instruction set the quantized kernels run with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

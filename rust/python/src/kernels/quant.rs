@@ -76,6 +76,33 @@ pub(super) fn quant_matmul(
     with_out(py, out, |o| q::quant_matmul_with(isa, xr, wb, ty, o))
 }
 
+/// [`quant_matmul`] for many rows (prefill): the same arguments and results (equal to
+/// the scalar few-row kernel bit for bit), weight tiles unpacked once to bytes and run
+/// against every activation row with AVX-512 VNNI (the few-row GEMM without it).
+#[pyfunction]
+#[pyo3(signature = (x, w, ggml_type_id, out, isa = None))]
+pub(super) fn quant_matmul_prefill(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    w: PyReadonlyArray2<'_, u8>,
+    ggml_type_id: u32,
+    out: &Bound<'_, PyAny>,
+    isa: Option<&str>,
+) -> PyResult<()> {
+    let ty = ggml_type(ggml_type_id)?;
+    let isa = isa_of(isa)?;
+    let wb = blocks(&w)?;
+    if let Ok(xa) = x.extract::<PyReadonlyArray2<'_, u16>>() {
+        let xr = rows("x", &xa)?;
+        return with_out(py, out, |o| q::quant_matmul_prefill_with(isa, xr, wb, ty, o));
+    }
+    let xa = x.extract::<PyReadonlyArray2<'_, f32>>().map_err(|_| {
+        PyValueError::new_err("x must be a 2-D float32 or uint16 (bfloat16 bits) array")
+    })?;
+    let xr = rows("x", &xa)?;
+    with_out(py, out, |o| q::quant_matmul_prefill_with(isa, xr, wb, ty, o))
+}
+
 /// `out` = the rows of `w` (`uint8 [R, row_bytes]`) dequantized, `[R, K]` float32 or
 /// uint16 (bfloat16 bits, rounded to nearest even), C-contiguous.
 #[pyfunction]
@@ -116,6 +143,7 @@ pub(super) fn quant_isa() -> &'static str {
 
 pub(super) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(quant_matmul, m)?)?;
+    m.add_function(wrap_pyfunction!(quant_matmul_prefill, m)?)?;
     m.add_function(wrap_pyfunction!(quant_dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(quant_isa, m)?)
 }
