@@ -58,6 +58,20 @@ def test_native_step_equals_module_path(case, kernel, gguf_case, monkeypatch):
     assert nd.NativeDecodeStep.applies_to(model)
     step = model._usable_native_step()
     assert step is not None and step.ok and step.quantized
+    from hybridserve.quant.gguf.weights import QuantizedExperts
+
+    from hybridserve.quant.ggml import GGMLWeight
+
+    fused = 0
+    for m in model.modules():
+        if isinstance(m, QuantizedExperts) and all(isinstance(p, GGMLWeight) for w in m.gate_up + m.down
+                                                   for p in getattr(w, "parts", [w])):
+            # Every kind in blocks (not a float fallback): the loader's per-expert views
+            # are recognised as the file's 3-D tensors, and the experts take the one call.
+            assert m.blocks is not None
+            fused += 1
+    if case == "moe-q4_k_m":
+        assert fused == config.num_hidden_layers
     calls = []
     real_run = nd.NativeDecodeStep.run
     monkeypatch.setattr(nd.NativeDecodeStep, "run", lambda self, *a: calls.append(1) or real_run(self, *a))

@@ -157,7 +157,7 @@ def test_an_idle_expert_is_not_read():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_token_does_not_depend_on_the_step(dtype):
+def test_a_token_does_not_depend_on_the_step_or_the_threads(dtype):
     types = ("q4_k", "q4_k", "q6_k")
     e, h = 8, 256
     ex, _ = _experts(types, e, h, 256, seed=5)
@@ -172,6 +172,18 @@ def test_a_token_does_not_depend_on_the_step(dtype):
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(0))
     shuffled = qk.experts(x[perm], weights[perm], ids[perm], gate, up, down)[0]
     torch.testing.assert_close(shuffled, all_rows[perm], rtol=0, atol=0)
+    # Nor on the thread count (tasks split by expert and weight-row tile; each output
+    # is written by one task, the sum's order fixed).
+    from hybridserve.kernels import native
+
+    before = native.threads()
+    try:
+        for n in (1, 2, 3):
+            native.set_threads(n)
+            again = qk.experts(x, weights, ids, gate, up, down)[0]
+            torch.testing.assert_close(again, all_rows, rtol=0, atol=0)
+    finally:
+        native.set_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

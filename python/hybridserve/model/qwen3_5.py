@@ -468,6 +468,8 @@ class Qwen3_5ForServing(nn.Module):
         not written, and :meth:`commit_speculative` advances them over the accepted rows.
         """
         self._open_ring(batch)
+        # The rows every MoE layer receives this step (expert_load's mean), on either path.
+        self._moe_rows = int(batch.input_ids.shape[0])
         fast = self._native_decode_for(batch)
         if fast is not None:
             logits = fast.run(batch, cache)
@@ -475,7 +477,6 @@ class Qwen3_5ForServing(nn.Module):
                 batch.op_plans[NATIVE_STEP] = fast
                 return (logits, fast.last_hidden.clone()) if return_hidden else logits
         x = self.embed_tokens(batch.input_ids)
-        self._moe_rows = x.shape[0]
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
         residual = None
         for layer in self.layers:
