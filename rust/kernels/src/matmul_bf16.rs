@@ -30,8 +30,14 @@ use crate::{KernelError, Rows};
 #[cfg(target_arch = "x86_64")]
 use crate::row_tiles::x86::avx2_tile;
 
-/// Rows of `x` per register block.
-const MR: usize = 4;
+/// Rows of `x` per register block: at most [`MR`] (the tile's size), on AVX2 and the
+/// scalar path at most [`MR_AVX2`] (AVX2 has 16 vector registers, no room for
+/// `5 x 4` accumulators). With AVX-512 a block of 5 rows keeps 20 accumulators, 4
+/// weight vectors and one row vector in the 32 registers, so a speculative verify step
+/// of 5 rows reads each weight block once instead of once for 4 rows and again for
+/// the fifth (which then pays a whole tile's loads and lane sums for 4 outputs).
+const MR: usize = 5;
+const MR_AVX2: usize = 4;
 /// Weight rows per register block.
 const NR: usize = 4;
 /// Weight rows per task: enough work to pay for claiming a task, small enough to
@@ -176,9 +182,10 @@ unsafe fn columns_of<const C: usize>(
         // reads the weight rows side by side prefetches them into L2 as it goes, from
         // its first row block (see `crate::matmul_rows`).
         let mut next = w.as_ptr().wrapping_add((j + PREFETCH_BLOCKS * C) * k);
+        let block = if matches!(isa, Isa::Avx512Bf16) { MR } else { MR_AVX2 };
         let mut r = 0;
         while r < x.rows {
-            let mr = (x.rows - r).min(MR);
+            let mr = (x.rows - r).min(block);
             let xs: [*const u16; MR] = std::array::from_fn(|i| x.row(r + i.min(mr - 1)).as_ptr());
             let tile: Tile<C> = match isa {
                 #[cfg(target_arch = "x86_64")]
@@ -191,7 +198,8 @@ unsafe fn columns_of<const C: usize>(
                     1 => avx512::tile::<1, C>(&xs, &ws, k, next),
                     2 => avx512::tile::<2, C>(&xs, &ws, k, next),
                     3 => avx512::tile::<3, C>(&xs, &ws, k, next),
-                    _ => avx512::tile::<4, C>(&xs, &ws, k, next),
+                    4 => avx512::tile::<4, C>(&xs, &ws, k, next),
+                    _ => avx512::tile::<5, C>(&xs, &ws, k, next),
                 },
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => match mr {
@@ -402,7 +410,8 @@ mod tests {
 
     /// A sequence's products must not depend on what it is batched with: one and two
     /// rows (read in memory order with AVX-512 BF16) give the bits that the same rows
-    /// get inside a block of 16, on every path; `K` with a partial 32-key step, `N`
+    /// get inside a block of 16, as do 3-9 rows (one register block of 4 or 5 rows, or
+    /// a block and a remainder), on every path; `K` with a partial 32-key step, `N`
     /// over several tasks with a partial block.
     #[test]
     fn a_row_gets_the_same_bits_alone_in_a_pair_or_in_a_block() {
@@ -420,7 +429,7 @@ mod tests {
             let mut all = vec![0.0f32; 16 * n];
             let xr = Rows::dense(&x, k).unwrap();
             matmul_bf16_with(isa, xr, &w, n, Out::F32(&mut all)).unwrap();
-            for m in [1usize, 2, 3, 5] {
+            for m in [1usize, 2, 3, 4, 5, 6, 9] {
                 let mut few = vec![0.0f32; m * n];
                 let xr = Rows::dense(&x[..m * k], k).unwrap();
                 matmul_bf16_with(isa, xr, &w, n, Out::F32(&mut few)).unwrap();
