@@ -27,6 +27,13 @@ def mtp_layer_config(text_config):
     cfg = copy.deepcopy(text_config)
     cfg.num_hidden_layers = 1
     cfg.layer_types = ["full_attention"]
+    # A config read with AutoConfig (export.load_trained: what `train mtp` and `train eval`
+    # load) has no attention implementation set; HF then builds no causal mask and falls
+    # back to eager attention without one, so row t would see rows > t (including h_{t+1},
+    # whose LM head is the target). A model's from_pretrained/constructor sets it; here it
+    # is set explicitly so the layer is causal however the config was obtained.
+    if getattr(cfg, "_attn_implementation", None) is None:
+        cfg._attn_implementation = "sdpa"
     return cfg
 
 
