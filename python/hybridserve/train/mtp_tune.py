@@ -120,6 +120,13 @@ def _write(model_dir: str, out_dir: str, mtp, trained_steps: int, record: dict |
 
 def tune(a) -> dict:
     from hybridserve.train.export import load_trained
+    if a.depth < 1:
+        raise ValueError(f"--depth must be at least 1, got {a.depth}")
+    weights = [1.0] * a.depth
+    if a.depth_weights:
+        weights = [float(w) for w in a.depth_weights.split(",")]
+        if len(weights) != a.depth:
+            raise ValueError(f"--depth-weights has {len(weights)} weights for --depth {a.depth}; give one per pass")
     t0 = time.time()
     torch.set_num_threads(a.threads)
     torch.use_deterministic_algorithms(True)
@@ -137,13 +144,6 @@ def tune(a) -> dict:
                              {"params": other, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
     print(f"MTP fine-tune of {a.model_dir}: {sum(p.numel() for p in params) / 1e6:.2f}M params, trunk frozen; "
           f"{len(data):,} training tokens; {a.steps} steps of {a.batch}x{a.seq_len}, target {a.target}", flush=True)
-    if a.depth < 1:
-        raise ValueError(f"--depth must be at least 1, got {a.depth}")
-    weights = [1.0] * a.depth
-    if a.depth_weights:
-        weights = [float(w) for w in a.depth_weights.split(",")]
-        if len(weights) != a.depth:
-            raise ValueError(f"--depth-weights has {len(weights)} weights for --depth {a.depth}; give one per pass")
     if a.depth > 1:
         print(f"chained: depth {a.depth}, weights {weights}, chain token {a.chain_token}", flush=True)
     step, st, agree_ema = 0, None, None
