@@ -14,6 +14,11 @@ MTP agreement: at each position t the MTP layer gets h_t and the embedding of th
 token t+1 and proposes t+2; it agrees when that equals the trunk's greedy token at t+2
 (its argmax after the true token t+1) -- the rate at which a greedy speculative
 decoder would accept the MTP draft on this text.
+
+MTP chain agreement by pass d (1..``mtp_depth``): the layer chained as the drafter chains it
+(:func:`.mtp.mtp_chain`: pass d fed pass d-1's output state and the text's token), its
+pass-d argmax against the trunk's greedy token at that position; "all" counts the chains
+whose passes 1..d all agree, the text's stand-in for greedy acceptance at draft position d.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ def package_sources(package: str, max_bytes: int = 0) -> list[corpus.Document]:
 
 
 @torch.no_grad()
-def score(model, mtp, tok, docs: list[corpus.Document], seq_len: int = 512, batch: int = 8) -> dict[str, float]:
+def score(model, mtp, tok, docs: list[corpus.Document], seq_len: int = 512, batch: int = 8,
+          mtp_depth: int = 4) -> dict[str, float]:
     eot = tok.token_to_id("<|endoftext|>")
     stream = [eot]
     for enc in tok.encode_batch([d.text for d in docs]):
@@ -72,6 +78,9 @@ def score(model, mtp, tok, docs: list[corpus.Document], seq_len: int = 512, batc
     windows = [ids[s:s + seq_len + 1] for s in range(0, len(ids) - 1, seq_len)]
     nats = 0.0
     agree = mtp_n = mtp_true = 0
+    chain_agree = [0] * mtp_depth
+    chain_all = [0] * mtp_depth
+    chain_n = 0
     for i in range(0, len(windows), batch):
         group = windows[i:i + batch]
         for w in ([torch.stack(group)] if len({len(g) for g in group}) == 1 else [g[None] for g in group]):
@@ -93,8 +102,21 @@ def score(model, mtp, tok, docs: list[corpus.Document], seq_len: int = 512, batc
             agree += (draft == trunk).sum().item()
             mtp_true += (draft == labels[:, 1:]).sum().item()
             mtp_n += draft.numel()
+            if mtp_depth and t > mtp_depth:
+                from hybridserve.train.mtp import mtp_chain
+                n = t - mtp_depth  # chains with every pass inside the window
+                outs = mtp_chain(mtp, h, model.model.embed_tokens(inp), model.model.rotary_emb, mtp_depth)
+                ok = torch.ones(inp.shape[0], n, dtype=torch.bool)
+                for d, m in enumerate(outs, start=1):
+                    hit = model.lm_head(m[:, :n]).argmax(-1) == logits[:, d:d + n].argmax(-1)
+                    ok &= hit
+                    chain_agree[d - 1] += hit.sum().item()
+                    chain_all[d - 1] += ok.sum().item()
+                chain_n += ok.numel()
     return {"bytes": nbytes, "tokens": len(stream) - 1, "bits_per_byte": nats / math.log(2) / nbytes,
-            "mtp_agreement": agree / max(1, mtp_n), "mtp_top1_accuracy": mtp_true / max(1, mtp_n)}
+            "mtp_agreement": agree / max(1, mtp_n), "mtp_top1_accuracy": mtp_true / max(1, mtp_n),
+            "mtp_chain_agreement": [c / max(1, chain_n) for c in chain_agree],
+            "mtp_chain_all_agree": [c / max(1, chain_n) for c in chain_all]}
 
 
 def evaluate(model_dir: str, *, external: str = "aiohttp", max_bytes: int = 0, seq_len: int = 512,
@@ -132,4 +154,9 @@ def format_table(results: dict[str, dict[str, float]]) -> str:
     for name, r in results.items():
         lines.append(f"| {name} | {r['files']} | {r['bytes']:,} | **{r['bits_per_byte']:.3f}** | {r['gzip -9']:.3f} | "
                      f"{r['xz -9']:.3f} | {r['mtp_agreement']:.3f} | {r['mtp_top1_accuracy']:.3f} |")
+    if any(r.get("mtp_chain_agreement") for r in results.values()):
+        lines += ["", "| held-out text | MTP chain agreement by pass | all passes so far agree |", "|---|---|---|"]
+        for name, r in results.items():
+            lines.append(f"| {name} | {', '.join(f'{x:.3f}' for x in r['mtp_chain_agreement'])} | "
+                         f"{', '.join(f'{x:.3f}' for x in r['mtp_chain_all_agree'])} |")
     return "\n".join(lines)

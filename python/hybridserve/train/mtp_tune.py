@@ -45,6 +45,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--target", choices=("trunk", "text"), default="trunk",
                    help="trunk: the trunk's distribution at t+2 (distillation); text: the text's token")
+    p.add_argument("--depth", type=int, default=1,
+                   help="chain the layer this many times as the drafter does (pass d > 1 fed pass d-1's output "
+                        "state), each pass fitted to its own position; 1: the layer alone at t+2")
+    p.add_argument("--depth-weights", default=None,
+                   help="comma-separated loss weight per pass (default: 1 each)")
+    p.add_argument("--chain-token", choices=("text", "draft"), default="text",
+                   help="the token fed to pass d > 1: text: the sequence's own (a draft that was accepted is "
+                        "the sequence's token, the one the trunk's next state saw); draft: the previous pass's "
+                        "argmax (what the drafter feeds whether or not it is accepted)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--time-budget-s", type=float, default=0, help="stop (and save) before this many seconds")
     p.add_argument("--stop-at-step", type=int, default=0,
@@ -75,7 +84,7 @@ def _lr(step: int, a) -> float:
     return a.min_lr + 0.5 * (a.lr - a.min_lr) * (1 + math.cos(math.pi * frac))
 
 
-def _write(model_dir: str, out_dir: str, mtp, trained_steps: int) -> None:
+def _write(model_dir: str, out_dir: str, mtp, trained_steps: int, record: dict | None = None) -> None:
     """``model_dir`` copied to ``out_dir`` with the ``mtp.*`` tensors replaced (bfloat16),
     every other tensor the same bits."""
     from safetensors.torch import load_file, save_file
@@ -96,7 +105,11 @@ def _write(model_dir: str, out_dir: str, mtp, trained_steps: int) -> None:
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path) as f:
         cfg = json.load(f)
+    if "mtp_tuned_steps" in cfg:  # a tuning continued from a tuned layer: keep the earlier runs' record
+        prev = {k: cfg.pop(k) for k in ("mtp_tuned_steps", "mtp_tuned_depth", "mtp_tuned_seed") if k in cfg}
+        cfg["mtp_tuning_history"] = cfg.get("mtp_tuning_history", []) + [prev]
     cfg["mtp_tuned_steps"] = int(trained_steps)
+    cfg.update(record or {})
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
@@ -107,6 +120,13 @@ def _write(model_dir: str, out_dir: str, mtp, trained_steps: int) -> None:
 
 def tune(a) -> dict:
     from hybridserve.train.export import load_trained
+    if a.depth < 1:
+        raise ValueError(f"--depth must be at least 1, got {a.depth}")
+    weights = [1.0] * a.depth
+    if a.depth_weights:
+        weights = [float(w) for w in a.depth_weights.split(",")]
+        if len(weights) != a.depth:
+            raise ValueError(f"--depth-weights has {len(weights)} weights for --depth {a.depth}; give one per pass")
     t0 = time.time()
     torch.set_num_threads(a.threads)
     torch.use_deterministic_algorithms(True)
@@ -124,6 +144,8 @@ def tune(a) -> dict:
                              {"params": other, "weight_decay": 0.0}], lr=a.lr, betas=(0.9, 0.95), eps=1e-8)
     print(f"MTP fine-tune of {a.model_dir}: {sum(p.numel() for p in params) / 1e6:.2f}M params, trunk frozen; "
           f"{len(data):,} training tokens; {a.steps} steps of {a.batch}x{a.seq_len}, target {a.target}", flush=True)
+    if a.depth > 1:
+        print(f"chained: depth {a.depth}, weights {weights}, chain token {a.chain_token}", flush=True)
     step, st, agree_ema = 0, None, None
     stop_at = min(a.steps, a.stop_at_step or a.steps)
     while step < stop_at:
@@ -136,6 +158,21 @@ def tune(a) -> dict:
         ids = batch_for_step(data, a.seed, step, a.batch, a.seq_len)
         inp = ids[:, :-1]
         t = inp.shape[1]
+        if a.depth > 1:
+            loss, agree = _chain_step(model, mtp, ids, a, weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            step += 1
+            agree_ema = agree if agree_ema is None else [0.9 * e + 0.1 * g for e, g in zip(agree_ema, agree)]
+            dt = time.time() - ts
+            st = dt if st is None else 0.8 * st + 0.2 * dt
+            if a.log_every and step % a.log_every == 0:
+                print(f"step {step}: loss {loss.item():.4f} train agreement by pass "
+                      f"{', '.join(f'{e:.3f}' for e in agree_ema)} lr {_lr(step - 1, a):.2e} "
+                      f"{st:.2f} s/step ({time.time() - t0:.0f} s)", flush=True)
+            continue
         with torch.no_grad():
             h = model.model(input_ids=inp).last_hidden_state
             # The trunk's token-t+2 distribution after the true t+1 (row j: position j+1).
@@ -164,9 +201,44 @@ def tune(a) -> dict:
             print(f"step {step}: loss {loss.item():.4f} train agreement {agree_ema:.3f} lr {_lr(step - 1, a):.2e} "
                   f"{st:.2f} s/step ({time.time() - t0:.0f} s)", flush=True)
     mtp.eval()
-    _write(a.model_dir, a.out_dir, mtp, step)
+    _write(a.model_dir, a.out_dir, mtp, step, {"mtp_tuned_depth": a.depth, "mtp_tuned_seed": a.seed})
     print(f"done: {step} steps in {time.time() - t0:.0f} s; wrote {a.out_dir}", flush=True)
     return {"steps": step}
+
+
+def _chain_step(model, mtp, ids: torch.Tensor, a, weights: list[float]) -> tuple[torch.Tensor, list[float]]:
+    """The loss of the layer chained ``a.depth`` times (:func:`.mtp.mtp_chain`): pass d's
+    row i (the chain pass 1 started at position i) against the trunk's distribution at
+    position i + d (its token i + d + 1), or the text's token there. Returns (weighted sum
+    of the passes' mean losses, each pass's argmax agreement with the trunk)."""
+    from hybridserve.train.mtp import mtp_chain
+    inp = ids[:, :-1]
+    t = inp.shape[1]
+    with torch.no_grad():
+        h = model.model(input_ids=inp).last_hidden_state
+        emb = model.model.embed_tokens(inp)
+
+    def drafted(d, prev):
+        with torch.no_grad():
+            return model.model.embed_tokens(model.lm_head(prev).argmax(-1))
+
+    outs = mtp_chain(mtp, h, emb, model.model.rotary_emb, a.depth,
+                     drafted if a.chain_token == "draft" else None)
+    loss = torch.zeros(())
+    agree = []
+    for d, (m, w) in enumerate(zip(outs, weights), start=1):
+        logits = model.lm_head(m).float()
+        flat = logits.reshape(-1, logits.shape[-1])
+        with torch.no_grad():
+            teacher = model.lm_head(h[:, d:t]).float()
+        if a.target == "trunk":
+            ce = F.cross_entropy(flat, teacher.reshape(-1, teacher.shape[-1]).softmax(-1))
+        else:
+            ce = F.cross_entropy(flat, ids[:, d + 1:].reshape(-1))
+        loss = loss + w * ce
+        with torch.no_grad():
+            agree.append((logits.argmax(-1) == teacher.argmax(-1)).float().mean().item())
+    return loss, agree
 
 
 def main(argv=None) -> None:
