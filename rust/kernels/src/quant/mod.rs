@@ -25,6 +25,8 @@ pub mod experts;
 pub mod gemm;
 pub mod prefill;
 #[cfg(test)]
+mod test_util;
+#[cfg(test)]
 mod timing;
 
 pub use blocks::GgmlType;

@@ -520,49 +520,8 @@ mod vnni {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::act::f32_to_f16;
+    use crate::quant::test_util::{random_weight, Lcg, TYPES};
 
-    const TYPES: [GgmlType; 7] = [
-        GgmlType::Q8_0,
-        GgmlType::Q4_0,
-        GgmlType::Q5_0,
-        GgmlType::Q5_1,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ];
-
-    struct Lcg(u64);
-    impl Lcg {
-        fn next(&mut self) -> u32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            (self.0 >> 33) as u32
-        }
-        fn f(&mut self) -> f32 {
-            self.next() as f32 / (1u64 << 31) as f32 - 0.5
-        }
-    }
-
-    /// Random blocks (every bit pattern of the quants is valid) with small finite scales.
-    fn random_weight(ty: GgmlType, n: usize, k: usize, g: &mut Lcg) -> Vec<u8> {
-        let mut w: Vec<u8> = (0..n * ty.row_bytes(k)).map(|_| g.next() as u8).collect();
-        for b in w.chunks_exact_mut(ty.block_bytes()) {
-            let mut put = |at: usize, v: f32| b[at..at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
-            match ty {
-                GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => put(0, 0.01 + 0.02 * g.f().abs()),
-                GgmlType::Q5_1 => {
-                    put(0, 0.01 + 0.02 * g.f().abs());
-                    put(2, 0.05 * g.f());
-                }
-                GgmlType::Q4K | GgmlType::Q5K => {
-                    put(0, 0.001 + 0.002 * g.f().abs());
-                    put(2, 0.001 + 0.002 * g.f().abs());
-                }
-                GgmlType::Q6K => put(208, 0.0005 + 0.001 * g.f().abs()),
-            }
-        }
-        w
-    }
 
     /// Row by row and bit for bit: the scalar few-row kernel and the detected instruction
     /// set's few-row kernel (every type), in float32 and bfloat16 out,

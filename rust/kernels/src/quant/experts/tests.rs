@@ -6,51 +6,9 @@
 
 use super::*;
 use crate::bf16::{from_f32, to_f32};
-use crate::quant::act::f32_to_f16;
+use crate::quant::test_util::{isas, random_weight, Lcg};
 use crate::quant::gemm::quant_matmul_with;
 
-struct Lcg(u64);
-impl Lcg {
-    fn next(&mut self) -> u32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        (self.0 >> 33) as u32
-    }
-    fn f(&mut self) -> f32 {
-        self.next() as f32 / (1u64 << 31) as f32 - 0.5
-    }
-}
-
-/// Random blocks of `ty` (`n` rows of `k`): random quant bytes, small finite scales.
-fn random_weight(ty: GgmlType, n: usize, k: usize, g: &mut Lcg) -> Vec<u8> {
-    let mut w: Vec<u8> = (0..n * ty.row_bytes(k)).map(|_| g.next() as u8).collect();
-    for b in w.chunks_exact_mut(ty.block_bytes()) {
-        let mut put = |at: usize, v: f32| b[at..at + 2].copy_from_slice(&f32_to_f16(v).to_le_bytes());
-        match ty {
-            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => put(0, 0.01 + 0.02 * g.f().abs()),
-            GgmlType::Q5_1 => {
-                put(0, 0.01 + 0.02 * g.f().abs());
-                put(2, 0.05 * g.f());
-            }
-            GgmlType::Q4K | GgmlType::Q5K => {
-                put(0, 0.001 + 0.002 * g.f().abs());
-                put(2, 0.001 + 0.002 * g.f().abs());
-            }
-            GgmlType::Q6K => put(208, 0.0005 + 0.001 * g.f().abs()),
-        }
-        if ty == GgmlType::Q8_0 {
-            for q in &mut b[2..34] {
-                if *q == 0x80 {
-                    *q = 0x81;
-                }
-            }
-        }
-    }
-    w
-}
-
-fn isas() -> Vec<QIsa> {
-    [QIsa::Scalar, QIsa::Avx2, QIsa::Avx512Vnni].into_iter().filter(|i| i.supported()).collect()
-}
 
 /// Distinct experts per token (as top-k chooses them), weights summing to about 1.
 fn random_route(t: usize, k: usize, e: usize, g: &mut Lcg) -> (Vec<i64>, Vec<f32>) {
