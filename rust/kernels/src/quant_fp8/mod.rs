@@ -240,6 +240,34 @@ fn has_vbmi_bf16() -> bool {
         && std::is_x86_feature_detected!("avx512bf16")
 }
 
+/// Every output column range of `ROWS_PER_TASK` weight rows as one task, over the
+/// activation rows in runs of at most `MAX_M`: `body(m0, mm, j0, j1)` computes rows
+/// `m0 .. m0 + mm` of output columns `j0 .. j1`.
+fn column_tasks(m: usize, n: usize, k: usize, body: impl Fn(usize, usize, usize, usize) + Sync) {
+    let tasks = n.div_ceil(ROWS_PER_TASK);
+    for m0 in (0..m).step_by(MAX_M) {
+        let mm = (m - m0).min(MAX_M);
+        for_each_task(tasks, mm * n * k, |t| {
+            body(m0, mm, t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n))
+        });
+    }
+}
+
+/// `x` `[m, k]` as bfloat16 bits, each run of `order.len()` inputs permuted so that
+/// position `i` holds input `order[i]` (the order the VBMI kernels unpack weights in).
+#[cfg(target_arch = "x86_64")]
+fn permuted_bf16(xf: &[f32], m: usize, k: usize, order: &[usize]) -> Vec<u16> {
+    let mut xp = vec![0u16; m * k];
+    for r in 0..m {
+        for c in (0..k).step_by(order.len()) {
+            for (i, &o) in order.iter().enumerate() {
+                xp[r * k + c + i] = crate::bf16::from_f32(xf[r * k + c + o]);
+            }
+        }
+    }
+    xp
+}
+
 fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Result<(), KernelError> {
     let (m, k) = (x.rows, x.width);
     if out.len() != m * n {
@@ -285,29 +313,11 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
     } = f
     {
         if std::mem::size_of::<T>() == 2 && k % FP8_BLOCK == 0 && has_vbmi_bf16() {
-            let order = vbmi::run_order();
-            let mut xp = vec![0u16; m * k];
-            for r in 0..m {
-                for c in (0..k).step_by(64) {
-                    for (i, &o) in order.iter().enumerate() {
-                        xp[r * k + c + i] = crate::bf16::from_f32(xf[r * k + c + o]);
-                    }
-                }
-            }
-            let tasks = n.div_ceil(ROWS_PER_TASK);
-            for m0 in (0..m).step_by(MAX_M) {
-                let mm = (m - m0).min(MAX_M);
-                for_each_task(tasks, mm * n * k, |t| {
-                    let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
-                    let ptr = ptr;
-                    // SAFETY: features detected above; columns j0..j1 are this task's.
-                    unsafe {
-                        vbmi::columns(
-                            w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr,
-                        )
-                    };
-                });
-            }
+            let xp = permuted_bf16(&xf, m, k, &vbmi::run_order());
+            column_tasks(m, n, k, |m0, mm, j0, j1| {
+                // SAFETY: features detected above; columns j0..j1 are this task's.
+                unsafe { vbmi::columns(w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr) }
+            });
             return Ok(());
         }
     }
@@ -320,50 +330,28 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
     } = f
     {
         if std::mem::size_of::<T>() == 2 && group == FP8_BLOCK && has_vbmi_bf16() {
-            let order = vbmi::int4_order();
-            let mut xp = vec![0u16; m * k];
-            for r in 0..m {
-                for c in (0..k).step_by(FP8_BLOCK) {
-                    for (i, &o) in order.iter().enumerate() {
-                        xp[r * k + c + i] = crate::bf16::from_f32(xf[r * k + c + o]);
-                    }
-                }
-            }
-            let tasks = n.div_ceil(ROWS_PER_TASK);
-            for m0 in (0..m).step_by(MAX_M) {
-                let mm = (m - m0).min(MAX_M);
-                for_each_task(tasks, mm * n * k, |t| {
-                    let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
-                    let ptr = ptr;
-                    // SAFETY: features detected above; columns j0..j1 are this task's.
-                    unsafe {
-                        vbmi::columns_int4(w, scales, zeros, &xp, &xsum, k, n, m0, mm, j0, j1, ptr)
-                    };
-                });
-            }
+            let xp = permuted_bf16(&xf, m, k, &vbmi::int4_order());
+            column_tasks(m, n, k, |m0, mm, j0, j1| {
+                // SAFETY: features detected above; columns j0..j1 are this task's.
+                unsafe { vbmi::columns_int4(w, scales, zeros, &xp, &xsum, k, n, m0, mm, j0, j1, ptr) }
+            });
             return Ok(());
         }
     }
-    let tasks = n.div_ceil(ROWS_PER_TASK);
-    for m0 in (0..m).step_by(MAX_M) {
-        let mm = (m - m0).min(MAX_M);
-        for_each_task(tasks, mm * n * k, |t| {
-            let (j0, j1) = (t * ROWS_PER_TASK, ((t + 1) * ROWS_PER_TASK).min(n));
-            let ptr = ptr;
-            #[cfg(target_arch = "x86_64")]
-            {
-                // SAFETY: the ISA was detected on this CPU; columns j0..j1 are this task's.
-                if isa == "avx512" && k % FP8_BLOCK == 0 && f.block() == FP8_BLOCK {
-                    return unsafe { avx512::columns(f, &xf, &xsum, k, n, m0, mm, j0, j1, ptr) };
-                }
-                if isa == "avx2" || isa == "avx512" {
-                    return unsafe { columns_avx2(f, &xf, &xsum, k, n, m0, mm, j0, j1, ptr) };
-                }
+    column_tasks(m, n, k, |m0, mm, j0, j1| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            // SAFETY: the ISA was detected on this CPU; columns j0..j1 are this task's.
+            if isa == "avx512" && k % FP8_BLOCK == 0 && f.block() == FP8_BLOCK {
+                return unsafe { avx512::columns(f, &xf, &xsum, k, n, m0, mm, j0, j1, ptr) };
             }
-            let _ = isa;
-            columns::<T, false>(f, &xf, &xsum, k, n, m0, mm, j0, j1, ptr)
-        });
-    }
+            if isa == "avx2" || isa == "avx512" {
+                return unsafe { columns_avx2(f, &xf, &xsum, k, n, m0, mm, j0, j1, ptr) };
+            }
+        }
+        let _ = isa;
+        columns::<T, false>(f, &xf, &xsum, k, n, m0, mm, j0, j1, ptr)
+    });
     Ok(())
 }
 
