@@ -316,7 +316,11 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
             let xp = permuted_bf16(&xf, m, k, &vbmi::run_order());
             column_tasks(m, n, k, |m0, mm, j0, j1| {
                 // SAFETY: features detected above; columns j0..j1 are this task's.
-                unsafe { vbmi::columns(w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr) }
+                unsafe {
+                    vbmi::columns(
+                        w, scale, scale_cols, row_offset, &xp, k, n, m0, mm, j0, j1, ptr,
+                    )
+                }
             });
             return Ok(());
         }
@@ -333,7 +337,9 @@ fn run<T: Elem>(f: Format<'_>, x: Rows<'_, T>, n: usize, out: &mut [T]) -> Resul
             let xp = permuted_bf16(&xf, m, k, &vbmi::int4_order());
             column_tasks(m, n, k, |m0, mm, j0, j1| {
                 // SAFETY: features detected above; columns j0..j1 are this task's.
-                unsafe { vbmi::columns_int4(w, scales, zeros, &xp, &xsum, k, n, m0, mm, j0, j1, ptr) }
+                unsafe {
+                    vbmi::columns_int4(w, scales, zeros, &xp, &xsum, k, n, m0, mm, j0, j1, ptr)
+                }
             });
             return Ok(());
         }
