@@ -74,6 +74,24 @@ def local_name(name: str, mtp: bool = False) -> str | None:
     return name
 
 
+def checkpoint_entries(handles: dict, qt, load_mtp: bool):
+    """The tensors of open safetensors files as ``(path, handle, name, local, from_quant)``:
+    a quantized weight's companions (scales, zero points) skipped, its primary tensor
+    named by the weight it makes (``from_quant`` True; ``qt`` a
+    :class:`~hybridserve.quant.checkpoint.QuantizedTensors`, or None for a float
+    checkpoint), and names this model does not load (``local_name`` None) left out."""
+    for path, f in handles.items():
+        for name in f.keys():
+            if qt is not None and name in qt.companions:
+                continue
+            primary = qt.primary.get(name) if qt is not None else None
+            if primary is not None:
+                name = primary
+            local = local_name(name, mtp=load_mtp)
+            if local is not None:
+                yield path, f, name, local, primary is not None
+
+
 def _quantized_projections(model: Qwen3_5ForServing) -> dict[str, tuple[Projection, list[str]]]:
     """Checkpoint weight name (local) -> (the Projection it is a part of, the names of
     all that Projection's parts in row order). Projections inside a MoE block are left
@@ -255,42 +273,33 @@ def load_model(model_dir: str | os.PathLike[str], dtype: str | torch.dtype = "fl
                 qt = QuantizedTensors(quant, {p: list(f.keys()) for p, f in handles.items()})
                 keep = device.type != "cpu" or _quant_cpu_mode(quant_cpu) == "keep"
                 projections = _quantized_projections(model) if keep else {}
-            for path, f in handles.items():
-                for name in f.keys():
-                    if qt is not None and name in qt.companions:
-                        continue
-                    quantized_name = qt.primary.get(name) if qt is not None else None
-                    if quantized_name is not None:
-                        name = quantized_name
-                    local = local_name(name, mtp=load_mtp)
-                    if local is None:
-                        continue
-                    if local in aliases:
-                        target, covered = aliases[local]
-                        _copy_checked(f, name, path, target, dtype)
-                        loaded.update(covered)
-                        if bar is not None:
-                            bar.update(len(covered))
-                        continue
-                    if local not in expected:
-                        if not (local == "lm_head.weight" and config.tie_word_embeddings):
-                            unknown.append(name)
-                        continue
-                    if quantized_name is not None:
-                        q = qt.build(name, handles, expected[local])
-                        if local in projections:
-                            quantized[local] = q
-                        else:
-                            # A MoE block's weight (see _quantized_projections), or
-                            # any on the CPU by default: the format's dequantization,
-                            # into the float parameter.
-                            with torch.no_grad():
-                                params[local].copy_(q.dequantize(torch.float32).to(dtype))
-                    else:
-                        _copy_checked(f, name, path, params[local], dtype)
-                    loaded.add(local)
+            for path, f, name, local, from_quant in checkpoint_entries(handles, qt, load_mtp):
+                if local in aliases:
+                    target, covered = aliases[local]
+                    _copy_checked(f, name, path, target, dtype)
+                    loaded.update(covered)
                     if bar is not None:
-                        bar.update(1)
+                        bar.update(len(covered))
+                    continue
+                if local not in expected:
+                    if not (local == "lm_head.weight" and config.tie_word_embeddings):
+                        unknown.append(name)
+                    continue
+                if from_quant:
+                    q = qt.build(name, handles, expected[local])
+                    if local in projections:
+                        quantized[local] = q
+                    else:
+                        # A MoE block's weight (see _quantized_projections), or
+                        # any on the CPU by default: the format's dequantization,
+                        # into the float parameter.
+                        with torch.no_grad():
+                            params[local].copy_(q.dequantize(torch.float32).to(dtype))
+                else:
+                    _copy_checked(f, name, path, params[local], dtype)
+                loaded.add(local)
+                if bar is not None:
+                    bar.update(1)
     finally:
         if bar is not None:
             bar.close()

@@ -26,7 +26,8 @@ from hybridserve.errors import CheckpointError, ConfigError
 from hybridserve.model.cache import resolve_dtype
 from hybridserve.model.layers import Projection
 from hybridserve.model.loader import (_name_missing, _quant_cpu_mode, _quantize_projections, _quantized_projections,
-                                      _refuse_without_mtp, _to_device, checkpoint_files, local_name)
+                                      _refuse_without_mtp, _to_device, checkpoint_entries, checkpoint_files,
+                                      local_name)
 from hybridserve.model.qwen3_5 import Qwen3_5ForServing
 from hybridserve.parallel.group import TPGroup
 from hybridserve.parallel.layers import install_all_reduces, make_mtp_parallel, make_vocab_parallel
@@ -202,55 +203,46 @@ def load_sharded_model(model_dir: str | os.PathLike[str], shard: ShardPlan, grou
             # quant_cpu "keep", else each shard's dequantization loaded as floats.
             if device.type != "cpu" or _quant_cpu_mode(quant_cpu) == "keep":
                 projections = _quantized_projections(model)
-        for path, f in handles.items():
-            for name in f.keys():
-                if qt is not None and name in qt.companions:
-                    continue
-                quantized_name = qt.primary.get(name) if qt is not None else None
-                if quantized_name is not None:
-                    name = quantized_name
-                local = local_name(name, mtp=load_mtp)
-                if local is None:
-                    continue
-                if local in aliases:
-                    target, covered = aliases[local]
-                elif local in params:
-                    target, covered = params[local], [local]
+        for path, f, name, local, from_quant in checkpoint_entries(handles, qt, load_mtp):
+            if local in aliases:
+                target, covered = aliases[local]
+            elif local in params:
+                target, covered = params[local], [local]
+            else:
+                if not (local == "lm_head.weight" and config.tie_word_embeddings):
+                    unknown.append(name)
+                continue
+            if from_quant:
+                shape = _quantized_full_shape(qt, handles, name)
+            else:
+                shape = tuple(f.get_slice(name).get_shape())
+            if shape != expected_shapes[local]:
+                raise CheckpointError(
+                    f"tensor {name!r} in {os.path.basename(path)} has shape {list(shape)}, "
+                    f"but config.json implies {list(expected_shapes[local])}; the weights do not "
+                    "match this config")
+            if from_quant:
+                q = shard_or_refuse(
+                    name, qt.method, shape, shard,
+                    lambda plan, probe: _slice_quantized(qt, handles, name, shape,
+                                                         plan.cut(local, shape), probe=probe))
+                if tuple(q.shape) != tuple(target.shape):  # a bug in ShardPlan.cut
+                    raise AssertionError(f"{local}: shard {tuple(q.shape)} != local {tuple(target.shape)}")
+                if local in projections:
+                    quantized[local] = q
                 else:
-                    if not (local == "lm_head.weight" and config.tie_word_embeddings):
-                        unknown.append(name)
-                    continue
-                if quantized_name is not None:
-                    shape = _quantized_full_shape(qt, handles, name)
-                else:
-                    shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected_shapes[local]:
-                    raise CheckpointError(
-                        f"tensor {name!r} in {os.path.basename(path)} has shape {list(shape)}, "
-                        f"but config.json implies {list(expected_shapes[local])}; the weights do not "
-                        "match this config")
-                if quantized_name is not None:
-                    q = shard_or_refuse(
-                        name, qt.method, shape, shard,
-                        lambda plan, probe: _slice_quantized(qt, handles, name, shape,
-                                                             plan.cut(local, shape), probe=probe))
-                    if tuple(q.shape) != tuple(target.shape):  # a bug in ShardPlan.cut
-                        raise AssertionError(f"{local}: shard {tuple(q.shape)} != local {tuple(target.shape)}")
-                    if local in projections:
-                        quantized[local] = q
-                    else:
-                        # A MoE block's weight, or any on the CPU by default: the
-                        # format's dequantization of this rank's slice.
-                        with torch.no_grad():
-                            target.copy_(q.dequantize(torch.float32).to(dtype))
-                    loaded.update(covered)
-                    continue
-                part = _read_cut(f, name, shape, shard, mtp=load_mtp)
-                if tuple(part.shape) != tuple(target.shape):  # a bug in ShardPlan.cut
-                    raise AssertionError(f"{local}: shard {tuple(part.shape)} != local {tuple(target.shape)}")
-                with torch.no_grad():
-                    target.copy_(part.to(dtype))
+                    # A MoE block's weight, or any on the CPU by default: the
+                    # format's dequantization of this rank's slice.
+                    with torch.no_grad():
+                        target.copy_(q.dequantize(torch.float32).to(dtype))
                 loaded.update(covered)
+                continue
+            part = _read_cut(f, name, shape, shard, mtp=load_mtp)
+            if tuple(part.shape) != tuple(target.shape):  # a bug in ShardPlan.cut
+                raise AssertionError(f"{local}: shard {tuple(part.shape)} != local {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(part.to(dtype))
+            loaded.update(covered)
     missing = _name_missing(params, loaded, aliases)
     if missing:
         shown = ", ".join(repr(n) for n in missing[:5])
