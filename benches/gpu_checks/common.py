@@ -196,3 +196,40 @@ def _our_prefill_logits(model, config, prompt: list[int], device):
     )
     with torch.no_grad():
         return model(batch, cache).float()
+
+
+def _worst_prefill_error(hf, ours, config, prompts: list[list[int]], device) -> float:
+    """The largest logit error of ``ours`` against ``hf`` over the prompts' prefill,
+    relative to each prompt's largest HF logit (at least 1)."""
+    import torch
+
+    worst = 0.0
+    for p in prompts:
+        with torch.no_grad():
+            ref = hf(torch.tensor([p], device=device)).logits[0].float()
+        got = _our_prefill_logits(ours, config, p, device)
+        worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp(min=1.0)))
+    return worst
+
+
+def _engine_greedy(model_dir: str, ctx: Ctx, dtype: str, prompts: list[list[int]], n_tokens: int
+                   ) -> dict[str, list[list[int]]]:
+    """Each prompt's first ``n_tokens`` greedy tokens from an engine on ``model_dir``,
+    run eager and (on CUDA) with CUDA graphs: ``{"eager"|"graphs": tokens per prompt}``."""
+    from hybridserve.sampling import SamplingParams
+
+    tokens: dict[str, list[list[int]]] = {}
+    for eager in ([False, True] if ctx.cuda else [True]):
+        eng = make_engine(model_dir, ctx, dtype=dtype, max_num_seqs=8, num_gpu_blocks=256, num_state_slots=16,
+                          enforce_eager=eager)
+        for i, p in enumerate(prompts):
+            eng.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True))
+        res: dict[str, list[int]] = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    res[o.request_id] = o.outputs[0].token_ids
+        tokens["eager" if eager else "graphs"] = [res[f"p{i}"] for i in range(len(prompts))]
+        del eng
+        free_memory()
+    return tokens

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_checks.common import BF16_LOGIT_TOL, FP32_LOGIT_TOL, criterion, Ctx, make_engine, free_memory, _hf_greedy, _our_prefill_logits
+from gpu_checks.common import (BF16_LOGIT_TOL, FP32_LOGIT_TOL, Ctx, _engine_greedy, _hf_greedy, _worst_prefill_error,
+                               criterion)
 
 
 def check_fidelity(ctx: Ctx) -> dict[str, Any]:
@@ -14,7 +15,6 @@ def check_fidelity(ctx: Ctx) -> dict[str, Any]:
     import transformers
 
     from hybridserve.model.loader import load_model
-    from hybridserve.sampling import SamplingParams
 
     rng = random.Random(3)
     presets = ["test-a"] if (ctx.small or ctx.quick) else ["test-a", "test-b"]
@@ -31,30 +31,10 @@ def check_fidelity(ctx: Ctx) -> dict[str, Any]:
             tdt = getattr(torch, dt)
             hf = transformers.Qwen3_5ForCausalLM.from_pretrained(d, dtype=tdt).to(ctx.device).eval()
             ours, config = load_model(d, dtype=dt, device=ctx.device, progress=False)
-            worst = 0.0
-            for p in prompts:
-                with torch.no_grad():
-                    ref = hf(torch.tensor([p], device=ctx.device)).logits[0].float()
-                got = _our_prefill_logits(ours, config, p, ctx.device)
-                worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp(min=1.0)))
+            worst = _worst_prefill_error(hf, ours, config, prompts, ctx.device)
             tol = FP32_LOGIT_TOL if dt == "float32" else BF16_LOGIT_TOL
             want = [_hf_greedy(hf, p, n_tokens, ctx.device) for p in prompts]
-            modes = [False, True] if ctx.cuda else [True]
-            tokens: dict[str, list[list[int]]] = {}
-            for eager in modes:
-                eng = make_engine(d, ctx, dtype=dt, max_num_seqs=8, num_gpu_blocks=256, num_state_slots=16,
-                                  enforce_eager=eager)
-                for i, p in enumerate(prompts):
-                    eng.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n_tokens,
-                                                               ignore_eos=True))
-                res: dict[str, list[int]] = {}
-                while eng.has_unfinished_requests():
-                    for o in eng.step():
-                        if o.finished:
-                            res[o.request_id] = o.outputs[0].token_ids
-                tokens["eager" if eager else "graphs"] = [res[f"p{i}"] for i in range(len(prompts))]
-                del eng
-                free_memory()
+            tokens = _engine_greedy(d, ctx, dt, prompts, n_tokens)
             case = {
                 "preset": preset, "dtype": dt, "max_rel_logit_err": worst, "logits_ok": worst <= tol,
                 "greedy_match_hf": {m: t == want for m, t in tokens.items()},

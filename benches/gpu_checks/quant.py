@@ -9,8 +9,8 @@ import statistics
 import time
 from typing import Any
 
-from gpu_checks.common import (FP32_LOGIT_TOL, criterion, log, Ctx, make_engine, sync, free_memory, _hf_greedy,
-                               _our_prefill_logits)
+from gpu_checks.common import (FP32_LOGIT_TOL, Ctx, _engine_greedy, _hf_greedy, _worst_prefill_error, criterion,
+                               free_memory, log, sync)
 
 
 def check_quant(ctx: Ctx) -> dict[str, Any]:
@@ -111,7 +111,6 @@ def _models(ctx: Ctx, out: dict[str, Any]) -> None:
     from hybridserve.model.layers import Projection
     from hybridserve.model.loader import load_model
     from hybridserve.quant.tiny import DENSE, write_quantized_checkpoint
-    from hybridserve.sampling import SamplingParams
 
     dev = ctx.device
     rng = random.Random(4)
@@ -123,28 +122,10 @@ def _models(ctx: Ctx, out: dict[str, Any]) -> None:
         hf = transformers.Qwen3_5ForCausalLM.from_pretrained(ddir, dtype=torch.float32).to(dev).eval()
         ours, config = load_model(qdir, dtype="float32", device=dev, progress=False)
         kept = sum(1 for m in ours.modules() if isinstance(m, Projection) and m.qweight is not None)
-        worst = 0.0
-        for p in prompts:
-            with torch.no_grad():
-                ref = hf(torch.tensor([p], device=dev)).logits[0].float()
-            got = _our_prefill_logits(ours, config, p, dev)
-            worst = max(worst, float((got - ref).abs().max() / ref.abs().max().clamp(min=1.0)))
+        worst = _worst_prefill_error(hf, ours, config, prompts, dev)
         del ours
         want_tokens = [_hf_greedy(hf, p, n_tokens, dev) for p in prompts]
-        greedy: dict[str, bool] = {}
-        for eager in ([False, True] if ctx.cuda else [True]):
-            eng = make_engine(qdir, ctx, dtype="float32", max_num_seqs=8, num_gpu_blocks=256, num_state_slots=16,
-                              enforce_eager=eager)
-            for j, p in enumerate(prompts):
-                eng.add_request(f"p{j}", p, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True))
-            res: dict[str, list[int]] = {}
-            while eng.has_unfinished_requests():
-                for o in eng.step():
-                    if o.finished:
-                        res[o.request_id] = o.outputs[0].token_ids
-            greedy["eager" if eager else "graphs"] = [res[f"p{j}"] for j in range(len(prompts))] == want_tokens
-            del eng
-            free_memory()
+        greedy = {m: t == want_tokens for m, t in _engine_greedy(qdir, ctx, "float32", prompts, n_tokens).items()}
         out["models"][method] = {"max_rel_logit_err": worst, "tol": FP32_LOGIT_TOL, "quantized_projections": kept,
                                  "greedy_match_hf": greedy}
         log("quant model", method, out["models"][method])
