@@ -370,8 +370,9 @@ def test_native_mtp_pass_equals_the_module_path_bit_for_bit(preset, dtype, tmp_p
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("vocab", [None, 37])
-@pytest.mark.parametrize("rows,steps", [([3, 1], 3), ([1, 1], 2), ([2, 2], 1)])
-def test_native_draft_passes_equal_the_module_path_pass_by_pass(dtype, vocab, rows, steps, tmp_path):
+@pytest.mark.parametrize("rows,steps", [([3, 1], 3), ([1, 1], 2), ([2, 2], 1), ([1, 3], 4)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_native_draft_passes_equal_the_module_path_pass_by_pass(dtype, vocab, rows, steps, fused, tmp_path):
     """NativeDecodeStep.mtp_draft (the proposer's passes in one call) against the module
     path run pass by pass as the proposer runs it: the MTP prefill of each sequence's
     committed rows (draft 1 from its last row), then chained passes of one row per
@@ -429,6 +430,11 @@ def test_native_draft_passes_equal_the_module_path_pass_by_pass(dtype, vocab, ro
     cache.arena.copy_(start)
     fast = model._usable_native_step()
     assert fast is not None
+    # fused: every pass in one native call (_core.MtpDraftPlan); else the Python passes.
+    fast.fused_mtp = fused
+    fast._plan = None
+    fast._bind_cache(cache)
+    assert (fast._fused_plan(cache) is not None) == fused
     got = fast.mtp_draft(hid, np.asarray(ids), np.asarray(pos), np.asarray([slot(s, q) for s, q in zip(seq, pos)]),
                          tables.numpy()[seq], np.asarray(last), steps, cache, vocab)
     assert got is not None and got.tolist() == want
