@@ -24,7 +24,8 @@ sit next to one-token decodes (the DeltaNet kernels read those runs' state witho
 writing it and the step's ring records their inputs, as the module path does; every
 row attends as one decode query, on both paths: :data:`DECODE_ROWS`), the MTP layer's
 passes (:meth:`NativeDecodeStep.run_mtp`; :meth:`NativeDecodeStep.mtp_draft` runs a step's
-passes in one call from host arrays, for the proposer) and the replay that commits the accepted rows
+passes in one call from host arrays, for the proposer: one native call, ``_core.MtpDraftPlan``,
+where the MTP layer is dense and unquantized, else pass by pass) and the replay that commits the accepted rows
 (:meth:`NativeDecodeStep.replay`), each bit-identical to its module path
 (``tests/spec/test_spec_verify_commit.py``, ``tests/spec/test_mtp_model.py``); everything else
 (prefill, mixed steps, biases, a weight not in the row-major layout, tensor
@@ -214,6 +215,7 @@ class NativeDecodeStep:
         # mtp_draft runs every pass in one native call where it can (off: the Python
         # passes, the same kernels call by call; tests compare the two).
         self.fused_mtp = not os.environ.get("HYBRIDSERVE_NO_FUSED_MTP")
+        self._dtype = model.dtype  # (the model's is a property that walks its parameters)
         self.k_silu_mul, self.k_write_kv = k.silu_mul, k.write_kv
         self.max_rows = Projection.NATIVE_MAX_ROWS_BF16 if self.bf16 else Projection.NATIVE_MAX_ROWS
         self.eps = c.rms_norm_eps
@@ -554,14 +556,15 @@ class NativeDecodeStep:
         :meth:`run_mtp` pass by pass, so the same drafts and MTP KV bits."""
         m = self._mtp
         t, n = int(input_ids.shape[0]), int(last.shape[0])
-        if m is None or cache.dtype != self.model.dtype or cache.mtp_layer_index is None:
+        dt = self._dtype
+        if m is None or cache.dtype != dt or cache.mtp_layer_index is None:
             return None
         if not (0 < t <= self.max_rows and 0 < n <= t and steps >= 1) or hidden.device.type != "cpu":
             return None
         self._bind_cache(cache)
         hidden = hidden.detach()
-        if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
-            hidden = hidden.to(self.model.dtype).contiguous()
+        if hidden.dtype != dt or not hidden.is_contiguous():
+            hidden = hidden.to(dt).contiguous()
         tables = np.ascontiguousarray(tables, dtype=np.int32)
         positions = np.asarray(positions, dtype=np.int64)
         out = np.empty((steps, n), dtype=np.int64)
