@@ -25,8 +25,10 @@ from collections import defaultdict
 import torch
 
 from hybridserve import LLM, SamplingParams, default_model
+from hybridserve.engine import core
 from hybridserve.model import native_decode, qwen3_5
 from hybridserve.runner import model_runner
+from hybridserve.sampler import batch_sampler
 from hybridserve.spec import decoder
 
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
@@ -60,6 +62,12 @@ def _install() -> None:
     _wrap(model_runner.ModelRunner, "commit_speculative", "commit (runner.commit_speculative)")
     _wrap(decoder, "accept", "acceptance (spec.acceptance.accept)")
     _wrap(qwen3_5.Qwen3_5ForServing, "_open_ring", "_open_ring", static=True)
+    _wrap(model_runner.ModelRunner, "execute", "runner.execute (inputs + forward)")
+    _wrap(model_runner.ModelRunner, "stage", "runner.stage (host inputs)")
+    _wrap(core.EngineCore, "_after_forward", "after the forward (sampling, spec, update, outputs)")
+    _wrap(decoder.SpecDecoder, "after_sampling", "SpecDecoder.after_sampling")
+    _wrap(batch_sampler.Sampler, "sample_planned", "sampler (sample_planned)")
+    _wrap(batch_sampler.Sampler, "plan", "sampler.plan")
     orig = native_decode.NativeDecodeStep._fused_plan
 
     def plan(self, cache):
