@@ -345,22 +345,27 @@ pub fn draft<T: MtpElem>(
     // Pass 0 over the committed rows.
     s.hid.m(rt * h).copy_from_slice(step.hidden);
     let lens: Vec<i64> = step.positions.iter().map(|p| p + 1).collect();
-    pass(d, w, kv, s, step, rt, step.ids, step.positions, step.slots, &lens, step.tables, gate)?;
+    // Rows `last` in increasing order: the other committed rows stop after their KV
+    // write (nothing reads the rest of their pass), and `normed[i]` ends as row
+    // `last[i]`'s output.
+    let keep = step.last.windows(2).all(|p| p[0] < p[1]);
+    pass(d, w, kv, s, step, rt, step.ids, step.positions, step.slots, &lens, step.tables,
+         if keep { Some(step.last) } else { None }, gate)?;
     // The drafting rows' states and their tables and positions, for the chain.
-    let every = n == rt && step.last.iter().enumerate().all(|(i, &l)| l as usize == i);
     let (mut pos, mut tab) = (Vec::with_capacity(n), Vec::with_capacity(n * step.width));
     {
         let (normed, hid) = (s.normed.s(rt * h), s.hid.m(n * h));
         for (i, &l) in step.last.iter().enumerate() {
             let l = l as usize;
-            hid[i * h..(i + 1) * h].copy_from_slice(&normed[l * h..(l + 1) * h]);
+            let from = if keep { i } else { l };
+            hid[i * h..(i + 1) * h].copy_from_slice(&normed[from * h..(from + 1) * h]);
             pos.push(step.positions[l]);
             tab.extend_from_slice(&step.tables[l * step.width..(l + 1) * step.width]);
         }
     }
     let mut ids = vec![0i64; n];
     let head = w.head.s(v * h);
-    heads(s, head, v, h, n, &mut ids, every)?;
+    heads(s, head, v, h, n, &mut ids, keep)?;
     out[..n].copy_from_slice(&ids);
     let mut slots = vec![0i64; n];
     let mut lens = vec![0i64; n];
@@ -376,7 +381,7 @@ pub fn draft<T: MtpElem>(
             lens[i] = p + 1;
         }
         // hid holds the previous pass's drafting rows (copied before normed is rewritten).
-        pass(d, w, kv, s, step, n, &ids, &pos, &slots, &lens, &tab, gate)?;
+        pass(d, w, kv, s, step, n, &ids, &pos, &slots, &lens, &tab, None, gate)?;
         s.hid.m(n * h).copy_from_slice(s.normed.s(n * h));
         heads(s, head, v, h, n, &mut ids, true)?;
         out[j * n..(j + 1) * n].copy_from_slice(&ids);
@@ -397,7 +402,11 @@ fn heads<T: MtpElem>(s: &Scratch<T>, head: &[T], v: usize, h: usize, n: usize, i
 }
 
 /// One MTP pass over `t` rows, fed `hid[:t]` and `ids`, into `normed[:t]` (the Python
-/// path's `_mtp_pass`, kernel for kernel).
+/// path's `_mtp_pass`, kernel for kernel). With `keep` (increasing row indices) every
+/// row writes its K/V but only the kept rows run the rest (attention, MLP, norms),
+/// compacted: `normed[i]` is row `keep[i]`'s output. Every kernel after the K/V write
+/// is row-wise (a row's bits do not depend on the rows beside it), so the kept rows'
+/// bits are those of the full pass.
 #[allow(clippy::too_many_arguments)]
 fn pass<T: MtpElem>(
     d: &Dims,
@@ -411,6 +420,7 @@ fn pass<T: MtpElem>(
     slots: &[i64],
     lens: &[i64],
     tables: &[i32],
+    keep: Option<&[i64]>,
     gate: &mut dyn FnMut(usize) -> Result<(), KernelError>,
 ) -> Result<(), KernelError> {
     let h = d.hidden;
@@ -463,6 +473,30 @@ fn pass<T: MtpElem>(
         };
         write_kv(Rows::dense(s.rk.s(t * kvr), kvr)?, Rows::new(&qkv[qr + kvr..], t, kvr, qw)?, slots, kp, vp)?;
     }
+    // The kept rows moved to the front (row keep[i] to i: keep increases, so a source
+    // row is read before anything overwrites it).
+    let (mut kl, mut kt) = (Vec::new(), Vec::new());
+    let (t, lens, tables) = match keep {
+        Some(k) if k.len() < t => {
+            let nq = nh * hd;
+            let (rq, res, qkv) = (s.rq.m(t * nq), s.residual.m(t * h), s.qkv.m(t * qw));
+            for (i, &r) in k.iter().enumerate() {
+                let r = r as usize;
+                if r >= t || (i > 0 && r <= k[i - 1] as usize) {
+                    return Err(KernelError::new("kept rows must increase and lie below the rows"));
+                }
+                if r != i {
+                    rq.copy_within(r * nq..(r + 1) * nq, i * nq);
+                    res.copy_within(r * h..(r + 1) * h, i * h);
+                    qkv.copy_within(r * qw..(r + 1) * qw, i * qw);
+                }
+                kl.push(lens[r]);
+                kt.extend_from_slice(&tables[r * step.width..(r + 1) * step.width]);
+            }
+            (k.len(), &kl[..], &kt[..])
+        }
+        _ => (t, lens, tables),
+    };
     let rows: Vec<i64> = (0..t as i64).collect();
     let pk = PagedKv {
         k_cache: kv.k.s(kv.k.len),
