@@ -112,6 +112,7 @@ fn inner<T: numpy::Element>(
     Ok(Inner { dims, w, kv, s })
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run<T: MtpElem + numpy::Element>(
     py: Python<'_>,
     p: &Inner<T>,
