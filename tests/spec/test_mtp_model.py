@@ -370,8 +370,9 @@ def test_native_mtp_pass_equals_the_module_path_bit_for_bit(preset, dtype, tmp_p
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("vocab", [None, 37])
-@pytest.mark.parametrize("rows,steps", [([3, 1], 3), ([1, 1], 2), ([2, 2], 1)])
-def test_native_draft_passes_equal_the_module_path_pass_by_pass(dtype, vocab, rows, steps, tmp_path):
+@pytest.mark.parametrize("rows,steps", [([3, 1], 3), ([1, 1], 2), ([2, 2], 1), ([1, 3], 4)])
+@pytest.mark.parametrize("fused", [True, False])
+def test_native_draft_passes_equal_the_module_path_pass_by_pass(dtype, vocab, rows, steps, fused, tmp_path):
     """NativeDecodeStep.mtp_draft (the proposer's passes in one call) against the module
     path run pass by pass as the proposer runs it: the MTP prefill of each sequence's
     committed rows (draft 1 from its last row), then chained passes of one row per
@@ -429,9 +430,57 @@ def test_native_draft_passes_equal_the_module_path_pass_by_pass(dtype, vocab, ro
     cache.arena.copy_(start)
     fast = model._usable_native_step()
     assert fast is not None
+    # fused: every pass in one native call (_core.MtpDraftPlan); else the Python passes.
+    fast.fused_mtp = fused
+    fast._plan = None
+    fast._bind_cache(cache)
+    assert (fast._fused_plan(cache) is not None) == fused
     got = fast.mtp_draft(hid, np.asarray(ids), np.asarray(pos), np.asarray([slot(s, q) for s, q in zip(seq, pos)]),
                          tables.numpy()[seq], np.asarray(last), steps, cache, vocab)
     assert got is not None and got.tolist() == want
     if vocab is not None:
         assert (got < vocab).all()
     assert torch.equal(cache.arena, want_arena)
+
+
+def test_fused_draft_refuses_bad_input_with_a_clear_error(tmp_path):
+    """The one-call drafter's misuse (a drafting row past the committed rows, a position
+    past the rope table, more rows than its buffers) is a ValueError naming it, and the
+    plan still drafts afterwards."""
+    import numpy as np
+
+    from hybridserve.kernels import native
+
+    if not native.available():
+        pytest.skip("the native kernels are not built")
+    path = write_tiny_checkpoint(tmp_path / "m", preset="test-a", seed=7)
+    model, config = load_model(path, dtype="bfloat16", progress=False, load_mtp=True)
+    cache = model.new_cache(8, BLOCK)
+    fast = model._usable_native_step()
+    fast._bind_cache(cache)
+    plan = fast._fused_plan(cache)
+    assert plan is not None
+    from hybridserve.model.native_decode import _view
+
+    hid = _view(torch.randn(2, config.hidden_size).to(torch.bfloat16))
+    cos, sin = fast._rope_table(64)
+    tables = np.zeros((2, 4), dtype=np.int32)
+    tables[:, :4] = np.arange(4)
+    out = np.zeros((2, 1), dtype=np.int64)
+
+    def call(last=(1,), pos=(3, 4), h=hid, rows=2):
+        plan.draft(h[:rows], np.arange(rows, dtype=np.int64), np.asarray(pos[:rows], dtype=np.int64),
+                   np.asarray(pos[:rows], dtype=np.int64), tables[:rows], np.asarray(last, dtype=np.int64), 2,
+                   config.vocab_size, cos, sin, out)
+
+    with pytest.raises(ValueError, match="last row 2"):
+        call(last=(2,))
+    with pytest.raises(ValueError, match="past the rope table"):
+        call(pos=(3, cos.shape[0]))
+    big = _view(torch.randn(fast.max_rows + 1, config.hidden_size).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="committed rows"):
+        plan.draft(big, np.zeros(fast.max_rows + 1, dtype=np.int64), np.zeros(fast.max_rows + 1, dtype=np.int64),
+                   np.zeros(fast.max_rows + 1, dtype=np.int64), np.zeros((fast.max_rows + 1, 4), dtype=np.int32),
+                   np.asarray([0], dtype=np.int64), 2, config.vocab_size, cos, sin, out)
+    call()
+    assert ((out >= 0) & (out < config.vocab_size)).all()

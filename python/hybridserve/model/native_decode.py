@@ -24,7 +24,8 @@ sit next to one-token decodes (the DeltaNet kernels read those runs' state witho
 writing it and the step's ring records their inputs, as the module path does; every
 row attends as one decode query, on both paths: :data:`DECODE_ROWS`), the MTP layer's
 passes (:meth:`NativeDecodeStep.run_mtp`; :meth:`NativeDecodeStep.mtp_draft` runs a step's
-passes in one call from host arrays, for the proposer) and the replay that commits the accepted rows
+passes in one call from host arrays, for the proposer: one native call, ``_core.MtpDraftPlan``,
+where the MTP layer is dense and unquantized, else pass by pass) and the replay that commits the accepted rows
 (:meth:`NativeDecodeStep.replay`), each bit-identical to its module path
 (``tests/spec/test_spec_verify_commit.py``, ``tests/spec/test_mtp_model.py``); everything else
 (prefill, mixed steps, biases, a weight not in the row-major layout, tensor
@@ -39,6 +40,8 @@ the rest of the layer (norms, mixers) runs as native calls without the glue.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -209,6 +212,10 @@ class NativeDecodeStep:
         if self.quantized:
             self.k_gemm = self._gemm
         self._quant_matmul = quant_matmul_kernel()
+        # mtp_draft runs every pass in one native call where it can (off: the Python
+        # passes, the same kernels call by call; tests compare the two).
+        self.fused_mtp = not os.environ.get("HYBRIDSERVE_NO_FUSED_MTP")
+        self._dtype = model.dtype  # (the model's is a property that walks its parameters)
         self.k_silu_mul, self.k_write_kv = k.silu_mul, k.write_kv
         self.max_rows = Projection.NATIVE_MAX_ROWS_BF16 if self.bf16 else Projection.NATIVE_MAX_ROWS
         self.eps = c.rms_norm_eps
@@ -348,6 +355,8 @@ class NativeDecodeStep:
                          "norm_e": _view(t.pre_fc_norm_embedding.weight),
                          "norm_h": _view(t.pre_fc_norm_hidden.weight), "norm": _view(t.norm.weight)}
         self._mtp_buffers: dict[int, tuple[_Buffers, dict]] = {}
+        # The draft passes' native plan and the cache it was bound to (see _fused_plan).
+        self._plan = None
         self._replay_buffers: dict[int, tuple] = {}
         self.final_norm = _view(m.norm.weight)
         self.lm_head = self._entry(m.lm_head)
@@ -547,17 +556,28 @@ class NativeDecodeStep:
         :meth:`run_mtp` pass by pass, so the same drafts and MTP KV bits."""
         m = self._mtp
         t, n = int(input_ids.shape[0]), int(last.shape[0])
-        if m is None or cache.dtype != self.model.dtype or cache.mtp_layer_index is None:
+        dt = self._dtype
+        if m is None or cache.dtype != dt or cache.mtp_layer_index is None:
             return None
         if not (0 < t <= self.max_rows and 0 < n <= t and steps >= 1) or hidden.device.type != "cpu":
             return None
         self._bind_cache(cache)
         hidden = hidden.detach()
-        if hidden.dtype != self.model.dtype or not hidden.is_contiguous():
-            hidden = hidden.to(self.model.dtype).contiguous()
+        if hidden.dtype != dt or not hidden.is_contiguous():
+            hidden = hidden.to(dt).contiguous()
         tables = np.ascontiguousarray(tables, dtype=np.int32)
         positions = np.asarray(positions, dtype=np.int64)
         out = np.empty((steps, n), dtype=np.int64)
+        plan = self._fused_plan(cache)
+        if plan is not None:
+            # Every pass in one native call (the same kernels in the same order as below).
+            cos, sin = self._rope_table(int(positions.max()) + steps + 1)
+            rows = self.lm_head.shape[0]
+            plan.draft(_view(hidden), np.ascontiguousarray(input_ids, dtype=np.int64), positions,
+                       np.ascontiguousarray(slots, dtype=np.int64), tables,
+                       np.ascontiguousarray(last, dtype=np.int64), steps, rows if vocab is None else min(vocab, rows),
+                       cos, sin, out)
+            return out
         b = self._mtp_rows(hidden, torch.from_numpy(np.asarray(input_ids, dtype=np.int64)), positions,
                            np.asarray(slots, dtype=np.int64), tables)
         every = t == n
@@ -591,6 +611,66 @@ class NativeDecodeStep:
             ids = self._draft_argmax(b.normed_np, n, vocab)
             out[j] = ids.numpy()
         return out
+
+    def _fused_plan(self, cache):
+        """The draft passes' native plan (``_core.MtpDraftPlan``) over this cache, or None
+        where the Python passes must run: a quantized model or embedding, an MoE MTP
+        layer, an older extension, or :attr:`fused_mtp` off."""
+        got = self._plan
+        if got is not None and got[0] is cache:
+            return got[1]
+        plan = None
+        m = self._mtp
+        e = m["layer"] if m is not None else None
+        make = getattr(native._k, "MtpDraftPlan", None)
+        if (self.fused_mtp and make is not None and e is not None and "moe" not in e and not self.quantized
+                and self.embed_module is None and self.embed is not None and "kc" in e):
+            plan = self._make_plan(make, m, e)
+        self._plan = (cache, plan)
+        return plan
+
+    def _make_plan(self, make, m: dict, e: dict):
+        c, dt, rows = self.model.config, self.model.dtype, self.max_rows
+        h, nh, nkv, d = c.hidden_size, e["heads"], e["kv_heads"], e["head_dim"]
+        qr, kvr = 2 * nh * d, nkv * d
+        rot = self._rope_table(1)[0].shape[1]
+        widths = {"emb": h, "e_norm": h, "h_norm": h, "hid": h, "cat": 2 * h, "residual": h, "normed": h,
+                  "qkv": qr + 2 * kvr, "rq": nh * d, "rk": kvr, "attn": nh * d, "gated": nh * d, "mixer_out": h,
+                  "gate_up": 2 * self.inter, "mlp_out": h, "cos": rot, "sin": rot,
+                  "logits": self.lm_head.shape[0]}
+        with torch.inference_mode(False):
+            bufs = {k: torch.empty(rows, w, dtype=dt) for k, w in widths.items()}
+            sig = torch.empty(rows, nh, d, dtype=dt)
+        # The attention's sigmoid output gate, as _attention runs it (torch's ops and
+        # rounding), on the plan's buffers: called back from the native passes.
+        gate = bufs["qkv"][:, :qr].view(rows, nh, 2 * d)[..., d:]
+        attn3, gated3 = bufs["attn"].view(rows, nh, d), bufs["gated"].view(rows, nh, d)
+        views = [None] + [(gate[:t], sig[:t], attn3[:t], gated3[:t]) for t in range(1, rows + 1)]
+        sigmoid, mul = torch.sigmoid, torch.mul
+
+        def gate_fn(t: int) -> None:
+            g, s, a, o = views[t]
+            sigmoid(g, out=s)
+            mul(a, s, out=o)
+
+        weights = {"embed": _view(self.embed), "norm_e": m["norm_e"], "norm_h": m["norm_h"], "fc": m["fc"],
+                   "in_norm": e["in_norm"], "post_norm": e["post_norm"], "out_norm": m["norm"], "qkv": e["qkv_w"],
+                   "q_norm": e["q_norm"], "k_norm": e["k_norm"], "o": e["o_w"], "gate_up": e["gate_up"],
+                   "down": e["down"], "head": self.lm_head}
+        if not all(isinstance(w, np.ndarray) and w.flags.c_contiguous for w in weights.values()):
+            return None
+        dims = {"hidden": h, "heads": nh, "kv_heads": nkv, "head_dim": d, "inter": self.inter,
+                "vocab": int(self.embed.shape[0]), "rot": rot, "eps": self.eps, "q_eps": e["q_eps"],
+                "k_eps": e["k_eps"], "scale": e["scale"], "rows": rows}
+        return make(weights, {k: _view(t) for k, t in bufs.items()}, e["kc"], e["vc"], dims, gate_fn, self.bf16)
+
+    def _rope_table(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Rope's cos and sin tables (numpy views) over at least positions 0 .. n-1."""
+        tab = self._rope
+        if tab is None or tab[0].shape[0] < n:
+            self._cos_sin(np.array([n - 1]))
+            tab = self._rope
+        return tab[0], tab[1]
 
     def _mtp_rows(self, hidden: torch.Tensor, ids: torch.Tensor, p: np.ndarray, slots: np.ndarray,
                   tables: np.ndarray) -> _Buffers:

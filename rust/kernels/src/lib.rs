@@ -55,6 +55,7 @@ pub mod matmul_bf16;
 pub mod matmul_rows;
 pub mod moe;
 pub mod moe_bf16;
+pub mod mtp;
 pub mod norm;
 pub mod quant;
 mod pool;

@@ -25,6 +25,7 @@ mod bf16;
 mod cache_write;
 mod checks;
 mod moe_bf16;
+mod mtp;
 mod quant;
 mod quant_moe;
 mod quant_fp8;
@@ -429,5 +430,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     quant_moe::register(m)?;
     quant_fp8::register(m)?;
     sample::register(m)?;
+    mtp::register(m)?;
     Ok(())
 }
