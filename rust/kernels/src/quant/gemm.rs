@@ -171,6 +171,23 @@ pub fn quant_matmul_with<T: Elem>(
                 j += 8;
             }
         }
+        // One or two activation rows: every weight row of the task in one kernel call.
+        #[cfg(target_arch = "x86_64")]
+        if m <= 2 && j < j1 && isa != QIsa::Scalar && has_rows_kernel(ty) {
+            let mut vals = vec![0.0f32; m * (j1 - j)];
+            let xs2 = [act.row(0), act.row(m - 1)];
+            let nb = k / ty.block_size();
+            // SAFETY: the ISA was checked above; rows j..j1 lie in `w`, each `nb` blocks,
+            // every activation row `k` values.
+            unsafe { rows_kernel(isa, ty, w[j * rb..j1 * rb].as_ptr(), rb, j1 - j, nb, &xs2[..m], &mut vals) };
+            for (i, v) in vals.chunks_exact(m).enumerate() {
+                for (t, &v) in v.iter().enumerate() {
+                    // SAFETY: column j + i of every row belongs to this task alone.
+                    unsafe { ptr.put(t * n + j + i, v) };
+                }
+            }
+            return;
+        }
         for j in j..j1 {
             let wr = &w[j * rb..(j + 1) * rb];
             let mut t = 0;
@@ -247,6 +264,39 @@ unsafe fn many8_32(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, 
         (_, GgmlType::Q5_0) => avx2::q32_x8::<Q5_0>(p, rb, nb, xs, acc),
         (_, GgmlType::Q5_1) => avx2::q32_x8::<Q5_1>(p, rb, nb, xs, acc),
         _ => unreachable!("many8_32() takes the 32-weight blocks"),
+    }
+}
+
+/// True for the types [`rows_kernel`] takes.
+#[cfg(target_arch = "x86_64")]
+fn has_rows_kernel(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4K | GgmlType::Q5K)
+}
+
+/// `n` consecutive weight rows (`rb` bytes apart from `p`) against one or two activation
+/// rows: `out[m j + t]`, each value the one [`dot_rows`] gives.
+///
+/// # Safety
+/// `isa` runs on this CPU and is not scalar; `ty` passes [`has_rows_kernel`]; the rows
+/// hold `nb` blocks each and every row of `xs` (one or two) `nb` blocks' values.
+#[cfg(target_arch = "x86_64")]
+unsafe fn rows_kernel(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, n: usize, nb: usize, xs: &[ActRow<'_>], out: &mut [f32]) {
+    use super::dot_x86::{avx2, vnni};
+    macro_rules! go {
+        ($f:ident $(, $g:literal)*) => {
+            match (isa, xs) {
+                (QIsa::Avx512Vnni, [a]) => vnni::$f::<1 $(, $g)*>(p, rb, n, nb, &[*a], out),
+                (QIsa::Avx512Vnni, [a, b]) => vnni::$f::<2 $(, $g)*>(p, rb, n, nb, &[*a, *b], out),
+                (_, [a]) => avx2::$f::<1 $(, $g)*>(p, rb, n, nb, &[*a], out),
+                (_, [a, b]) => avx2::$f::<2 $(, $g)*>(p, rb, n, nb, &[*a, *b], out),
+                _ => unreachable!("rows_kernel() takes one or two activation rows"),
+            }
+        };
+    }
+    match ty {
+        GgmlType::Q4K => go!(q4k_q5k_rows, false),
+        GgmlType::Q5K => go!(q4k_q5k_rows, true),
+        _ => unreachable!("rows_kernel() takes {ty:?}: no"),
     }
 }
 
