@@ -270,7 +270,7 @@ unsafe fn many8_32(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, 
 /// True for the types [`rows_kernel`] takes.
 #[cfg(target_arch = "x86_64")]
 fn has_rows_kernel(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4K | GgmlType::Q5K)
+    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
 }
 
 /// `n` consecutive weight rows (`rb` bytes apart from `p`) against one or two activation
@@ -296,6 +296,7 @@ unsafe fn rows_kernel(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, n: usize
     match ty {
         GgmlType::Q4K => go!(q4k_q5k_rows, false),
         GgmlType::Q5K => go!(q4k_q5k_rows, true),
+        GgmlType::Q6K => go!(q6k_rows),
         _ => unreachable!("rows_kernel() takes {ty:?}: no"),
     }
 }
