@@ -173,7 +173,7 @@ pub fn quant_matmul_with<T: Elem>(
         }
         // One or two activation rows: every weight row of the task in one kernel call.
         #[cfg(target_arch = "x86_64")]
-        if m <= 2 && j < j1 && isa != QIsa::Scalar && has_rows_kernel(ty) {
+        if m <= 2 && j < j1 && isa != QIsa::Scalar {
             let mut vals = vec![0.0f32; m * (j1 - j)];
             let xs2 = [act.row(0), act.row(m - 1)];
             let nb = k / ty.block_size();
@@ -267,23 +267,16 @@ unsafe fn many8_32(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, 
     }
 }
 
-/// True for the types [`rows_kernel`] takes.
-#[cfg(target_arch = "x86_64")]
-fn has_rows_kernel(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K)
-}
-
 /// `n` consecutive weight rows (`rb` bytes apart from `p`) against one or two activation
 /// rows: `out[m j + t]`, each value the one [`dot_rows`] gives.
 ///
 /// # Safety
-/// `isa` runs on this CPU and is not scalar; `ty` passes [`has_rows_kernel`]; the rows
-/// hold `nb` blocks each and every row of `xs` (one or two) `nb` blocks' values.
+/// `isa` runs on this CPU and is not scalar; the rows hold `nb` blocks each and every row of `xs` (one or two) `nb` blocks' values.
 #[cfg(target_arch = "x86_64")]
 unsafe fn rows_kernel(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, n: usize, nb: usize, xs: &[ActRow<'_>], out: &mut [f32]) {
-    use super::dot_x86::{avx2, vnni};
+    use super::dot_x86::{avx2, vnni, Q4_0, Q5_0, Q5_1, Q8_0};
     macro_rules! go {
-        ($f:ident $(, $g:literal)*) => {
+        ($f:ident $(, $g:expr)*) => {
             match (isa, xs) {
                 (QIsa::Avx512Vnni, [a]) => vnni::$f::<1 $(, $g)*>(p, rb, n, nb, &[*a], out),
                 (QIsa::Avx512Vnni, [a, b]) => vnni::$f::<2 $(, $g)*>(p, rb, n, nb, &[*a, *b], out),
@@ -297,7 +290,10 @@ unsafe fn rows_kernel(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, n: usize
         GgmlType::Q4K => go!(q4k_q5k_rows, false),
         GgmlType::Q5K => go!(q4k_q5k_rows, true),
         GgmlType::Q6K => go!(q6k_rows),
-        _ => unreachable!("rows_kernel() takes {ty:?}: no"),
+        GgmlType::Q8_0 => go!(q32_rows, Q8_0),
+        GgmlType::Q4_0 => go!(q32_rows, Q4_0),
+        GgmlType::Q5_0 => go!(q32_rows, Q5_0),
+        GgmlType::Q5_1 => go!(q32_rows, Q5_1),
     }
 }
 

@@ -218,7 +218,7 @@ fn sixteen_rows() {
 
 /// Where a one-row call's time goes, per decode shape of the 0.1b peer model and type:
 /// the activation's quantization alone (`act`), the dot loop over every weight row on
-/// this thread with no pool (`dots`), the whole call (`gemm`), and a plain read of the
+/// this thread with no pool, one kernel call per row (`per-row`), the whole call (`gemm`), and a plain read of the
 /// same bytes split over the pool as the GEMM is (`read`). Weights from a ring larger
 /// than the last-level cache. `QT_SHAPES=down,lm_head` picks shapes.
 #[test]
@@ -293,7 +293,7 @@ fn one_row_parts() {
             drop(fns);
             let gb = (rb * n) as f64 / 1e9;
             println!(
-                "{name} {n}x{k} {} t={th}: read {:.4} ms ({:.1} GB/s) act {:.4} dots {:.4} ({:.1} GB/s) gemm {:.4} ms ({:.1} GB/s)",
+                "{name} {n}x{k} {} t={th}: read {:.4} ms ({:.1} GB/s) act {:.4} per-row calls {:.4} ({:.1} GB/s) gemm {:.4} ms ({:.1} GB/s)",
                 ty.name(),
                 med[0],
                 gb / med[0] * 1e3,

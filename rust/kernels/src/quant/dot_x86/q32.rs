@@ -9,6 +9,7 @@ macro_rules! q32_kernels {
             /// integer sum `s` gives `f = (d_w d_x) s` (Q5_1: `+ (m d_x) sum_x`), block
             /// `b` goes to accumulator `b % 8` (a lane here), and the eight are summed as
             /// [`hsum_ps`] does; so any path gives a row the same bits.
+            #[inline]
             #[target_feature(enable = $feat)]
             pub unsafe fn q32<const R: usize, const KIND: u8>(
                 w: *const u8,
@@ -80,6 +81,23 @@ macro_rules! q32_kernels {
                     b0 += 8;
                 }
                 std::array::from_fn(|r| hsum_ps(acc[r]))
+            }
+
+            /// [`q32`] for `n` consecutive weight rows (`rb` bytes apart) in one call:
+            /// `out[R j + r]` = weight row `j` times activation row `r`.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q32_rows<const R: usize, const KIND: u8>(
+                w: *const u8,
+                rb: usize,
+                n: usize,
+                nb: usize,
+                xs: &[ActRow<'_>; R],
+                out: &mut [f32],
+            ) {
+                for j in 0..n {
+                    let v = q32::<R, KIND>(w.add(j * rb), nb, xs);
+                    out[R * j..R * j + R].copy_from_slice(&v);
+                }
             }
 
             /// Eight weight rows of 32-weight blocks (`rb` bytes apart) against any
