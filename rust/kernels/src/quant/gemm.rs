@@ -173,7 +173,7 @@ pub fn quant_matmul_with<T: Elem>(
         }
         // One or two activation rows: every weight row of the task in one kernel call.
         #[cfg(target_arch = "x86_64")]
-        if m <= 2 && j < j1 && isa != QIsa::Scalar {
+        if m <= 2 && j < j1 && isa != QIsa::Scalar && rows_call() {
             let mut vals = vec![0.0f32; m * (j1 - j)];
             let xs2 = [act.row(0), act.row(m - 1)];
             let nb = k / ty.block_size();
@@ -265,6 +265,19 @@ unsafe fn many8_32(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, 
         (_, GgmlType::Q5_1) => avx2::q32_x8::<Q5_1>(p, rb, nb, xs, acc),
         _ => unreachable!("many8_32() takes the 32-weight blocks"),
     }
+}
+
+static ROWS_CALL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether one or two activation rows take [`rows_kernel`] (an atomic only so that the
+/// timing harness can compare it with a call per row in one process).
+fn rows_call() -> bool {
+    ROWS_CALL.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(test)]
+pub(crate) fn set_rows_call(on: bool) {
+    ROWS_CALL.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// `n` consecutive weight rows (`rb` bytes apart from `p`) against one or two activation

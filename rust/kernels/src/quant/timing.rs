@@ -287,13 +287,21 @@ fn one_row_parts() {
                         quant_matmul(Rows::dense(xr, k).unwrap(), next(), ty, Out::F32(&mut outr.borrow_mut())).unwrap()
                     }),
                 ),
+                (
+                    "gemm, a call per row".into(),
+                    Box::new(move || {
+                        super::gemm::set_rows_call(false);
+                        quant_matmul(Rows::dense(xr, k).unwrap(), next(), ty, Out::F32(&mut outr.borrow_mut())).unwrap();
+                        super::gemm::set_rows_call(true);
+                    }),
+                ),
             ];
             let reps = if n > 100_000 { 3 } else { 20 };
             let med = interleave(&mut fns, 7, reps);
             drop(fns);
             let gb = (rb * n) as f64 / 1e9;
             println!(
-                "{name} {n}x{k} {} t={th}: read {:.4} ms ({:.1} GB/s) act {:.4} per-row calls {:.4} ({:.1} GB/s) gemm {:.4} ms ({:.1} GB/s)",
+                "{name} {n}x{k} {} t={th}: read {:.4} ms ({:.1} GB/s) act {:.4} per-row calls {:.4} ({:.1} GB/s) gemm {:.4} ms ({:.1} GB/s) call per row {:.4} ms",
                 ty.name(),
                 med[0],
                 gb / med[0] * 1e3,
@@ -301,7 +309,8 @@ fn one_row_parts() {
                 med[2],
                 gb / med[2] * 1e3,
                 med[3],
-                gb / med[3] * 1e3
+                gb / med[3] * 1e3,
+                med[4]
             );
         }
     }
