@@ -4,7 +4,9 @@
 //! [`super::act`]), then tasks of consecutive weight rows run every weight row against
 //! the activation rows, up to four at a time, so a row's unpacked blocks are reused from
 //! registers and its bytes from L1. One or two activation rows only stream the weight:
-//! consecutive rows in a task keep that stream sequential for the hardware prefetcher.
+//! consecutive rows in a task keep that stream sequential for the hardware prefetcher,
+//! and a task's rows go to one kernel call ([`rows_kernel`]; a decode row is a few
+//! blocks, too short to pay a call's entry each).
 //! Above four activation rows every type takes eight weight rows per pass instead,
 //! their unpacked blocks transposed so each lane is one output ([`many8`], [`many8_32`]),
 //! the next pass's rows prefetched meanwhile.
