@@ -201,7 +201,7 @@ fn sixteen_rows() {
             fns.push((
                 format!("{} pf={d}", ty.name()),
                 Box::new(move || {
-                    super::dot_x86::set_prefetch(2048, d);
+                    super::dot_x86::set_prefetch(4096, d);
                     turnr.set(turnr.get() + 1);
                     let w = &r[turnr.get() % r.len()];
                     quant_matmul(Rows::dense(xr, k).unwrap(), w, ty, Out::F32(&mut outr.borrow_mut())).unwrap()
@@ -213,7 +213,7 @@ fn sixteen_rows() {
     for ((name, _), ms) in fns.iter().zip(&med) {
         println!("{m} rows {n}x{k} threads={th} {name}: {ms:.3} ms, {:.2}x bf16", med[0] / ms);
     }
-    super::dot_x86::set_prefetch(2048, 512);
+    super::dot_x86::set_prefetch(4096, 512);
 }
 
 /// Where a one-row call's time goes, per decode shape of the 0.1b peer model and type:
@@ -296,6 +296,21 @@ fn one_row_parts() {
                     }),
                 ),
             ];
+            // QT_PF1=1024,4096: the whole call again at each one-row prefetch distance.
+            let dists: Vec<usize> = std::env::var("QT_PF1")
+                .ok()
+                .map(|v| v.split(',').map(|d| d.parse().unwrap()).collect())
+                .unwrap_or_default();
+            for &dist in &dists {
+                fns.push((
+                    format!("gemm pf={dist}"),
+                    Box::new(move || {
+                        super::dot_x86::set_prefetch(dist, 512);
+                        quant_matmul(Rows::dense(xr, k).unwrap(), next(), ty, Out::F32(&mut outr.borrow_mut())).unwrap();
+                        super::dot_x86::set_prefetch(4096, 512);
+                    }),
+                ));
+            }
             let reps = if n > 100_000 { 3 } else { 20 };
             let med = interleave(&mut fns, 7, reps);
             drop(fns);
@@ -312,6 +327,9 @@ fn one_row_parts() {
                 gb / med[3] * 1e3,
                 med[4]
             );
+            for (i, d) in dists.iter().enumerate() {
+                println!("  {name} {} pf={d}: {:.4} ms ({:.1} GB/s)", ty.name(), med[5 + i], gb / med[5 + i] * 1e3);
+            }
         }
     }
 }
