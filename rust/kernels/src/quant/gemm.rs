@@ -441,6 +441,28 @@ mod tests {
         }
     }
 
+    /// The one- and two-row path (a task's rows in one kernel call) at decode widths:
+    /// three k-quant super-blocks, 25 blocks of 32 (a partial group of eight), rows over
+    /// two tasks; every ISA equal to the scalar path bit for bit.
+    #[test]
+    fn one_and_two_rows_at_decode_widths_equal_the_scalar_path() {
+        let mut g = Lcg(19);
+        for ty in TYPES {
+            let (n, k) = (45, if ty.is_k() { 768 } else { 800 });
+            let w = random_weight(ty, n, k, &mut g);
+            for m in [1usize, 2] {
+                let x: Vec<f32> = (0..m * k).map(|_| g.f()).collect();
+                let mut want = vec![0.0f32; m * n];
+                quant_matmul_with(QIsa::Scalar, Rows::dense(&x, k).unwrap(), &w, ty, Out::F32(&mut want)).unwrap();
+                for isa in isas() {
+                    let mut got = vec![0.0f32; m * n];
+                    quant_matmul_with(isa, Rows::dense(&x, k).unwrap(), &w, ty, Out::F32(&mut got)).unwrap();
+                    assert_eq!(got, want, "{ty:?} {isa:?} m={m}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_row_does_not_depend_on_its_neighbours() {
         let mut g = Lcg(3);
