@@ -28,7 +28,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 /// Bytes ahead of the weight being read that the one-row kernels prefetch, and ahead
 /// in each of the eight weight rows the many-row kernels read at once (atomics only
 /// so that the timing harness can compare distances in one process).
-static PF_DIST: AtomicUsize = AtomicUsize::new(2048);
+static PF_DIST: AtomicUsize = AtomicUsize::new(4096);
 static PF_ROWS_DIST: AtomicUsize = AtomicUsize::new(512);
 
 #[inline(always)]

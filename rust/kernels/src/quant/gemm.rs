@@ -4,7 +4,9 @@
 //! [`super::act`]), then tasks of consecutive weight rows run every weight row against
 //! the activation rows, up to four at a time, so a row's unpacked blocks are reused from
 //! registers and its bytes from L1. One or two activation rows only stream the weight:
-//! consecutive rows in a task keep that stream sequential for the hardware prefetcher.
+//! consecutive rows in a task keep that stream sequential for the hardware prefetcher,
+//! and a task's rows go to one kernel call ([`rows_kernel`]; a decode row is a few
+//! blocks, too short to pay a call's entry each).
 //! Above four activation rows every type takes eight weight rows per pass instead,
 //! their unpacked blocks transposed so each lane is one output ([`many8`], [`many8_32`]),
 //! the next pass's rows prefetched meanwhile.
@@ -171,6 +173,23 @@ pub fn quant_matmul_with<T: Elem>(
                 j += 8;
             }
         }
+        // One or two activation rows: every weight row of the task in one kernel call.
+        #[cfg(target_arch = "x86_64")]
+        if m <= 2 && j < j1 && isa != QIsa::Scalar && rows_call() {
+            let mut vals = vec![0.0f32; m * (j1 - j)];
+            let xs2 = [act.row(0), act.row(m - 1)];
+            let nb = k / ty.block_size();
+            // SAFETY: the ISA was checked above; rows j..j1 lie in `w`, each `nb` blocks,
+            // every activation row `k` values.
+            unsafe { rows_kernel(isa, ty, w[j * rb..j1 * rb].as_ptr(), rb, j1 - j, nb, &xs2[..m], &mut vals) };
+            for (i, v) in vals.chunks_exact(m).enumerate() {
+                for (t, &v) in v.iter().enumerate() {
+                    // SAFETY: column j + i of every row belongs to this task alone.
+                    unsafe { ptr.put(t * n + j + i, v) };
+                }
+            }
+            return;
+        }
         for j in j..j1 {
             let wr = &w[j * rb..(j + 1) * rb];
             let mut t = 0;
@@ -247,6 +266,49 @@ unsafe fn many8_32(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, nb: usize, 
         (_, GgmlType::Q5_0) => avx2::q32_x8::<Q5_0>(p, rb, nb, xs, acc),
         (_, GgmlType::Q5_1) => avx2::q32_x8::<Q5_1>(p, rb, nb, xs, acc),
         _ => unreachable!("many8_32() takes the 32-weight blocks"),
+    }
+}
+
+static ROWS_CALL: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Whether one or two activation rows take [`rows_kernel`] (an atomic only so that the
+/// timing harness can compare it with a call per row in one process).
+fn rows_call() -> bool {
+    ROWS_CALL.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[cfg(test)]
+pub(crate) fn set_rows_call(on: bool) {
+    ROWS_CALL.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// `n` consecutive weight rows (`rb` bytes apart from `p`) against one or two activation
+/// rows: `out[m j + t]`, each value the one [`dot_rows`] gives.
+///
+/// # Safety
+/// `isa` runs on this CPU and is not scalar; the rows hold `nb` blocks each and every row of `xs` (one or two) `nb` blocks' values.
+#[cfg(target_arch = "x86_64")]
+unsafe fn rows_kernel(isa: QIsa, ty: GgmlType, p: *const u8, rb: usize, n: usize, nb: usize, xs: &[ActRow<'_>], out: &mut [f32]) {
+    use super::dot_x86::{avx2, vnni, Q4_0, Q5_0, Q5_1, Q8_0};
+    macro_rules! go {
+        ($f:ident $(, $g:expr)*) => {
+            match (isa, xs) {
+                (QIsa::Avx512Vnni, [a]) => vnni::$f::<1 $(, $g)*>(p, rb, n, nb, &[*a], out),
+                (QIsa::Avx512Vnni, [a, b]) => vnni::$f::<2 $(, $g)*>(p, rb, n, nb, &[*a, *b], out),
+                (_, [a]) => avx2::$f::<1 $(, $g)*>(p, rb, n, nb, &[*a], out),
+                (_, [a, b]) => avx2::$f::<2 $(, $g)*>(p, rb, n, nb, &[*a, *b], out),
+                _ => unreachable!("rows_kernel() takes one or two activation rows"),
+            }
+        };
+    }
+    match ty {
+        GgmlType::Q4K => go!(q4k_q5k_rows, false),
+        GgmlType::Q5K => go!(q4k_q5k_rows, true),
+        GgmlType::Q6K => go!(q6k_rows),
+        GgmlType::Q8_0 => go!(q32_rows, Q8_0),
+        GgmlType::Q4_0 => go!(q32_rows, Q4_0),
+        GgmlType::Q5_0 => go!(q32_rows, Q5_0),
+        GgmlType::Q5_1 => go!(q32_rows, Q5_1),
     }
 }
 
@@ -374,6 +436,28 @@ mod tests {
                 // Every path takes the same float steps: equal bit for bit.
                 for (isa, o) in &outs[1..] {
                     assert_eq!(o, &outs[0].1, "{ty:?} {isa:?} m={m} differs from scalar");
+                }
+            }
+        }
+    }
+
+    /// The one- and two-row path (a task's rows in one kernel call) at decode widths:
+    /// three k-quant super-blocks, 25 blocks of 32 (a partial group of eight), rows over
+    /// two tasks; every ISA equal to the scalar path bit for bit.
+    #[test]
+    fn one_and_two_rows_at_decode_widths_equal_the_scalar_path() {
+        let mut g = Lcg(19);
+        for ty in TYPES {
+            let (n, k) = (45, if ty.is_k() { 768 } else { 800 });
+            let w = random_weight(ty, n, k, &mut g);
+            for m in [1usize, 2] {
+                let x: Vec<f32> = (0..m * k).map(|_| g.f()).collect();
+                let mut want = vec![0.0f32; m * n];
+                quant_matmul_with(QIsa::Scalar, Rows::dense(&x, k).unwrap(), &w, ty, Out::F32(&mut want)).unwrap();
+                for isa in isas() {
+                    let mut got = vec![0.0f32; m * n];
+                    quant_matmul_with(isa, Rows::dense(&x, k).unwrap(), &w, ty, Out::F32(&mut got)).unwrap();
+                    assert_eq!(got, want, "{ty:?} {isa:?} m={m}");
                 }
             }
         }

@@ -201,7 +201,7 @@ fn sixteen_rows() {
             fns.push((
                 format!("{} pf={d}", ty.name()),
                 Box::new(move || {
-                    super::dot_x86::set_prefetch(2048, d);
+                    super::dot_x86::set_prefetch(4096, d);
                     turnr.set(turnr.get() + 1);
                     let w = &r[turnr.get() % r.len()];
                     quant_matmul(Rows::dense(xr, k).unwrap(), w, ty, Out::F32(&mut outr.borrow_mut())).unwrap()
@@ -213,5 +213,123 @@ fn sixteen_rows() {
     for ((name, _), ms) in fns.iter().zip(&med) {
         println!("{m} rows {n}x{k} threads={th} {name}: {ms:.3} ms, {:.2}x bf16", med[0] / ms);
     }
-    super::dot_x86::set_prefetch(2048, 512);
+    super::dot_x86::set_prefetch(4096, 512);
+}
+
+/// Where a one-row call's time goes, per decode shape of the 0.1b peer model and type:
+/// the activation's quantization alone (`act`), the dot loop over every weight row on
+/// this thread with no pool, one kernel call per row (`per-row`), the whole call (`gemm`), and a plain read of the
+/// same bytes split over the pool as the GEMM is (`read`). Weights from a ring larger
+/// than the last-level cache. `QT_SHAPES=down,lm_head` picks shapes.
+#[test]
+#[ignore]
+fn one_row_parts() {
+    use super::act::QAct;
+    use super::blocks::QK_K;
+    let th = threads();
+    set_num_threads(th);
+    let shapes = [("in_proj", 3072usize, 768usize), ("gate_up", 4096, 768), ("down", 768, 2048), ("lm_head", 151_936, 768)];
+    let pick: Option<String> = std::env::var("QT_SHAPES").ok();
+    let types: Vec<GgmlType> = match std::env::var("QT_TYPES") {
+        Ok(v) => [GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4K]
+            .into_iter()
+            .filter(|t| v.split(',').any(|n| n == t.name()))
+            .collect(),
+        Err(_) => vec![GgmlType::Q6K, GgmlType::Q8_0, GgmlType::Q4K],
+    };
+    println!("threads={th} cpu-clock={} load={}", std::env::var("QT_CPU").is_ok(),
+        std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
+    for &(name, n, k) in &shapes {
+        if let Some(p) = &pick {
+            if !p.split(',').any(|s| s == name) {
+                continue;
+            }
+        }
+        for &ty in &types {
+            let rb = ty.row_bytes(k);
+            let wq = ring(rb * n, |s| weight(ty, n, k, s));
+            let x: Vec<f32> = (0..k).map(|i| ((i % 17) as f32 - 8.0) * 0.1).collect();
+            let out = std::cell::RefCell::new(vec![0.0f32; n]);
+            let turn = std::cell::Cell::new(0usize);
+            let sink = std::cell::Cell::new(0u64);
+            let (wr, xr, outr, turnr, sinkr) = (&wq, &x, &out, &turn, &sink);
+            let next = move || {
+                turnr.set(turnr.get() + 1);
+                &wr[turnr.get() % wr.len()]
+            };
+            let block = if ty.is_k() { QK_K } else { 32 };
+            let mut fns: Vec<(String, Box<dyn FnMut() + '_>)> = vec![
+                ("read".into(), Box::new(move || sinkr.set(sinkr.get().wrapping_add(read_all(next()))))),
+                (
+                    "act".into(),
+                    Box::new(move || {
+                        let mut a = QAct::new(1, k, block);
+                        a.set_row(0, xr);
+                        sinkr.set(sinkr.get().wrapping_add(a.qs[k / 2] as u64));
+                    }),
+                ),
+                (
+                    "dots".into(),
+                    Box::new(move || {
+                        let mut a = QAct::new(1, k, block);
+                        a.set_row(0, xr);
+                        let w = next();
+                        let isa = super::QIsa::detect();
+                        let mut o = outr.borrow_mut();
+                        for j in 0..n {
+                            o[j] = super::gemm::dot_rows::<1>(isa, ty, &w[j * rb..(j + 1) * rb], &a, 0)[0];
+                        }
+                    }),
+                ),
+                (
+                    "gemm".into(),
+                    Box::new(move || {
+                        quant_matmul(Rows::dense(xr, k).unwrap(), next(), ty, Out::F32(&mut outr.borrow_mut())).unwrap()
+                    }),
+                ),
+                (
+                    "gemm, a call per row".into(),
+                    Box::new(move || {
+                        super::gemm::set_rows_call(false);
+                        quant_matmul(Rows::dense(xr, k).unwrap(), next(), ty, Out::F32(&mut outr.borrow_mut())).unwrap();
+                        super::gemm::set_rows_call(true);
+                    }),
+                ),
+            ];
+            // QT_PF1=1024,4096: the whole call again at each one-row prefetch distance.
+            let dists: Vec<usize> = std::env::var("QT_PF1")
+                .ok()
+                .map(|v| v.split(',').map(|d| d.parse().unwrap()).collect())
+                .unwrap_or_default();
+            for &dist in &dists {
+                fns.push((
+                    format!("gemm pf={dist}"),
+                    Box::new(move || {
+                        super::dot_x86::set_prefetch(dist, 512);
+                        quant_matmul(Rows::dense(xr, k).unwrap(), next(), ty, Out::F32(&mut outr.borrow_mut())).unwrap();
+                        super::dot_x86::set_prefetch(4096, 512);
+                    }),
+                ));
+            }
+            let reps = if n > 100_000 { 3 } else { 20 };
+            let med = interleave(&mut fns, 7, reps);
+            drop(fns);
+            let gb = (rb * n) as f64 / 1e9;
+            println!(
+                "{name} {n}x{k} {} t={th}: read {:.4} ms ({:.1} GB/s) act {:.4} per-row calls {:.4} ({:.1} GB/s) gemm {:.4} ms ({:.1} GB/s) call per row {:.4} ms",
+                ty.name(),
+                med[0],
+                gb / med[0] * 1e3,
+                med[1],
+                med[2],
+                gb / med[2] * 1e3,
+                med[3],
+                gb / med[3] * 1e3,
+                med[4]
+            );
+            for (i, d) in dists.iter().enumerate() {
+                println!("  {name} {} pf={d}: {:.4} ms ({:.1} GB/s)", ty.name(), med[5 + i], gb / med[5 + i] * 1e3);
+            }
+        }
+    }
 }

@@ -40,6 +40,44 @@ macro_rules! common {
                 }
             }
 
+            /// `acc` plus int16 pairs `p` times int16 `s`, pair sums into int32 lanes
+            /// (`vpdpwssd` on VNNI, `vpmaddwd` and an add else).
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn wdot(acc: __m256i, p: __m256i, s: __m256i) -> __m256i {
+                if $vnni {
+                    _mm256_dpwssd_epi32(acc, p, s)
+                } else {
+                    _mm256_add_epi32(acc, _mm256_madd_epi16(p, s))
+                }
+            }
+
+            /// A Q4_K / Q5_K super-block's eight 6-bit scales (bytes 0..8) and mins
+            /// (8..16), repeated in both 128-bit halves, unpacked from the 12 packed bytes
+            /// in registers (`blocks::scale_min_k4` for all eight at once): scales 0..4 and
+            /// mins 0..4 are the low six bits of bytes 0..4 and 4..8; scales 4..8 take
+            /// the low nibbles of bytes 8..12 with the top two bits of bytes 0..4 above
+            /// them, mins 4..8 the high nibbles with the top bits of bytes 4..8.
+            #[inline]
+            #[target_feature(enable = $feat)]
+            unsafe fn k4_scale_mins(blk: *const u8) -> __m256i {
+                // Bytes 4..20 of the block: the 12 packed bytes and 4 of the quants after.
+                let q = _mm_loadu_si128(blk.add(4) as *const __m128i);
+                let a = _mm_shuffle_epi8(q, _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11));
+                let lo = _mm_or_si128(
+                    _mm_and_si128(a, _mm_setr_epi8(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0)),
+                    _mm_and_si128(
+                        _mm_srli_epi16::<4>(a),
+                        _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15),
+                    ),
+                );
+                let t = _mm_shuffle_epi8(q, _mm_setr_epi8(-128, -128, -128, -128, 0, 1, 2, 3, -128, -128, -128, -128, 4, 5, 6, 7));
+                // Bits 6..8 of each byte to 4..6 (the 16-bit shift's spill from the byte
+                // above lands in bits 6..8, masked off).
+                let top = _mm_and_si128(_mm_srli_epi16::<2>(t), _mm_set1_epi8(0x30));
+                _mm256_broadcastsi128_si256(_mm_or_si128(lo, top))
+            }
+
             #[inline]
             #[target_feature(enable = $feat)]
             unsafe fn hsum_i32(v: __m256i) -> i32 {

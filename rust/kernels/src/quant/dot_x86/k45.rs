@@ -3,67 +3,102 @@
 
 macro_rules! k45_kernels {
     ($feat:literal, $vnni:literal) => {
-            /// Q4_K (`FIVE = false`) or Q5_K weights.
+            /// Q4_K (`FIVE = false`) or Q5_K weights, one weight row against `R`
+            /// activation rows (decode: one or two). Everything per super-block stays in
+            /// vector registers: the scales and mins unpacked by [`k4_scale_mins`], each
+            /// sub-block's scale one byte shuffle of them, the products `vpmaddubsw`
+            /// pairs (at most 2 x 31 x 127) times the int16 scale into int32 (`vpdpwssd`
+            /// on VNNI), the min term one `vpmaddwd` of the packed 16-sums, and the two
+            /// sums reduced together. The integer sums are exact and the float steps
+            /// those of [`super::super::dot_scalar`]: equal bit for bit.
+            #[inline]
             #[target_feature(enable = $feat)]
             pub unsafe fn q4k_q5k<const R: usize, const FIVE: bool>(
                 w: *const u8,
                 nb: usize,
                 xs: &[ActRow<'_>; R],
             ) -> [f32; R] {
+                let mut out = [0.0f32; R];
+                q4k_q5k_rows::<R, FIVE>(w, 0, 1, nb, xs, &mut out);
+                out
+            }
+
+            /// [`q4k_q5k`] for `n` consecutive weight rows (`rb` bytes apart) in one
+            /// call: `out[R j + r]` = weight row `j` times activation row `r`. A decode
+            /// step's rows are a few super-blocks each: one call per row would pay its
+            /// entry and constants per row. The body is here and [`q4k_q5k`] calls it with
+            /// `n = 1` (as [`q32_rows`]).
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q4k_q5k_rows<const R: usize, const FIVE: bool>(
+                w0: *const u8,
+                rb: usize,
+                n: usize,
+                nb: usize,
+                xs: &[ActRow<'_>; R],
+                out: &mut [f32],
+            ) {
                 let bb = if FIVE { 176 } else { 144 };
                 let qs_at = if FIVE { 48 } else { 16 };
                 let m4 = _mm256_set1_epi8(0x0F);
                 let h5 = _mm256_set1_epi8(0x10);
-                let mut acc = [0.0f32; R];
+                // Word pairs (m0, m0), (m1, m1), (m4, m4), (m5, m5) | (m2, ..), (m3, ..),
+                // (m6, ..), (m7, ..): the order `vpackssdw` leaves the sixteen 16-sums in.
+                let min_pick = _mm256_setr_epi8(
+                    8, -128, 8, -128, 9, -128, 9, -128, 12, -128, 12, -128, 13, -128, 13, -128, //
+                    10, -128, 10, -128, 11, -128, 11, -128, 14, -128, 14, -128, 15, -128, 15, -128,
+                );
                 let pf = super::pf_dist();
-                for b in 0..nb {
-                    let blk = w.add(b * bb);
-                    prefetch(blk.wrapping_add(pf), bb);
-                    let (d, dmin) = (h2f(blk), h2f(blk.add(2)));
-                    // Unpacked in straight code: a closure here stays an out-of-line call.
-                    let q = &*(blk.add(4) as *const [u8; 12]);
-                    let mut sm = [(0u8, 0u8); 8];
-                    for j in 0..4 {
-                        sm[j] = (q[j] & 63, q[j + 4] & 63);
-                        sm[j + 4] = ((q[j + 8] & 0xF) | ((q[j] >> 6) << 4), (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4));
-                    }
-                    let qh = if FIVE { ld(blk.add(16)) } else { _mm256_setzero_si256() };
-                    let mut isum = [_mm256_setzero_si256(); R];
-                    for j in 0..4 {
-                        let q = ld(blk.add(qs_at + 32 * j));
-                        let mut lo = _mm256_and_si256(q, m4);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
-                        if FIVE {
-                            let bl = _mm256_set1_epi8((1u8 << (2 * j)) as i8);
-                            let bh = _mm256_set1_epi8((1u8 << (2 * j + 1)) as i8);
-                            lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), h5));
-                            hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), h5));
+                for row in 0..n {
+                    let w = w0.add(row * rb);
+                    let mut acc = [0.0f32; R];
+                    for b in 0..nb {
+                        let blk = w.add(b * bb);
+                        prefetch(blk.wrapping_add(pf), bb);
+                        let sm = k4_scale_mins(blk);
+                        let qh = if FIVE { ld(blk.add(16)) } else { _mm256_setzero_si256() };
+                        let (mut i0, mut i1) = ([_mm256_setzero_si256(); R], [_mm256_setzero_si256(); R]);
+                        for j in 0..4 {
+                            let q = ld(blk.add(qs_at + 32 * j));
+                            let mut lo = _mm256_and_si256(q, m4);
+                            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4);
+                            if FIVE {
+                                let bl = _mm256_set1_epi8((1u8 << (2 * j)) as i8);
+                                let bh = _mm256_set1_epi8((1u8 << (2 * j + 1)) as i8);
+                                lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bl), bl), h5));
+                                hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(qh, bh), bh), h5));
+                            }
+                            let sl = _mm256_shuffle_epi8(sm, _mm256_set1_epi16((0x8000 | (2 * j)) as i16));
+                            let sh = _mm256_shuffle_epi8(sm, _mm256_set1_epi16((0x8000 | (2 * j + 1)) as i16));
+                            for r in 0..R {
+                                let x = xs[r].qs.as_ptr().add(256 * b + 64 * j) as *const u8;
+                                i0[r] = wdot(i0[r], _mm256_maddubs_epi16(lo, ld(x)), sl);
+                                i1[r] = wdot(i1[r], _mm256_maddubs_epi16(hi, ld(x.add(32))), sh);
+                            }
                         }
-                        let (s0, s1) = (sm[2 * j].0 as i32, sm[2 * j + 1].0 as i32);
-                        let (sl, sh) = (scales(s0, s0), scales(s1, s1));
+                        let mins16 = _mm256_shuffle_epi8(sm, min_pick);
+                        // d and dmin in lanes 0 and 1.
+                        let dd = _mm_cvtph_ps(_mm_cvtsi32_si128((blk as *const i32).read_unaligned()));
                         for r in 0..R {
-                            let x = xs[r].qs.as_ptr().add(256 * b + 64 * j) as *const u8;
-                            isum[r] = _mm256_add_epi32(isum[r], sdot(lo, ld(x), sl));
-                            isum[r] = _mm256_add_epi32(isum[r], sdot(hi, ld(x.add(32)), sh));
+                            let s = xs[r].sums.as_ptr().add(16 * b);
+                            let s16 = _mm256_packs_epi32(
+                                _mm256_loadu_si256(s as *const __m256i),
+                                _mm256_loadu_si256(s.add(8) as *const __m256i),
+                            );
+                            let mins = _mm256_madd_epi16(s16, mins16);
+                            // [isum, mins] in lanes 0 and 1, each an exact integer sum.
+                            let t = _mm256_hadd_epi32(_mm256_add_epi32(i0[r], i1[r]), mins);
+                            let t = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+                            let t = _mm_cvtepi32_ps(_mm_hadd_epi32(t, t));
+                            let dx = _mm_set1_ps(*xs[r].d.get_unchecked(b));
+                            // (d dx) isum - (dmin dx) mins, as the scalar path rounds it.
+                            let p = _mm_mul_ps(_mm_mul_ps(dd, dx), t);
+                            acc[r] += _mm_cvtss_f32(_mm_sub_ss(p, _mm_movehdup_ps(p)));
                         }
                     }
-                    // The min term sum_j m_j (sums_2j + sums_2j+1), in lanes: each 16-sum
-                    // times its sub-block's min.
-                    let m = |j: usize| sm[j].1 as i32;
-                    let m_lo = _mm256_setr_epi32(m(0), m(0), m(1), m(1), m(2), m(2), m(3), m(3));
-                    let m_hi = _mm256_setr_epi32(m(4), m(4), m(5), m(5), m(6), m(6), m(7), m(7));
-                    for r in 0..R {
-                        let s = xs[r].sums.as_ptr().add(16 * b);
-                        let mins = hsum_i32(_mm256_add_epi32(
-                            _mm256_mullo_epi32(m_lo, _mm256_loadu_si256(s as *const __m256i)),
-                            _mm256_mullo_epi32(m_hi, _mm256_loadu_si256(s.add(8) as *const __m256i)),
-                        ));
-                        let dx = *xs[r].d.get_unchecked(b);
-                        acc[r] += d * dx * hsum_i32(isum[r]) as f32 - dmin * dx * mins as f32;
-                    }
+                    out[R * row..R * row + R].copy_from_slice(&acc);
                 }
-                acc
             }
+
 
             /// [`q4k_q5k`] for any number of activation rows: each super-block is
             /// unpacked once (bytes and scale registers) and every row runs against it,

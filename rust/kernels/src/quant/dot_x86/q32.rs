@@ -9,12 +9,30 @@ macro_rules! q32_kernels {
             /// integer sum `s` gives `f = (d_w d_x) s` (Q5_1: `+ (m d_x) sum_x`), block
             /// `b` goes to accumulator `b % 8` (a lane here), and the eight are summed as
             /// [`hsum_ps`] does; so any path gives a row the same bits.
+            #[inline]
             #[target_feature(enable = $feat)]
             pub unsafe fn q32<const R: usize, const KIND: u8>(
                 w: *const u8,
                 nb: usize,
                 xs: &[ActRow<'_>; R],
             ) -> [f32; R] {
+                let mut out = [0.0f32; R];
+                q32_rows::<R, KIND>(w, 0, 1, nb, xs, &mut out);
+                out
+            }
+
+            /// [`q32`] for `n` consecutive weight rows (`rb` bytes apart) in one call:
+            /// `out[R j + r]` = weight row `j` times activation row `r`. The body is here and [`q32`] calls
+            /// it with `n = 1`: LLVM did not inline a per-row function into a loop this size.
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q32_rows<const R: usize, const KIND: u8>(
+                w0: *const u8,
+                rb: usize,
+                n: usize,
+                nb: usize,
+                xs: &[ActRow<'_>; R],
+                out: &mut [f32],
+            ) {
                 let bb = match KIND {
                     Q8_0 => 34,
                     Q4_0 => 18,
@@ -23,63 +41,67 @@ macro_rules! q32_kernels {
                 };
                 let off = off32::<KIND>();
                 let pf = super::pf_dist();
-                let mut acc = [_mm256_setzero_ps(); R];
-                let mut b0 = 0;
-                while b0 < nb {
-                    let nblk = (nb - b0).min(8);
-                    prefetch(w.wrapping_add(b0 * bb + pf), 8 * bb);
-                    let mut p = [[_mm256_setzero_si256(); 8]; R];
-                    let (mut dh, mut mh) = ([0u16; 8], [0u16; 8]);
-                    macro_rules! block {
-                        ($i:expr) => {{
-                            let i: usize = $i;
-                            let blk = w.add((b0 + i) * bb);
-                            dh[i] = (blk as *const u16).read_unaligned();
-                            if KIND == Q5_1 {
-                                mh[i] = (blk.add(2) as *const u16).read_unaligned();
-                            }
-                            let u = unpack32::<KIND>(blk);
-                            for r in 0..R {
-                                p[r][i] = bdot::<KIND>(u, ld(xs[r].qs.as_ptr().add(32 * (b0 + i)) as *const u8));
-                            }
-                        }};
-                    }
-                    if nblk == 8 {
-                        for i in 0..8 {
-                            block!(i);
+                for row in 0..n {
+                    let w = w0.add(row * rb);
+                    let mut acc = [_mm256_setzero_ps(); R];
+                    let mut b0 = 0;
+                    while b0 < nb {
+                        let nblk = (nb - b0).min(8);
+                        prefetch(w.wrapping_add(b0 * bb + pf), 8 * bb);
+                        let mut p = [[_mm256_setzero_si256(); 8]; R];
+                        let (mut dh, mut mh) = ([0u16; 8], [0u16; 8]);
+                        macro_rules! block {
+                            ($i:expr) => {{
+                                let i: usize = $i;
+                                let blk = w.add((b0 + i) * bb);
+                                dh[i] = (blk as *const u16).read_unaligned();
+                                if KIND == Q5_1 {
+                                    mh[i] = (blk.add(2) as *const u16).read_unaligned();
+                                }
+                                let u = unpack32::<KIND>(blk);
+                                for r in 0..R {
+                                    p[r][i] = bdot::<KIND>(u, ld(xs[r].qs.as_ptr().add(32 * (b0 + i)) as *const u8));
+                                }
+                            }};
                         }
-                    } else {
-                        for i in 0..nblk {
-                            block!(i);
-                        }
-                    }
-                    let dw = _mm256_cvtph_ps(halves(&dh));
-                    let mw = if KIND == Q5_1 { _mm256_cvtph_ps(halves(&mh)) } else { _mm256_setzero_ps() };
-                    for r in 0..R {
-                        let (dx, xsum) = if nblk == 8 {
-                            (
-                                _mm256_loadu_ps(xs[r].d.as_ptr().add(b0)),
-                                _mm256_loadu_si256(xs[r].sums.as_ptr().add(b0) as *const __m256i),
-                            )
+                        if nblk == 8 {
+                            for i in 0..8 {
+                                block!(i);
+                            }
                         } else {
-                            let (mut d, mut s) = ([0.0f32; 8], [0i32; 8]);
-                            d[..nblk].copy_from_slice(&xs[r].d[b0..b0 + nblk]);
-                            s[..nblk].copy_from_slice(&xs[r].sums[b0..b0 + nblk]);
-                            (_mm256_loadu_ps(d.as_ptr()), _mm256_loadu_si256(s.as_ptr() as *const __m256i))
-                        };
-                        let mut s = sum8(&p[r]);
-                        if off != 0 {
-                            s = _mm256_sub_epi32(s, _mm256_mullo_epi32(xsum, _mm256_set1_epi32(off)));
+                            for i in 0..nblk {
+                                block!(i);
+                            }
                         }
-                        let mut f = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s));
-                        if KIND == Q5_1 {
-                            f = _mm256_add_ps(f, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
+                        let dw = _mm256_cvtph_ps(halves(&dh));
+                        let mw = if KIND == Q5_1 { _mm256_cvtph_ps(halves(&mh)) } else { _mm256_setzero_ps() };
+                        for r in 0..R {
+                            let (dx, xsum) = if nblk == 8 {
+                                (
+                                    _mm256_loadu_ps(xs[r].d.as_ptr().add(b0)),
+                                    _mm256_loadu_si256(xs[r].sums.as_ptr().add(b0) as *const __m256i),
+                                )
+                            } else {
+                                let (mut d, mut s) = ([0.0f32; 8], [0i32; 8]);
+                                d[..nblk].copy_from_slice(&xs[r].d[b0..b0 + nblk]);
+                                s[..nblk].copy_from_slice(&xs[r].sums[b0..b0 + nblk]);
+                                (_mm256_loadu_ps(d.as_ptr()), _mm256_loadu_si256(s.as_ptr() as *const __m256i))
+                            };
+                            let mut s = sum8(&p[r]);
+                            if off != 0 {
+                                s = _mm256_sub_epi32(s, _mm256_mullo_epi32(xsum, _mm256_set1_epi32(off)));
+                            }
+                            let mut f = _mm256_mul_ps(_mm256_mul_ps(dw, dx), _mm256_cvtepi32_ps(s));
+                            if KIND == Q5_1 {
+                                f = _mm256_add_ps(f, _mm256_mul_ps(_mm256_mul_ps(mw, dx), _mm256_cvtepi32_ps(xsum)));
+                            }
+                            acc[r] = _mm256_add_ps(acc[r], f);
                         }
-                        acc[r] = _mm256_add_ps(acc[r], f);
+                        b0 += 8;
                     }
-                    b0 += 8;
+                    let acc: [f32; R] = std::array::from_fn(|r| hsum_ps(acc[r]));
+                    out[R * row..R * row + R].copy_from_slice(&acc);
                 }
-                std::array::from_fn(|r| hsum_ps(acc[r]))
             }
 
             /// Eight weight rows of 32-weight blocks (`rb` bytes apart) against any

@@ -159,18 +159,6 @@ macro_rules! q6k_kernels {
                 }
             }
 
-            /// Int32 scales in lanes as [`sdot`] takes them: as they are for VNNI's
-            /// `vpmulld`, each repeated in both 16-bit halves for `vpmaddwd`.
-            #[inline]
-            #[target_feature(enable = $feat)]
-            unsafe fn scale_lanes(s: __m256i) -> __m256i {
-                if $vnni {
-                    s
-                } else {
-                    _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32::<16>(s))
-                }
-            }
-
             /// A Q6_K half's four groups of 32 six-bit values from its 32 + 32 low-nibble
             /// bytes `a`, `bq` and 32 high-bit bytes `qh`. With AVX-512VL one ternary-logic
             /// instruction takes "low nibble of one, bits 4..6 of the other, zero above".
@@ -208,55 +196,88 @@ macro_rules! q6k_kernels {
                 }
             }
 
-            /// Q6_K weights.
+            /// Q6_K weights, one weight row against `R` activation rows. The sixteen
+            /// scales widened to int16 once per super-block, a group's pair of them one
+            /// byte shuffle; the products `vpmaddubsw` pairs (at most 2 x 63 x 127) times
+            /// the scale into int32 (`vpdpwssd` on VNNI); the offset `32 sum_g sc_g sums_g`
+            /// one `vpmaddwd` of the packed 16-sums. Exact integer sums, the float steps of
+            /// [`super::super::dot_scalar`]: equal bit for bit.
+            #[inline]
             #[target_feature(enable = $feat)]
             pub unsafe fn q6k<const R: usize>(w: *const u8, nb: usize, xs: &[ActRow<'_>; R]) -> [f32; R] {
-                let mut acc = [0.0f32; R];
-                // Lanes 0..4 take scale 2k of a half's eight, 4..8 scale 2k + 1.
-                let pick = [
-                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1),
-                    _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
-                    _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5),
-                    _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7),
-                ];
+                let mut out = [0.0f32; R];
+                q6k_rows::<R>(w, 0, 1, nb, xs, &mut out);
+                out
+            }
+
+            /// [`q6k`] for `n` consecutive weight rows (`rb` bytes apart) in one call:
+            /// `out[R j + r]` = weight row `j` times activation row `r`. The body is here and
+            /// [`q6k`] calls it with `n = 1` (as [`q32_rows`]).
+            #[target_feature(enable = $feat)]
+            pub unsafe fn q6k_rows<const R: usize>(
+                w0: *const u8,
+                rb: usize,
+                n: usize,
+                nb: usize,
+                xs: &[ActRow<'_>; R],
+                out: &mut [f32],
+            ) {
+                // Group k of a half: int16 scale 2k of the half's eight in the low 128 bits
+                // (elements 0..16), 2k + 1 in the high (16..32).
+                let pick = |k: i32| {
+                    let (a, b) = ((4 * k) as i8, (4 * k + 2) as i8);
+                    _mm256_setr_epi8(
+                        a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, //
+                        b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1, b, b + 1,
+                    )
+                };
+                let picks = [pick(0), pick(1), pick(2), pick(3)];
                 let pf = super::pf_dist();
-                for b in 0..nb {
-                    let blk = w.add(b * 210);
-                    prefetch(blk.wrapping_add(pf), 210);
-                    let sc = std::slice::from_raw_parts(blk.add(192), 16);
-                    let d = h2f(blk.add(208));
-                    // The sixteen scales widened once (lane j: scale j, and 8 + j); each
-                    // group's scale register is then one lane permute.
-                    let sc_lo = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr() as *const __m128i));
-                    let sc_hi = _mm256_cvtepi8_epi32(_mm_loadl_epi64(sc.as_ptr().add(8) as *const __m128i));
-                    let (sp_lo, sp_hi) = (scale_lanes(sc_lo), scale_lanes(sc_hi));
-                    let mut isum = [_mm256_setzero_si256(); R];
-                    for h in 0..2 {
-                        let a = ld(blk.add(64 * h));
-                        let bq = ld(blk.add(64 * h + 32));
-                        let qh = ld(blk.add(128 + 32 * h));
-                        let groups = q6_groups(a, bq, qh);
-                        for (k, &u) in groups.iter().enumerate() {
-                            let g = 4 * h + k;
-                            let s = _mm256_permutevar8x32_epi32(if h == 0 { sp_lo } else { sp_hi }, pick[k]);
-                            for r in 0..R {
-                                let x = ld(xs[r].qs.as_ptr().add(256 * b + 32 * g) as *const u8);
-                                isum[r] = _mm256_add_epi32(isum[r], sdot(u, x, s));
+                for row in 0..n {
+                    let w = w0.add(row * rb);
+                    let mut acc = [0.0f32; R];
+                    for b in 0..nb {
+                        let blk = w.add(b * 210);
+                        prefetch(blk.wrapping_add(pf), 210);
+                        let d = h2f(blk.add(208));
+                        // Scales as int16: [0..8 | 8..16].
+                        let sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(192) as *const __m128i));
+                        let mut isum = [_mm256_setzero_si256(); R];
+                        for h in 0..2 {
+                            let a = ld(blk.add(64 * h));
+                            let bq = ld(blk.add(64 * h + 32));
+                            let qh = ld(blk.add(128 + 32 * h));
+                            let groups = q6_groups(a, bq, qh);
+                            // The half's eight scales in both 128-bit halves.
+                            let sch = if h == 0 {
+                                _mm256_permute2x128_si256::<0x00>(sc, sc)
+                            } else {
+                                _mm256_permute2x128_si256::<0x11>(sc, sc)
+                            };
+                            for (k, &u) in groups.iter().enumerate() {
+                                let g = 4 * h + k;
+                                let s = _mm256_shuffle_epi8(sch, picks[k]);
+                                for r in 0..R {
+                                    let x = ld(xs[r].qs.as_ptr().add(256 * b + 32 * g) as *const u8);
+                                    isum[r] = wdot(isum[r], _mm256_maddubs_epi16(u, x), s);
+                                }
                             }
                         }
+                        // Scales in the order `vpackssdw` leaves the 16-sums: [0..4, 8..12 | 4..8, 12..16].
+                        let scp = _mm256_permute4x64_epi64::<0b11_01_10_00>(sc);
+                        for r in 0..R {
+                            let s = xs[r].sums.as_ptr().add(16 * b);
+                            let s16 = _mm256_packs_epi32(
+                                _mm256_loadu_si256(s as *const __m256i),
+                                _mm256_loadu_si256(s.add(8) as *const __m256i),
+                            );
+                            let off = _mm256_madd_epi16(s16, scp);
+                            let v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(off));
+                            acc[r] += d * *xs[r].d.get_unchecked(b) * hsum_i32(v) as f32;
+                        }
                     }
-                    // The offset 32 sum_g sc_g sums_g, in lanes.
-                    for r in 0..R {
-                        let s = xs[r].sums.as_ptr().add(16 * b);
-                        let off = _mm256_add_epi32(
-                            _mm256_mullo_epi32(sc_lo, _mm256_loadu_si256(s as *const __m256i)),
-                            _mm256_mullo_epi32(sc_hi, _mm256_loadu_si256(s.add(8) as *const __m256i)),
-                        );
-                        let v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32::<5>(off));
-                        acc[r] += d * *xs[r].d.get_unchecked(b) * hsum_i32(v) as f32;
-                    }
+                    out[R * row..R * row + R].copy_from_slice(&acc);
                 }
-                acc
             }
     };
 }
