@@ -103,12 +103,23 @@ class QuantGemm:
     def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
+        if self.single:
+            start, stop, perm, kind, payload = self.leaves[0]
+            xi = x if perm is None else np.take(x, perm, axis=1)
+            if kind == "blocks":
+                self.quant_matmul(xi, payload[0], payload[1], out)
+            else:
+                self.float_gemm(xi, payload, out)
+            return
+        # One row: each leaf's column range of ``out`` is contiguous, so the kernel
+        # writes it in place; several rows: a leaf's own buffer, then copied in.
+        direct = x.shape[0] == 1
         for start, stop, perm, kind, payload in self.leaves:
-            xi = x if perm is None else np.ascontiguousarray(x[:, perm])
-            dst = out if self.single else np.empty((x.shape[0], stop - start), dtype=self.np_dtype)
+            xi = x if perm is None else np.take(x, perm, axis=1)
+            dst = out[:, start:stop] if direct else np.empty((x.shape[0], stop - start), dtype=self.np_dtype)
             if kind == "blocks":
                 self.quant_matmul(xi, payload[0], payload[1], dst)
             else:
                 self.float_gemm(xi, payload, dst)
-            if not self.single:
+            if not direct:
                 out[:, start:stop] = dst
