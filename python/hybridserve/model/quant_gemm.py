@@ -65,6 +65,10 @@ class QuantGemm:
         self.leaves: list[tuple] = []
         self._flatten(qweight, 0, None)
         self.single = len(self.leaves) == 1
+        # One leaf of blocks without a permutation (most projections of a GGUF file):
+        # its kernel's arguments, for the shortest call.
+        start, stop, perm, kind, payload = self.leaves[0]
+        self._plain = payload if self.single and perm is None and kind == "blocks" else None
 
     @staticmethod
     def supports(qweight, dtype: torch.dtype) -> bool:
@@ -103,6 +107,10 @@ class QuantGemm:
     def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
+        plain = self._plain
+        if plain is not None:
+            self.quant_matmul(x, plain[0], plain[1], out)
+            return
         if self.single:
             start, stop, perm, kind, payload = self.leaves[0]
             xi = x if perm is None else np.take(x, perm, axis=1)
