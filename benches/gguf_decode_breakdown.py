@@ -47,11 +47,12 @@ def timed(f, label):
     return w
 
 
-for owner, name, label in ((nd.NativeDecodeStep, "run", "native.run"), (nd.NativeDecodeStep, "_lm_head", "native._lm_head"),
-                           (nd.NativeDecodeStep, "_attention_inputs", "native._attention_inputs"),
-                           (nd.NativeDecodeStep, "_embed", "native._embed"), (qg.QuantGemm, "__call__", "QuantGemm.__call__"),
-                           (mr.ModelRunner, "execute", "runner.execute"), (mr.ModelRunner, "build_batch", "runner.build_batch"),
-                           (mr.ModelRunner, "stage", "runner.stage")):
+WRAPPED = ((nd.NativeDecodeStep, "run", "native.run"), (nd.NativeDecodeStep, "_lm_head", "native._lm_head"),
+           (nd.NativeDecodeStep, "_attention_inputs", "native._attention_inputs"),
+           (nd.NativeDecodeStep, "_embed", "native._embed"), (qg.QuantGemm, "__call__", "QuantGemm.__call__"),
+           (mr.ModelRunner, "execute", "runner.execute"), (mr.ModelRunner, "build_batch", "runner.build_batch"),
+           (mr.ModelRunner, "stage", "runner.stage"))
+for owner, name, label in WRAPPED:
     setattr(owner, name, timed(getattr(owner, name), label))
 step = next(o for o in gc.get_objects() if isinstance(o, nd.NativeDecodeStep))
 stub = os.environ.get("STUB") == "1"
@@ -69,10 +70,12 @@ for r in range(3):
     llm.generate([prompt], sp)
     runs.append((time.perf_counter() - t, time.process_time() - c, {k: list(v) for k, v in stats.items()}))
 dt, dc, st = min(runs, key=lambda x: x[0])
+per_run = [round(x[0] / NTOK * 1e3, 2) for x in runs]
 print(f"threads {THREADS}{' (kernels stubbed)' if stub else ''}, per token over {NTOK} tokens (prefill included): "
-      f"wall {dt / NTOK * 1e3:.2f} ms, process CPU {dc / NTOK * 1e3:.2f} ms (runs: {[round(x[0] / NTOK * 1e3, 2) for x in runs]})")
+      f"wall {dt / NTOK * 1e3:.2f} ms, process CPU {dc / NTOK * 1e3:.2f} ms (runs: {per_run})")
 for k, (cnt, w, c) in sorted(st.items(), key=lambda kv: -kv[1][2]):
-    print(f"  {k:28s} calls/tok {cnt / NTOK:6.1f}  wall ms/tok {w / NTOK / 1e6:7.3f}  thread CPU ms/tok {c / NTOK / 1e6:7.3f}")
+    print(f"  {k:28s} calls/tok {cnt / NTOK:6.1f}  wall ms/tok {w / NTOK / 1e6:7.3f}  "
+          f"thread CPU ms/tok {c / NTOK / 1e6:7.3f}")
 print("load", os.getloadavg())
 if os.environ.get("CPROF") == "1":
     import cProfile
