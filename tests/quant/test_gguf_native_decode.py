@@ -96,3 +96,21 @@ def test_without_a_block_kernel_quantized_models_take_the_module_path(gguf_case,
     model, _ = load_model(path, dtype="float32", progress=False)
     assert not nd.NativeDecodeStep.applies_to(model)
     assert model._usable_native_step() is None
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_embedding_rows_are_the_modules(dtype, gguf_case):
+    """The step looks a quantized embedding's rows up itself (the blocks' rows, one
+    dequantize call into its buffer): the module's values bit for bit; ids out of range
+    still get the module's IndexError."""
+    path, _, _ = gguf_case("dense-q4_0-tied", **CASES["dense-q4_0-tied"])
+    model, config = load_model(path, dtype=dtype, progress=False)
+    step = model._usable_native_step()
+    assert step is not None and step._embed_blocks is not None
+    ids = torch.tensor([0, 5, config.vocab_size - 1, 5], dtype=torch.int64)
+    out = torch.full((4, config.hidden_size), float("nan"), dtype=model.dtype)
+    step._embed(ids, out)
+    assert torch.equal(out, model.embed_tokens(ids))
+    for bad in (-1, config.vocab_size):
+        with pytest.raises(IndexError):
+            step._embed(torch.tensor([1, bad]), out[:2])

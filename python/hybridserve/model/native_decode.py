@@ -364,7 +364,25 @@ class NativeDecodeStep:
         # A quantized embedding: its module looks the rows up (dequantized).
         self.embed = getattr(m.embed_tokens, "weight", None)
         self.embed_module = m.embed_tokens if getattr(m.embed_tokens, "qweight", None) is not None else None
+        self._embed_blocks = self._embed_rows_source()
         return layers
+
+    def _embed_rows_source(self):
+        """A quantized embedding held as one GGML block tensor in the model's dtype:
+        ``(qweight, its blocks' numpy view, type id, dequantize kernel)``, so a step's
+        rows are picked and dequantized in two calls into the step's buffer (the kernel
+        the module's ``embedding`` runs, on the same rows: the same bits); else None
+        (the module runs)."""
+        mod = self.embed_module
+        q = getattr(mod, "qweight", None)
+        dq = getattr(native._k, "quant_dequantize", None)
+        if q is None or dq is None or getattr(mod, "dtype", None) != self.model.dtype:
+            return None
+        data, ty = getattr(q, "data", None), getattr(getattr(q, "type", None), "ggml_id", None)
+        if ty is None or not isinstance(data, torch.Tensor) or data.dtype != torch.uint8 or data.dim() != 2 \
+                or not data.is_contiguous() or data.device.type != "cpu" or getattr(q, "embedding", None) is None:
+            return None
+        return q, data.numpy(), int(ty), dq
 
     def _bind_cache(self, cache) -> None:
         if self._cache is cache:
@@ -766,8 +784,16 @@ class NativeDecodeStep:
     def _embed(self, ids: torch.Tensor, out: torch.Tensor) -> None:
         if self.embed_module is None:
             torch.index_select(self.embed, 0, ids, out=out)
-        else:
-            out.copy_(self.embed_module(ids))
+            return
+        src = self._embed_blocks
+        if src is not None and self.embed_module.qweight is src[0] and ids.device.type == "cpu":
+            blocks = src[1]
+            i = ids.numpy()
+            # (Ids out of range: the module's IndexError.)
+            if i.ndim == 1 and i.size and 0 <= i.min() and i.max() < blocks.shape[0]:
+                src[3](blocks[i], src[2], _view(out))
+                return
+        out.copy_(self.embed_module(ids))
 
     def _head(self, vocab: int | None):
         """The LM head's GEMM operand, or its first ``vocab`` rows (a reduced draft vocabulary)."""

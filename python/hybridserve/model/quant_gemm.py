@@ -65,6 +65,10 @@ class QuantGemm:
         self.leaves: list[tuple] = []
         self._flatten(qweight, 0, None)
         self.single = len(self.leaves) == 1
+        # One leaf of blocks without a permutation (most projections of a GGUF file):
+        # its kernel's arguments, for the shortest call.
+        start, stop, perm, kind, payload = self.leaves[0]
+        self._plain = payload if self.single and perm is None and kind == "blocks" else None
 
     @staticmethod
     def supports(qweight, dtype: torch.dtype) -> bool:
@@ -103,12 +107,27 @@ class QuantGemm:
     def __call__(self, x: np.ndarray, out: np.ndarray) -> None:
         if not x.flags.c_contiguous:
             x = np.ascontiguousarray(x)
+        plain = self._plain
+        if plain is not None:
+            self.quant_matmul(x, plain[0], plain[1], out)
+            return
+        if self.single:
+            start, stop, perm, kind, payload = self.leaves[0]
+            xi = x if perm is None else np.take(x, perm, axis=1)
+            if kind == "blocks":
+                self.quant_matmul(xi, payload[0], payload[1], out)
+            else:
+                self.float_gemm(xi, payload, out)
+            return
+        # One row: each leaf's column range of ``out`` is contiguous, so the kernel
+        # writes it in place; several rows: a leaf's own buffer, then copied in.
+        direct = x.shape[0] == 1
         for start, stop, perm, kind, payload in self.leaves:
-            xi = x if perm is None else np.ascontiguousarray(x[:, perm])
-            dst = out if self.single else np.empty((x.shape[0], stop - start), dtype=self.np_dtype)
+            xi = x if perm is None else np.take(x, perm, axis=1)
+            dst = out[:, start:stop] if direct else np.empty((x.shape[0], stop - start), dtype=self.np_dtype)
             if kind == "blocks":
                 self.quant_matmul(xi, payload[0], payload[1], dst)
             else:
                 self.float_gemm(xi, payload, dst)
-            if not self.single:
+            if not direct:
                 out[:, start:stop] = dst

@@ -171,5 +171,15 @@ class GGMLWeight:
         data = torch.cat([p.data for p in parts], dim=1)
         return GGMLWeight(parts[0].qtype, data, (parts[0].shape[0], sum(p.shape[1] for p in parts)))
 
+    @staticmethod
+    def cat_rows(parts: list["GGMLWeight"]) -> "GGMLWeight":
+        """Weights of one type and as many input features stacked by rows: one weight
+        whose blocks are the parts' blocks in order (every output row is its own run of
+        blocks, so each row's product is the one its part gives)."""
+        if len({p.qtype for p in parts}) != 1 or len({p.shape[1] for p in parts}) != 1:
+            raise ValueError("cat_rows needs parts of one block type and as many columns")
+        data = torch.cat([p.data for p in parts], dim=0)
+        return GGMLWeight(parts[0].qtype, data, (sum(p.shape[0] for p in parts), parts[0].shape[1]))
+
     def __repr__(self) -> str:
         return f"GGMLWeight({self.qtype}, {list(self.shape)})"

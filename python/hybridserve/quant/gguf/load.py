@@ -88,8 +88,9 @@ class _Loader:
                 parts = [(f"{name}.weight", mod.out_features)]
             if not any(self.tensor(local)[0].quantized for local, _ in parts):
                 continue
-            ws = [self.part(local, rows, mod.in_features) for local, rows in parts]
-            mod.quantize_(ws[0] if len(ws) == 1 else ConcatWeight(ws))
+            ws = _merge_same_type([self.part(local, rows, mod.in_features) for local, rows in parts])
+            # (A fused projection stays a ConcatWeight, of one part where all merged.)
+            mod.quantize_(ws[0] if len(parts) == 1 else ConcatWeight(ws))
 
     def quantize_experts(self, model: Qwen3_5ForServing) -> None:
         for name, block in list(model.named_modules()):
@@ -131,6 +132,21 @@ class _Loader:
                                       f"{list(target.shape)} for {local!r}")
             with torch.no_grad():
                 target.copy_(hf.to(self.dtype))
+
+
+def _merge_same_type(ws: list) -> list:
+    """A fused projection's parts with each run of adjacent block weights of one type
+    (and no column permutation) stacked into one: one kernel call per run instead of
+    one per file tensor (a decode step at one sequence pays per call), the same
+    products (each output row is its own blocks' product either way)."""
+    runs: list[list] = []
+    for w in ws:
+        prev = runs[-1][-1] if runs else None
+        if type(w) is GGMLWeight and type(prev) is GGMLWeight and prev.qtype == w.qtype:
+            runs[-1].append(w)
+        else:
+            runs.append([w])
+    return [run[0] if len(run) == 1 else GGMLWeight.cat_rows(run) for run in runs]
 
 
 def load_gguf_model(path: str | os.PathLike[str], dtype: str | torch.dtype = "float32",
