@@ -17,7 +17,7 @@
    that finished without any text chunk (llama-server's *empty streams*: it holds back
    a trailing UTF-8 lead byte, which the random-weight model can repeat forever, and
    drops it at the end) counts its tokens, shows in the "empty" column, and is left
-   out of both servers' TTFT percentiles. A second table splits the mean TTFT into the
+   out of both servers' TTFT, ITL and decode-rate percentiles. A second table splits the mean TTFT into the
    request's own prefill (as each server measures it) and the wait before it.
 
     python benches/llamacpp_peer.py --shape 0.1b --precisions float32,bfloat16 --parallel 16,1
@@ -83,12 +83,13 @@ def table_row(shape: str, precision: str, parallel: int, llama: list[dict[str, A
     for tag, runs in (("llama", llama), ("hybridserve", ours)):
         row[f"{tag}_empty_streams"] = m(runs, ("empty_streams",))
         row[f"{tag}_text_tok_s"] = m(runs, ("text_tok_s",))
-        for q in (50, 90):
-            common = side_by_side.ttft_over(runs, empty, q)
-            row[f"{tag}_ttft_p{q}_common"] = float(np.median(common)) if common else None
+        for key in ("ttft_s", "itl_s", "decode_tok_s"):
+            for q in (50, 90):
+                common = side_by_side.percentile_over(runs, empty, key, q)
+                row[f"{tag}_{key[:-2]}_p{q}_common"] = float(np.median(common)) if common else None
         for k in ("ttft_ms", "wait_ms", "prefill_ms", "prefill_tok_s"):
             row[f"{tag}_split_{k}"] = m(runs, ("ttft_split", k))
-    a, b = row["llama_decode_p50"], row["hybridserve_decode_p50"]
+    a, b = row["llama_decode_tok_p50_common"], row["hybridserve_decode_tok_p50_common"]
     row["decode_ratio"] = b / a if a and b else None
     for tag, runs in (("llama", llama), ("hybridserve", ours)):
         row[f"{tag}_rss_loaded"] = m(runs, ("rss_loaded_bytes",))
@@ -98,8 +99,8 @@ def table_row(shape: str, precision: str, parallel: int, llama: list[dict[str, A
 
 def print_rows(rows: list[dict[str, Any]], threads: int) -> None:
     print(f"\nside by side, {threads} threads each (medians over rounds; ms for latencies; tok/s counts every "
-          "finished stream's usage tokens, empty streams included; TTFT over the requests that streamed text "
-          "on every run of both servers)")
+          "finished stream's usage tokens, empty streams included; TTFT, ITL and decode rate over the requests that "
+          "streamed text on every run of both servers)")
     head = ("shape", "prec", "P", "llama tok/s", "hs tok/s", "ratio", "empty llama/hs", "TTFT p50 llama/hs",
             "TTFT p90 llama/hs",
             "ITL p50 llama/hs", "ITL p90 llama/hs", "decode tok/s/req llama/hs", "decode ratio",
@@ -114,9 +115,12 @@ def print_rows(rows: list[dict[str, Any]], threads: int) -> None:
                       f"{_fmt(r.get('hybridserve_ttft_p50_common'), 1e3, '{:.0f}')}",
                       f"{_fmt(r.get('llama_ttft_p90_common'), 1e3, '{:.0f}')} / "
                       f"{_fmt(r.get('hybridserve_ttft_p90_common'), 1e3, '{:.0f}')}",
-                      f"{_fmt(r['llama_itl_p50'], 1e3, '{:.1f}')} / {_fmt(r['hybridserve_itl_p50'], 1e3, '{:.1f}')}",
-                      f"{_fmt(r['llama_itl_p90'], 1e3, '{:.1f}')} / {_fmt(r['hybridserve_itl_p90'], 1e3, '{:.1f}')}",
-                      f"{_fmt(r['llama_decode_p50'], spec='{:.1f}')} / {_fmt(r['hybridserve_decode_p50'], spec='{:.1f}')}",
+                      f"{_fmt(r.get('llama_itl_p50_common'), 1e3, '{:.1f}')} / "
+                      f"{_fmt(r.get('hybridserve_itl_p50_common'), 1e3, '{:.1f}')}",
+                      f"{_fmt(r.get('llama_itl_p90_common'), 1e3, '{:.1f}')} / "
+                      f"{_fmt(r.get('hybridserve_itl_p90_common'), 1e3, '{:.1f}')}",
+                      f"{_fmt(r.get('llama_decode_tok_p50_common'), spec='{:.1f}')} / "
+                      f"{_fmt(r.get('hybridserve_decode_tok_p50_common'), spec='{:.1f}')}",
                       _fmt(r["decode_ratio"]) + "x",
                       f"{_fmt(r.get('llama_rss_loaded'), 2**-20, '{:.0f}')} / "
                       f"{_fmt(r.get('hybridserve_rss_loaded'), 2**-20, '{:.0f}')}",

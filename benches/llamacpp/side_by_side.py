@@ -126,8 +126,7 @@ def measure(server: Server, workload: Workload) -> dict[str, Any]:
         after = scrape(server.url)
     ok = [r for r in records if r.ok]
     errors = sorted({r.error for r in records if r.error})
-    decode = [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok
-              if r.output_tokens > 1 and r.e2e is not None and r.ttft is not None and r.e2e > r.ttft]
+    decode = [x for x in map(_decode_rate, ok) if x is not None]
     out_tokens = sum(r.output_tokens for r in ok)
     text_tokens = sum(r.output_tokens for r in ok if not r.empty_stream)
     res: dict[str, Any] = {
@@ -141,7 +140,8 @@ def measure(server: Server, workload: Workload) -> dict[str, Any]:
         "itl_s": summarize([x for r in ok for x in r.itls]),
         "decode_tok_s_per_request": summarize(decode),
         "rss_loaded_bytes": rss_loaded, "rss_peak_bytes": rss.peak,
-        "per_request": {r.request_id: {"ttft_s": r.ttft, "empty": r.empty_stream, "ok": r.ok,
+        "per_request": {r.request_id: {"ttft_s": r.ttft, "itl_s": r.itls, "decode_tok_s": _decode_rate(r),
+                                       "empty": r.empty_stream, "ok": r.ok,
                                        "prompt_tokens": r.prompt_len, "output_tokens": r.output_tokens,
                                        "finish_reason": r.finish_reason,
                                        "prompt_ms": (r.server_timings or {}).get("prompt_ms")}
@@ -151,6 +151,13 @@ def measure(server: Server, workload: Workload) -> dict[str, Any]:
     if server.name == "hybridserve":
         res["engine"] = engine_profile(before, after)
     return res
+
+
+def _decode_rate(r: Any) -> float | None:
+    """A request's decode tokens/s after its first token: (output - 1) / (E2E - TTFT)."""
+    if not r.ok or r.output_tokens < 2 or r.e2e is None or r.ttft is None or r.e2e <= r.ttft:
+        return None
+    return (r.output_tokens - 1) / (r.e2e - r.ttft)
 
 
 def _hist_delta(before: dict[str, float], after: dict[str, float], name: str) -> tuple[float, float]:
@@ -191,14 +198,19 @@ def ttft_split(records: list, before: dict[str, float], after: dict[str, float])
             "source": source}
 
 
-def ttft_over(runs: list[dict[str, Any]], exclude: set[str], q: float = 50.0) -> list[float]:
-    """Per run, the TTFT percentile ``q`` over the requests not in ``exclude`` (the ones
-    some run of either server left without text), so both servers' TTFTs cover the same
-    requests."""
+def percentile_over(runs: list[dict[str, Any]], exclude: set[str], key: str, q: float = 50.0) -> list[float]:
+    """Per run, the percentile ``q`` of ``per_request[...][key]`` (``ttft_s``, or the
+    list ``itl_s``) over the requests not in ``exclude``: the ones some run of either
+    server streamed no text for (llama-server's empty streams; hybridserve streams those
+    as U+FFFD, four tokens to a chunk), so both servers' latencies cover the same requests."""
     out = []
     for run in runs:
-        vals = [v["ttft_s"] for rid, v in run.get("per_request", {}).items()
-                if rid not in exclude and v["ttft_s"] is not None]
+        vals: list[float] = []
+        for rid, v in run.get("per_request", {}).items():
+            x = v.get(key)
+            if rid in exclude or x is None:
+                continue
+            vals.extend(x if isinstance(x, list) else [x])
         if vals:
             out.append(float(np.percentile(vals, q)))
     return out
