@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import urllib.request
 from pathlib import Path
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=0, help="look at the first N tokens only (0: all)")
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run stops its server
     from transformers import AutoTokenizer
 
     work = build.cache_root() / "work" / f"peer-{a.shape}"
