@@ -17,8 +17,9 @@
    that finished without any text chunk (llama-server's *empty streams*: it holds back
    a trailing UTF-8 lead byte, which the random-weight model can repeat forever, and
    drops it at the end) counts its tokens, shows in the "empty" column, and is left
-   out of both servers' TTFT, ITL and decode-rate percentiles. A second table splits the mean TTFT into the
-   request's own prefill (as each server measures it) and the wait before it.
+   out of both servers' TTFT, ITL and decode-rate percentiles. A second table splits
+   the mean TTFT into the request's own prefill (as each server measures it) and the
+   wait before it.
 
     python benches/llamacpp_peer.py --shape 0.1b --precisions float32,bfloat16 --parallel 16,1
     python benches/llamacpp_peer.py --shape 0.8b --parallel 16 --json peer-0.8b.json
