@@ -13,6 +13,13 @@
    --cont-batching``) and from ``hybridserve serve`` (``--max-num-seqs P --cpu-threads
    T``), one server at a time, alternating, through the same streaming client; prints
    useful tokens/s, TTFT / ITL / per-request decode tokens/s percentiles and the ratio.
+   Output tokens are each server's usage count over every finished stream; a stream
+   that finished without any text chunk (llama-server's *empty streams*: it holds back
+   a trailing UTF-8 lead byte, which the random-weight model can repeat forever, and
+   drops it at the end) counts its tokens, shows in the "empty" column, and is left
+   out of both servers' TTFT, ITL and decode-rate percentiles. A second table splits
+   the mean TTFT into the request's own prefill (as each server measures it) and the
+   wait before it.
 
     python benches/llamacpp_peer.py --shape 0.1b --precisions float32,bfloat16 --parallel 16,1
     python benches/llamacpp_peer.py --shape 0.8b --parallel 16 --json peer-0.8b.json
@@ -43,6 +50,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the llamacpp package beside this file
 
 from llamacpp import build, checkpoint, engine_profile, gguf_files, greedy_check, servers, side_by_side  # noqa: E402
@@ -68,7 +77,20 @@ def table_row(shape: str, precision: str, parallel: int, llama: list[dict[str, A
         row[f"{tag}_decode_p50"] = m(runs, ("decode_tok_s_per_request", "p50"))
     a, b = row["llama_tok_s"], row["hybridserve_tok_s"]
     row["ratio"] = b / a if a and b else None
-    a, b = row["llama_decode_p50"], row["hybridserve_decode_p50"]
+    # Empty streams (finished, tokens counted, no text: llama-server's held-back UTF-8
+    # lead bytes) have no TTFT: compare TTFT over the requests every run delivered text for.
+    empty = {rid for run in llama + ours for rid, v in run.get("per_request", {}).items() if v["empty"]}
+    row["empty_request_ids"] = sorted(empty)
+    for tag, runs in (("llama", llama), ("hybridserve", ours)):
+        row[f"{tag}_empty_streams"] = m(runs, ("empty_streams",))
+        row[f"{tag}_text_tok_s"] = m(runs, ("text_tok_s",))
+        for key in ("ttft_s", "itl_s", "decode_tok_s"):
+            for q in (50, 90):
+                common = side_by_side.percentile_over(runs, empty, key, q)
+                row[f"{tag}_{key[:-2]}_p{q}_common"] = float(np.median(common)) if common else None
+        for k in ("ttft_ms", "wait_ms", "prefill_ms", "prefill_tok_s"):
+            row[f"{tag}_split_{k}"] = m(runs, ("ttft_split", k))
+    a, b = row["llama_decode_tok_p50_common"], row["hybridserve_decode_tok_p50_common"]
     row["decode_ratio"] = b / a if a and b else None
     for tag, runs in (("llama", llama), ("hybridserve", ours)):
         row[f"{tag}_rss_loaded"] = m(runs, ("rss_loaded_bytes",))
@@ -77,24 +99,50 @@ def table_row(shape: str, precision: str, parallel: int, llama: list[dict[str, A
 
 
 def print_rows(rows: list[dict[str, Any]], threads: int) -> None:
-    print(f"\nside by side, {threads} threads each (medians over rounds; ms for latencies)")
-    head = ("shape", "prec", "P", "llama tok/s", "hs tok/s", "ratio", "TTFT p50 llama/hs", "TTFT p90 llama/hs",
+    print(f"\nside by side, {threads} threads each (medians over rounds; ms for latencies; tok/s counts every "
+          "finished stream's usage tokens, empty streams included; TTFT, ITL and decode rate over the requests that "
+          "streamed text on every run of both servers)")
+    head = ("shape", "prec", "P", "llama tok/s", "hs tok/s", "ratio", "empty llama/hs", "TTFT p50 llama/hs",
+            "TTFT p90 llama/hs",
             "ITL p50 llama/hs", "ITL p90 llama/hs", "decode tok/s/req llama/hs", "decode ratio",
             "RSS MiB loaded llama/hs", "RSS MiB peak llama/hs")
     lines = [head]
     for r in rows:
         lines.append((r["shape"], r["precision"], str(r["parallel"]), _fmt(r["llama_tok_s"], spec="{:.1f}"),
                       _fmt(r["hybridserve_tok_s"], spec="{:.1f}"), _fmt(r["ratio"]) + "x",
-                      f"{_fmt(r['llama_ttft_p50'], 1e3, '{:.0f}')} / {_fmt(r['hybridserve_ttft_p50'], 1e3, '{:.0f}')}",
-                      f"{_fmt(r['llama_ttft_p90'], 1e3, '{:.0f}')} / {_fmt(r['hybridserve_ttft_p90'], 1e3, '{:.0f}')}",
-                      f"{_fmt(r['llama_itl_p50'], 1e3, '{:.1f}')} / {_fmt(r['hybridserve_itl_p50'], 1e3, '{:.1f}')}",
-                      f"{_fmt(r['llama_itl_p90'], 1e3, '{:.1f}')} / {_fmt(r['hybridserve_itl_p90'], 1e3, '{:.1f}')}",
-                      f"{_fmt(r['llama_decode_p50'], spec='{:.1f}')} / {_fmt(r['hybridserve_decode_p50'], spec='{:.1f}')}",
+                      f"{_fmt(r.get('llama_empty_streams'), spec='{:.0f}')} / "
+                      f"{_fmt(r.get('hybridserve_empty_streams'), spec='{:.0f}')}",
+                      f"{_fmt(r.get('llama_ttft_p50_common'), 1e3, '{:.0f}')} / "
+                      f"{_fmt(r.get('hybridserve_ttft_p50_common'), 1e3, '{:.0f}')}",
+                      f"{_fmt(r.get('llama_ttft_p90_common'), 1e3, '{:.0f}')} / "
+                      f"{_fmt(r.get('hybridserve_ttft_p90_common'), 1e3, '{:.0f}')}",
+                      f"{_fmt(r.get('llama_itl_p50_common'), 1e3, '{:.1f}')} / "
+                      f"{_fmt(r.get('hybridserve_itl_p50_common'), 1e3, '{:.1f}')}",
+                      f"{_fmt(r.get('llama_itl_p90_common'), 1e3, '{:.1f}')} / "
+                      f"{_fmt(r.get('hybridserve_itl_p90_common'), 1e3, '{:.1f}')}",
+                      f"{_fmt(r.get('llama_decode_tok_p50_common'), spec='{:.1f}')} / "
+                      f"{_fmt(r.get('hybridserve_decode_tok_p50_common'), spec='{:.1f}')}",
                       _fmt(r["decode_ratio"]) + "x",
                       f"{_fmt(r.get('llama_rss_loaded'), 2**-20, '{:.0f}')} / "
                       f"{_fmt(r.get('hybridserve_rss_loaded'), 2**-20, '{:.0f}')}",
                       f"{_fmt(r.get('llama_rss_peak'), 2**-20, '{:.0f}')} / "
                       f"{_fmt(r.get('hybridserve_rss_peak'), 2**-20, '{:.0f}')}"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
+    print("\nTTFT split, means over each run's requests (ms; medians over rounds): wait = client TTFT - the "
+          "request's own prefill as its server measured it (llama-server: timings.prompt_ms; hybridserve: "
+          "first schedule to first token)")
+    head = ("shape", "prec", "P", "TTFT llama/hs", "wait llama/hs", "prefill llama/hs", "prefill tok/s llama/hs",
+            "prefill speed hs/llama")
+    lines = [head]
+    for r in rows:
+        pl, ph = r.get("llama_split_prefill_ms"), r.get("hybridserve_split_prefill_ms")
+        lines.append((r["shape"], r["precision"], str(r["parallel"])) + tuple(
+            f"{_fmt(r.get('llama_split_' + k), spec=spec)} / {_fmt(r.get('hybridserve_split_' + k), spec=spec)}"
+            for k, spec in (("ttft_ms", "{:.0f}"), ("wait_ms", "{:.0f}"), ("prefill_ms", "{:.1f}"),
+                            ("prefill_tok_s", "{:.0f}")))
+            + (_fmt(pl / ph if pl and ph else None) + "x",))
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     for line in lines:
         print("  ".join(c.rjust(w) for c, w in zip(line, widths)))
@@ -271,7 +319,8 @@ def run_shape(a: argparse.Namespace, shape: str, tree: Path, work: Path, exe: Pa
                     print(f"[{res['started_utc']} load {res['load_avg_1m_before']}] {shape} {precision} P={parallel} "
                           f"{who}: {res['useful_tok_s']:.1f} tok/s, TTFT p50 {_fmt(res['ttft_s']['p50'], 1e3, '{:.0f}')} ms, "
                           f"RSS {res['rss_loaded_bytes'] / 2**20:.0f} MiB loaded / {res['rss_peak_bytes'] / 2**20:.0f} peak, "
-                          f"{res['completed']} done, {res['failed']} failed {res['errors'] or ''}"
+                          f"{res['completed']} done ({res['empty_streams']} empty), {res['failed']} failed "
+                          f"{res['errors'] or ''}"
                           + (f"; steps {eng['steps']}, ms/step " + ", ".join(
                               f"{k} {v['ms_per_step']}" for k, v in eng["phases"].items())
                              + f", admission limited {eng['admission_limited']}" if eng else ""), flush=True)

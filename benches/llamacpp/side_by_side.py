@@ -6,6 +6,20 @@ Per run: useful output tokens/s (output tokens / first arrival to last finish), 
 ITL and per-request decode tokens/s ((output - 1) / (E2E - TTFT)) percentiles; for
 hybridserve also where its engine steps' time went (``/metrics``:
 ``step_phase_seconds`` per phase, steps, admission limits), taken before and after.
+
+Output tokens are each server's own count (``usage.completion_tokens``) over every
+finished stream, the *empty streams* included (``RequestRecord.empty_stream``: finished,
+tokens counted, no text chunk). llama-server sends those when the random-weight model
+repeats a UTF-8 lead byte: it holds back an incomplete trailing character and drops it
+at the end of a stream. ``empty_streams`` counts them per run and ``text_tok_s`` is the
+rate over the streams that delivered text, for comparison; the TTFT percentiles cover the
+streams that delivered text (``per_request`` lets the caller pick a common set).
+
+TTFT split (means over the run's requests): ``prefill_ms``, the request's own prefill as
+the server measured it (llama-server: ``timings.prompt_ms`` of each stream's last chunk;
+hybridserve: its TTFT histogram's mean less its queue-time histogram's mean, i.e. first
+schedule to first token), and ``wait_ms``, the client's TTFT less that prefill: queueing
+behind other requests plus HTTP.
 """
 
 from __future__ import annotations
@@ -112,22 +126,94 @@ def measure(server: Server, workload: Workload) -> dict[str, Any]:
         after = scrape(server.url)
     ok = [r for r in records if r.ok]
     errors = sorted({r.error for r in records if r.error})
-    decode = [(r.output_tokens - 1) / (r.e2e - r.ttft) for r in ok
-              if r.output_tokens > 1 and r.e2e is not None and r.ttft is not None and r.e2e > r.ttft]
+    decode = [x for x in map(_decode_rate, ok) if x is not None]
     out_tokens = sum(r.output_tokens for r in ok)
+    text_tokens = sum(r.output_tokens for r in ok if not r.empty_stream)
     res: dict[str, Any] = {
         "server": server.name, "started_utc": time.strftime("%H:%M:%S", time.gmtime(t0)),
         "load_avg_1m_before": round(load[0], 2), "completed": len(ok), "failed": len(records) - len(ok),
+        "empty_streams": sum(1 for r in ok if r.empty_stream),
         "errors": errors[:3], "duration_s": round(duration, 3), "output_tokens": out_tokens,
         "useful_tok_s": out_tokens / max(duration, 1e-9),
+        "text_tok_s": text_tokens / max(duration, 1e-9),
         "ttft_s": summarize([r.ttft for r in ok if r.ttft is not None]),
         "itl_s": summarize([x for r in ok for x in r.itls]),
         "decode_tok_s_per_request": summarize(decode),
         "rss_loaded_bytes": rss_loaded, "rss_peak_bytes": rss.peak,
+        "per_request": {r.request_id: {"ttft_s": r.ttft, "itl_s": r.itls, "decode_tok_s": _decode_rate(r),
+                                       "empty": r.empty_stream, "ok": r.ok,
+                                       "prompt_tokens": r.prompt_len, "output_tokens": r.output_tokens,
+                                       "finish_reason": r.finish_reason,
+                                       "prompt_ms": (r.server_timings or {}).get("prompt_ms")}
+                        for r in records},
     }
+    res["ttft_split"] = ttft_split(records, before, after)
     if server.name == "hybridserve":
         res["engine"] = engine_profile(before, after)
     return res
+
+
+def _decode_rate(r: Any) -> float | None:
+    """A request's decode tokens/s after its first token: (output - 1) / (E2E - TTFT)."""
+    if not r.ok or r.output_tokens < 2 or r.e2e is None or r.ttft is None or r.e2e <= r.ttft:
+        return None
+    return (r.output_tokens - 1) / (r.e2e - r.ttft)
+
+
+def _hist_delta(before: dict[str, float], after: dict[str, float], name: str) -> tuple[float, float]:
+    """(sum, count) of a histogram over the run, summed over its labels."""
+    out = [0.0, 0.0]
+    for key, v in after.items():
+        for i, suffix in enumerate(("_sum", "_count")):
+            if key == name + suffix or key.startswith(name + suffix + "{"):
+                out[i] += v - before.get(key, 0.0)
+    return out[0], out[1]
+
+
+def ttft_split(records: list, before: dict[str, float], after: dict[str, float]) -> dict[str, Any] | None:
+    """The run's mean TTFT split into the request's own prefill (the server's measure) and
+    the rest (queueing behind other requests, HTTP); None when the server reports neither
+    per-request timings nor the two histograms."""
+    with_ttft = [r for r in records if r.ok and r.ttft is not None]
+    if not with_ttft:
+        return None
+    ttft_ms = 1e3 * float(np.mean([r.ttft for r in with_ttft]))
+    timed = [r for r in with_ttft if (r.server_timings or {}).get("prompt_ms") is not None]
+    if timed:  # llama-server: every stream's last chunk has its timings
+        prefill_ms = float(np.mean([r.server_timings["prompt_ms"] for r in timed]))
+        prompt_tokens = float(np.mean([r.server_timings.get("prompt_n", r.prompt_len) for r in timed]))
+        source = "timings.prompt_ms per stream"
+        ttft_ms = 1e3 * float(np.mean([r.ttft for r in timed]))
+    else:
+        q_sum, q_n = _hist_delta(before, after, "hybridserve:request_queue_time_seconds")
+        t_sum, t_n = _hist_delta(before, after, "hybridserve:time_to_first_token_seconds")
+        if not q_n or not t_n:
+            return None
+        prefill_ms = 1e3 * (t_sum / t_n - q_sum / q_n)
+        prompt_tokens = float(np.mean([r.prompt_len for r in with_ttft]))
+        source = "time_to_first_token - request_queue_time histograms (means)"
+    return {"ttft_ms": round(ttft_ms, 1), "prefill_ms": round(prefill_ms, 1), "wait_ms": round(ttft_ms - prefill_ms, 1),
+            "prompt_tokens": round(prompt_tokens, 1),
+            "prefill_tok_s": round(1e3 * prompt_tokens / prefill_ms, 1) if prefill_ms > 0 else None,
+            "source": source}
+
+
+def percentile_over(runs: list[dict[str, Any]], exclude: set[str], key: str, q: float = 50.0) -> list[float]:
+    """Per run, the percentile ``q`` of ``per_request[...][key]`` (``ttft_s``, or the
+    list ``itl_s``) over the requests not in ``exclude``: the ones some run of either
+    server streamed no text for (llama-server's empty streams; hybridserve streams those
+    as U+FFFD, four tokens to a chunk), so both servers' latencies cover the same requests."""
+    out = []
+    for run in runs:
+        vals: list[float] = []
+        for rid, v in run.get("per_request", {}).items():
+            x = v.get(key)
+            if rid in exclude or x is None:
+                continue
+            vals.extend(x if isinstance(x, list) else [x])
+        if vals:
+            out.append(float(np.percentile(vals, q)))
+    return out
 
 
 def median_of(runs: list[dict[str, Any]], path: tuple[str, ...]) -> float | None:

@@ -165,7 +165,7 @@ def _all_fields(rep):
     assert set(rep) >= {"mode", "config", "duration_s", "overall", "classes", "server", "timeline", "requests", "errors"}
     for s in [rep["overall"], *rep["classes"].values()]:
         assert set(s) == {"completed", "failed", "input_tokens", "output_tokens", "output_throughput_tok_s",
-                          "request_throughput_req_s", "ttft_s", "itl_s", "tpot_s", "e2e_s"}
+                          "request_throughput_req_s", "ttft_s", "itl_s", "tpot_s", "e2e_s", "empty_streams"}
         for m in ("ttft_s", "itl_s", "tpot_s", "e2e_s"):
             assert set(s[m]) == {"mean", "p50", "p90", "p99"}
             assert all(isinstance(v, float) and v >= 0 for v in s[m].values()), (m, s[m])

@@ -3,7 +3,10 @@
 Each request is a streaming ``POST /v1/completions`` (token-id prompt, ``ignore_eos``,
 ``stream_options.include_usage``) sent at its arrival time; every SSE chunk that
 carries text is one token delivery for the latency numbers, and the final usage
-chunk gives the exact output token count. Meanwhile ``GET /metrics`` is polled for
+chunk gives the exact output token count. A stream that finishes (a ``finish_reason``
+or ``[DONE]``) with output tokens but without any text chunk is an *empty stream*
+(``RequestRecord.empty_stream``): it completed and its tokens count, but it has no
+TTFT or ITL. Meanwhile ``GET /metrics`` is polled for
 the server's pool and queue gauges and counters (``hybridserve:`` names, or vLLM's
 ``vllm:`` names for the subset vLLM exposes); a server without ``/metrics`` leaves
 those fields null. A hybridserve server's step phases (the ``step_phase_seconds``
@@ -192,12 +195,14 @@ class _MetricsPoller:
 
 async def _one(
     session: aiohttp.ClientSession, url: str, payload: dict[str, Any], rec: RequestRecord,
-    start: float, poller: _MetricsPoller,
+    start: float, poller: _MetricsPoller, keep_raw_sse: bool = False,
 ) -> None:
     delay = rec.arrival_time - (time.perf_counter() - start)
     if delay > 0:
         await asyncio.sleep(delay)
-    usage_tokens = None
+    if keep_raw_sse:
+        rec.raw_sse = []
+    done = False  # the stream said it was complete: a finish_reason or [DONE]
     try:
         async with session.post(url, json=payload) as resp:
             if resp.status != 200:
@@ -210,30 +215,43 @@ async def _one(
                 return
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").strip()
+                if rec.raw_sse is not None and line:
+                    rec.raw_sse.append((time.perf_counter() - start, line))
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
                     rec.error = f"in-stream error: {chunk['error'].get('message', chunk['error'])}"
                     return
                 if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
+                    rec.usage_tokens = chunk["usage"].get("completion_tokens")
                     if chunk["usage"].get("prompt_tokens"):
                         rec.prompt_len = int(chunk["usage"]["prompt_tokens"])
-                if any(c.get("text") for c in chunk.get("choices") or []):
+                if isinstance(chunk.get("timings"), dict):
+                    rec.server_timings = chunk["timings"]
+                choices = chunk.get("choices") or []
+                for c in choices:
+                    if c.get("finish_reason"):
+                        rec.finish_reason = c["finish_reason"]
+                        done = True
+                if any(c.get("text") for c in choices):
                     t = time.perf_counter() - start
                     if rec.first_token_time is None:
                         rec.first_token_time = t
                     rec.token_times.append(t)
                     poller.delivered += 1
         rec.finish_time = time.perf_counter() - start
-        rec.output_tokens = int(usage_tokens) if usage_tokens is not None else len(rec.token_times)
-        rec.ok = rec.first_token_time is not None or rec.output_tokens == 0
+        rec.output_tokens = int(rec.usage_tokens) if rec.usage_tokens is not None else len(rec.token_times)
+        # A finished stream with tokens but no text is an empty stream (``rec.empty_stream``):
+        # the server did the work and says so. A stream cut off before any text and before
+        # its end fails.
+        rec.ok = rec.first_token_time is not None or done
         if not rec.ok:
-            rec.error = "the stream ended without any token"
+            rec.error = "the stream ended without any token and without a finish_reason"
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError) as e:
         rec.error = f"{type(e).__name__}: {e}"
 
@@ -249,8 +267,12 @@ async def run_http(
     metrics_interval: float = 0.25,
     timeout_s: float = 3600.0,
     progress: bool = True,
+    keep_raw_sse: bool = False,
 ) -> tuple[list[RequestRecord], dict[str, Any], list[dict[str, float]], float]:
-    """Send ``workload`` to ``base_url``; returns (records, server stats, timeline, duration)."""
+    """Send ``workload`` to ``base_url``; returns (records, server stats, timeline, duration).
+
+    ``keep_raw_sse`` keeps every non-empty line of each stream, timestamped, in
+    ``RequestRecord.raw_sse`` (for finding out what a server sent)."""
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[:-3]
@@ -288,7 +310,8 @@ async def run_http(
             if send_class_fields:
                 payload["priority"] = r.priority
                 payload["request_class"] = r.request_class
-            task = asyncio.create_task(_one(session, f"{base}/v1/completions", payload, rec, start, poller))
+            task = asyncio.create_task(_one(session, f"{base}/v1/completions", payload, rec, start, poller,
+                                            keep_raw_sse))
             if bar is not None:
                 task.add_done_callback(lambda _t: bar.update(1))
             tasks.append(task)

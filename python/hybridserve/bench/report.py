@@ -36,6 +36,21 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # one per delivery
     output_tokens: int = 0
     token_ids: list[int] | None = None
+    # Over HTTP: what the stream's last chunks said. ``usage_tokens`` is the server's own
+    # count (usage.completion_tokens); ``server_timings`` is llama-server's per-request
+    # ``timings`` object (prompt_n, prompt_ms, predicted_n, ...) when the server sends one.
+    finish_reason: str | None = None
+    usage_tokens: int | None = None
+    server_timings: dict[str, Any] | None = None
+    raw_sse: list[tuple[float, str]] | None = None  # (seconds since start, line), when asked for
+
+    @property
+    def empty_stream(self) -> bool:
+        """The server finished the request and counted its output tokens, but no chunk
+        carried text: llama-server holds back a trailing incomplete UTF-8 character until it
+        completes, and drops it at the end of a stream, so a model that repeats a UTF-8 lead
+        byte streams nothing. Its tokens count; it has no TTFT or ITL."""
+        return self.ok and self.first_token_time is None and self.output_tokens > 0
 
     @property
     def ttft(self) -> float | None:
@@ -67,6 +82,8 @@ class RequestRecord:
             "output_tokens": self.output_tokens,
             "ok": self.ok,
             "error": self.error,
+            "finish_reason": self.finish_reason,
+            "empty_stream": self.empty_stream,
             "ttft_s": self.ttft,
             "e2e_s": self.e2e,
             "tpot_s": self.tpot,
@@ -88,6 +105,7 @@ def _slice(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     return {
         "completed": len(ok),
         "failed": len(records) - len(ok),
+        "empty_streams": sum(1 for r in ok if r.empty_stream),
         "input_tokens": sum(r.prompt_len for r in ok),
         "output_tokens": out_tokens,
         "output_throughput_tok_s": out_tokens / d,
@@ -187,6 +205,10 @@ def render_table(report: dict[str, Any]) -> str:
             f"wall time: scheduler {100 * b['scheduler_share']:.2f} % ({b['scheduler_us_per_step']:.1f} us/step), "
             f"runner {100 * b['runner_share']:.1f} %, sampler {100 * b['sampler_share']:.1f} %"
         )
+    empty = report["overall"].get("empty_streams")
+    if empty:
+        lines.append(f"empty streams: {empty} finished with output tokens but no text chunk (no TTFT / ITL; "
+                     "their tokens count in out tok/s)")
     if report.get("errors"):
         lines.append("errors: " + "; ".join(report["errors"][:5]))
     return "\n".join(lines)
