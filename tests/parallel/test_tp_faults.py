@@ -116,21 +116,62 @@ def test_dropping_the_llm_stops_the_worker(tp_dirs):
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_driver_leaves_no_process_and_no_port(sig, tp_dirs):
+    # faulthandler: a driver that does not end is made to print every thread's stack.
     proc = subprocess.Popen([sys.executable, SHUTDOWN_SCRIPT, tp_dirs["dense-gqa"], "wait"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         info = json.loads(proc.stdout.readline())
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # Ctrl-C: the whole foreground process group
         else:
             proc.send_signal(sig)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"the driver did not end within 60 s of {sig.name}; its threads:\n{err[-8000:]}")
         assert _wait_gone(info["worker_pid"])
         assert _port_free(info["port"])
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_ctrl_c_with_a_frozen_worker_ends_promptly_and_leaves_nothing_behind(tp_dirs):
+    """A worker that no longer answers (stopped here with SIGSTOP) cannot take the
+    shutdown message: the driver's exit terminates it after close()'s bounded wait
+    (tensor_parallel.CLOSE_WAIT_S), instead of waiting out the collective timeout."""
+    proc = subprocess.Popen([sys.executable, SHUTDOWN_SCRIPT, tp_dirs["dense-gqa"], "wait"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    try:
+        info = json.loads(proc.stdout.readline())
+        os.kill(info["worker_pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=45)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            _, err = proc.communicate(timeout=30)
+            pytest.fail(f"the driver did not end within 45 s of Ctrl-C; its threads:\n{err[-8000:]}")
+        took = time.monotonic() - t0
+        err = proc.stderr.read()
+        assert took < 35, f"{took:.1f}s"
+        assert "did not take the shutdown message" in err, err[-3000:]
+        assert _wait_gone(info["worker_pid"])
+        assert _port_free(info["port"])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        try:
+            os.kill(info["worker_pid"], signal.SIGKILL)
+        except (ProcessLookupError, NameError):
+            pass
 
 
 def test_a_slow_rank_before_the_ready_barrier_is_under_the_start_limit(tp_dirs, tmp_path):

@@ -52,6 +52,9 @@ logger = logging.getLogger("hybridserve.parallel")
 
 # Exit status of a process whose step stayed stuck after its process groups were aborted.
 EXIT_TP_STUCK = 3
+# How long close() waits for the communication lock, and then for the shutdown
+# handshake, before it terminates the workers instead.
+CLOSE_WAIT_S = 10.0
 
 
 def rank_device(device: torch.device, local_rank: int, local_world_size: int,
@@ -398,26 +401,54 @@ class TensorParallel:
     # ----------------------------------------------------------------- shutdown
     def close(self) -> None:
         """Stop the workers and free the ports: a shutdown message when the ranks are
-        between steps, else (a failed or interrupted step) terminate them."""
+        between steps, else (a failed or interrupted step) terminate them.
+
+        Bounded (``CLOSE_WAIT_S`` for another thread's step or heartbeat to let go of
+        the communication lock, as long again for the shutdown handshake): it runs at
+        interpreter exit after a Ctrl-C, where waiting out a collective's timeout would
+        keep the terminal for minutes. Past either bound the workers are terminated."""
         with self._lock:
             if self.closed:
                 return
             self.closed = True
         # Not during another thread's step or heartbeat (waits for it; a failed one
-        # holding it in this thread re-enters).
-        locked = self.comm_lock.acquire(timeout=timeout_seconds() + 5) if hasattr(self, "comm_lock") else False
+        # holding it in this thread re-enters). Without the lock no message may go
+        # out: it would land in the middle of that thread's collectives.
+        locked = self.comm_lock.acquire(timeout=CLOSE_WAIT_S) if hasattr(self, "comm_lock") else False
+        orderly = stuck = False
         try:
-            if self.group is not None and self.is_driver and self.failure is None and not self.in_step:
-                from hybridserve.parallel import plan_message
-
-                try:
-                    plan_message.send_shutdown(self.group)
-                except Exception:  # noqa: BLE001 - a worker already gone: stop() below ends the rest
-                    pass
+            if (locked and self.group is not None and self.is_driver and self.failure is None
+                    and not self.in_step):
+                orderly, stuck = self._send_shutdown(CLOSE_WAIT_S)
         finally:
             if locked:
                 self.comm_lock.release()
         if self.launcher is not None:
-            self.launcher.stop(grace_s=5.0 if self.failure is None and not self.in_step else 0.0)
-        if self.group is not None:
+            self.launcher.stop(grace_s=5.0 if orderly else 0.0)
+        # After a handshake that did not finish, a thread is still inside a collective
+        # of this group; tearing the group down under it can block, and the process
+        # is ending anyway.
+        if self.group is not None and not stuck:
             self.group.close()
+
+    def _send_shutdown(self, seconds: float) -> tuple[bool, bool]:
+        """The shutdown message and the ranks' last barrier, given ``seconds``:
+        ``(every worker took it, the handshake is still blocked)``."""
+        from hybridserve.parallel import plan_message
+
+        done = threading.Event()
+
+        def handshake() -> None:
+            try:
+                plan_message.send_shutdown(self.group)
+                done.set()
+            except Exception:  # noqa: BLE001 - a worker already gone: stop() ends the rest
+                pass
+
+        t = threading.Thread(target=handshake, name="hybridserve-tp-shutdown", daemon=True)
+        t.start()
+        t.join(seconds)
+        if t.is_alive():
+            logger.warning("tensor parallel: the workers did not take the shutdown message within %.0fs; "
+                           "terminating them", seconds)
+        return done.is_set(), t.is_alive()
