@@ -114,24 +114,34 @@ def test_dropping_the_llm_stops_the_worker(tp_dirs):
     assert _port_free(info["port"])
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_the_driver_leaves_no_process_and_no_port(sig, tp_dirs):
-    # faulthandler: a driver that does not end is made to print every thread's stack.
+def _waiting_driver(tp_dirs) -> tuple[subprocess.Popen, dict]:
+    """A TP=2 driver that has served one request and now waits for a signal, in a
+    process group of its own; faulthandler makes it print every thread's stack on
+    SIGABRT (what _wait_or_dump sends one that does not end)."""
     proc = subprocess.Popen([sys.executable, SHUTDOWN_SCRIPT, tp_dirs["dense-gqa"], "wait"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True,
                             env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    return proc, json.loads(proc.stdout.readline())
+
+
+def _wait_or_dump(proc: subprocess.Popen, seconds: float, what: str) -> None:
     try:
-        info = json.loads(proc.stdout.readline())
+        proc.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        _, err = proc.communicate(timeout=30)
+        pytest.fail(f"the driver did not end within {seconds:g} s of {what}; its threads:\n{err[-8000:]}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_the_driver_leaves_no_process_and_no_port(sig, tp_dirs):
+    proc, info = _waiting_driver(tp_dirs)
+    try:
         if sig == signal.SIGINT:
             os.killpg(proc.pid, sig)  # Ctrl-C: the whole foreground process group
         else:
             proc.send_signal(sig)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGABRT)
-            _, err = proc.communicate(timeout=30)
-            pytest.fail(f"the driver did not end within 60 s of {sig.name}; its threads:\n{err[-8000:]}")
+        _wait_or_dump(proc, 60, sig.name)
         assert _wait_gone(info["worker_pid"])
         assert _port_free(info["port"])
     finally:
@@ -144,20 +154,12 @@ def test_ctrl_c_with_a_frozen_worker_ends_promptly_and_leaves_nothing_behind(tp_
     """A worker that no longer answers (stopped here with SIGSTOP) cannot take the
     shutdown message: the driver's exit terminates it after close()'s bounded wait
     (tensor_parallel.CLOSE_WAIT_S), instead of waiting out the collective timeout."""
-    proc = subprocess.Popen([sys.executable, SHUTDOWN_SCRIPT, tp_dirs["dense-gqa"], "wait"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+    proc, info = _waiting_driver(tp_dirs)
     try:
-        info = json.loads(proc.stdout.readline())
         os.kill(info["worker_pid"], signal.SIGSTOP)
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=45)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGABRT)
-            _, err = proc.communicate(timeout=30)
-            pytest.fail(f"the driver did not end within 45 s of Ctrl-C; its threads:\n{err[-8000:]}")
+        _wait_or_dump(proc, 45, "Ctrl-C")
         took = time.monotonic() - t0
         err = proc.stderr.read()
         assert took < 35, f"{took:.1f}s"
@@ -170,7 +172,7 @@ def test_ctrl_c_with_a_frozen_worker_ends_promptly_and_leaves_nothing_behind(tp_
             proc.wait()
         try:
             os.kill(info["worker_pid"], signal.SIGKILL)
-        except (ProcessLookupError, NameError):
+        except ProcessLookupError:
             pass
 
 
