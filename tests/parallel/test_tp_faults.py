@@ -133,6 +133,17 @@ def _wait_or_dump(proc: subprocess.Popen, seconds: float, what: str) -> None:
         pytest.fail(f"the driver did not end within {seconds:g} s of {what}; its threads:\n{err[-8000:]}")
 
 
+def _nothing_left(info: dict) -> None:
+    assert _wait_gone(info["worker_pid"])
+    assert _port_free(info["port"])
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_to_the_driver_leaves_no_process_and_no_port(sig, tp_dirs):
     proc, info = _waiting_driver(tp_dirs)
@@ -142,12 +153,9 @@ def test_signal_to_the_driver_leaves_no_process_and_no_port(sig, tp_dirs):
         else:
             proc.send_signal(sig)
         _wait_or_dump(proc, 60, sig.name)
-        assert _wait_gone(info["worker_pid"])
-        assert _port_free(info["port"])
+        _nothing_left(info)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
 
 
 def test_ctrl_c_with_a_frozen_worker_ends_promptly_and_leaves_nothing_behind(tp_dirs):
@@ -164,12 +172,9 @@ def test_ctrl_c_with_a_frozen_worker_ends_promptly_and_leaves_nothing_behind(tp_
         err = proc.stderr.read()
         assert took < 35, f"{took:.1f}s"
         assert "did not take the shutdown message" in err, err[-3000:]
-        assert _wait_gone(info["worker_pid"])
-        assert _port_free(info["port"])
+        _nothing_left(info)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _kill_group(proc)
         try:
             os.kill(info["worker_pid"], signal.SIGKILL)
         except ProcessLookupError:
