@@ -3,10 +3,17 @@
 import gc
 import json
 import os
+import signal
 import sys
 import time
 
-from hybridserve import LLM, SamplingParams
+# Ctrl-C at a terminal raises KeyboardInterrupt. Python installs that handler only when
+# it starts with SIGINT at its default, and a background job of a non-interactive
+# shell (a CI runner's `cmd &`, nohup) starts everything under it with SIGINT ignored:
+# the driver then slept through the test's Ctrl-C.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
 
 path, how = sys.argv[1], sys.argv[2]
 llm = LLM(path, dtype="float32", cpu_threads=1, num_pages=64, tensor_parallel_size=2)
