@@ -343,3 +343,98 @@ def test_verify_logits_equal_decoding_one_by_one_bit_for_bit(tiny_dirs, dtype, n
         want.append(model(make_batch([(s, 1)]), cache)[0])
         s.computed += 1
     assert torch.equal(got, torch.stack(want))
+
+
+@pytest.mark.parametrize("preset,dtype", PRESETS)
+def test_the_replay_in_one_native_call_equals_the_per_layer_calls_bit_for_bit(tiny_dirs, preset, dtype):
+    """A verify step whose rows are all speculative commits through ``_core.ReplayPlan``
+    (every DeltaNet layer's conv and delta rule in one call, no output norm): the arena
+    after the commit equals, bit for bit, the per-layer kernel calls' (``fused_replay``
+    off), for every accepted count, one sequence (the rows a prefix of the ring) and
+    two (the plan where every row is kept, else rows picked from the ring: the
+    per-layer calls)."""
+    if not native.available() or not hasattr(native._k, "ReplayPlan"):
+        pytest.skip("the native kernels are not built")
+    rng = random.Random(5)
+    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
+    cache = model.new_cache(160, BLOCK)
+    free = list(range(cache.num_pages))
+    rng.shuffle(free)
+    plans = {"used": 0}
+    for ks in ([3], [1], [4], [2, 3]):
+        seqs = []
+        for k in ks:
+            n = rng.randint(3, 11) + k + 1
+            seqs.append(Seq([rng.randrange(config.vocab_size) for _ in range(n)],
+                            [free.pop() for _ in range(-(-n // BLOCK))],
+                            [free.pop() for _ in range(cache.state_pages)]))
+        pre = [(s, len(s.tokens) - k - 1) for s, k in zip(seqs, ks)]
+        model(make_batch(pre), cache)
+        for s, n in pre:
+            s.computed = n
+        before = cache.arena.clone()
+        for accepted in {tuple(min(a, k + 1) for k in ks) for a in range(1, max(ks) + 2)}:
+            got = {}
+            for fused in (True, False):
+                cache.arena.copy_(before)
+                vb = make_batch([(s, k + 1) for s, k in zip(seqs, ks)], speculative=[True] * len(ks),
+                                all_logits=True)
+                model(vb, cache)
+                step = model._usable_native_step()
+                assert step is not None
+                step.fused_replay = fused
+                real = step._replay_plan
+
+                def counting(t, real=real):
+                    plan = real(t)
+                    plans["used"] += plan is not None
+                    return plan
+
+                step._replay_plan = counting
+                try:
+                    model.commit_speculative(vb, cache, list(accepted))
+                finally:
+                    del step._replay_plan
+                    step.fused_replay = True
+                got[fused] = cache.arena.clone()
+            assert torch.equal(got[True], got[False]), (ks, accepted)
+            assert not torch.equal(got[True], before)
+        free.extend(p for s in seqs for p in s.blocks + s.state)
+    # Through the plan: every one-sequence commit (k + 1 accepted counts each), and the
+    # two-sequence one that keeps every row (its rows are the whole ring).
+    assert plans["used"] == 4 + 2 + 5 + 1
+
+
+def test_the_replay_plan_refuses_what_it_cannot_bind(tiny_dirs):
+    """Misuse is a ValueError that names the argument, not a crash: more rows than the
+    ring holds, a ring of the wrong shape, a pool that is not a paged view."""
+    if not native.available() or not hasattr(native._k, "ReplayPlan"):
+        pytest.skip("the native kernels are not built")
+    import numpy as np
+
+    model, config = load_model(tiny_dirs["test-a"], dtype="float32", progress=False)
+    cache = model.new_cache(32, BLOCK)
+    step = model._usable_native_step()
+    step._bind_cache(cache)
+    plan = step._replay_plan(3)
+    assert plan is not None
+    pages = np.zeros((1, cache.state_pages), dtype=np.int64)
+    with pytest.raises(ValueError, match="4 rows to replay, the plan's ring holds 3"):
+        plan.run(4, np.array([0, 4], dtype=np.int64), pages, np.array([True]))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        plan.run(2, np.array([0, 3], dtype=np.int64), pages, np.array([True]))
+    e = next(e for e in step._layers if not e["attn"])
+    c = config
+    layer = dict(ring=np.zeros((3, 5), dtype=np.float32), mixed_col=0, ba_col=c.linear_conv_dim + c.linear_value_dim,
+                 conv_w=e["conv_w"], conv_pool=e["conv_pool"], conv_base=e["conv_base"], rec_pool=e["rec_pool"],
+                 rec_base=e["rec_base"], a_log=e["a_log"], dt_bias=e["dt_bias"], key_heads=e["key_heads"],
+                 value_heads=e["value_heads"], scale=e["scale"])
+    conv = np.zeros((3, c.linear_conv_dim), dtype=np.float32)
+    out = np.zeros((3, c.linear_value_dim), dtype=np.float32)
+    with pytest.raises(ValueError, match="holds no conv input"):
+        native._k.ReplayPlan([layer], conv, out, False)
+    layer["ring"] = np.zeros((3, c.linear_conv_dim + c.linear_value_dim + 2 * c.linear_num_value_heads),
+                             dtype=np.float32)
+    native._k.ReplayPlan([layer], conv, out, False)
+    with pytest.raises(ValueError, match="rec_pool must be"):
+        native._k.ReplayPlan([dict(layer, rec_pool=np.zeros((4, 4), dtype=np.float32))], conv, out, False)

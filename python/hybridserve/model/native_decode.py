@@ -215,6 +215,9 @@ class NativeDecodeStep:
         # mtp_draft runs every pass in one native call where it can (off: the Python
         # passes, the same kernels call by call; tests compare the two).
         self.fused_mtp = not os.environ.get("HYBRIDSERVE_NO_FUSED_MTP")
+        # replay runs every DeltaNet layer in one native call where it can (off: a conv
+        # and a delta-rule call per layer, the same kernels; tests compare the two).
+        self.fused_replay = not os.environ.get("HYBRIDSERVE_NO_FUSED_REPLAY")
         self._dtype = model.dtype  # (the model's is a property that walks its parameters)
         self.k_silu_mul, self.k_write_kv = k.silu_mul, k.write_kv
         self.max_rows = Projection.NATIVE_MAX_ROWS_BF16 if self.bf16 else Projection.NATIVE_MAX_ROWS
@@ -358,6 +361,9 @@ class NativeDecodeStep:
         # The draft passes' native plan and the cache it was bound to (see _fused_plan).
         self._plan = None
         self._replay_buffers: dict[int, tuple] = {}
+        # The commit's native replay plans (verify row count -> plan or None), bound to
+        # the cache of _bind_cache (cleared when it changes).
+        self._replay_plans: dict[int, object] = {}
         self.final_norm = _view(m.norm.weight)
         self.lm_head = self._entry(m.lm_head)
         self._draft_heads: dict[int, QuantGemm] = {}
@@ -396,6 +402,7 @@ class NativeDecodeStep:
                 st = cache.state(e["idx"])
                 e["conv_pool"], e["conv_base"] = _view(st.conv_pool), int(st.conv_item_base)
                 e["rec_pool"], e["rec_base"] = _view(st.recurrent_pool), int(st.recurrent_item_base)
+        self._replay_plans = {}
         self._cache = cache
 
     def takes(self, batch) -> bool:
@@ -746,6 +753,13 @@ class NativeDecodeStep:
                                                _view(torch.zeros(n, c.linear_value_dim, dtype=dt)))
         conv, q, k, v, out, z = b
         views = ring.get("np")
+        if self.fused_replay and views and (sel is None or isinstance(sel, slice)):
+            # The ring is the verify step's own in_proj buffers (every row speculative)
+            # and the rows a prefix of them: every layer in one native call.
+            plan = self._replay_plan(next(iter(views.values()))[0].shape[0])
+            if plan is not None:
+                plan.run(n, qsl, table, init)
+                return True
         for e in self._layers:
             if e["attn"]:
                 continue
@@ -769,6 +783,36 @@ class NativeDecodeStep:
                         norm_eps=e["norm_eps"], a=ba_np[:, hv:], b=ba_np[:, :hv], a_log=e["a_log"],
                         dt_bias=e["dt_bias"], z=z, norm_weight=e["norm_w"])
         return True
+
+    def _replay_plan(self, t: int):
+        """The commit's replay of a ``t``-row verify step in one native call
+        (``_core.ReplayPlan``): every DeltaNet layer's ring buffer (:meth:`_spec_proj`),
+        conv weight, gate parameters and state pools of the bound cache, bound once. The
+        same conv and delta-rule kernels on the same inputs as the per-layer calls of
+        :meth:`replay`, so the same state bits. None (the per-layer calls) with an older
+        extension or an array the plan cannot bind in place."""
+        if t in self._replay_plans:
+            return self._replay_plans[t]
+        make = getattr(native._k, "ReplayPlan", None)
+        plan = None
+        if make is not None:
+            c, dt = self.model.config, self.model.dtype
+            cd, vd = c.linear_conv_dim, c.linear_value_dim
+            projs = self._spec_proj(t)
+            layers = [dict(ring=projs[e["idx"]].proj_np, mixed_col=0, ba_col=cd + vd, conv_w=e["conv_w"],
+                           conv_pool=e["conv_pool"], conv_base=e["conv_base"], rec_pool=e["rec_pool"],
+                           rec_base=e["rec_base"], a_log=e["a_log"], dt_bias=e["dt_bias"],
+                           key_heads=e["key_heads"], value_heads=e["value_heads"], scale=e["scale"])
+                      for e in self._layers if not e["attn"]]
+            dense = ("ring", "conv_w", "a_log", "dt_bias")
+            if layers and all(isinstance(x[k], np.ndarray) and x[k].flags.c_contiguous for x in layers
+                              for k in dense):
+                with torch.inference_mode(False):
+                    conv = _view(torch.empty(t, cd, dtype=dt))
+                    out = _view(torch.empty(t, vd, dtype=dt))
+                plan = make(layers, conv, out, self.bf16)
+        self._replay_plans[t] = plan
+        return plan
 
     def _mlp(self, e: dict, b: _Buffers) -> None:
         """The layer's MLP from ``b.normed`` into ``b.mlp_out``: the dense SwiGLU's two

@@ -29,6 +29,7 @@ mod mtp;
 mod quant;
 mod quant_moe;
 mod quant_fp8;
+mod replay;
 mod sample;
 use bf16::*;
 use checks::*;
@@ -431,5 +432,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     quant_fp8::register(m)?;
     sample::register(m)?;
     mtp::register(m)?;
+    replay::register(m)?;
     Ok(())
 }
