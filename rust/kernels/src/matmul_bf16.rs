@@ -49,8 +49,14 @@ const ROWS_PER_TASK: usize = 32;
 /// measured no better at one thread.
 const ROWS_PER_TASK_FEW: usize = 128;
 /// How many blocks of weight rows ahead a block prefetches (into L2) where the weight
-/// rows are read side by side.
+/// rows are read side by side (AVX2).
 const PREFETCH_BLOCKS: usize = 1;
+/// The same for the AVX-512 tiles of 3-5 rows (a speculative verify step). Between two
+/// engine steps the weights leave the cache, so a step streams them from memory: one
+/// block ahead (4 rows of `K` values) hides too little of that latency, and the 4-row
+/// step then cost ~2x the 1-row one; four blocks ahead brings it to the 1-row cost
+/// (benches/RESULTS.md, "the verify GEMM's prefetch distance").
+const PREFETCH_BLOCKS_AVX512: usize = 4;
 
 /// Where the products go: float32, or bfloat16 bits rounded to nearest even.
 pub enum Out<'a> {
@@ -181,7 +187,8 @@ unsafe fn columns_of<const C: usize>(
         // The next block's `C K` values follow this block's in memory: a tile that
         // reads the weight rows side by side prefetches them into L2 as it goes, from
         // its first row block (see `crate::matmul_rows`).
-        let mut next = w.as_ptr().wrapping_add((j + PREFETCH_BLOCKS * C) * k);
+        let ahead = if matches!(isa, Isa::Avx512Bf16) { PREFETCH_BLOCKS_AVX512 } else { PREFETCH_BLOCKS };
+        let mut next = w.as_ptr().wrapping_add((j + ahead * C) * k);
         let block = if matches!(isa, Isa::Avx512Bf16) { MR } else { MR_AVX2 };
         let mut r = 0;
         while r < x.rows {
