@@ -85,7 +85,7 @@ fn decode_with<T: Elem>(
     heads: usize,
     scale: f32,
     out: &mut [T],
-    run_task: fn(&Ctx<'_, T>, usize, usize),
+    run_task: fn(&Ctx<'_, T>, (usize, usize), usize),
 ) -> Result<(), KernelError> {
     let PagedKv {
         block_size: bs,
@@ -154,26 +154,46 @@ fn decode_with<T: Elem>(
         scale,
         out: SharedMut::new(out),
     };
+    // Entries that share a block-table row (a speculative verify run's rows: one
+    // query per row, each seeing one position more) form one group: a task reads each
+    // K/V row once for all of them. Each entry's sums are the ones it gets alone.
+    let w = seqs.width;
+    let mut groups: Vec<(usize, usize)> = Vec::new();
+    for i in 0..n {
+        match groups.last_mut() {
+            Some((_, end)) if seqs.block_tables[(i - 1) * w..i * w] == seqs.block_tables[i * w..(i + 1) * w] => {
+                *end = i + 1
+            }
+            _ => groups.push((i, i + 1)),
+        }
+    }
     let work: usize = seqs.seq_lens.iter().map(|&l| l as usize).sum::<usize>() * heads * d * 2;
-    for_each_task(n * hkv, work, |i| run_task(&ctx, i / hkv, i % hkv));
+    for_each_task(groups.len() * hkv, work, |t| {
+        run_task(&ctx, groups[t / hkv], t % hkv)
+    });
     Ok(())
 }
 
-dispatch!(fn run_task_f32(ctx: &Ctx<'_, f32>, i: usize, j: usize) => body_f32);
-dispatch!(fn run_task_bf16(ctx: &Ctx<'_, u16>, i: usize, j: usize) => body_bf16);
+dispatch!(fn run_task_f32(ctx: &Ctx<'_, f32>, g: (usize, usize), j: usize) => body_f32);
+dispatch!(fn run_task_bf16(ctx: &Ctx<'_, u16>, g: (usize, usize), j: usize) => body_bf16);
 
 #[inline(always)]
-fn body_f32(ctx: &Ctx<'_, f32>, i: usize, j: usize) {
-    run_task_body(ctx, i, j)
+fn body_f32(ctx: &Ctx<'_, f32>, g: (usize, usize), j: usize) {
+    run_task_body(ctx, g, j)
 }
 
 #[inline(always)]
-fn body_bf16(ctx: &Ctx<'_, u16>, i: usize, j: usize) {
-    run_task_body(ctx, i, j)
+fn body_bf16(ctx: &Ctx<'_, u16>, g: (usize, usize), j: usize) {
+    run_task_body(ctx, g, j)
 }
 
+/// KV head `j` of the entries `g.0 .. g.1` (one block-table row): for every position,
+/// the K row (then the V row) is read and widened once, and used by each entry that
+/// sees it. Per entry and query head the arithmetic is that of an entry alone: its
+/// scores in position order, the softmax over its own length, its weighted V rows
+/// summed in position order, so a row's output does not depend on its group.
 #[inline(always)]
-fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, i: usize, j: usize) {
+fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, (g0, g1): (usize, usize), j: usize) {
     let PagedKv {
         block_size: bs,
         kv_heads: hkv,
@@ -181,58 +201,107 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, i: usize, j: usize) {
         ..
     } = ctx.kv;
     let rep = ctx.heads / hkv;
-    let row = ctx.seqs.rows[i] as usize;
-    let len = ctx.seqs.seq_lens[i] as usize;
-    let table = &ctx.seqs.block_tables[i * ctx.seqs.width..(i + 1) * ctx.seqs.width];
-    let mut qbuf = vec![0.0f32; if std::mem::size_of::<T>() == 4 { 0 } else { rep * d }];
-    let qrow = T::widen(&ctx.q.row(row)[j * rep * d..(j + 1) * rep * d], &mut qbuf);
+    let ne = g1 - g0;
+    let lens: Vec<usize> = (g0..g1).map(|i| ctx.seqs.seq_lens[i] as usize).collect();
+    let max_len = lens.iter().copied().max().unwrap_or(0);
+    let table = &ctx.seqs.block_tables[g0 * ctx.seqs.width..(g0 + 1) * ctx.seqs.width];
+    // Every entry's query heads of the group, widened: [ne, rep * d].
+    let mut qbuf = vec![0.0f32; if std::mem::size_of::<T>() == 4 { 0 } else { ne * rep * d }];
+    let qrows: Vec<&[f32]> = if std::mem::size_of::<T>() == 4 {
+        (g0..g1)
+            .map(|i| T::widen(&ctx.q.row(ctx.seqs.rows[i] as usize)[j * rep * d..(j + 1) * rep * d], &mut []))
+            .collect()
+    } else {
+        for (e, i) in (g0..g1).enumerate() {
+            let src = &ctx.q.row(ctx.seqs.rows[i] as usize)[j * rep * d..(j + 1) * rep * d];
+            for (x, &v) in qbuf[e * rep * d..(e + 1) * rep * d].iter_mut().zip(src) {
+                *x = v.get();
+            }
+        }
+        qbuf.chunks_exact(rep * d).collect()
+    };
     // Where a bfloat16 K or V row is widened (unused for float32).
     let mut rowbuf = vec![0.0f32; if std::mem::size_of::<T>() == 4 { 0 } else { d }];
     let stride = ctx.kv.block_stride;
-    let at = |pos: usize| table[pos / bs] as usize * stride + ((pos % bs) * hkv + j) * d;
-    // Scores of every query head of the group, [rep, len].
-    let mut p = vec![0.0f32; rep * len];
-    for pos in 0..len {
-        let krow = T::widen(&ctx.kv.k_cache[at(pos)..at(pos) + d], &mut rowbuf);
-        for r in 0..rep {
-            p[r * len + pos] = dot(&qrow[r * d..(r + 1) * d], krow) * ctx.scale;
-        }
+    // Scores, per entry [rep, len_e] from offset `off[e]`.
+    let mut off = Vec::with_capacity(ne);
+    let mut total = 0;
+    for &l in &lens {
+        off.push(total);
+        total += rep * l;
     }
-    let mut inv = vec![0.0f32; rep];
-    for r in 0..rep {
-        let s = &mut p[r * len..(r + 1) * len];
-        let m = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-        for x in s.iter_mut() {
-            *x = exp(*x - m);
-        }
-        let mut lanes = [0.0f32; 8];
-        let chunks = s.chunks_exact(8);
-        let tail: f32 = chunks.remainder().iter().sum();
-        for ch in chunks {
-            for l in 0..8 {
-                lanes[l] += ch[l];
+    let mut p = vec![0.0f32; total];
+    // Position `pos` in block `blk` at row `r` of the block: no division per position.
+    let mut pos = 0;
+    for &blk in table.iter().take(max_len.div_ceil(bs)) {
+        let base = blk as usize * stride + j * d;
+        for r in 0..bs.min(max_len - pos) {
+            let at = base + r * hkv * d;
+            let krow = T::widen(&ctx.kv.k_cache[at..at + d], &mut rowbuf);
+            for e in 0..ne {
+                let len = lens[e];
+                if pos < len {
+                    let q = qrows[e];
+                    for h in 0..rep {
+                        p[off[e] + h * len + pos] = dot(&q[h * d..(h + 1) * d], krow) * ctx.scale;
+                    }
+                }
             }
+            pos += 1;
         }
-        inv[r] = 1.0 / (lanes.iter().sum::<f32>() + tail);
     }
-    let mut acc = vec![0.0f32; rep * d];
-    for pos in 0..len {
-        let vrow = T::widen(&ctx.kv.v_cache[at(pos)..at(pos) + d], &mut rowbuf);
-        for r in 0..rep {
-            let w = p[r * len + pos];
-            for (a, &v) in acc[r * d..(r + 1) * d].iter_mut().zip(vrow) {
-                *a += w * v;
+    let mut inv = vec![0.0f32; ne * rep];
+    for e in 0..ne {
+        let len = lens[e];
+        for h in 0..rep {
+            let s = &mut p[off[e] + h * len..off[e] + (h + 1) * len];
+            let m = s.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            for x in s.iter_mut() {
+                *x = exp(*x - m);
             }
+            let mut lanes = [0.0f32; 8];
+            let chunks = s.chunks_exact(8);
+            let tail: f32 = chunks.remainder().iter().sum();
+            for ch in chunks {
+                for l in 0..8 {
+                    lanes[l] += ch[l];
+                }
+            }
+            inv[e * rep + h] = 1.0 / (lanes.iter().sum::<f32>() + tail);
         }
     }
-    // SAFETY: this row's query heads j*rep .. (j+1)*rep belong to this task.
-    let dst = unsafe { ctx.out.slice((row * ctx.heads + j * rep) * d, rep * d) };
-    for r in 0..rep {
-        for (o, &a) in dst[r * d..(r + 1) * d]
-            .iter_mut()
-            .zip(&acc[r * d..(r + 1) * d])
-        {
-            *o = T::narrow(a * inv[r]);
+    let mut acc = vec![0.0f32; ne * rep * d];
+    let mut pos = 0;
+    for &blk in table.iter().take(max_len.div_ceil(bs)) {
+        let base = blk as usize * stride + j * d;
+        for r in 0..bs.min(max_len - pos) {
+            let at = base + r * hkv * d;
+            let vrow = T::widen(&ctx.kv.v_cache[at..at + d], &mut rowbuf);
+            for e in 0..ne {
+                let len = lens[e];
+                if pos < len {
+                    for h in 0..rep {
+                        let w = p[off[e] + h * len + pos];
+                        let a = &mut acc[(e * rep + h) * d..(e * rep + h + 1) * d];
+                        for (a, &v) in a.iter_mut().zip(vrow) {
+                            *a += w * v;
+                        }
+                    }
+                }
+            }
+            pos += 1;
+        }
+    }
+    for (e, i) in (g0..g1).enumerate() {
+        let row = ctx.seqs.rows[i] as usize;
+        // SAFETY: this row's query heads j*rep .. (j+1)*rep belong to this task (rows
+        // are distinct among entries, validated; one task per group and KV head).
+        let dst = unsafe { ctx.out.slice((row * ctx.heads + j * rep) * d, rep * d) };
+        for h in 0..rep {
+            let a = &acc[(e * rep + h) * d..(e * rep + h + 1) * d];
+            for (o, &x) in dst[h * d..(h + 1) * d].iter_mut().zip(a) {
+                *o = T::narrow(x * inv[e * rep + h]);
+            }
         }
     }
 }
@@ -314,6 +383,57 @@ mod tests {
         }
         // row 1 is not a decode row: untouched
         assert!(out[heads * d..2 * heads * d].iter().all(|&v| v == -1.0));
+    }
+
+    #[test]
+    fn rows_sharing_a_block_table_get_the_bits_they_get_alone() {
+        // A verify run: 4 rows of one sequence (one block-table row, lengths 7..10) next
+        // to another sequence; each row's output must equal a call with that row alone.
+        use crate::bf16::from_f32;
+        let (bs, hkv, d, heads, nblocks) = (4usize, 2usize, 16usize, 4usize, 9usize);
+        let stride = 2 * bs * hkv * d + 5;
+        let mut seed = 3u64;
+        let mut rnd = || {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
+        };
+        let kc: Vec<u16> = (0..nblocks * stride).map(|_| rnd()).collect();
+        let vc: Vec<u16> = (0..nblocks * stride).map(|_| rnd()).collect();
+        let t = 6;
+        let q: Vec<u16> = (0..t * heads * d).map(|_| rnd()).collect();
+        let kv = PagedKv {
+            k_cache: &kc,
+            v_cache: &vc,
+            block_size: bs,
+            kv_heads: hkv,
+            head_dim: d,
+            num_blocks: nblocks,
+            block_stride: stride,
+        };
+        let width = 3;
+        let run = [7i32, 2, 5];
+        let other = [4i32, 0, 0];
+        let rows = [0i64, 1, 2, 3, 5];
+        let lens = [7i64, 8, 9, 10, 3];
+        let tables: Vec<i32> = [run, run, run, run, other].concat();
+        let mut together = vec![0u16; t * heads * d];
+        let seqs = DecodeSeqs { rows: &rows, seq_lens: &lens, block_tables: &tables, width };
+        let qrows = Rows::dense(&q, heads * d).unwrap();
+        paged_attention_decode_bf16(qrows, kv, seqs, heads, 0.25, &mut together).unwrap();
+        for i in 0..rows.len() {
+            let mut alone = vec![0u16; t * heads * d];
+            let one = DecodeSeqs {
+                rows: &rows[i..i + 1],
+                seq_lens: &lens[i..i + 1],
+                block_tables: &tables[i * width..(i + 1) * width],
+                width,
+            };
+            paged_attention_decode_bf16(qrows, kv, one, heads, 0.25, &mut alone).unwrap();
+            let r = rows[i] as usize * heads * d..(rows[i] as usize + 1) * heads * d;
+            assert_eq!(together[r.clone()], alone[r], "row {}", rows[i]);
+        }
+        // Row 4 is not a decode row: untouched.
+        assert!(together[4 * heads * d..5 * heads * d].iter().all(|&v| v == 0));
     }
 
     #[test]
