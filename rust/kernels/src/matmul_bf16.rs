@@ -218,11 +218,7 @@ unsafe fn columns_of<const C: usize>(
                 _ => scalar_tile::<C>(&xs, mr, &ws, k),
             };
             next = std::ptr::null();
-            for (i, row) in tile.iter().enumerate().take(mr) {
-                for (c, &v) in row.iter().enumerate().take(nc) {
-                    out.put((r + i) * ldo + oc + (j - j0) + c, v);
-                }
-            }
+            put_tile(out, &tile, mr, nc, (r * ldo + oc + (j - j0), ldo));
             r += mr;
         }
         j += nc;
@@ -230,6 +226,49 @@ unsafe fn columns_of<const C: usize>(
 }
 
 type Tile<const C: usize> = [[f32; C]; MR];
+
+/// Rows `0..mr`, columns `0..nc` of `tile` to the output from element `at`, rows `ldo`
+/// apart. The element type is matched once per tile, and a full row of the tile is a
+/// fixed-length loop the compiler turns into vector stores (and, for bfloat16, vector
+/// rounding): the same [`from_f32`] per value as element by element.
+///
+/// # Safety
+/// As for [`OutPtr::put`], for every element written.
+#[inline(always)]
+unsafe fn put_tile<const C: usize>(out: OutPtr, tile: &Tile<C>, mr: usize, nc: usize, (at, ldo): (usize, usize)) {
+    match out {
+        OutPtr::F32(p) => {
+            for (i, row) in tile.iter().enumerate().take(mr) {
+                let d = p.add(at + i * ldo);
+                if nc == C {
+                    for (c, &v) in row.iter().enumerate() {
+                        *d.add(c) = v;
+                    }
+                } else {
+                    for (c, &v) in row.iter().enumerate().take(nc) {
+                        *d.add(c) = v;
+                    }
+                }
+            }
+        }
+        OutPtr::Bf16(p) => {
+            for (i, row) in tile.iter().enumerate().take(mr) {
+                let d = p.add(at + i * ldo);
+                if nc == C {
+                    let mut bits = [0u16; C];
+                    for (b, &v) in bits.iter_mut().zip(row) {
+                        *b = from_f32(v);
+                    }
+                    std::ptr::copy_nonoverlapping(bits.as_ptr(), d, C);
+                } else {
+                    for (c, &v) in row.iter().enumerate().take(nc) {
+                        *d.add(c) = from_f32(v);
+                    }
+                }
+            }
+        }
+    }
+}
 
 /// The sums in plain Rust (any CPU; the reference order of the other paths' lanes
 /// does not matter: float32 sums of at most `K` products).
