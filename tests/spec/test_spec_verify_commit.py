@@ -117,6 +117,35 @@ def kv_rows(cache, seq, upto):
     return torch.stack(out)
 
 
+def _spec_setup(tiny_dirs, preset, dtype, seed):
+    """``rng`` of ``seed``, the model of ``preset``, a 160-page cache and its pages in a
+    random order."""
+    rng = random.Random(seed)
+    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
+    cache = model.new_cache(160, BLOCK)
+    free = list(range(cache.num_pages))
+    rng.shuffle(free)
+    return rng, model, config, cache, free
+
+
+def _prefilled(model, config, cache, free, rng, ks):
+    """One sequence per ``k`` (drafts of its verify run; None: a plain decode) on pages
+    from ``free``, prefilled on the module path up to its verify rows."""
+    seqs = []
+    for k in ks:
+        n = rng.randint(3, 11) + (k or 0) + 1
+        seqs.append(Seq([rng.randrange(config.vocab_size) for _ in range(n)],
+                        [free.pop() for _ in range(-(-n // BLOCK))],
+                        [free.pop() for _ in range(cache.state_pages)]))
+    pre = [(s, len(s.tokens) - (k or 0) - 1) for s, k in zip(seqs, ks)]
+    model.native_decode = False
+    model(make_batch(pre), cache)
+    model.native_decode = True
+    for s, n in pre:
+        s.computed = n
+    return seqs
+
+
 PRESETS = [("test-a", "float32"), ("test-a", "bfloat16"), ("test-b", "float32"), ("moe-a", "float32")]
 # Every preset and seed on the CPU kernels; on Triton's interpreter (no bfloat16
 # arithmetic, and slow) the float32 presets with one seed.
@@ -264,11 +293,7 @@ def test_native_verify_step_equals_the_module_path_bit_for_bit(tiny_dirs, preset
     one by one above and against HF elsewhere)."""
     if not native.available():
         pytest.skip("the native kernels are not built")
-    rng = random.Random(11)
-    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
-    cache = model.new_cache(160, BLOCK)
-    free = list(range(cache.num_pages))
-    rng.shuffle(free)
+    rng, model, config, cache, free = _spec_setup(tiny_dirs, preset, dtype, 11)
     seen = {"native": 0}
     real_run = NativeDecodeStep.run
 
@@ -279,18 +304,7 @@ def test_native_verify_step_equals_the_module_path_bit_for_bit(tiny_dirs, preset
 
     monkeypatch.setattr(NativeDecodeStep, "run", counting_run)
     for ks in ([2], [4], [0, 3], [1, None, 3], [None, 2]):  # None: a plain one-token decode
-        seqs = []
-        for k in ks:
-            n = rng.randint(3, 11) + (k or 0) + 1
-            seqs.append(Seq([rng.randrange(config.vocab_size) for _ in range(n)],
-                            [free.pop() for _ in range(-(-n // BLOCK))],
-                            [free.pop() for _ in range(cache.state_pages)]))
-        pre = [(s, len(s.tokens) - (k or 0) - 1) for s, k in zip(seqs, ks)]
-        model.native_decode = False
-        model(make_batch(pre), cache)
-        model.native_decode = True
-        for s, n in pre:
-            s.computed = n
+        seqs = _prefilled(model, config, cache, free, rng, ks)
         before = cache.arena.clone()
         got = {}
         for path in ("module", "native"):
@@ -355,23 +369,10 @@ def test_the_replay_in_one_native_call_equals_the_per_layer_calls_bit_for_bit(ti
     per-layer calls)."""
     if not native.available() or not hasattr(native._k, "ReplayPlan"):
         pytest.skip("the native kernels are not built")
-    rng = random.Random(5)
-    model, config = load_model(tiny_dirs[preset], dtype=dtype, progress=False)
-    cache = model.new_cache(160, BLOCK)
-    free = list(range(cache.num_pages))
-    rng.shuffle(free)
+    rng, model, config, cache, free = _spec_setup(tiny_dirs, preset, dtype, 5)
     plans = {"used": 0}
     for ks in ([3], [1], [4], [2, 3]):
-        seqs = []
-        for k in ks:
-            n = rng.randint(3, 11) + k + 1
-            seqs.append(Seq([rng.randrange(config.vocab_size) for _ in range(n)],
-                            [free.pop() for _ in range(-(-n // BLOCK))],
-                            [free.pop() for _ in range(cache.state_pages)]))
-        pre = [(s, len(s.tokens) - k - 1) for s, k in zip(seqs, ks)]
-        model(make_batch(pre), cache)
-        for s, n in pre:
-            s.computed = n
+        seqs = _prefilled(model, config, cache, free, rng, ks)
         before = cache.arena.clone()
         for accepted in {tuple(min(a, k + 1) for k in ks) for a in range(1, max(ks) + 2)}:
             got = {}

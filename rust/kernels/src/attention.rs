@@ -187,6 +187,24 @@ fn body_bf16(ctx: &Ctx<'_, u16>, g: (usize, usize), j: usize) {
     run_task_body(ctx, g, j)
 }
 
+/// `f(pos, at)` for every position below `max_len` in order, `at` where its row starts
+/// in a cache (`first`: the KV head's offset in a row, `row`: a position's elements):
+/// block by block, no division per position.
+#[inline(always)]
+fn each_position(
+    (table, max_len, bs, stride, first, row): (&[i32], usize, usize, usize, usize, usize),
+    mut f: impl FnMut(usize, usize),
+) {
+    let mut pos = 0;
+    for &blk in table.iter().take(max_len.div_ceil(bs)) {
+        let base = blk as usize * stride + first;
+        for r in 0..bs.min(max_len - pos) {
+            f(pos, base + r * row);
+            pos += 1;
+        }
+    }
+}
+
 /// KV head `j` of the entries `g.0 .. g.1` (one block-table row): for every position,
 /// the K row (then the V row) is read and widened once, and used by each entry that
 /// sees it. Per entry and query head the arithmetic is that of an entry alone: its
@@ -231,25 +249,19 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, (g0, g1): (usize, usize), j: usize) 
         total += rep * l;
     }
     let mut p = vec![0.0f32; total];
-    // Position `pos` in block `blk` at row `r` of the block: no division per position.
-    let mut pos = 0;
-    for &blk in table.iter().take(max_len.div_ceil(bs)) {
-        let base = blk as usize * stride + j * d;
-        for r in 0..bs.min(max_len - pos) {
-            let at = base + r * hkv * d;
-            let krow = T::widen(&ctx.kv.k_cache[at..at + d], &mut rowbuf);
-            for e in 0..ne {
-                let len = lens[e];
-                if pos < len {
-                    let q = qrows[e];
-                    for h in 0..rep {
-                        p[off[e] + h * len + pos] = dot(&q[h * d..(h + 1) * d], krow) * ctx.scale;
-                    }
+    let walk = (table, max_len, bs, stride, j * d, hkv * d);
+    each_position(walk, |pos, at| {
+        let krow = T::widen(&ctx.kv.k_cache[at..at + d], &mut rowbuf);
+        for e in 0..ne {
+            let len = lens[e];
+            if pos < len {
+                let q = qrows[e];
+                for h in 0..rep {
+                    p[off[e] + h * len + pos] = dot(&q[h * d..(h + 1) * d], krow) * ctx.scale;
                 }
             }
-            pos += 1;
         }
-    }
+    });
     let mut inv = vec![0.0f32; ne * rep];
     for e in 0..ne {
         let len = lens[e];
@@ -271,27 +283,21 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, (g0, g1): (usize, usize), j: usize) 
         }
     }
     let mut acc = vec![0.0f32; ne * rep * d];
-    let mut pos = 0;
-    for &blk in table.iter().take(max_len.div_ceil(bs)) {
-        let base = blk as usize * stride + j * d;
-        for r in 0..bs.min(max_len - pos) {
-            let at = base + r * hkv * d;
-            let vrow = T::widen(&ctx.kv.v_cache[at..at + d], &mut rowbuf);
-            for e in 0..ne {
-                let len = lens[e];
-                if pos < len {
-                    for h in 0..rep {
-                        let w = p[off[e] + h * len + pos];
-                        let a = &mut acc[(e * rep + h) * d..(e * rep + h + 1) * d];
-                        for (a, &v) in a.iter_mut().zip(vrow) {
-                            *a += w * v;
-                        }
+    each_position(walk, |pos, at| {
+        let vrow = T::widen(&ctx.kv.v_cache[at..at + d], &mut rowbuf);
+        for e in 0..ne {
+            let len = lens[e];
+            if pos < len {
+                for h in 0..rep {
+                    let w = p[off[e] + h * len + pos];
+                    let a = &mut acc[(e * rep + h) * d..(e * rep + h + 1) * d];
+                    for (a, &v) in a.iter_mut().zip(vrow) {
+                        *a += w * v;
                     }
                 }
             }
-            pos += 1;
         }
-    }
+    });
     for (e, i) in (g0..g1).enumerate() {
         let row = ctx.seqs.rows[i] as usize;
         // SAFETY: this row's query heads j*rep .. (j+1)*rep belong to this task (rows
@@ -310,16 +316,19 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, (g0, g1): (usize, usize), j: usize) 
 mod tests {
     use super::*;
 
+    /// The tests' data: a value in [0, 1) from a linear congruential stream.
+    fn unit(seed: &mut u64) -> f32 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+        (*seed >> 40) as f32 / (1u64 << 24) as f32
+    }
+
     #[test]
     fn matches_softmax_attention_over_scattered_blocks() {
         let (bs, hkv, d, heads, nblocks) = (4usize, 2usize, 8usize, 4usize, 9usize);
         // Blocks a page apart: another layer's block and padding sit between them.
         let stride = 2 * bs * hkv * d + 5;
         let mut seed = 11u64;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-            ((seed >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-        };
+        let mut rnd = || unit(&mut seed) - 0.5;
         let kc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
         let vc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
         let t = 3;
@@ -393,10 +402,7 @@ mod tests {
         let (bs, hkv, d, heads, nblocks) = (4usize, 2usize, 16usize, 4usize, 9usize);
         let stride = 2 * bs * hkv * d + 5;
         let mut seed = 3u64;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-            from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0)
-        };
+        let mut rnd = || from_f32(unit(&mut seed) * 2.0 - 1.0);
         let kc: Vec<u16> = (0..nblocks * stride).map(|_| rnd()).collect();
         let vc: Vec<u16> = (0..nblocks * stride).map(|_| rnd()).collect();
         let t = 6;
@@ -442,10 +448,7 @@ mod tests {
         let (bs, hkv, d, heads, nblocks) = (4usize, 2usize, 16usize, 6usize, 9usize);
         let stride = 2 * bs * hkv * d + 3;
         let mut seed = 7u64;
-        let mut rnd = || {
-            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
-            to_f32(from_f32(((seed >> 40) as f32 / (1u64 << 24) as f32) * 3.0 - 1.5))
-        };
+        let mut rnd = || to_f32(from_f32(unit(&mut seed) * 3.0 - 1.5));
         let kc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
         let vc: Vec<f32> = (0..nblocks * stride).map(|_| rnd()).collect();
         let t = 4;

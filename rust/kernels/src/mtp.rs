@@ -113,7 +113,7 @@ impl<T> Buf<T> {
     }
 
     /// The first `n` elements, shared, for one kernel call.
-    fn s<'a>(&self, n: usize) -> &'a [T] {
+    pub fn s<'a>(&self, n: usize) -> &'a [T] {
         assert!(n <= self.len, "buffer of {} read past its end ({n})", self.len);
         // SAFETY: in bounds (checked), valid by the constructor's contract; the slice
         // lives for one kernel call, during which nothing writes these elements.
@@ -121,7 +121,8 @@ impl<T> Buf<T> {
     }
 
     /// The first `n` elements, exclusive, for one kernel call.
-    fn m<'a>(&self, n: usize) -> &'a mut [T] {
+    #[allow(clippy::mut_from_ref)]
+    pub fn m<'a>(&self, n: usize) -> &'a mut [T] {
         assert!(n <= self.len, "buffer of {} written past its end ({n})", self.len);
         // SAFETY: as for `s`; no other slice of these elements lives during the call.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, n) }

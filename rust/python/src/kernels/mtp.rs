@@ -44,7 +44,7 @@ pub(super) struct MtpDraftPlan {
 }
 
 /// A C-contiguous array of `T` as a [`Buf`]; the array is kept in `keep`.
-fn buf<T: numpy::Element>(name: &str, a: &Bound<'_, PyAny>, keep: &mut Vec<Py<PyAny>>) -> PyResult<Buf<T>> {
+pub(super) fn buf<T: numpy::Element>(name: &str, a: &Bound<'_, PyAny>, keep: &mut Vec<Py<PyAny>>) -> PyResult<Buf<T>> {
     let arr = a.cast::<PyArrayDyn<T>>().map_err(|_| {
         PyValueError::new_err(format!("{name} must be a numpy array of the model's dtype (uint16 for bfloat16)"))
     })?;
@@ -62,7 +62,7 @@ fn item<'py>(d: &Bound<'py, PyDict>, name: &str, what: &str) -> PyResult<Bound<'
     d.get_item(name)?.ok_or_else(|| PyValueError::new_err(format!("{what} lacks {name:?}")))
 }
 
-fn paged<T: numpy::Element>(name: &str, a: &Bound<'_, PyAny>, keep: &mut Vec<Py<PyAny>>)
+pub(super) fn paged<T: numpy::Element>(name: &str, a: &Bound<'_, PyAny>, keep: &mut Vec<Py<PyAny>>)
     -> PyResult<(Buf<T>, usize, usize, usize, usize)> {
     let arr = a.cast::<PyArrayDyn<T>>().map_err(|_| PyValueError::new_err(format!("{name}: the model's dtype")))?;
     let strides: Vec<isize> = arr.strides().iter().map(|s| s / std::mem::size_of::<T>() as isize).collect();

@@ -13,59 +13,32 @@
 use super::*;
 use hybridserve_cpu_kernels::conv1d::{causal_conv1d, causal_conv1d_bf16};
 use hybridserve_cpu_kernels::delta_rule::{gated_delta_rule, gated_delta_rule_bf16};
-use numpy::{PyArrayDyn, PyArrayMethods};
+use hybridserve_cpu_kernels::mtp::Buf;
+use super::mtp::{buf, paged};
+use numpy::{PyArrayDyn, PyUntypedArrayMethods};
 use pyo3::types::{PyDict, PyList};
 
-/// A numpy array's memory, bound for the plan's life (the array is kept alive by the plan).
-#[derive(Clone, Copy)]
-struct Raw<T> {
-    ptr: *mut T,
-    len: usize,
-}
-
-// SAFETY: the memory belongs to numpy arrays the plan keeps alive; a call reads and
-// writes it with the GIL released, under the caller's contract (the class docstring)
-// that nothing else touches these buffers meanwhile.
-unsafe impl<T> Send for Raw<T> {}
-unsafe impl<T> Sync for Raw<T> {}
-
-impl<T> Raw<T> {
-    /// # Safety
-    /// Valid by the plan's construction; the slice lives for one kernel call, during
-    /// which no mutable slice of the same memory lives.
-    unsafe fn s<'a>(&self) -> &'a [T] {
-        std::slice::from_raw_parts(self.ptr, self.len)
-    }
-
-    /// # Safety
-    /// As [`Raw::s`], and no other slice of the same memory lives during the call.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn m<'a>(&self) -> &'a mut [T] {
-        std::slice::from_raw_parts_mut(self.ptr, self.len)
-    }
-}
-
-/// A paged state pool view: its memory and `(num_pages, per_page, page_stride, item_len)`.
+/// A paged state pool view: its memory, `(num_pages, per_page, page_stride, item_len)`,
+/// and its item's trailing shape (conv: `[C, W-1]`; recurrent: `[K, V]`).
 #[derive(Clone, Copy)]
 struct Pool<T> {
-    mem: Raw<T>,
+    mem: Buf<T>,
     layout: (usize, usize, usize, usize),
-    /// The item's trailing shape (conv: `[C, W-1]`; recurrent: `[K, V]`).
     item_shape: (usize, usize),
 }
 
 struct Layer<T> {
     /// `[rows, ring_width]`: the verify step's in_proj output of this layer.
-    ring: Raw<T>,
+    ring: Buf<T>,
     mixed_col: usize,
     ba_col: usize,
-    conv_w: Raw<T>,
+    conv_w: Buf<T>,
     conv_pool: Pool<T>,
     conv_base: usize,
     rec_pool: Pool<f32>,
     rec_base: usize,
-    a_log: Raw<T>,
-    dt_bias: Raw<T>,
+    a_log: Buf<T>,
+    dt_bias: Buf<T>,
     heads: Heads,
     scale: f32,
 }
@@ -76,8 +49,8 @@ struct Inner<T> {
     ring_width: usize,
     conv_dim: usize,
     /// `[rows, conv_dim]` and `[rows, H * V]` scratch.
-    conv: Raw<T>,
-    out: Raw<T>,
+    conv: Buf<T>,
+    out: Buf<T>,
     conv_k: ConvKernel<T>,
     rule_k: DeltaRuleKernel<T>,
 }
@@ -108,39 +81,28 @@ fn dict_item<'py>(d: &Bound<'py, PyDict>, name: &str) -> PyResult<Bound<'py, PyA
         .ok_or_else(|| PyValueError::new_err(format!("a layer of the replay plan lacks {name:?}")))
 }
 
-/// A C-contiguous array of `T` and its shape; the array is kept in `keep`.
-fn contiguous_raw<T: numpy::Element>(
+/// A C-contiguous array of `T` (see `mtp::buf`) and its shape.
+fn shaped<T: numpy::Element>(
     name: &str,
     a: &Bound<'_, PyAny>,
     keep: &mut Vec<Py<PyAny>>,
-) -> PyResult<(Raw<T>, Vec<usize>)> {
-    let arr = a.cast::<PyArrayDyn<T>>().map_err(|_| {
-        PyValueError::new_err(format!("{name} must be a numpy array of the model's dtype (uint16 for bfloat16)"))
-    })?;
-    if !arr.is_c_contiguous() {
-        return Err(PyValueError::new_err(format!("{name} must be a C-contiguous array")));
-    }
-    keep.push(a.clone().unbind());
-    Ok((Raw { ptr: arr.data(), len: arr.len() }, arr.shape().to_vec()))
+) -> PyResult<(Buf<T>, Vec<usize>)> {
+    let b = buf::<T>(name, a, keep)?;
+    Ok((b, a.cast::<PyArrayDyn<T>>()?.shape().to_vec()))
 }
 
-/// A paged view `[num_pages, per_page, X, Y]` (a HybridCache state pool); kept in `keep`.
+/// A paged view `[num_pages, per_page, X, Y]` (a HybridCache state pool; see `mtp::paged`).
 fn pool<T: numpy::Element>(name: &str, a: &Bound<'_, PyAny>, keep: &mut Vec<Py<PyAny>>) -> PyResult<Pool<T>> {
-    let arr = a.cast::<PyArrayDyn<T>>().map_err(|_| {
-        PyValueError::new_err(format!("{name} must be a paged state view of the pool's dtype"))
-    })?;
-    let shape = arr.shape().to_vec();
+    let shape = a
+        .cast::<PyArrayDyn<T>>()
+        .map_err(|_| PyValueError::new_err(format!("{name} must be a paged state view of the pool's dtype")))?
+        .shape()
+        .to_vec();
     if shape.len() != 4 {
         return Err(PyValueError::new_err(format!("{name} must be [num_pages, per_page, X, Y], got {shape:?}")));
     }
-    let strides: Vec<isize> = arr.strides().iter().map(|s| s / std::mem::size_of::<T>() as isize).collect();
-    let (extent, pages, per_page, stride, item) = paged_view(name, &shape, &strides)?;
-    keep.push(a.clone().unbind());
-    Ok(Pool {
-        mem: Raw { ptr: arr.data(), len: extent },
-        layout: (pages, per_page, stride, item),
-        item_shape: (shape[2], shape[3]),
-    })
+    let (mem, pages, per_page, stride, item) = paged::<T>(name, a, keep)?;
+    Ok(Pool { mem, layout: (pages, per_page, stride, item), item_shape: (shape[2], shape[3]) })
 }
 
 fn layer<T: numpy::Element>(
@@ -150,10 +112,10 @@ fn layer<T: numpy::Element>(
     keep: &mut Vec<Py<PyAny>>,
 ) -> PyResult<(Layer<T>, usize)> {
     let us = |n: &str| -> PyResult<usize> { dict_item(d, n)?.extract() };
-    let (ring, rshape) = contiguous_raw::<T>("ring", &dict_item(d, "ring")?, keep)?;
-    let (conv_w, wshape) = contiguous_raw::<T>("conv_w", &dict_item(d, "conv_w")?, keep)?;
-    let (a_log, ashape) = contiguous_raw::<T>("a_log", &dict_item(d, "a_log")?, keep)?;
-    let (dt_bias, dshape) = contiguous_raw::<T>("dt_bias", &dict_item(d, "dt_bias")?, keep)?;
+    let (ring, rshape) = shaped::<T>("ring", &dict_item(d, "ring")?, keep)?;
+    let (conv_w, wshape) = shaped::<T>("conv_w", &dict_item(d, "conv_w")?, keep)?;
+    let (a_log, ashape) = shaped::<T>("a_log", &dict_item(d, "a_log")?, keep)?;
+    let (dt_bias, dshape) = shaped::<T>("dt_bias", &dict_item(d, "dt_bias")?, keep)?;
     let conv_pool = pool::<T>("conv_pool", &dict_item(d, "conv_pool")?, keep)?;
     let rec_pool = pool::<f32>("rec_pool", &dict_item(d, "rec_pool")?, keep)?;
     let (hk, hv) = (us("key_heads")?, us("value_heads")?);
@@ -207,8 +169,8 @@ fn inner<T: numpy::Element>(
     kernels: (ConvKernel<T>, DeltaRuleKernel<T>),
     keep: &mut Vec<Py<PyAny>>,
 ) -> PyResult<Inner<T>> {
-    let (conv, cshape) = contiguous_raw::<T>("conv_scratch", conv, keep)?;
-    let (out, oshape) = contiguous_raw::<T>("out_scratch", out, keep)?;
+    let (conv, cshape) = shaped::<T>("conv_scratch", conv, keep)?;
+    let (out, oshape) = shaped::<T>("out_scratch", out, keep)?;
     if cshape.len() != 2 || oshape.len() != 2 || cshape[0] != oshape[0] {
         return Err(PyValueError::new_err("conv_scratch and out_scratch must be [R, C] and [R, H * V]"));
     }
@@ -265,28 +227,28 @@ fn replay<T>(p: &Inner<T>, n: usize, varlen: Varlen<'_>, table: &[i64], cols: us
     let c = p.conv_dim;
     for l in &p.layers {
         let Heads { key_heads: hk, value_heads: hv, key_dim: kd, value_dim: vd } = l.heads;
-        // SAFETY (every slice below): the plan's arrays are alive and only this call
-        // touches them (the class contract); each mutable slice is the only slice of
-        // its memory while it lives.
-        let ring = unsafe { l.ring.s() };
+        // (Every slice below: the plan's arrays are alive and only this call touches
+        // them, the class contract; each mutable slice is the only slice of its memory
+        // while it lives.)
+        let ring = l.ring.s(l.ring.len());
         let x = Rows::new(&ring[l.mixed_col..], n, c, p.ring_width)?;
-        let conv_out = unsafe { &mut p.conv.m()[..n * c] };
-        let conv_state = unsafe { l.conv_pool.mem.m() };
+        let conv_out = p.conv.m(n * c);
+        let conv_state = l.conv_pool.mem.m(l.conv_pool.mem.len());
         let paged = paged_of(&l.conv_pool, l.conv_base, table, cols);
-        (p.conv_k)(x, unsafe { l.conv_w.s() }, None, true, conv_state, paged, varlen, conv_out)?;
-        let co = unsafe { &p.conv.s()[..n * c] };
+        (p.conv_k)(x, l.conv_w.s(l.conv_w.len()), None, true, conv_state, paged, varlen, conv_out)?;
+        let co = p.conv.s(n * c);
         let (q, k) = (Rows::new(co, n, hk * kd, c)?, Rows::new(&co[hk * kd..], n, hk * kd, c)?);
         let v = Rows::new(&co[2 * hk * kd..], n, hv * vd, c)?;
         let ba = &ring[l.ba_col..];
         let gates = Gates::Raw {
             a: Rows::new(&ba[hv..], n, hv, p.ring_width)?,
             b: Rows::new(ba, n, hv, p.ring_width)?,
-            a_log: unsafe { l.a_log.s() },
-            dt_bias: unsafe { l.dt_bias.s() },
+            a_log: l.a_log.s(l.a_log.len()),
+            dt_bias: l.dt_bias.s(l.dt_bias.len()),
         };
-        let state = unsafe { l.rec_pool.mem.m() };
+        let state = l.rec_pool.mem.m(l.rec_pool.mem.len());
         let paged = paged_of(&l.rec_pool, l.rec_base, table, cols);
-        let out = unsafe { &mut p.out.m()[..n * hv * vd] };
+        let out = p.out.m(n * hv * vd);
         (p.rule_k)(q, k, v, gates, None, l.heads, l.scale, true, state, paged, varlen, out)?;
     }
     Ok(())
