@@ -187,24 +187,6 @@ fn body_bf16(ctx: &Ctx<'_, u16>, g: (usize, usize), j: usize) {
     run_task_body(ctx, g, j)
 }
 
-/// `f(pos, at)` for every position below `max_len` in order, `at` where its row starts
-/// in a cache (`first`: the KV head's offset in a row, `row`: a position's elements):
-/// block by block, no division per position.
-#[inline(always)]
-fn each_position(
-    (table, max_len, bs, stride, first, row): (&[i32], usize, usize, usize, usize, usize),
-    mut f: impl FnMut(usize, usize),
-) {
-    let mut pos = 0;
-    for &blk in table.iter().take(max_len.div_ceil(bs)) {
-        let base = blk as usize * stride + first;
-        for r in 0..bs.min(max_len - pos) {
-            f(pos, base + r * row);
-            pos += 1;
-        }
-    }
-}
-
 /// KV head `j` of the entries `g.0 .. g.1` (one block-table row): for every position,
 /// the K row (then the V row) is read and widened once, and used by each entry that
 /// sees it. Per entry and query head the arithmetic is that of an entry alone: its
@@ -249,19 +231,27 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, (g0, g1): (usize, usize), j: usize) 
         total += rep * l;
     }
     let mut p = vec![0.0f32; total];
-    let walk = (table, max_len, bs, stride, j * d, hkv * d);
-    each_position(walk, |pos, at| {
-        let krow = T::widen(&ctx.kv.k_cache[at..at + d], &mut rowbuf);
-        for e in 0..ne {
-            let len = lens[e];
-            if pos < len {
-                let q = qrows[e];
-                for h in 0..rep {
-                    p[off[e] + h * len + pos] = dot(&q[h * d..(h + 1) * d], krow) * ctx.scale;
+    // Position `pos` in block `blk` at row `r` of the block: no division per position.
+    // (This walk and the V pass's are written out: as closures given to one shared
+    // walker, the kernel measured 2x slower; their bodies likely lost the AVX2 copy.)
+    let mut pos = 0;
+    for &blk in table.iter().take(max_len.div_ceil(bs)) {
+        let base = blk as usize * stride + j * d;
+        for r in 0..bs.min(max_len - pos) {
+            let at = base + r * hkv * d;
+            let krow = T::widen(&ctx.kv.k_cache[at..at + d], &mut rowbuf);
+            for e in 0..ne {
+                let len = lens[e];
+                if pos < len {
+                    let q = qrows[e];
+                    for h in 0..rep {
+                        p[off[e] + h * len + pos] = dot(&q[h * d..(h + 1) * d], krow) * ctx.scale;
+                    }
                 }
             }
+            pos += 1;
         }
-    });
+    }
     let mut inv = vec![0.0f32; ne * rep];
     for e in 0..ne {
         let len = lens[e];
@@ -283,21 +273,27 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, (g0, g1): (usize, usize), j: usize) 
         }
     }
     let mut acc = vec![0.0f32; ne * rep * d];
-    each_position(walk, |pos, at| {
-        let vrow = T::widen(&ctx.kv.v_cache[at..at + d], &mut rowbuf);
-        for e in 0..ne {
-            let len = lens[e];
-            if pos < len {
-                for h in 0..rep {
-                    let w = p[off[e] + h * len + pos];
-                    let a = &mut acc[(e * rep + h) * d..(e * rep + h + 1) * d];
-                    for (a, &v) in a.iter_mut().zip(vrow) {
-                        *a += w * v;
+    let mut pos = 0;
+    for &blk in table.iter().take(max_len.div_ceil(bs)) {
+        let base = blk as usize * stride + j * d;
+        for r in 0..bs.min(max_len - pos) {
+            let at = base + r * hkv * d;
+            let vrow = T::widen(&ctx.kv.v_cache[at..at + d], &mut rowbuf);
+            for e in 0..ne {
+                let len = lens[e];
+                if pos < len {
+                    for h in 0..rep {
+                        let w = p[off[e] + h * len + pos];
+                        let a = &mut acc[(e * rep + h) * d..(e * rep + h + 1) * d];
+                        for (a, &v) in a.iter_mut().zip(vrow) {
+                            *a += w * v;
+                        }
                     }
                 }
             }
+            pos += 1;
         }
-    });
+    }
     for (e, i) in (g0..g1).enumerate() {
         let row = ctx.seqs.rows[i] as usize;
         // SAFETY: this row's query heads j*rep .. (j+1)*rep belong to this task (rows
