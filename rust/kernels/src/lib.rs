@@ -210,6 +210,31 @@ pub struct PagedState<'a> {
     pub read_only: &'a [bool],
 }
 
+impl<'a> PagedState<'a> {
+    /// Items from `item_base` of the pages that `table` (`[B, cols]`) names, in a pool of
+    /// `num_pages` pages `page_stride` elements apart, each holding `per_page` items of
+    /// `item_len` elements; no checkpoints, and every run writes its state back.
+    pub fn plain(
+        table: &'a [i64],
+        cols: usize,
+        item_base: usize,
+        (num_pages, per_page, page_stride, item_len): (usize, usize, usize, usize),
+    ) -> Self {
+        PagedState {
+            table,
+            cols,
+            item_base,
+            per_page,
+            page_stride,
+            item_len,
+            num_pages,
+            checkpoint_positions: &[],
+            checkpoint_table: &[],
+            read_only: &[],
+        }
+    }
+}
+
 impl PagedState<'_> {
     #[inline(always)]
     fn at(&self, table: &[i64], b: usize, h: usize) -> usize {

@@ -175,7 +175,6 @@ fn paged_state<'a>(
         None => &[],
     };
     let (tab, cols) = table("state_pages", state_pages)?;
-    let (num_pages, per_page, page_stride, item_len) = layout;
     let (ck, ck_tab) = match (checkpoint_positions, checkpoint_pages) {
         (Some(p), Some(t)) => {
             let (t, c) = table("checkpoint_pages", t)?;
@@ -194,16 +193,10 @@ fn paged_state<'a>(
         }
     };
     Ok(PagedState {
-        table: tab,
-        cols,
-        item_base,
-        per_page,
-        page_stride,
-        item_len,
-        num_pages,
         checkpoint_positions: ck,
         checkpoint_table: ck_tab,
         read_only,
+        ..PagedState::plain(tab, cols, item_base, layout)
     })
 }
 

@@ -203,22 +203,6 @@ fn inner<T: numpy::Element>(
     })
 }
 
-fn paged_of<'a, T>(p: &Pool<T>, item_base: usize, table: &'a [i64], cols: usize) -> PagedState<'a> {
-    let (num_pages, per_page, page_stride, item_len) = p.layout;
-    PagedState {
-        table,
-        cols,
-        item_base,
-        per_page,
-        page_stride,
-        item_len,
-        num_pages,
-        checkpoint_positions: &[],
-        checkpoint_table: &[],
-        read_only: &[],
-    }
-}
-
 /// Every layer's conv then delta rule over rows `0 .. n` of its ring.
 fn replay<T>(p: &Inner<T>, n: usize, varlen: Varlen<'_>, table: &[i64], cols: usize) -> Result<(), KernelError> {
     if n > p.rows {
@@ -234,7 +218,7 @@ fn replay<T>(p: &Inner<T>, n: usize, varlen: Varlen<'_>, table: &[i64], cols: us
         let x = Rows::new(&ring[l.mixed_col..], n, c, p.ring_width)?;
         let conv_out = p.conv.m(n * c);
         let conv_state = l.conv_pool.mem.m(l.conv_pool.mem.len());
-        let paged = paged_of(&l.conv_pool, l.conv_base, table, cols);
+        let paged = PagedState::plain(table, cols, l.conv_base, l.conv_pool.layout);
         (p.conv_k)(x, l.conv_w.s(l.conv_w.len()), None, true, conv_state, paged, varlen, conv_out)?;
         let co = p.conv.s(n * c);
         let (q, k) = (Rows::new(co, n, hk * kd, c)?, Rows::new(&co[hk * kd..], n, hk * kd, c)?);
@@ -247,7 +231,7 @@ fn replay<T>(p: &Inner<T>, n: usize, varlen: Varlen<'_>, table: &[i64], cols: us
             dt_bias: l.dt_bias.s(l.dt_bias.len()),
         };
         let state = l.rec_pool.mem.m(l.rec_pool.mem.len());
-        let paged = paged_of(&l.rec_pool, l.rec_base, table, cols);
+        let paged = PagedState::plain(table, cols, l.rec_base, l.rec_pool.layout);
         let out = p.out.m(n * hv * vd);
         (p.rule_k)(q, k, v, gates, None, l.heads, l.scale, true, state, paged, varlen, out)?;
     }
