@@ -358,6 +358,14 @@ impl Checkpoints {
             let score = lost as f64 / (1.0 + self.state_pages * n as f64);
             consider(EvictKey { score, kind: 0, recency: kv.park_stamp(b), id: b as u64 }, Victim::Block(b));
         }
+        if best.is_none() && limit.is_infinite() {
+            // Every parked block counts as available (`available_pages`), so one must be
+            // reachable: a chain's parked blocks can sit before blocks a table still holds
+            // (the random model test found such a chain: blocks 5-7 of 15 parked, 8-14 in
+            // a table), and then no chain end above is parked. The least recently parked
+            // block goes (dropping the checkpoints whose chains hold it).
+            return kv.lru_order().first().map(|&b| Victim::Block(b));
+        }
         best.map(|(_, v)| v)
     }
 

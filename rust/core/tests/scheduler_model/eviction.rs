@@ -47,6 +47,13 @@ fn model_candidates(r: &EvictionRecord) -> Vec<((f64, u8, u64, u64), Victim)> {
             out.push(((value(c.tokens), 1, c.last_used, c.seq_no), Victim::Checkpoint(c.key)));
         }
     }
+    // Nothing allowed, and no value cap: the least recently parked block (every parked
+    // block is counted available, so one must be reachable).
+    if out.is_empty() && r.limit.is_infinite() {
+        if let Some(&(b, _, stamp)) = r.parked.iter().min_by_key(|p| p.2) {
+            out.push(((0.0, 0, stamp, b as u64), Victim::Block(b)));
+        }
+    }
     out
 }
 
