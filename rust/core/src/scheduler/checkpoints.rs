@@ -342,8 +342,9 @@ impl Checkpoints {
             if c.busy_step < guard && v <= limit {
                 consider(EvictKey { score: v, kind: 1, recency: c.last_used, id: c.seq_no }, Victim::Checkpoint(g));
             }
-            // The block that ends its chain, when parked (a chain's parked blocks
-            // are a suffix of it: a table holding a block holds those before it).
+            // The block that ends its chain, when parked. A chain's parked blocks are
+            // usually a suffix of it (a table holding a block holds those before it),
+            // but not always: see the fallback below.
             let Some(&(b, bg)) = c.chain.last() else { continue };
             if !kv.is_parked_entry(b, bg) {
                 continue;
@@ -362,8 +363,10 @@ impl Checkpoints {
             // Every parked block counts as available (`available_pages`), so one must be
             // reachable: a chain's parked blocks can sit before blocks a table still holds
             // (the random model test found such a chain: blocks 5-7 of 15 parked, 8-14 in
-            // a table), and then no chain end above is parked. The least recently parked
-            // block goes (dropping the checkpoints whose chains hold it).
+            // a table; likely a table that computed blocks already cached elsewhere, whose
+            // chain links to those entries, see `KvCacheManager::cache_full_blocks`), and
+            // then no chain end above is parked. The least recently parked block goes
+            // (dropping the checkpoints whose chains hold it).
             return kv.lru_order().first().map(|&b| Victim::Block(b));
         }
         best.map(|(_, v)| v)
