@@ -21,9 +21,9 @@ Greedy outputs are compared on/off in every run (they must be identical).
 Each configuration's engine is built once, warmed up, and reused by every rep (reps
 interleaved across configurations), as a server serves request after request; the
 engine's stats (acceptance) are then over every rep. ``--fresh-engines`` builds a new
-engine per rep instead, so its first calls and first touches of memory are timed too:
-at batch 1 a 256-token request lasts ~0.2 s, and those costs then move the ratios by
-tenths from run to run.
+engine per rep instead, so its first calls and first touches of memory are timed too;
+at batch 1 a request is short, and those costs then move the ratios from run to run
+(benches/RESULTS.md, issue 34's "verify step's cost" section).
 """
 
 from __future__ import annotations

@@ -233,7 +233,7 @@ fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, (g0, g1): (usize, usize), j: usize) 
     let mut p = vec![0.0f32; total];
     // Position `pos` in block `blk` at row `r` of the block: no division per position.
     // (This walk and the V pass's are written out: as closures given to one shared
-    // walker, the kernel measured 2x slower; their bodies likely lost the AVX2 copy.)
+    // walker the kernel ran much slower, see benches/RESULTS.md, "the verify step's cost".)
     let mut pos = 0;
     for &blk in table.iter().take(max_len.div_ceil(bs)) {
         let base = blk as usize * stride + j * d;

@@ -52,10 +52,9 @@ const ROWS_PER_TASK_FEW: usize = 128;
 /// rows are read side by side (AVX2).
 const PREFETCH_BLOCKS: usize = 1;
 /// The same for the AVX-512 tiles of 3-5 rows (a speculative verify step). Between two
-/// engine steps the weights leave the cache, so a step streams them from memory: one
-/// block ahead (4 rows of `K` values) hides too little of that latency, and the 4-row
-/// step then cost ~2x the 1-row one; four blocks ahead brings it to the 1-row cost
-/// (benches/RESULTS.md, "the verify GEMM's prefetch distance").
+/// engine steps the weights leave the cache, so a step streams them from memory, and
+/// one block ahead (4 rows of `K` values) hides too little of that latency
+/// (benches/RESULTS.md, "The verify GEMM's prefetch distance").
 const PREFETCH_BLOCKS_AVX512: usize = 4;
 
 /// Where the products go: float32, or bfloat16 bits rounded to nearest even.

@@ -362,10 +362,9 @@ impl Checkpoints {
         if best.is_none() && limit.is_infinite() {
             // Every parked block counts as available (`available_pages`), so one must be
             // reachable: a chain's parked blocks can sit before blocks a table still holds
-            // (the random model test found such a chain: blocks 5-7 of 15 parked, 8-14 in
-            // a table; likely a table that computed blocks already cached elsewhere, whose
-            // chain links to those entries, see `KvCacheManager::cache_full_blocks`), and
-            // then no chain end above is parked. The least recently parked block goes
+            // (the random model test found such a chain; likely a table that computed
+            // blocks already cached elsewhere, whose chain links to those entries, see
+            // `KvCacheManager::cache_full_blocks`), and then no chain end above is parked. The least recently parked block goes
             // (dropping the checkpoints whose chains hold it).
             return kv.lru_order().first().map(|&b| Victim::Block(b));
         }
