@@ -10,6 +10,12 @@ import torch
 
 _BF16 = torch.bfloat16
 
+# The key of ``ForwardBatch.op_plans`` under which a step's attention layout with runs
+# as one decode query per row lies (query_start_loc, seq_lens, block tables; see
+# :func:`decode_rows_layout`): every attention layer of the step, module path and
+# native step alike, reads it instead of the batch's own layout.
+DECODE_ROWS = "rows_as_decodes"
+
 
 def _view(t: torch.Tensor) -> np.ndarray:
     """The tensor's memory as numpy, no copy (bfloat16 as uint16 bits)."""

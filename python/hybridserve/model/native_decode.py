@@ -51,7 +51,7 @@ from torch import nn
 from hybridserve.kernels import native
 from hybridserve.model.layers import Projection
 from hybridserve.model.moe import SparseMoeBlock
-from hybridserve.model.native_buffers import _BF16, _Buffers, _view
+from hybridserve.model.native_buffers import _BF16, DECODE_ROWS, _Buffers, _view  # noqa: F401 (DECODE_ROWS: re-exported)
 from hybridserve.model.native_spec import NativeSpecPasses
 from hybridserve.model.quant_gemm import QuantGemm, quant_matmul_kernel
 
@@ -66,11 +66,6 @@ def _hooked(modules) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
-# The key of ``ForwardBatch.op_plans`` under which a step's attention layout with runs
-# as one decode query per row lies (query_start_loc, seq_lens, block tables; see
-# :func:`decode_rows_layout`): every attention layer of the step, module path and
-# native step alike, reads it instead of the batch's own layout.
-DECODE_ROWS = "rows_as_decodes"
 
 
 # The key of ``ForwardBatch.op_plans`` under which the :class:`NativeDecodeStep` that ran

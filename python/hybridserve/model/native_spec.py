@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from hybridserve.kernels import native
-from hybridserve.model.native_buffers import _Buffers, _SpecProj, _view
+from hybridserve.model.native_buffers import DECODE_ROWS, _Buffers, _SpecProj, _view
 
 
 class NativeSpecPasses:
@@ -24,8 +24,6 @@ class NativeSpecPasses:
         decode query per row), so bit-identical to it: ``(logits, mtp_hidden)``, or
         ``None`` (nothing run) where that path must run: no MTP layer, more rows than
         the native GEMM takes, no per-row decode layout in ``batch.op_plans``."""
-        from hybridserve.model.native_decode import DECODE_ROWS  # (it imports this module)
-
         m = self._mtp
         t = int(input_ids.shape[0])
         if m is None or cache.dtype != self.model.dtype or cache.mtp_layer_index is None:
