@@ -56,6 +56,13 @@ const PREFETCH_BLOCKS: usize = 1;
 /// one block ahead (4 rows of `K` values) hides too little of that latency
 /// (benches/RESULTS.md, "The verify GEMM's prefetch distance").
 const PREFETCH_BLOCKS_AVX512: usize = 4;
+/// How many 32-key steps ahead, in the weight rows it is reading, an AVX-512 tile of
+/// 3-5 rows also prefetches into L1 while it streams a block. The far prefetch above
+/// brings the lines to L2; loads that still wait on L2 stall the tile's `vdpbf16ps`
+/// (a 4-5-row step is as much arithmetic as memory time), and lines already in L1
+/// let that arithmetic run under the stream (benches/RESULTS.md, "the near
+/// prefetch").
+const PREFETCH_NEAR_STEPS: usize = 8;
 
 /// Where the products go: float32, or bfloat16 bits rounded to nearest even.
 pub enum Out<'a> {
@@ -301,7 +308,7 @@ unsafe fn scalar_tile<const C: usize>(
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Tile, MR};
+    use super::{Tile, MR, PREFETCH_NEAR_STEPS};
     use crate::row_tiles::x86::lane_sums;
     use std::arch::x86_64::*;
 
@@ -317,8 +324,9 @@ mod avx512 {
 
     /// `R` rows of `x` against the `C` weight rows over all `k`: 32 keys per step
     /// (`vdpbf16ps` adds 16 pairs of products), the last partial step masked. `next`
-    /// (unless null): the `C k` values to prefetch into L2, one line (32 values) per
-    /// weight row per step.
+    /// (unless null: the block is streamed, not already cached): the `C k` values to
+    /// prefetch into L2, one line (32 values) per weight row per step, and the block's
+    /// own lines [`PREFETCH_NEAR_STEPS`] steps ahead into L1.
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     pub(super) unsafe fn tile<const R: usize, const C: usize>(
         xs: &[*const u16; MR],
@@ -332,6 +340,8 @@ mod avx512 {
             if !next.is_null() {
                 for c in 0..C {
                     _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(C * kk + 32 * c) as *const i8);
+                    // (Past a row's end this reads ahead into the next row: harmless.)
+                    _mm_prefetch::<_MM_HINT_T0>(ws[c].wrapping_add(kk + 32 * PREFETCH_NEAR_STEPS) as *const i8);
                 }
             }
             let wv: [__m512bh; C] = std::array::from_fn(|c| load(ws[c].add(kk)));
