@@ -273,19 +273,43 @@ fn body_bf16(ctx: &Ctx<'_, u16>, b: usize, head: usize) {
 
 type TaskFn<T> = fn(&Ctx<'_, T>, usize, usize);
 
-/// The hand-vectorised AVX2 task for value dims of 32, 64 or 128 (Qwen3.5's sizes),
-/// `portable` otherwise.
+/// The hand-vectorised task for value dims of 32, 64 or 128 (Qwen3.5's sizes): with
+/// AVX-512 registers where the CPU has them, else AVX2 ones (the same bits either
+/// way, see [`simd`]); `portable` for other dims and CPUs.
 fn task_fn<T: Elem>(vd: usize, portable: TaskFn<T>) -> TaskFn<T> {
     #[cfg(target_arch = "x86_64")]
-    if crate::math::has_avx2() {
-        match vd {
-            32 => return |c, b, h| unsafe { avx2::run_task::<4, T>(c, b, h) },
-            64 => return |c, b, h| unsafe { avx2::run_task::<8, T>(c, b, h) },
-            128 => return |c, b, h| unsafe { avx2::run_task::<16, T>(c, b, h) },
-            _ => {}
+    {
+        if crate::math::has_avx512f() && !tests_force_avx2() {
+            match vd {
+                32 => return |c, b, h| unsafe { simd::run_task_avx512::<2, T>(c, b, h) },
+                64 => return |c, b, h| unsafe { simd::run_task_avx512::<4, T>(c, b, h) },
+                128 => return |c, b, h| unsafe { simd::run_task_avx512::<8, T>(c, b, h) },
+                _ => {}
+            }
+        }
+        if crate::math::has_avx2() {
+            match vd {
+                32 => return |c, b, h| unsafe { simd::run_task_avx2::<4, T>(c, b, h) },
+                64 => return |c, b, h| unsafe { simd::run_task_avx2::<8, T>(c, b, h) },
+                128 => return |c, b, h| unsafe { simd::run_task_avx2::<16, T>(c, b, h) },
+                _ => {}
+            }
         }
     }
     portable
+}
+
+/// Tests set this to run the AVX2 task where the CPU has AVX-512 too (other tests
+/// running meanwhile then take the AVX2 task as well: the same bits).
+#[cfg(test)]
+static FORCE_AVX2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+#[inline(always)]
+fn tests_force_avx2() -> bool {
+    #[cfg(test)]
+    return FORCE_AVX2.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(test))]
+    false
 }
 
 /// Per-token inputs: normalised `k`, scaled normalised `q`, decay `exp(g)` and `beta`.
@@ -356,9 +380,14 @@ fn write_output<T: Elem>(ctx: &Ctx<'_, T>, t: usize, head: usize, o: &mut [f32],
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    //! Rows of `8 * NV` values held in `NV` AVX registers; the correction and the
-    //! output accumulators stay in registers across the sweep.
+mod simd {
+    //! Rows of `L::N * NV` values held in `NV` vector registers; the correction and
+    //! the output accumulators stay in registers across the sweep. One body for two
+    //! widths: AVX2 (8 lanes, 16 registers) and AVX-512 (16 lanes, 32 registers). At
+    //! Qwen3.5's value dim of 128 the AVX2 task's three rows of accumulators (48
+    //! registers' worth) spill to the stack on every step of the sweep; AVX-512 holds
+    //! them (24 registers). Every operation is lane by lane, so both widths give each
+    //! state element and output the same bits.
     //!
     //! Token `t` needs two sweeps over the state: decay it and read `S^T k`, then
     //! write `k delta^T` and read `S^T q`. The second sweep of token `t` and the first
@@ -368,38 +397,129 @@ mod avx2 {
     use crate::bf16::Elem;
     use std::arch::x86_64::*;
 
-    /// Token t's first sweep: decay the state, and return `S^T k`.
+    /// A float32 vector register and the lane-wise operations the task uses. The
+    /// methods are `#[inline(always)]` so that they compile into the caller's
+    /// `target_feature` function (the entry points below).
+    pub(super) trait Lanes: Copy {
+        /// Lanes per register.
+        const N: usize;
+        unsafe fn zero() -> Self;
+        unsafe fn splat(x: f32) -> Self;
+        unsafe fn load(p: *const f32) -> Self;
+        unsafe fn store(self, p: *mut f32);
+        unsafe fn sub(self, o: Self) -> Self;
+        unsafe fn mul(self, o: Self) -> Self;
+        /// `self * b + c`, rounded once.
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self;
+    }
+
+    #[derive(Clone, Copy)]
+    pub(super) struct Ymm(__m256);
+    #[derive(Clone, Copy)]
+    pub(super) struct Zmm(__m512);
+
+    impl Lanes for Ymm {
+        const N: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Ymm(_mm256_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Ymm(_mm256_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Ymm(_mm256_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm256_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn sub(self, o: Self) -> Self {
+            Ymm(_mm256_sub_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(self, o: Self) -> Self {
+            Ymm(_mm256_mul_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+            Ymm(_mm256_fmadd_ps(self.0, b.0, c.0))
+        }
+    }
+
+    impl Lanes for Zmm {
+        const N: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Zmm(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Zmm(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Zmm(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn sub(self, o: Self) -> Self {
+            Zmm(_mm512_sub_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(self, o: Self) -> Self {
+            Zmm(_mm512_mul_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+            Zmm(_mm512_fmadd_ps(self.0, b.0, c.0))
+        }
+    }
+
+    /// The task with 8-lane registers (`NV = V / 8`).
     #[target_feature(enable = "avx2,fma")]
-    #[inline]
-    unsafe fn first_sweep<const NV: usize>(
-        sp: *mut f32,
-        kn: &[f32],
-        decay: f32,
-        vd: usize,
-    ) -> [__m256; NV] {
-        let mut mem = [_mm256_setzero_ps(); NV];
-        let dv = _mm256_set1_ps(decay);
+    pub(super) unsafe fn run_task_avx2<const NV: usize, T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
+        run_task::<Ymm, NV, T>(ctx, b, head)
+    }
+
+    /// The task with 16-lane registers (`NV = V / 16`).
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn run_task_avx512<const NV: usize, T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
+        run_task::<Zmm, NV, T>(ctx, b, head)
+    }
+
+    /// Token t's first sweep: decay the state, and return `S^T k`.
+    #[inline(always)]
+    unsafe fn first_sweep<L: Lanes, const NV: usize>(sp: *mut f32, kn: &[f32], decay: f32, vd: usize) -> [L; NV] {
+        let mut mem = [L::zero(); NV];
+        let dv = L::splat(decay);
         for (kk, &kc) in kn.iter().enumerate() {
-            let kc = _mm256_set1_ps(kc);
+            let kc = L::splat(kc);
             for (i, m) in mem.iter_mut().enumerate() {
-                let p = sp.add(kk * vd + 8 * i);
-                let x = _mm256_mul_ps(_mm256_loadu_ps(p), dv);
-                _mm256_storeu_ps(p, x);
-                *m = _mm256_fmadd_ps(x, kc, *m);
+                let p = sp.add(kk * vd + L::N * i);
+                let x = L::load(p).mul(dv);
+                x.store(p);
+                *m = x.fmadd(kc, *m);
             }
         }
         mem
     }
 
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn run_task<const NV: usize, T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
+    #[inline(always)]
+    unsafe fn run_task<L: Lanes, const NV: usize, T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
         let Heads {
             key_heads: hk,
             value_heads: h,
             key_dim: kd,
             value_dim: vd,
         } = ctx.heads;
-        debug_assert_eq!(vd, 8 * NV);
+        debug_assert_eq!(vd, L::N * NV);
         let j = head / (h / hk);
         let (start, end) = ctx.varlen.run(b);
         // SAFETY: this (sequence, head) item is this task's alone (pages distinct among
@@ -425,34 +545,30 @@ mod avx2 {
         // Where bfloat16 q/k, v and z rows are widened (empty for float32).
         let (mut wide_qk, mut wide_v, mut wide_z) = (T::scratch(2 * kd), T::scratch(vd), T::scratch(vd));
         let mut o = vec![0.0f32; vd];
-        let zero = _mm256_setzero_ps();
+        let zero = L::zero();
         let (decay, mut beta) = token_inputs(ctx, start, j, head, &mut kn, &mut qn, &mut wide_qk);
-        let mut mem = first_sweep::<NV>(sp, &kn, decay, vd);
+        let mut mem = first_sweep::<L, NV>(sp, &kn, decay, vd);
         for t in start..end {
             let vr = T::widen(&ctx.v.row(t)[head * vd..(head + 1) * vd], &mut wide_v).as_ptr();
-            let bv = _mm256_set1_ps(beta);
+            let bv = L::splat(beta);
             let mut delta = [zero; NV];
             for i in 0..NV {
-                delta[i] = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(vr.add(8 * i)), mem[i]), bv);
+                delta[i] = L::load(vr.add(L::N * i)).sub(mem[i]).mul(bv);
             }
             let mut acc = [zero; NV];
             if t + 1 < end && t + 1 != ck_row {
                 let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2, &mut wide_qk);
-                let dv = _mm256_set1_ps(decay2);
+                let dv = L::splat(decay2);
                 let mut mem2 = [zero; NV];
                 for kk in 0..kd {
-                    let (kc, qc, kc2) = (
-                        _mm256_set1_ps(kn[kk]),
-                        _mm256_set1_ps(qn[kk]),
-                        _mm256_set1_ps(kn2[kk]),
-                    );
+                    let (kc, qc, kc2) = (L::splat(kn[kk]), L::splat(qn[kk]), L::splat(kn2[kk]));
                     for i in 0..NV {
-                        let p = sp.add(kk * vd + 8 * i);
-                        let w = _mm256_fmadd_ps(kc, delta[i], _mm256_loadu_ps(p));
-                        acc[i] = _mm256_fmadd_ps(w, qc, acc[i]);
-                        let w2 = _mm256_mul_ps(w, dv);
-                        mem2[i] = _mm256_fmadd_ps(w2, kc2, mem2[i]);
-                        _mm256_storeu_ps(p, w2);
+                        let p = sp.add(kk * vd + L::N * i);
+                        let w = kc.fmadd(delta[i], L::load(p));
+                        acc[i] = w.fmadd(qc, acc[i]);
+                        let w2 = w.mul(dv);
+                        mem2[i] = w2.fmadd(kc2, mem2[i]);
+                        w2.store(p);
                     }
                 }
                 mem = mem2;
@@ -461,12 +577,12 @@ mod avx2 {
                 // The run's last token, or the checkpoint's: the state must be whole
                 // after this token, so no fused decay of the next one.
                 for kk in 0..kd {
-                    let (kc, qc) = (_mm256_set1_ps(kn[kk]), _mm256_set1_ps(qn[kk]));
+                    let (kc, qc) = (L::splat(kn[kk]), L::splat(qn[kk]));
                     for i in 0..NV {
-                        let p = sp.add(kk * vd + 8 * i);
-                        let w = _mm256_fmadd_ps(kc, delta[i], _mm256_loadu_ps(p));
-                        acc[i] = _mm256_fmadd_ps(w, qc, acc[i]);
-                        _mm256_storeu_ps(p, w);
+                        let p = sp.add(kk * vd + L::N * i);
+                        let w = kc.fmadd(delta[i], L::load(p));
+                        acc[i] = w.fmadd(qc, acc[i]);
+                        w.store(p);
                     }
                 }
                 if t + 1 == ck_row {
@@ -478,13 +594,13 @@ mod avx2 {
                     }
                     if t + 1 < end {
                         let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2, &mut wide_qk);
-                        mem = first_sweep::<NV>(sp, &kn2, decay2, vd);
+                        mem = first_sweep::<L, NV>(sp, &kn2, decay2, vd);
                         beta = beta2;
                     }
                 }
             }
             for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(o.as_mut_ptr().add(8 * i), *a);
+                a.store(o.as_mut_ptr().add(L::N * i));
             }
             write_output(ctx, t, head, &mut o, &mut wide_z);
             std::mem::swap(&mut kn, &mut kn2);

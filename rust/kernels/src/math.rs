@@ -94,6 +94,14 @@ pub fn has_avx2() -> bool {
     })
 }
 
+/// True when AVX-512F copies of the kernels may run on this CPU (checked once).
+#[cfg(target_arch = "x86_64")]
+pub fn has_avx512f() -> bool {
+    use std::sync::OnceLock;
+    static YES: OnceLock<bool> = OnceLock::new();
+    *YES.get_or_init(|| std::is_x86_feature_detected!("avx512f"))
+}
+
 /// Defines `$name` calling `$body` through an AVX2-compiled copy when the CPU has it.
 /// The body is `#[inline(always)]`, so each copy is vectorised for its own target.
 macro_rules! dispatch {

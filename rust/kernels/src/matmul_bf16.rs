@@ -338,10 +338,10 @@ mod avx512 {
         let mut kk = 0;
         while kk + 32 <= k {
             if !next.is_null() {
-                for c in 0..C {
+                for (c, w) in ws.iter().enumerate() {
                     _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(C * kk + 32 * c) as *const i8);
                     // (Past a row's end this reads ahead into the next row: harmless.)
-                    _mm_prefetch::<_MM_HINT_T0>(ws[c].wrapping_add(kk + 32 * PREFETCH_NEAR_STEPS) as *const i8);
+                    _mm_prefetch::<_MM_HINT_T0>(w.wrapping_add(kk + 32 * PREFETCH_NEAR_STEPS) as *const i8);
                 }
             }
             let wv: [__m512bh; C] = std::array::from_fn(|c| load(ws[c].add(kk)));
