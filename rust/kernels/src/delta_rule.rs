@@ -273,6 +273,12 @@ fn body_bf16(ctx: &Ctx<'_, u16>, b: usize, head: usize) {
 
 type TaskFn<T> = fn(&Ctx<'_, T>, usize, usize);
 
+thread_local! {
+    /// A read-only run's private copy of its state item, kept for the thread's next
+    /// such task: no allocation per task, and the buffer stays in the thread's cache.
+    static PRIVATE_STATE: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 /// The hand-vectorised task for value dims of 32, 64 or 128 (Qwen3.5's sizes): with
 /// AVX-512 registers where the CPU has them, else AVX2 ones (the same bits either
 /// way, see [`simd`]); `portable` for other dims and CPUs.
@@ -494,17 +500,24 @@ mod simd {
         run_task::<Zmm, NV, T>(ctx, b, head)
     }
 
-    /// Token t's first sweep: decay the state, and return `S^T k`.
+    /// Token t's first sweep: decay the state read at `src` into `dst` (the same
+    /// place, or a read-only run's private copy), and return `S^T k`.
     #[inline(always)]
-    unsafe fn first_sweep<L: Lanes, const NV: usize>(sp: *mut f32, kn: &[f32], decay: f32, vd: usize) -> [L; NV] {
+    unsafe fn first_sweep<L: Lanes, const NV: usize>(
+        src: *const f32,
+        dst: *mut f32,
+        kn: &[f32],
+        decay: f32,
+        vd: usize,
+    ) -> [L; NV] {
         let mut mem = [L::zero(); NV];
         let dv = L::splat(decay);
         for (kk, &kc) in kn.iter().enumerate() {
             let kc = L::splat(kc);
             for (i, m) in mem.iter_mut().enumerate() {
-                let p = sp.add(kk * vd + L::N * i);
-                let x = L::load(p).mul(dv);
-                x.store(p);
+                let at = kk * vd + L::N * i;
+                let x = L::load(src.add(at)).mul(dv);
+                x.store(dst.add(at));
                 *m = x.fmadd(kc, *m);
             }
         }
@@ -525,21 +538,28 @@ mod simd {
         // SAFETY: this (sequence, head) item is this task's alone (pages distinct among
         // the runs and their checkpoints, validated; one task per head).
         let item = ctx.state.slice(ctx.paged.item(b, head), kd * vd);
-        // A read-only (speculative) run advances a private copy: its item stays as it was.
-        let mut private: Vec<f32>;
-        let s: &mut [f32] = if ctx.paged.is_read_only(b) {
-            private = item.to_vec();
-            &mut private
+        // A read-only (speculative) run advances a private copy, this thread's scratch:
+        // its item stays as it was. The first sweep reads the item and writes the copy,
+        // so the item is read once.
+        let mut scratch = super::PRIVATE_STATE.with(|p| p.take());
+        let (src, sp): (*const f32, *mut f32) = if ctx.paged.is_read_only(b) {
+            scratch.resize(kd * vd, 0.0);
+            let s = scratch.as_mut_ptr();
+            if ctx.varlen.has_initial_state[b] {
+                (item.as_ptr(), s)
+            } else {
+                scratch.fill(0.0);
+                (s, s)
+            }
         } else {
-            item
+            if !ctx.varlen.has_initial_state[b] {
+                item.fill(0.0);
+            }
+            (item.as_ptr(), item.as_mut_ptr())
         };
-        if !ctx.varlen.has_initial_state[b] {
-            s.fill(0.0);
-        }
         // Absolute row after which the state is the checkpoint (never `start`: k >= 1).
         let ckpt = ctx.paged.checkpoint(b, head);
         let ck_row = ckpt.map_or(usize::MAX, |(k, _)| start + k);
-        let sp = s.as_mut_ptr();
         let (mut kn, mut qn) = (vec![0.0f32; kd], vec![0.0f32; kd]);
         let (mut kn2, mut qn2) = (vec![0.0f32; kd], vec![0.0f32; kd]);
         // Where bfloat16 q/k, v and z rows are widened (empty for float32).
@@ -547,7 +567,7 @@ mod simd {
         let mut o = vec![0.0f32; vd];
         let zero = L::zero();
         let (decay, mut beta) = token_inputs(ctx, start, j, head, &mut kn, &mut qn, &mut wide_qk);
-        let mut mem = first_sweep::<L, NV>(sp, &kn, decay, vd);
+        let mut mem = first_sweep::<L, NV>(src, sp, &kn, decay, vd);
         for t in start..end {
             let vr = T::widen(&ctx.v.row(t)[head * vd..(head + 1) * vd], &mut wide_v).as_ptr();
             let bv = L::splat(beta);
@@ -594,7 +614,7 @@ mod simd {
                     }
                     if t + 1 < end {
                         let (decay2, beta2) = token_inputs(ctx, t + 1, j, head, &mut kn2, &mut qn2, &mut wide_qk);
-                        mem = first_sweep::<L, NV>(sp, &kn2, decay2, vd);
+                        mem = first_sweep::<L, NV>(sp, sp, &kn2, decay2, vd);
                         beta = beta2;
                     }
                 }
@@ -606,6 +626,7 @@ mod simd {
             std::mem::swap(&mut kn, &mut kn2);
             std::mem::swap(&mut qn, &mut qn2);
         }
+        super::PRIVATE_STATE.with(|p| p.set(scratch));
     }
 }
 

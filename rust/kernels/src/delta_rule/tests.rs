@@ -377,10 +377,11 @@ fn bf16_inputs_equal_the_float32_kernel_on_their_values() {
 /// Read-only (speculative) runs: the same output as a run that writes, their state
 /// items left bit-for-bit as they were (fresh and continued runs), the other runs of
 /// the call written as usual; a checkpoint on a read-only run is refused. Portable
-/// (12) and AVX2 (32) tasks.
+/// (12) and vector (32, 128, then 32 again: the thread's reused private copy changes
+/// size) tasks.
 #[test]
 fn read_only_runs_compute_the_same_and_write_nothing() {
-    for vd in [12usize, 32] {
+    for vd in [12usize, 32, 128, 32] {
         let heads = Heads {
             key_heads: 1,
             value_heads: 2,
