@@ -424,69 +424,44 @@ mod simd {
     #[derive(Clone, Copy)]
     pub(super) struct Zmm(__m512);
 
-    impl Lanes for Ymm {
-        const N: usize = 8;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            Ymm(_mm256_setzero_ps())
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            Ymm(_mm256_set1_ps(x))
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            Ymm(_mm256_loadu_ps(p))
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            _mm256_storeu_ps(p, self.0)
-        }
-        #[inline(always)]
-        unsafe fn sub(self, o: Self) -> Self {
-            Ymm(_mm256_sub_ps(self.0, o.0))
-        }
-        #[inline(always)]
-        unsafe fn mul(self, o: Self) -> Self {
-            Ymm(_mm256_mul_ps(self.0, o.0))
-        }
-        #[inline(always)]
-        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
-            Ymm(_mm256_fmadd_ps(self.0, b.0, c.0))
-        }
+    /// `Lanes` for a register wrapper, from the intrinsics of its width.
+    macro_rules! lanes {
+        ($t:ident, $n:expr, $zero:ident, $set1:ident, $load:ident, $store:ident, $sub:ident, $mul:ident, $fmadd:ident) => {
+            impl Lanes for $t {
+                const N: usize = $n;
+                #[inline(always)]
+                unsafe fn zero() -> Self {
+                    $t($zero())
+                }
+                #[inline(always)]
+                unsafe fn splat(x: f32) -> Self {
+                    $t($set1(x))
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const f32) -> Self {
+                    $t($load(p))
+                }
+                #[inline(always)]
+                unsafe fn store(self, p: *mut f32) {
+                    $store(p, self.0)
+                }
+                #[inline(always)]
+                unsafe fn sub(self, o: Self) -> Self {
+                    $t($sub(self.0, o.0))
+                }
+                #[inline(always)]
+                unsafe fn mul(self, o: Self) -> Self {
+                    $t($mul(self.0, o.0))
+                }
+                #[inline(always)]
+                unsafe fn fmadd(self, b: Self, c: Self) -> Self {
+                    $t($fmadd(self.0, b.0, c.0))
+                }
+            }
+        };
     }
-
-    impl Lanes for Zmm {
-        const N: usize = 16;
-        #[inline(always)]
-        unsafe fn zero() -> Self {
-            Zmm(_mm512_setzero_ps())
-        }
-        #[inline(always)]
-        unsafe fn splat(x: f32) -> Self {
-            Zmm(_mm512_set1_ps(x))
-        }
-        #[inline(always)]
-        unsafe fn load(p: *const f32) -> Self {
-            Zmm(_mm512_loadu_ps(p))
-        }
-        #[inline(always)]
-        unsafe fn store(self, p: *mut f32) {
-            _mm512_storeu_ps(p, self.0)
-        }
-        #[inline(always)]
-        unsafe fn sub(self, o: Self) -> Self {
-            Zmm(_mm512_sub_ps(self.0, o.0))
-        }
-        #[inline(always)]
-        unsafe fn mul(self, o: Self) -> Self {
-            Zmm(_mm512_mul_ps(self.0, o.0))
-        }
-        #[inline(always)]
-        unsafe fn fmadd(self, b: Self, c: Self) -> Self {
-            Zmm(_mm512_fmadd_ps(self.0, b.0, c.0))
-        }
-    }
+    lanes!(Ymm, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_sub_ps, _mm256_mul_ps, _mm256_fmadd_ps);
+    lanes!(Zmm, 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_sub_ps, _mm512_mul_ps, _mm512_fmadd_ps);
 
     /// The task with 8-lane registers (`NV = V / 8`).
     #[target_feature(enable = "avx2,fma")]
