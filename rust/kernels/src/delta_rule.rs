@@ -605,7 +605,7 @@ mod simd {
     }
 }
 
-/// The portable task: two sweeps over the state per token (see the AVX2 module for
+/// The portable task: two sweeps over the state per token (see the `simd` module for
 /// the fused form).
 #[inline(always)]
 fn run_task_body<T: Elem>(ctx: &Ctx<'_, T>, b: usize, head: usize) {
