@@ -516,8 +516,9 @@ mod simd {
         // A read-only (speculative) run advances a private copy, this thread's scratch:
         // its item stays as it was. The first sweep reads the item and writes the copy,
         // so the item is read once.
-        let mut scratch = super::PRIVATE_STATE.with(|p| p.take());
-        let (src, sp): (*const f32, *mut f32) = if ctx.paged.is_read_only(b) {
+        let read_only = ctx.paged.is_read_only(b);
+        let mut scratch = if read_only { super::PRIVATE_STATE.with(|p| p.take()) } else { Vec::new() };
+        let (src, sp): (*const f32, *mut f32) = if read_only {
             scratch.resize(kd * vd, 0.0);
             let s = scratch.as_mut_ptr();
             if ctx.varlen.has_initial_state[b] {
@@ -601,7 +602,9 @@ mod simd {
             std::mem::swap(&mut kn, &mut kn2);
             std::mem::swap(&mut qn, &mut qn2);
         }
-        super::PRIVATE_STATE.with(|p| p.set(scratch));
+        if read_only {
+            super::PRIVATE_STATE.with(|p| p.set(scratch));
+        }
     }
 }
 

@@ -364,8 +364,9 @@ impl Checkpoints {
             // reachable: a chain's parked blocks can sit before blocks a table still holds
             // (the random model test found such a chain; likely a table that computed
             // blocks already cached elsewhere, whose chain links to those entries, see
-            // `KvCacheManager::cache_full_blocks`), and then no chain end above is parked. The least recently parked block goes
-            // (dropping the checkpoints whose chains hold it).
+            // `KvCacheManager::cache_full_blocks`), and then no chain end above is parked.
+            // The least recently parked block goes (dropping the checkpoints whose chains
+            // hold it).
             return kv.lru_order().first().map(|&b| Victim::Block(b));
         }
         best.map(|(_, v)| v)
