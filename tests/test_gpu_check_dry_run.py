@@ -22,7 +22,7 @@ def test_gpu_check_dry_run_on_the_cpu():
     lines = [json.loads(line) for line in r.stdout.splitlines() if line.strip()]
     by_name = {rec["check"]: rec for rec in lines}
     # Other checks may be registered too; these are the ones this test knows.
-    assert {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "moe", "tp", "quant", "summary"} <= set(by_name), \
+    assert {"device", "kernels", "gpu_tests", "fidelity", "sync", "seed", "e2e", "pools", "moe", "tp", "quant", "spec", "summary"} <= set(by_name), \
         r.stdout + r.stderr[-3000:]
     failed = {k: v for k, v in by_name.items() if v.get("status") == "fail"}
     assert not failed, json.dumps(failed, indent=1)[:4000]
@@ -44,6 +44,9 @@ def test_gpu_check_dry_run_on_the_cpu():
     assert [c["status"] for c in na(by_name["e2e"], "replayed")] == ["not applicable"]
     assert [c["status"] for c in na(by_name["seed"], "bandwidth floor")] == ["not applicable"]
     assert [c["status"] for c in na(by_name["fidelity"], "CUDA graphs")] == ["not applicable"]
+    spec = by_name["spec"]
+    assert [c["status"] for c in spec["criteria"]] == ["pass", "not applicable", "not applicable"]
+    assert spec["cases"] and all(c["identical"] and c["draft_tokens"] > 0 for c in spec["cases"])
     assert "sync" in by_name["summary"]["not_applicable"]
     # Tensor parallelism needs two GPUs: not applicable here, never ok; its comparison
     # still ran over gloo on the CPU, and TP=2 matched one process.

@@ -217,7 +217,7 @@ def plan_memory(weights: LoadedWeights) -> MemoryPlan:
     # Decode steps replay CUDA graphs on CUDA unless enforce_eager; their padding
     # rows need one DeltaNet state that no sequence owns: the arena's scratch
     # pages, past the scheduler's page ids (counted in the budget).
-    use_cuda_graphs = config.device.type == "cuda" and not args.enforce_eager
+    use_cuda_graphs = _use_cuda_graphs(config)
     arena_plan = _plan_arena(config, str(kv_dtype).removeprefix("torch."), use_cuda_graphs)
     if args.max_num_seqs is None:
         derived = _derive_max_num_seqs(arena_plan)
@@ -229,6 +229,13 @@ def plan_memory(weights: LoadedWeights) -> MemoryPlan:
         logger.info(line)
     return MemoryPlan(weights=weights, args=args, arena_plan=arena_plan, kv_dtype=kv_dtype,
                       use_cuda_graphs=use_cuda_graphs)
+
+
+def _use_cuda_graphs(config: ResolvedConfig) -> bool:
+    """Whether steps replay captured graphs: on CUDA unless enforce_eager. (Tests
+    turn it on for the CPU, where :func:`capture_graphs` then builds the graphs'
+    eager stand-ins.)"""
+    return config.device.type == "cuda" and not config.args.enforce_eager
 
 
 def _plan_arena(config: ResolvedConfig, kv_dtype: str, use_cuda_graphs: bool) -> planner.ArenaPlan:
@@ -370,14 +377,7 @@ def capture_graphs(ready: RunnerReady) -> EngineParts:
     config = weights.config
     args = plan.args
     if plan.use_cuda_graphs:
-        from hybridserve.runner.cuda_graphs import DecodeGraphs
-
-        ready.runner.graphs = DecodeGraphs(
-            weights.model, arena.cache, max_num_seqs=args.max_num_seqs,
-            max_blocks_per_seq=arena.scheduler.max_blocks_per_seq,
-            scratch_pages=list(plan.arena_plan.scratch_page_ids),
-        )
-        ready.runner.graphs.capture()
+        _capture(ready.runner, weights.model, arena, plan)
     if config.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(config.device)
         logger.info(
@@ -397,6 +397,33 @@ def capture_graphs(ready: RunnerReady) -> EngineParts:
         max_blocks_per_seq=arena.scheduler.max_blocks_per_seq,
         runner=ready.runner, sampler=ready.sampler, host_one_thread=host_one_thread,
     )
+
+
+def _capture(runner: Any, model: Any, arena: Arena, plan: MemoryPlan) -> None:
+    """The decode graphs and, with speculative decoding, the verify graphs (k + 1 rows
+    per sequence, for the batch sizes that draft), sharing one memory pool. A
+    speculating engine's decode graphs also return the hidden states (the drafter's
+    input), at no extra cost: every row of a decode step is sampled anyway."""
+    from hybridserve.runner.cuda_graphs import DecodeGraphs
+    from hybridserve.runner.verify_graphs import VerifyGraphs
+
+    args = plan.args
+    spec = args.speculative_config
+    common = dict(max_blocks_per_seq=arena.scheduler.max_blocks_per_seq,
+                  scratch_pages=list(plan.arena_plan.scratch_page_ids),
+                  replay_eagerly=arena.cache.device.type != "cuda")
+    runner.graphs = DecodeGraphs(model, arena.cache, max_num_seqs=args.max_num_seqs,
+                                 return_hidden=spec is not None, **common)
+    runner.graphs.capture()
+    if spec is None:
+        return
+    # Steps with disable_by_batch_size decoding sequences or more do not draft.
+    limit = spec.disable_by_batch_size
+    most = args.max_num_seqs if limit == 0 else min(args.max_num_seqs, limit - 1)
+    if most >= 1:
+        runner.verify_graphs = VerifyGraphs(model, arena.cache, num_speculative_tokens=spec.num_speculative_tokens,
+                                            max_num_seqs=most, pool=runner.graphs.pool, **common)
+        runner.verify_graphs.capture()
 
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:

@@ -498,7 +498,11 @@ class Qwen3_5ForServing(nn.Module):
     @staticmethod
     def _open_ring(batch: ForwardBatch) -> None:
         """Set up ``batch.spec_ring`` when the batch has speculative runs: the rows the
-        DeltaNet layers record (those runs' rows, in batch order)."""
+        DeltaNet layers record (those runs' rows, in batch order). A ring already
+        ``preset`` (a verify graph's, :mod:`hybridserve.runner.verify_graphs`) comes with
+        its attention layout and is kept."""
+        if batch.spec_ring is not None and batch.spec_ring.get("preset"):
+            return
         flags = batch.speculative
         if flags is not None and flags.device.type == "cpu":
             # (CPU: host lists, tensors through numpy arrays.)

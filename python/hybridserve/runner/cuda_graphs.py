@@ -17,7 +17,11 @@ therefore captured once per batch-size bucket at start-up and replayed:
   the step's staged views; no host transfer); the block tables are gathered at the full
   ``max_blocks_per_seq`` width, so one graph serves every context length;
 * mixed prefill/decode steps, prompt-logprob steps, steps that write a DeltaNet
-  checkpoint and batches over the largest bucket run eagerly.
+  checkpoint and batches over the largest bucket run eagerly;
+* with ``return_hidden`` (a speculating engine) each graph also returns the trunk's
+  hidden states, the MTP drafter's input; the verify steps of speculative decoding
+  (k + 1 rows per sequence) replay graphs of their own, built on this class
+  (:mod:`hybridserve.runner.verify_graphs`).
 
 Under tensor parallelism (:mod:`hybridserve.parallel`, NCCL) the forward's all-reduces
 and the LM head's all-gather are inside the captured graphs; every rank captures the
@@ -72,11 +76,20 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         scratch_pages: list[int],
         replay_eagerly: bool = False,
+        return_hidden: bool = False,
+        rows_per_seq: int = 1,
     ) -> None:
         """``replay_eagerly`` is a test hook: capture nothing and, at each replay, run
         the model on the static (padded) buffers, so that the input copies, padding
-        and output slicing can be checked on any device."""
+        and output slicing can be checked on any device. ``return_hidden``: the graphs
+        also return the trunk's hidden states (a speculating engine's drafter input).
+        ``rows_per_seq``: every sequence schedules this many rows (1 for decode; the
+        verify graphs of :mod:`hybridserve.runner.verify_graphs` set k + 1)."""
+        if rows_per_seq < 1:
+            raise ValueError(f"rows_per_seq must be >= 1, got {rows_per_seq}")
         self.model = model
+        self.return_hidden = return_hidden
+        self.rows = rows_per_seq
         self.cache = cache
         self.device = cache.device
         self.replay_eagerly = replay_eagerly
@@ -88,40 +101,53 @@ class DecodeGraphs:
                              f"(0..{cache.num_pages - 1}), got {scratch_pages}")
         self.buckets = decode_buckets(max_num_seqs)
         self.scratch_pages = torch.tensor(scratch_pages, dtype=torch.int32, device=self.device)
-        n = self.buckets[-1]
+        n, r = self.buckets[-1], self.rows
         d = dict(device=self.device)
-        self.input_ids = torch.zeros(n, dtype=torch.int64, **d)
-        self.positions = torch.zeros(n, dtype=torch.int64, **d)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, **d)
-        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **d)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, **d)
+        # Token rows: sequence i owns rows i*r .. i*r + r - 1.
+        self.input_ids = torch.zeros(n * r, dtype=torch.int64, **d)
+        self.positions = torch.zeros(n * r, dtype=torch.int64, **d)
+        self.slot_mapping = torch.full((n * r,), -1, dtype=torch.int64, **d)
+        self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, **d) * r
+        self.seq_lens = torch.full((n,), r, dtype=torch.int32, **d)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, **d)
         self.state_pages = self.scratch_pages.repeat(n, 1)
         self.has_initial_state = torch.zeros(n, dtype=torch.bool, **d)
-        self.logits_indices = torch.arange(n, dtype=torch.int64, **d)
+        self.logits_indices = torch.arange(n * r, dtype=torch.int64, **d)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # Per bucket: the logits, or (logits, hidden) with return_hidden.
+        self.outputs: dict[int, Any] = {}
+        # The capture's memory pool (shared by every bucket; VerifyGraphs share it too).
+        self.pool: Any = None
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.replays = 0
 
     def _batch(self, b: int) -> ForwardBatch:
+        """The bucket's batch over the static buffers (a new object per call: a batch
+        carries per-step plans)."""
+        t = b * self.rows
         return ForwardBatch(
-            input_ids=self.input_ids[:b],
-            positions=self.positions[:b],
-            slot_mapping=self.slot_mapping[:b],
+            input_ids=self.input_ids[:t],
+            positions=self.positions[:t],
+            slot_mapping=self.slot_mapping[:t],
             query_start_loc=self.query_start_loc[: b + 1],
             seq_lens=self.seq_lens[:b],
             block_tables=self.block_tables[:b],
             state_pages=self.state_pages[:b],
             has_initial_state=self.has_initial_state[:b],
-            logits_indices=self.logits_indices[:b],
+            logits_indices=self.logits_indices[:t],
         )
 
+    def _forward(self, batch: ForwardBatch) -> Any:
+        return self.model(batch, self.cache, return_hidden=True) if self.return_hidden else \
+            self.model(batch, self.cache)
+
     def _reset_padding(self, start: int, end: int) -> None:
+        """Sequences ``start .. end-1`` become padding."""
         if end > start:
-            self.slot_mapping[start:end].fill_(-1)
-            self.seq_lens[start:end].fill_(1)
+            r = self.rows
+            self.slot_mapping[start * r:end * r].fill_(-1)
+            self.seq_lens[start:end].fill_(r)
             self.block_tables[start:end].zero_()
             self.state_pages[start:end].copy_(self.scratch_pages.expand(end - start, -1))
             self.has_initial_state[start:end].fill_(False)
@@ -138,29 +164,35 @@ class DecodeGraphs:
         free_before = torch.cuda.mem_get_info(self.device)[0]
         t0 = time.perf_counter()
         self._reset_padding(0, self.buckets[-1])
-        pool = None
         stream = torch.cuda.Stream(self.device)
         for b in reversed(self.buckets):
-            batch = self._batch(b)
             # Warm up outside the graph (Triton compiles, lazy buffers are made).
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.model(batch, self.cache)
+                self._forward(self._batch(b))
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.model(batch, self.cache)
-            pool = graph.pool()
+            batch = self._batch(b)
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self._forward(batch)
+            self.pool = graph.pool()
             self.graphs[b] = graph
-            self.outputs[b] = out
+            self._captured(b, batch, out)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0
         self.capture_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
         logger.info(
-            "captured CUDA graphs for %d decode batch sizes (%s) in %.1f s using %.1f MiB",
-            len(self.buckets), ",".join(map(str, self.buckets)), self.capture_seconds,
+            "captured CUDA graphs for %d %s batch sizes (%s) in %.1f s using %.1f MiB",
+            len(self.buckets), self.kind, ",".join(map(str, self.buckets)), self.capture_seconds,
             self.capture_bytes / 2**20,
         )
+
+    # What the log calls these graphs.
+    kind = "decode"
+
+    def _captured(self, b: int, batch: ForwardBatch, out: Any) -> None:
+        """Keep what bucket ``b``'s replays leave behind: its outputs."""
+        self.outputs[b] = out
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A pure-decode batch (one token per sequence, no checkpoint) within the largest bucket."""
@@ -168,26 +200,37 @@ class DecodeGraphs:
         return bool(self.graphs) and 0 < b <= self.buckets[-1] and batch.num_tokens == b and \
             batch.logits_indices.shape[0] == b and batch.checkpoint_positions is None
 
-    def run(self, batch: ForwardBatch, block_table_buf: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Replay the bucket for ``batch``; logits ``[B, V]`` (a view into the graph's
-        output, valid until the next replay). ``block_table_buf``/``rows``: the runner's
-        persistent table and the batch's rows in it, gathered at full width."""
+    def run(self, batch: ForwardBatch, block_table_buf: torch.Tensor, rows: torch.Tensor) -> Any:
+        """Replay the bucket for ``batch``; logits ``[S, V]`` (with ``return_hidden``
+        ``(logits, hidden [T, H])``), views into the graph's outputs, valid until the
+        next replay. ``block_table_buf``/``rows``: the runner's persistent table and the
+        batch's rows in it, gathered at full width."""
         n = batch.num_seqs
         b = bucket_for(self.buckets, n)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        t = n * self.rows
+        self.input_ids[:t].copy_(batch.input_ids)
+        self.positions[:t].copy_(batch.positions)
+        self.slot_mapping[:t].copy_(batch.slot_mapping)
         self.seq_lens[:n].copy_(batch.seq_lens)
         torch.index_select(block_table_buf, 0, rows, out=self.block_tables[:n])
         self.state_pages[:n].copy_(batch.state_pages)
         self.has_initial_state[:n].copy_(batch.has_initial_state)
+        self._fill(batch, n)
         # A smaller batch after a larger one leaves stale rows in the bucket's padding.
         self._reset_padding(n, b)
         self.graphs[b].replay()
         self.replays += 1
+        return self._outputs(batch, n, b)
+
+    def _fill(self, batch: ForwardBatch, n: int) -> None:
+        """The static inputs beyond the batch's own fields (none for decode)."""
+
+    def _outputs(self, batch: ForwardBatch, n: int, b: int) -> Any:
         out = self.outputs[b]
+        logits, hidden = out if self.return_hidden else (out, None)
         # Sampling rows are in batch order; all decode rows sample.
-        return out[:n] if batch.logits_indices.shape[0] == n else out.index_select(0, batch.logits_indices)
+        logits = logits[:n] if batch.logits_indices.shape[0] == n else logits.index_select(0, batch.logits_indices)
+        return (logits, hidden[:n]) if self.return_hidden else logits
 
 
 class _EagerReplay:
@@ -199,7 +242,8 @@ class _EagerReplay:
 
     def replay(self) -> None:
         o = self.owner
-        o.outputs[self.b] = o.model(o._batch(self.b), o.cache)
+        batch = o._batch(self.b)
+        o._captured(self.b, batch, o._forward(batch))
 
 
 __all__ = ["DecodeGraphs", "decode_buckets", "bucket_for"]

@@ -24,7 +24,9 @@ positions, slot mapping, ..., and the sampler's row indices the engine hands ove
 once (:class:`hybridserve.staging.StagingBuffer`); index ranges are checked
 on the host arrays before they travel, so no step reads device data back. Pure-decode
 steps run from captured CUDA graphs when ``graphs`` is set (see
-:mod:`hybridserve.runner.cuda_graphs`); every other step runs eagerly.
+:mod:`hybridserve.runner.cuda_graphs`), speculative verify steps of k drafts per
+sequence from ``verify_graphs`` (:mod:`hybridserve.runner.verify_graphs`); every
+other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -103,7 +105,10 @@ class ModelRunner:
         # same rows and columns of the persistent tables step after step.
         self._table_views: dict[str, tuple] = {}
         # A DecodeGraphs (CUDA only, set by the engine); None runs every step eagerly.
+        # With speculative decoding also a VerifyGraphs for the steps of k + 1 rows per
+        # sequence (hybridserve.runner.verify_graphs).
         self.graphs: Any = None
+        self.verify_graphs: Any = None
         self._staged: dict[str, torch.Tensor] = {}
         # perf_counter() when the last execute() finished preparing its inputs.
         self.inputs_ready_at: float | None = None
@@ -300,6 +305,20 @@ class ModelRunner:
         """The MTP drafter's passes over the last step (``MTPProposer.propose``)."""
         return proposer.propose(self.last_batch, hidden, **kw)
 
+    def _graphs_for(self, batch: ForwardBatch, spec: np.ndarray, all_positions: Any) -> Any:
+        """The captured graphs that run this step, or None (eager): the verify graphs
+        for a step of speculative runs only, the decode graphs for a pure-decode step
+        (those of a speculating engine also return the hidden states)."""
+        if len(all_positions):
+            return None
+        if len(spec):
+            g = self.verify_graphs
+            return g if g is not None and g.can_run(batch, len(spec)) else None
+        g = self.graphs
+        if g is None or (self.want_hidden and not g.return_hidden):
+            return None
+        return g if g.can_run(batch) else None
+
     @torch.inference_mode()
     def execute(self, plan: Any, all_positions: Any = ()) -> StepLogits | None:
         """Run one step; ``None`` when the plan schedules nothing. ``all_positions``:
@@ -320,11 +339,14 @@ class ModelRunner:
         spec = self._spec
         hidden = None
         self.last_batch = batch
-        if self.want_hidden:
+        graphs = self._graphs_for(batch, spec, all_positions)
+        if graphs is not None:
+            out = graphs.run(batch, self.block_table_buf, self._staged["block_table_rows"])
+            logits, hidden = out if graphs.return_hidden else (out, None)
+            if not self.want_hidden:
+                hidden = None
+        elif self.want_hidden:
             logits, hidden = self.model(batch, self.cache, return_hidden=True)
-        elif (self.graphs is not None and not len(all_positions) and not len(spec)
-              and self.graphs.can_run(batch)):
-            logits = self.graphs.run(batch, self.block_table_buf, self._staged["block_table_rows"])
         else:
             logits = self.model(batch, self.cache)
         draft_logits = None

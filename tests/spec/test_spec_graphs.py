@@ -1,0 +1,137 @@
+"""The verify graphs' data path (hybridserve.runner.verify_graphs) on the CPU.
+
+CUDA graphs need a device; their test hook (``replay_eagerly``) runs the model on the
+graphs' static, padded buffers at each replay instead, so everything around the
+capture is exercised here: the input copies, the per-row attention layout computed
+from the static buffers, padding sequences on the scratch state pages, the preset ring
+and the commit from it, the hidden states handed to the drafter, bucket choice as the
+batch shrinks, and the decode graphs that return hidden states for a speculating
+engine. The model runs its module path (the one CUDA runs), not the CPU's native step.
+
+The oracle is the eager engine without speculation: greedy output must be identical
+token for token. The capture itself is checked on a GPU by benches/gpu_check.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from hybridserve import LLM, SamplingParams
+from hybridserve.engine import builder
+from hybridserve.model.qwen3_5 import Qwen3_5ForServing
+from hybridserve.model.tiny import write_tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    root = tmp_path_factory.mktemp("spec-graphs")
+    return str(write_tiny_checkpoint(root / "a", preset="test-a", seed=5))
+
+
+@pytest.fixture(scope="module", params=["random", "trained"])
+def any_ckpt(request, ckpt):
+    """Random MTP weights (drafts rejected: every rejection path) and the trained
+    default model (drafts accepted: commits of several rows)."""
+    if request.param == "random":
+        return ckpt
+    from hybridserve import default_model
+
+    return default_model.path()
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(3, 200) for _ in range(rnd.randint(3, 30))] for _ in range(n)]
+
+
+def _generate(ckpt: str, prompts, params, k: int | None, graphs: bool, monkeypatch):
+    monkeypatch.setattr(Qwen3_5ForServing, "native_decode", False)
+    monkeypatch.setattr(builder, "_use_cuda_graphs", lambda config: graphs)
+    kw = {}
+    if k is not None:
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": 5}
+    llm = LLM(ckpt, dtype="float32", num_pages=400, max_num_seqs=6, block_size=16, max_model_len=256, **kw)
+    runner, steps = llm.engine.runner, []
+    choose = runner._graphs_for
+
+    def graphs_for(batch, spec, all_positions):
+        g = choose(batch, spec, all_positions)
+        steps.append((batch.num_seqs, batch.num_tokens, len(spec), None if g is None else g.kind))
+        return g
+
+    runner._graphs_for = graphs_for
+    if runner.verify_graphs is not None:
+        runner.verify_graphs.run = _checked(runner.verify_graphs.run, llm.engine)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    return llm, [[c.token_ids for c in o.outputs] for o in outs], steps
+
+
+def _checked(run, engine):
+    """The verify graphs' ``run``, also checking each replay against an eager forward of
+    the same batch: the logits, the hidden states and the ring the commit replays.
+    (The eager forward writes the same K/V again and leaves the state pages alone.)"""
+
+    def checked(batch, *args):
+        logits, hidden = run(batch, *args)
+        got = (logits.clone(), hidden.clone(), batch.spec_ring)
+        ring = {key: tuple(t.clone() for t in v) for key, v in got[2].items() if isinstance(key, int)}
+        fresh = dataclasses.replace(batch, spec_ring=None, op_plans={})
+        want_logits, want_hidden = engine.model(fresh, engine.cache, return_hidden=True)
+        torch.testing.assert_close(got[0], want_logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1], want_hidden, rtol=1e-5, atol=1e-5)
+        for key, value in fresh.spec_ring.items():
+            if isinstance(key, int):
+                mixed, ba = value
+                n = mixed.shape[0]
+                torch.testing.assert_close(ring[key][0][:n], mixed, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(ring[key][1][:n], ba, rtol=1e-5, atol=1e-5)
+        assert ring.keys() == {key for key in fresh.spec_ring if isinstance(key, int)}
+        batch.spec_ring = got[2]
+        return logits, hidden
+
+    return checked
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_verify_graphs_give_the_eager_engine_tokens(any_ckpt, k, monkeypatch):
+    prompts = _prompts(6, seed=k)
+    # Different lengths: the batch shrinks through the buckets (6 -> ... -> 1); 6
+    # decoding sequences do not draft (disable_by_batch_size 5), fewer do.
+    params = [SamplingParams(max_tokens=8 + 10 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    _, eager, _ = _generate(any_ckpt, prompts, params, None, False, monkeypatch)
+    llm, replayed, steps = _generate(any_ckpt, prompts, params, k, True, monkeypatch)
+    assert replayed == eager
+    runner = llm.engine.runner
+    verify, decode = runner.verify_graphs, runner.graphs
+    assert verify is not None and verify.buckets == [1, 2, 4] and verify.rows == k + 1
+    assert decode.return_hidden and decode.buckets[-1] == 6
+    # Every step of k drafts per sequence within the buckets replayed the verify
+    # graphs, every pure decode step (after prefill, over the drafting limit, or with
+    # every request resting for low acceptance) the decode graphs; the rest (prefill,
+    # fewer drafts near max_tokens) ran eagerly.
+    for n, t, spec, kind in steps:
+        if spec == n and t == n * (k + 1) and n <= 4:
+            assert kind == "verify", steps
+        elif spec == 0 and t == n:
+            assert kind == "decode", steps
+        else:
+            assert kind is None, steps
+    assert verify.replays == sum(kind == "verify" for *_, kind in steps) >= 2
+    assert decode.replays == sum(kind == "decode" for *_, kind in steps) >= 5
+    st = llm.engine.stats()
+    assert st["spec_draft_tokens"] > 0
+    assert st["free_pages"] + st["cached_pages"] + st["checkpoint_pages"] == st["num_pages"], st
+
+
+def test_verify_graphs_need_drafts(ckpt):
+    from hybridserve.runner.verify_graphs import VerifyGraphs
+
+    llm = LLM(ckpt, dtype="float32", num_pages=40, max_num_seqs=2, block_size=16, max_model_len=64)
+    cache = llm.engine.cache
+    with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
+        VerifyGraphs(llm.engine.model, cache, num_speculative_tokens=0, max_num_seqs=2, max_blocks_per_seq=4,
+                     scratch_pages=list(range(cache.state_pages)), replay_eagerly=True)
