@@ -23,20 +23,14 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec-tiny")
-    return str(write_tiny_checkpoint(root / "a", preset="test-a", seed=5))
+def ckpt(spec_tiny):
+    return spec_tiny
 
 
-@pytest.fixture(scope="module", params=["random", "trained"])
-def any_ckpt(request, ckpt):
-    """A random-weight checkpoint (drafts almost always rejected) and the trained
-    default model (whose MTP layer was trained with it: most drafts accepted)."""
-    if request.param == "random":
-        return ckpt
-    from hybridserve import default_model
-
-    return default_model.path()
+@pytest.fixture(scope="module")
+def any_ckpt(any_spec_ckpt):
+    """See tests/spec/conftest.py: random MTP weights, and the trained default model."""
+    return any_spec_ckpt
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 40, vocab: int = 200) -> list[list[int]]:

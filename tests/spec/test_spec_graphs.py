@@ -23,24 +23,18 @@ import torch
 from hybridserve import LLM, SamplingParams
 from hybridserve.engine import builder
 from hybridserve.model.qwen3_5 import Qwen3_5ForServing
-from hybridserve.model.tiny import write_tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spec-graphs")
-    return str(write_tiny_checkpoint(root / "a", preset="test-a", seed=5))
+def ckpt(spec_tiny):
+    return spec_tiny
 
 
-@pytest.fixture(scope="module", params=["random", "trained"])
-def any_ckpt(request, ckpt):
+@pytest.fixture(scope="module")
+def any_ckpt(any_spec_ckpt):
     """Random MTP weights (drafts rejected: every rejection path) and the trained
-    default model (drafts accepted: commits of several rows)."""
-    if request.param == "random":
-        return ckpt
-    from hybridserve import default_model
-
-    return default_model.path()
+    default model (drafts accepted: commits of several rows); tests/spec/conftest.py."""
+    return any_spec_ckpt
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
