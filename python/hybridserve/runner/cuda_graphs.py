@@ -67,6 +67,9 @@ def bucket_for(buckets: list[int], n: int) -> int | None:
 class DecodeGraphs:
     """Captured forwards of ``model`` over ``cache`` for each decode bucket."""
 
+    # What the capture's log line calls these graphs.
+    kind = "decode"
+
     def __init__(
         self,
         model: torch.nn.Module,
@@ -186,9 +189,6 @@ class DecodeGraphs:
             len(self.buckets), self.kind, ",".join(map(str, self.buckets)), self.capture_seconds,
             self.capture_bytes / 2**20,
         )
-
-    # What the log calls these graphs.
-    kind = "decode"
 
     def _captured(self, b: int, batch: ForwardBatch, out: Any) -> None:
         """Keep what bucket ``b``'s replays leave behind: its outputs."""
