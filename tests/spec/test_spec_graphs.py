@@ -10,6 +10,8 @@ engine. The model runs its module path (the one CUDA runs), not the CPU's native
 
 The oracle is the eager engine without speculation: greedy output must be identical
 token for token. The capture itself is checked on a GPU by benches/gpu_check.py.
+Last, a verify step that runs eagerly on a device lays out its runs from the runner's
+host copies, reading nothing back (checked on the meta device, which has no data).
 """
 
 from __future__ import annotations
@@ -129,3 +131,31 @@ def test_verify_graphs_need_drafts(ckpt):
     with pytest.raises(ValueError, match="num_speculative_tokens must be >= 1"):
         VerifyGraphs(llm.engine.model, cache, num_speculative_tokens=0, max_num_seqs=2, max_blocks_per_seq=4,
                      scratch_pages=list(range(cache.state_pages)), replay_eagerly=True)
+
+
+def test_a_device_batch_lays_out_its_runs_from_host_copies():
+    """On a device, a verify step's layout (the ring's runs and the rows-as-decodes
+    attention layout) comes from the host copies the runner sets, reading nothing back:
+    here every tensor is on the meta device, where any read of its values raises."""
+    from hybridserve.model.batch import ForwardBatch
+    from hybridserve.model.native_buffers import DECODE_ROWS
+
+    meta = dict(device="meta")
+    qsl, lens = [0, 3, 4, 7], [10, 5, 20]  # runs of 3 (speculative), 1, 3 (speculative)
+    batch = ForwardBatch(
+        input_ids=torch.empty(7, dtype=torch.int64, **meta), positions=torch.empty(7, dtype=torch.int64, **meta),
+        slot_mapping=torch.empty(7, dtype=torch.int64, **meta),
+        query_start_loc=torch.empty(4, dtype=torch.int32, **meta), seq_lens=torch.empty(3, dtype=torch.int32, **meta),
+        block_tables=torch.empty(3, 2, dtype=torch.int32, **meta), state_pages=torch.empty(3, 1, dtype=torch.int32, **meta),
+        has_initial_state=torch.empty(3, dtype=torch.bool, **meta), logits_indices=torch.empty(7, dtype=torch.int64, **meta),
+        speculative=torch.empty(3, dtype=torch.bool, **meta), query_start_loc_host=qsl, seq_lens_host=lens,
+        speculative_host=[0, 2])
+    with pytest.raises(Exception):
+        batch.speculative.tolist()  # what the layout must not do
+    Qwen3_5ForServing._open_ring(batch)
+    ring = batch.spec_ring
+    assert ring["seqs"] == [0, 2] and ring["lens"] == [3, 3] and not ring["all"]
+    q_e, l_e, tables = batch.op_plans[DECODE_ROWS]
+    # Entries: 3 decodes, the plain run, 3 decodes.
+    assert q_e.shape == (8,) and l_e.shape == (7,) and tables.shape == (7, 2)
+    assert ring["rows"].shape == (6,)

@@ -60,10 +60,13 @@ class ForwardBatch:
     # the speculative runs' rows; see Qwen3_5ForServing.commit_speculative). Per step:
     # dropped with the batch.
     spec_ring: dict | None = field(default=None, repr=False, compare=False)
-    # Host copies the caller may already have; unused by the model today (the CPU
-    # reference ops read the tensors), kept so a runner can avoid device syncs later.
+    # Host copies the caller may already have. The layouts of speculative runs
+    # (Qwen3_5ForServing._open_ring, decode_rows_layout) read them instead of the
+    # tensors, so on a device they read nothing back (the runner sets them there).
     query_start_loc_host: list[int] | None = field(default=None, repr=False)
     seq_lens_host: list[int] | None = field(default=None, repr=False)
+    # The indices of the speculative sequences, when the caller has them on the host.
+    speculative_host: list[int] | None = field(default=None, repr=False)
     # Per-step layouts the CPU ops derive from the fields above (groups, gather
     # indices), built by the first layer that needs one and reused by the others
     # (see hybridserve.kernels.ops). Tied to this step: build a new batch per step.
@@ -73,6 +76,8 @@ class ForwardBatch:
         """Indices of the speculative sequences (host list; empty when none)."""
         if self.speculative is None:
             return []
+        if self.speculative_host is not None:
+            return list(self.speculative_host)
         return torch.nonzero(self.speculative.cpu()).flatten().tolist()
 
     @property

@@ -258,6 +258,11 @@ class ModelRunner:
             flags = np.zeros(len(seq_lens), dtype=bool)
             flags[self._spec] = True
             batch.speculative = torch.from_numpy(flags).to(self.device)
+            batch.speculative_host = self._spec.tolist()
+            if self.device.type != "cpu":
+                # The runs' layout comes from these host copies: no read back per step.
+                batch.query_start_loc_host = qsl.tolist()
+                batch.seq_lens_host = seq_lens.tolist()
         return batch, sampling, num_samples
 
     def _host_views(self, plan: Any, seq_lens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
