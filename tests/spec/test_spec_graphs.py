@@ -56,7 +56,10 @@ def _generate(ckpt: str, prompts, params, k: int | None, graphs: bool, monkeypat
 
     def graphs_for(batch, spec, all_positions):
         g = choose(batch, spec, all_positions)
-        steps.append((batch.num_seqs, batch.num_tokens, len(spec), None if g is None else g.kind))
+        qsl = batch.query_start_loc.tolist()
+        longest = max(b - a for a, b in zip(qsl, qsl[1:]))
+        steps.append((batch.num_seqs, batch.num_tokens, len(spec), int(batch.logits_indices.shape[0]), longest,
+                      None if g is None else g.kind))
         return g
 
     runner._graphs_for = graphs_for
@@ -68,8 +71,10 @@ def _generate(ckpt: str, prompts, params, k: int | None, graphs: bool, monkeypat
 
 def _checked(run, engine):
     """The verify graphs' ``run``, also checking each replay against an eager forward of
-    the same batch: the logits, the hidden states and the ring the commit replays.
-    (The eager forward writes the same K/V again and leaves the state pages alone.)"""
+    the same batch: the logits, the hidden states and the ring the commit replays (the
+    graph's holds every sequence's rows in its slot of k + 1, the eager one the
+    speculative sequences' rows in batch order). The eager forward writes the same K/V
+    again and leaves the state pages alone."""
 
     def checked(batch, *args):
         logits, hidden = run(batch, *args)
@@ -79,13 +84,14 @@ def _checked(run, engine):
         want_logits, want_hidden = engine.model(fresh, engine.cache, return_hidden=True)
         torch.testing.assert_close(got[0], want_logits, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got[1], want_hidden, rtol=1e-5, atol=1e-5)
+        r = engine.runner.verify_graphs.rows
+        qsl = batch.query_start_loc.tolist()
+        slots = torch.tensor([i * r + j for i in fresh.spec_ring["seqs"] for j in range(qsl[i + 1] - qsl[i])])
+        assert ring.keys() == {key for key in fresh.spec_ring if isinstance(key, int)}
         for key, value in fresh.spec_ring.items():
             if isinstance(key, int):
-                mixed, ba = value
-                n = mixed.shape[0]
-                torch.testing.assert_close(ring[key][0][:n], mixed, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(ring[key][1][:n], ba, rtol=1e-5, atol=1e-5)
-        assert ring.keys() == {key for key in fresh.spec_ring if isinstance(key, int)}
+                for mine, theirs in zip(ring[key], value):
+                    torch.testing.assert_close(mine.index_select(0, slots), theirs, rtol=1e-5, atol=1e-5)
         batch.spec_ring = got[2]
         return logits, hidden
 
@@ -105,12 +111,12 @@ def test_verify_graphs_give_the_eager_engine_tokens(any_ckpt, k, monkeypatch):
     verify, decode = runner.verify_graphs, runner.graphs
     assert verify is not None and verify.buckets == [1, 2, 4] and verify.rows == k + 1
     assert decode.return_hidden and decode.buckets[-1] == 6
-    # Every step of k drafts per sequence within the buckets replayed the verify
-    # graphs, every pure decode step (after prefill, over the drafting limit, or with
-    # every request resting for low acceptance) the decode graphs; the rest (prefill,
-    # fewer drafts near max_tokens) ran eagerly.
-    for n, t, spec, kind in steps:
-        if spec == n and t == n * (k + 1) and n <= 4:
+    # Every step with drafts whose rows all sample (drafting runs of up to k + 1 rows,
+    # plain decodes beside them) within the buckets replayed the verify graphs, every
+    # pure decode step (after prefill, over the drafting limit, or with every request
+    # resting for low acceptance) the decode graphs; the rest (prefill rows) ran eagerly.
+    for n, t, spec, sampled, longest, kind in steps:
+        if spec and sampled == t and longest <= k + 1 and n <= 4:
             assert kind == "verify", steps
         elif spec == 0 and t == n:
             assert kind == "decode", steps
@@ -118,6 +124,8 @@ def test_verify_graphs_give_the_eager_engine_tokens(any_ckpt, k, monkeypatch):
             assert kind is None, steps
     assert verify.replays == sum(kind == "verify" for *_, kind in steps) >= 2
     assert decode.replays == sum(kind == "decode" for *_, kind in steps) >= 5
+    # Among them ragged ones: fewer than k drafts, or plain decodes beside the drafts.
+    assert any(kind == "verify" and (spec < n or t < n * (k + 1)) for n, t, spec, _, _, kind in steps), steps
     st = llm.engine.stats()
     assert st["spec_draft_tokens"] > 0
     assert st["free_pages"] + st["cached_pages"] + st["checkpoint_pages"] == st["num_pages"], st

@@ -576,8 +576,11 @@ class Qwen3_5ForServing(nn.Module):
             raise ValueError(f"commit_speculative: accepted has {len(acc)} entries, the batch {batch.num_seqs} "
                              "sequences")
         sel, qsl, off = [], [0], 0
+        # Sequences without drafts in a ring (a verify graph runs plain decodes beside
+        # the drafting ones, read-only too): their one row.
+        plain = set(ring.get("plain", ()))
         for b, n in zip(ring["seqs"], ring["lens"]):
-            k = int(acc[b])
+            k = int(acc[b]) or (1 if b in plain else 0)
             if not 1 <= k <= n:
                 raise ValueError(f"commit_speculative: accepted[{b}] = {k} must lie in 1..{n} (the sequence's rows)")
             sel.extend(range(off, off + k))

@@ -207,10 +207,6 @@ class DecodeGraphs:
         batch's rows in it, gathered at full width."""
         n = batch.num_seqs
         b = bucket_for(self.buckets, n)
-        t = n * self.rows
-        self.input_ids[:t].copy_(batch.input_ids)
-        self.positions[:t].copy_(batch.positions)
-        self.slot_mapping[:t].copy_(batch.slot_mapping)
         self.seq_lens[:n].copy_(batch.seq_lens)
         torch.index_select(block_table_buf, 0, rows, out=self.block_tables[:n])
         self.state_pages[:n].copy_(batch.state_pages)
@@ -223,7 +219,10 @@ class DecodeGraphs:
         return self._outputs(batch, n, b)
 
     def _fill(self, batch: ForwardBatch, n: int) -> None:
-        """The static inputs beyond the batch's own fields (none for decode)."""
+        """The token rows' inputs (and, in subclasses, what else the graph reads)."""
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
 
     def _outputs(self, batch: ForwardBatch, n: int, b: int) -> Any:
         out = self.outputs[b]

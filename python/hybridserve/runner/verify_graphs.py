@@ -1,37 +1,45 @@
-"""CUDA graphs for speculative verify steps: every sequence runs k + 1 rows.
+"""CUDA graphs for speculative verify steps: every sequence runs up to k + 1 rows.
 
 A verify step of speculative decoding (:mod:`hybridserve.spec`) is a decode step whose
-sequences carry the last accepted token plus k drafts. When every sequence of the batch
-is such a run (k drafts each, no prefill rows, no checkpoints, no prompt logprobs) the
-step has the fixed shape ``B x (k + 1)`` and replays a graph captured per batch-size
-bucket, as pure-decode steps do (:mod:`hybridserve.runner.cuda_graphs`, whose static
-buffers, padding and bucket choice this reuses); other verify steps run eagerly.
+drafting sequences carry the last accepted token plus their drafts. Each sequence of
+such a step gets a slot of ``k + 1`` rows in a graph captured per batch-size bucket, as
+pure-decode steps have (:mod:`hybridserve.runner.cuda_graphs`, whose static buffers,
+padding and bucket choice this reuses). A graph runs the step when every row of it
+samples and no sequence has more than ``k + 1`` rows; this holds for drafting sequences
+(k drafts, or fewer near ``max_tokens``) and plain decodes beside them (a request
+resting for low acceptance, a beam). Steps with prefill rows, checkpoints or prompt
+logprobs run eagerly.
 
-What a verify forward needs beyond a decode's, all in static buffers the replay reads:
+Why the slots work: a verify run only reads its DeltaNet state, so the rows that fill
+a slot after a sequence's own rows change nothing but their own outputs, which are
+dropped; they write no K/V (slot mapping -1) and see one key. A plain decode in the
+batch runs read-only too, and the commit advances its state over its one row, as
+it does a drafting sequence's over its accepted rows.
 
-* ``speculative`` all True: the DeltaNet layers read their state pages and write
-  nothing back;
-* the attention layout of the runs as decodes, one query per row
-  (``op_plans[DECODE_ROWS]``: row ``j`` of a sequence of ``L`` tokens sees
-  ``L - k + j`` of them, through its sequence's block-table row), computed on the
-  device from ``seq_lens`` and the gathered block tables before each replay;
-* the ring the commit replays (``batch.spec_ring``): preset with the bucket's uniform
-  layout, so the forward does not build it on the host; the tensors each DeltaNet layer
-  records there are the graph's, rewritten by every replay. After a replay the
-  caller's batch gets a ring over those tensors restricted to its ``n`` sequences, so
-  :meth:`~hybridserve.model.qwen3_5.Qwen3_5ForServing.commit_speculative` (and the
-  drafter, which reads the returned hidden states) work as after an eager forward.
+What the graph reads beyond a decode graph's inputs, all in static buffers:
 
-The logits come back in the batch's own ``logits_indices`` order (copied into the
-static buffer; padding rows after them), with the hidden states of every row.
-Padding sequences run k + 1 rows on the scratch state pages with slot mapping -1, one
-visible key each, and are dropped.
+* ``speculative`` all True;
+* the attention layout of the rows as decodes, one query per row
+  (``op_plans[DECODE_ROWS]``: row ``j`` of a run of ``m`` rows over ``L`` tokens sees
+  ``L - m + 1 + j`` of them, through its sequence's block-table row), from host copies
+  of the run lengths (the runner's; nothing is read back);
+* the ring the commit replays (``batch.spec_ring``), preset with the bucket's uniform
+  layout, so the forward does no host work; the tensors each DeltaNet layer records
+  there are the graph's, rewritten by every replay. After a replay the caller's batch
+  gets a ring over those tensors restricted to its ``n`` sequences, so
+  :meth:`~hybridserve.model.qwen3_5.Qwen3_5ForServing.commit_speculative` and the
+  drafter (which reads the returned hidden states) work as after an eager forward.
+
+The batch's rows are scattered into their slots before the replay, and the logits
+come back in the batch's own ``logits_indices`` order, the hidden states in its row
+order.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from hybridserve.model.batch import ForwardBatch
@@ -40,8 +48,8 @@ from hybridserve.runner.cuda_graphs import DecodeGraphs
 
 
 class VerifyGraphs(DecodeGraphs):
-    """Captured verify forwards of ``k`` drafts per sequence, for each bucket up to
-    ``max_num_seqs`` (the largest batch that drafts)."""
+    """Captured verify forwards of up to ``k`` drafts per sequence, for each bucket up
+    to ``max_num_seqs`` (the largest batch that drafts)."""
 
     kind = "verify"
 
@@ -63,12 +71,12 @@ class VerifyGraphs(DecodeGraphs):
         self.speculative = torch.ones(n, dtype=torch.bool, **d)
         # The runs as decodes: entry i = row i, one query each.
         self.row_starts = torch.arange(n * r + 1, dtype=torch.int32, **d)
-        # How many of its sequence's tokens row j of a run does not see: k - j.
-        self.row_back = torch.arange(r - 1, -1, -1, dtype=torch.int32, **d)
         self.row_lens = torch.ones(n * r, dtype=torch.int32, **d)
         self.row_tables = torch.zeros(n * r, max_blocks_per_seq, dtype=torch.int32, **d)
         # Per bucket: the ring the captured forward filled (layer index -> tensors).
         self.rings: dict[int, dict] = {}
+        # The last replay's slot of each of the batch's rows (device int64 [T]).
+        self._slot_of: torch.Tensor | None = None
 
     def _batch(self, b: int) -> ForwardBatch:
         batch = super()._batch(b)
@@ -91,32 +99,64 @@ class VerifyGraphs(DecodeGraphs):
             self.row_tables[start * r:end * r].zero_()
             torch.arange(start * r, end * r, out=self.logits_indices[start * r:end * r])
 
+    @staticmethod
+    def _host_qsl(batch: ForwardBatch) -> list[int]:
+        return batch.query_start_loc_host or batch.query_start_loc.tolist()
+
     def can_run(self, batch: ForwardBatch, num_speculative: int = 0) -> bool:
-        """Every sequence a speculative run (``num_speculative`` of them: the host's
-        count, so nothing is read back from the device) of ``k + 1`` rows whose rows
-        all return logits, no checkpoint, within the largest bucket."""
-        n, r = batch.num_seqs, self.rows
-        return bool(self.graphs) and 0 < n <= self.buckets[-1] and num_speculative == n and \
-            batch.num_tokens == n * r and batch.logits_indices.shape[0] == n * r and \
-            batch.checkpoint_positions is None
+        """A step with speculative runs (``num_speculative`` of them: the host's count)
+        whose every row samples, no sequence with more than ``k + 1`` rows, no
+        checkpoint, within the largest bucket. Reads only host copies of the run
+        lengths (see :meth:`_host_qsl`)."""
+        n, r, t = batch.num_seqs, self.rows, batch.num_tokens
+        if not (self.graphs and num_speculative > 0 and 0 < n <= self.buckets[-1] and n <= t <= n * r
+                and batch.logits_indices.shape[0] == t and batch.checkpoint_positions is None):
+            return False
+        qsl = self._host_qsl(batch)
+        return all(1 <= qsl[i + 1] - qsl[i] <= r for i in range(n))
 
     def _fill(self, batch: ForwardBatch, n: int) -> None:
         r = self.rows
-        t = n * r
-        self.logits_indices[:t].copy_(batch.logits_indices)
-        # Row j of sequence i sees seq_lens[i] - (k - j) tokens, through its table row.
-        torch.sub(self.seq_lens[:n].unsqueeze(1), self.row_back, out=self.row_lens[:t].view(n, r))
-        self.row_tables[:t].view(n, r, -1).copy_(self.block_tables[:n].unsqueeze(1).expand(-1, r, -1))
+        t, slots = batch.num_tokens, n * r
+        # On the host: each row's slot, the slots no row fills, and every slot's
+        # attention length (row j of a run of m rows over L tokens sees L - m + 1 + j).
+        qsl = np.asarray(self._host_qsl(batch), dtype=np.int64)
+        lens = np.asarray(batch.seq_lens_host or batch.seq_lens.tolist(), dtype=np.int64)
+        m = np.diff(qsl)
+        seq = np.repeat(np.arange(n), m)
+        j = np.arange(t) - qsl[:-1][seq]
+        slot_of = seq * r + j
+        row_lens = np.ones(slots, dtype=np.int64)
+        row_lens[slot_of] = lens[seq] - m[seq] + 1 + j
+        empty = np.ones(slots, dtype=bool)
+        empty[slot_of] = False
+        host = torch.from_numpy(np.concatenate([slot_of, np.nonzero(empty)[0], row_lens]))
+        dev = host.to(self.device)
+        self._slot_of = slot_of_t = dev[:t]
+        self.input_ids[:slots].zero_()
+        self.input_ids.index_copy_(0, slot_of_t, batch.input_ids)
+        self.positions[:slots].zero_()
+        self.positions.index_copy_(0, slot_of_t, batch.positions)
+        self.slot_mapping[:slots].fill_(-1)
+        self.slot_mapping.index_copy_(0, slot_of_t, batch.slot_mapping)
+        self.row_lens[:slots].copy_(dev[slots:])
+        self.row_tables[:slots].view(n, r, -1).copy_(self.block_tables[:n].unsqueeze(1).expand(-1, r, -1))
+        # The batch's logits rows first, in its order; the empty slots after them.
+        torch.index_select(slot_of_t, 0, batch.logits_indices, out=self.logits_indices[:t])
+        self.logits_indices[t:slots].copy_(dev[t:slots])
 
     def _outputs(self, batch: ForwardBatch, n: int, b: int) -> Any:
         logits, hidden = self.outputs[b]
-        t = n * self.rows
         ring = self.rings[b]
-        # The caller's batch commits from the graph's ring, over its own sequences.
-        batch.spec_ring = {"seqs": list(range(n)), "lens": [self.rows] * n, "all": True,
-                           "rows": ring["rows"][:t],
+        qsl = self._host_qsl(batch)
+        # The caller's batch commits from the graph's ring, over its own sequences; a
+        # sequence without drafts ("plain") commits its one row.
+        spec = set(batch.speculative_seqs())
+        batch.spec_ring = {"seqs": list(range(n)), "lens": [self.rows] * n, "all": False,
+                           "plain": [i for i in range(n) if i not in spec and qsl[i + 1] - qsl[i] == 1],
+                           "rows": ring["rows"][:n * self.rows],
                            **{key: v for key, v in ring.items() if isinstance(key, int)}}
-        return logits[:t], hidden[:t]
+        return logits[:batch.num_tokens], hidden.index_select(0, self._slot_of)
 
 
 __all__ = ["VerifyGraphs"]
