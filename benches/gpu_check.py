@@ -45,11 +45,10 @@ status is 1 when any check fails. Checks:
   reference (timed beside torch's bfloat16 GEMM), and tiny FP8 and AWQ checkpoints
   served with their projections kept quantized against HF on the dequantized weights
   (float32 logits, greedy tokens eager and with CUDA graphs).
-* ``spec``: speculative decoding with the MTP drafter (k = 1 and 3) on the trained
-  default model and a random-weight tiny checkpoint, at batch 4 and 1: greedy tokens
-  identical with speculation on and off, eager and with CUDA graphs, and the verify
-  steps replayed the verify graphs (k + 1 rows per sequence); wall times on and off
-  reported.
+* ``spec``: speculative decoding with the MTP drafter (k = 3) on the trained default
+  model and a random-weight tiny checkpoint, at batch 4 and 1: greedy tokens identical
+  with speculation on and off, eager and with CUDA graphs, and the verify steps
+  replayed the verify graphs; wall times on and off reported.
 
 Every check states its pass criteria (``criteria``: name, status, what was compared)
 and its ``status`` follows from them: ``"fail"`` if any criterion failed, ``"pass"`` if

@@ -9,68 +9,70 @@ from typing import Any
 from gpu_checks.common import Ctx, criterion, free_memory, log, make_engine, sync
 
 
-def _run(model_dir: str, ctx: Ctx, prompts: list[list[int]], n_tokens: int, k: int | None,
+def _run(model_dir: str, ctx: Ctx, groups: dict[str, list[list[int]]], n_tokens: int, k: int | None,
          eager: bool) -> dict[str, Any]:
-    """Greedy tokens of every prompt (all at once), with ``k`` drafts per step or none;
-    the verify and decode graphs' replay counts and the drafts' acceptance."""
+    """One engine, with ``k`` drafts per step or none: each group of prompts run to the
+    end in turn (all of a group at once), greedy. Per group its tokens and wall time;
+    then the verify and decode graphs' replay counts and the drafts' acceptance."""
     from hybridserve.sampling import SamplingParams
 
     spec = None if k is None else {"method": "mtp", "num_speculative_tokens": k, "disable_by_batch_size": 0}
-    eng = make_engine(model_dir, ctx, dtype="float32", max_num_seqs=8, num_pages=400, max_model_len=256,
+    eng = make_engine(model_dir, ctx, dtype="float32", max_num_seqs=4, num_pages=400, max_model_len=256,
                       enforce_eager=eager, speculative_config=spec)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"p{i}", p, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True))
-    res: dict[str, list[int]] = {}
-    sync(ctx)
-    t0 = time.perf_counter()
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            if o.finished:
-                res[o.request_id] = o.outputs[0].token_ids
-    sync(ctx)
-    seconds = time.perf_counter() - t0
+    out: dict[str, Any] = {}
+    for name, prompts in groups.items():
+        for i, p in enumerate(prompts):
+            eng.add_request(f"{name}{i}", p, SamplingParams(temperature=0.0, max_tokens=n_tokens, ignore_eos=True))
+        res: dict[str, list[int]] = {}
+        sync(ctx)
+        t0 = time.perf_counter()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    res[o.request_id] = o.outputs[0].token_ids
+        sync(ctx)
+        out[name] = {"tokens": [res[f"{name}{i}"] for i in range(len(prompts))],
+                     "seconds": round(time.perf_counter() - t0, 3)}
     runner, st = eng.runner, eng.stats()
-    out = {"tokens": [res[f"p{i}"] for i in range(len(prompts))], "seconds": round(seconds, 3),
-           "verify_replays": getattr(runner.verify_graphs, "replays", 0),
-           "decode_replays": getattr(runner.graphs, "replays", 0),
-           "draft_tokens": st.get("spec_draft_tokens", 0), "accepted_tokens": st.get("spec_accepted_tokens", 0)}
+    out.update(verify_replays=getattr(runner.verify_graphs, "replays", 0),
+               decode_replays=getattr(runner.graphs, "replays", 0),
+               draft_tokens=st.get("spec_draft_tokens", 0), accepted_tokens=st.get("spec_accepted_tokens", 0))
     del eng, runner
     free_memory()
     return out
 
 
 def check_spec(ctx: Ctx) -> dict[str, Any]:
-    """Issue 34 on the device: greedy tokens with MTP speculation (k drafts per step)
-    identical to those without, eager and with CUDA graphs, on the trained default
-    model (most drafts accepted) and a random-weight tiny checkpoint (most rejected);
-    with graphs, the verify steps (k + 1 rows per sequence) must have replayed the
-    verify graphs. Batch-1 wall time on and off is reported beside them."""
+    """Issue 34 on the device: greedy tokens with MTP speculation (k = 3 drafts per
+    step) identical to those without, eager and with CUDA graphs, on the trained
+    default model (most drafts accepted) and a random-weight tiny checkpoint (most
+    rejected), at batch 4 and 1 (one engine per configuration runs both in turn); with
+    graphs, the verify steps must have replayed the verify graphs. Wall times on and
+    off are reported beside them."""
     from hybridserve import default_model
 
     rng = random.Random(3)
     models = {"default": str(default_model.path()), "random": ctx.tiny("test-a")}
-    ks = (2,) if ctx.small else (1, 3)
+    k = 2 if ctx.small else 3
     n_tokens = 8 if ctx.small else 48
-    batches = {"batch4": [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 9, 30)],
-               "batch1": [[rng.randrange(3, 200) for _ in range(12)]]}
-    modes = [True, False] if ctx.cuda else [True]
+    groups = {"batch4": [[rng.randrange(3, 200) for _ in range(n)] for n in (5, 17, 9, 30)],
+              "batch1": [[rng.randrange(3, 200) for _ in range(12)]]}
     cases, same_eager, same_graphs, replayed = [], [], [], []
     for name, d in models.items():
-        for shape, prompts in batches.items():
-            for eager in modes:
-                off = _run(d, ctx, prompts, n_tokens, None, eager)
-                for k in ks:
-                    on = _run(d, ctx, prompts, n_tokens, k, eager)
-                    rec = {"model": name, "shape": shape, "k": k, "graphs": not eager,
-                           "identical": on["tokens"] == off["tokens"],
-                           "seconds_on": on["seconds"], "seconds_off": off["seconds"],
-                           "draft_tokens": on["draft_tokens"], "accepted_tokens": on["accepted_tokens"],
-                           "verify_replays": on["verify_replays"], "decode_replays": on["decode_replays"]}
-                    cases.append(rec)
-                    log("spec", rec)
-                    (same_eager if eager else same_graphs).append(rec["identical"])
-                    if not eager:
-                        replayed.append(on["verify_replays"] > 0 and on["draft_tokens"] > 0)
+        for eager in ([True, False] if ctx.cuda else [True]):
+            off, on = _run(d, ctx, groups, n_tokens, None, eager), _run(d, ctx, groups, n_tokens, k, eager)
+            for shape in groups:
+                rec = {"model": name, "shape": shape, "k": k, "graphs": not eager,
+                       "identical": on[shape]["tokens"] == off[shape]["tokens"],
+                       "seconds_on": on[shape]["seconds"], "seconds_off": off[shape]["seconds"]}
+                cases.append(rec)
+                log("spec", rec)
+                (same_eager if eager else same_graphs).append(rec["identical"])
+            stats = {key: on[key] for key in ("draft_tokens", "accepted_tokens", "verify_replays", "decode_replays")}
+            cases.append({"model": name, "k": k, "graphs": not eager, **stats})
+            log("spec", cases[-1])
+            if not eager:
+                replayed.append(on["verify_replays"] > 0 and on["draft_tokens"] > 0)
     criteria = [
         criterion("greedy tokens identical with speculation on and off (eager)", all(same_eager),
                   cases=len(same_eager)),
