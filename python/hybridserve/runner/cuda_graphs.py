@@ -20,7 +20,7 @@ therefore captured once per batch-size bucket at start-up and replayed:
   checkpoint and batches over the largest bucket run eagerly;
 * with ``return_hidden`` (a speculating engine) each graph also returns the trunk's
   hidden states, the MTP drafter's input; the verify steps of speculative decoding
-  (k + 1 rows per sequence) replay graphs of their own, built on this class
+  (slots of k + 1 rows per sequence) replay graphs of their own, built on this class
   (:mod:`hybridserve.runner.verify_graphs`).
 
 Under tensor parallelism (:mod:`hybridserve.parallel`, NCCL) the forward's all-reduces

@@ -24,9 +24,9 @@ positions, slot mapping, ..., and the sampler's row indices the engine hands ove
 once (:class:`hybridserve.staging.StagingBuffer`); index ranges are checked
 on the host arrays before they travel, so no step reads device data back. Pure-decode
 steps run from captured CUDA graphs when ``graphs`` is set (see
-:mod:`hybridserve.runner.cuda_graphs`), speculative verify steps of k drafts per
-sequence from ``verify_graphs`` (:mod:`hybridserve.runner.verify_graphs`); every
-other step runs eagerly.
+:mod:`hybridserve.runner.cuda_graphs`), speculative verify steps (up to k drafts per
+sequence, plain decodes beside them) from ``verify_graphs``
+(:mod:`hybridserve.runner.verify_graphs`); every other step runs eagerly.
 """
 
 from __future__ import annotations
@@ -105,8 +105,8 @@ class ModelRunner:
         # same rows and columns of the persistent tables step after step.
         self._table_views: dict[str, tuple] = {}
         # A DecodeGraphs (CUDA only, set by the engine); None runs every step eagerly.
-        # With speculative decoding also a VerifyGraphs for the steps of k + 1 rows per
-        # sequence (hybridserve.runner.verify_graphs).
+        # With speculative decoding also a VerifyGraphs for the verify steps
+        # (hybridserve.runner.verify_graphs).
         self.graphs: Any = None
         self.verify_graphs: Any = None
         self._staged: dict[str, torch.Tensor] = {}
@@ -312,8 +312,9 @@ class ModelRunner:
 
     def _graphs_for(self, batch: ForwardBatch, spec: np.ndarray, all_positions: Any) -> Any:
         """The captured graphs that run this step, or None (eager): the verify graphs
-        for a step of speculative runs only, the decode graphs for a pure-decode step
-        (those of a speculating engine also return the hidden states)."""
+        for a step with speculative runs, the decode graphs for a pure-decode step
+        (those of a speculating engine also return the hidden states); each decides
+        whether the batch fits (``can_run``)."""
         if len(all_positions):
             return None
         if len(spec):
