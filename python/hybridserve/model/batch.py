@@ -72,6 +72,15 @@ class ForwardBatch:
     # (see hybridserve.kernels.ops). Tied to this step: build a new batch per step.
     op_plans: dict = field(default_factory=dict, repr=False, compare=False)
 
+    def host_query_start_loc(self) -> list[int]:
+        """``query_start_loc`` as a host list: the caller's copy where it set one (no
+        read back from a device), else the tensor's values."""
+        return self.query_start_loc_host or self.query_start_loc.tolist()
+
+    def host_seq_lens(self) -> list[int]:
+        """``seq_lens`` as a host list, the same way."""
+        return self.seq_lens_host or self.seq_lens.tolist()
+
     def speculative_seqs(self) -> list[int]:
         """Indices of the speculative sequences (host list; empty when none)."""
         if self.speculative is None:

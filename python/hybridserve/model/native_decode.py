@@ -80,15 +80,15 @@ def decode_rows_layout(batch, expand) -> None:
     dev = batch.input_ids.device
     if dev.type == "cpu":
         # (Host tensors: from numpy arrays, several times cheaper than torch.tensor of a list.)
-        qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
-        q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(), expand)
+        qsl = batch.host_query_start_loc()
+        q_e, l_e, s_e = rows_as_decodes(qsl, batch.host_seq_lens(), expand)
         tables = batch.block_tables if len(s_e) == batch.block_tables.shape[0] and s_e == list(range(len(s_e))) \
             else batch.block_tables.index_select(0, torch.from_numpy(np.array(s_e, dtype=np.int64)))
         batch.op_plans[DECODE_ROWS] = (torch.from_numpy(np.array(q_e, dtype=np.int32)),
                                        torch.from_numpy(np.array(l_e, dtype=np.int32)), tables)
         return
-    qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
-    q_e, l_e, s_e = rows_as_decodes(qsl, batch.seq_lens_host or batch.seq_lens.tolist(), expand)
+    qsl = batch.host_query_start_loc()
+    q_e, l_e, s_e = rows_as_decodes(qsl, batch.host_seq_lens(), expand)
     tables = batch.block_tables if s_e == list(range(len(s_e))) and len(s_e) == batch.block_tables.shape[0] \
         else batch.block_tables.index_select(0, torch.tensor(s_e, dtype=torch.long, device=dev))
     batch.op_plans[DECODE_ROWS] = (torch.tensor(q_e, dtype=torch.int32, device=dev),

@@ -523,7 +523,7 @@ class Qwen3_5ForServing(nn.Module):
                 batch.spec_ring = None
                 batch.op_plans.pop(DECODE_ROWS, None)
                 return
-            qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
+            qsl = batch.host_query_start_loc()
             lens = [qsl[b + 1] - qsl[b] for b in seqs]
             # "all": every row of the batch is a speculative row (rows = 0 .. T-1).
             every = sum(lens) == batch.num_tokens
@@ -537,7 +537,7 @@ class Qwen3_5ForServing(nn.Module):
             batch.spec_ring = None
             batch.op_plans.pop(DECODE_ROWS, None)
             return
-        qsl = batch.query_start_loc_host or batch.query_start_loc.tolist()
+        qsl = batch.host_query_start_loc()
         lens = [qsl[b + 1] - qsl[b] for b in seqs]
         rows = [r for b in seqs for r in range(qsl[b], qsl[b + 1])]
         spec = set(seqs)

@@ -99,20 +99,16 @@ class VerifyGraphs(DecodeGraphs):
             self.row_tables[start * r:end * r].zero_()
             torch.arange(start * r, end * r, out=self.logits_indices[start * r:end * r])
 
-    @staticmethod
-    def _host_qsl(batch: ForwardBatch) -> list[int]:
-        return batch.query_start_loc_host or batch.query_start_loc.tolist()
-
     def can_run(self, batch: ForwardBatch, num_speculative: int = 0) -> bool:
         """A step with speculative runs (``num_speculative`` of them: the host's count)
         whose every row samples, no sequence with more than ``k + 1`` rows, no
-        checkpoint, within the largest bucket. Reads only host copies of the run
-        lengths (see :meth:`_host_qsl`)."""
+        checkpoint, within the largest bucket. The run lengths come from
+        ``ForwardBatch.host_query_start_loc`` (on a device, the runner's host copy)."""
         n, r, t = batch.num_seqs, self.rows, batch.num_tokens
         if not (self.graphs and num_speculative > 0 and 0 < n <= self.buckets[-1] and n <= t <= n * r
                 and batch.logits_indices.shape[0] == t and batch.checkpoint_positions is None):
             return False
-        qsl = self._host_qsl(batch)
+        qsl = batch.host_query_start_loc()
         return all(1 <= qsl[i + 1] - qsl[i] <= r for i in range(n))
 
     def _fill(self, batch: ForwardBatch, n: int) -> None:
@@ -120,8 +116,8 @@ class VerifyGraphs(DecodeGraphs):
         t, slots = batch.num_tokens, n * r
         # On the host: each row's slot, the slots no row fills, and every slot's
         # attention length (row j of a run of m rows over L tokens sees L - m + 1 + j).
-        qsl = np.asarray(self._host_qsl(batch), dtype=np.int64)
-        lens = np.asarray(batch.seq_lens_host or batch.seq_lens.tolist(), dtype=np.int64)
+        qsl = np.asarray(batch.host_query_start_loc(), dtype=np.int64)
+        lens = np.asarray(batch.host_seq_lens(), dtype=np.int64)
         m = np.diff(qsl)
         seq = np.repeat(np.arange(n), m)
         j = np.arange(t) - qsl[:-1][seq]
@@ -148,7 +144,7 @@ class VerifyGraphs(DecodeGraphs):
     def _outputs(self, batch: ForwardBatch, n: int, b: int) -> Any:
         logits, hidden = self.outputs[b]
         ring = self.rings[b]
-        qsl = self._host_qsl(batch)
+        qsl = batch.host_query_start_loc()
         # The caller's batch commits from the graph's ring, over its own sequences; a
         # sequence without drafts ("plain") commits its one row.
         spec = set(batch.speculative_seqs())
