@@ -131,6 +131,44 @@ def test_verify_graphs_give_the_eager_engine_tokens(any_ckpt, k, monkeypatch):
     assert st["free_pages"] + st["cached_pages"] + st["checkpoint_pages"] == st["num_pages"], st
 
 
+def test_a_verify_step_sends_its_layout_in_the_one_staging_copy(ckpt, monkeypatch):
+    """The verify graphs' slot layout and the speculative flags travel in the runner's
+    one staging copy: every step makes exactly one host->device copy (a recording shim
+    on ``staging.h2d_copy``), and every replay finds its layout staged, a view of that
+    copy's device buffer. (On the CPU the graphs' own fallback copy would be no copy at
+    all, so the shim alone could not see it.)"""
+    from hybridserve import staging
+    from hybridserve.runner.verify_graphs import VERIFY_LAYOUT, VerifyGraphs
+
+    calls: list[str] = []
+    real = staging.h2d_copy
+    fills: list[tuple] = []
+    fill = VerifyGraphs._fill
+
+    def shim(dst, src):
+        calls.append(dst.untyped_storage().data_ptr())
+        real(dst, src)
+
+    def checked_fill(self, batch, n):
+        fills.append((batch.op_plans.get(VERIFY_LAYOUT), batch.speculative.tolist(), batch.speculative_host))
+        fill(self, batch, n)
+
+    monkeypatch.setattr(staging, "h2d_copy", shim)
+    monkeypatch.setattr(VerifyGraphs, "_fill", checked_fill)
+    prompts = _prompts(4, seed=7)
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(4)]
+    llm, replayed, steps = _generate(ckpt, prompts, params, 2, True, monkeypatch)
+    runner = llm.engine.runner
+    dev = runner.staging.dev.untyped_storage().data_ptr()
+    assert calls and set(calls) == {dev} and len(calls) == len(steps), (len(calls), len(steps))
+    assert len(fills) == runner.verify_graphs.replays >= 2
+    for layout, flags, spec in fills:
+        assert layout is not None and layout.untyped_storage().data_ptr() == dev
+        assert [i for i, f in enumerate(flags) if f] == spec
+    _, eager, _ = _generate(ckpt, prompts, params, None, False, monkeypatch)
+    assert replayed == eager
+
+
 def test_verify_graphs_need_drafts(ckpt):
     from hybridserve.runner.verify_graphs import VerifyGraphs
 

@@ -40,7 +40,10 @@ import torch
 
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.model.cache import HybridCache
+from hybridserve.runner.verify_graphs import VERIFY_LAYOUT
 from hybridserve.staging import StagingBuffer
+
+_EMPTY = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -129,7 +132,8 @@ class ModelRunner:
 
     _SEGMENTS = ("upd_rows", "upd_cols", "upd_vals", "st_rows", "st_cols", "st_vals", "page_copies",
                  "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table_rows",
-                 "has_initial_state", "logits_indices", "checkpoint_positions", "checkpoint_pages")
+                 "has_initial_state", "logits_indices", "checkpoint_positions", "checkpoint_pages",
+                 "speculative", "verify_layout")
 
     @staticmethod
     def _check_pairs(pairs: np.ndarray, limit: int, what: str) -> None:
@@ -171,12 +175,23 @@ class ModelRunner:
                                       np.asarray(plan.state_copies, dtype=np.int64).reshape(-1)])
         self._check_pairs(page_copies, self.cache.num_pages, "copy_pages")
         ck_pos, ck_pages = self._checkpoints(plan, len(qsl) - 1)
+        # A step with drafts: the entries' speculative flags, and the verify graphs'
+        # slot layout where they may run it (empty otherwise), travel in the same copy.
+        flags = layout = _EMPTY
+        if len(spec):
+            flags = np.zeros(len(qsl) - 1, dtype=np.int64)
+            flags[spec] = 1
+            g = self.verify_graphs
+            if g is not None and not len(all_positions) and not len(ck_pos):
+                layout = g.host_layout(qsl, np.asarray(plan.seq_lens, dtype=np.int64))
+                if layout is None:
+                    layout = _EMPTY
         segs = [
             plan.block_table_update_rows, plan.block_table_update_cols, plan.block_table_update_values,
             plan.state_table_update_rows, plan.state_table_update_cols, plan.state_table_update_values,
             page_copies, plan.input_ids, plan.positions, plan.slot_mapping,
             qsl, plan.seq_lens, plan.block_table_rows,
-            np.asarray(plan.num_computed_tokens) > 0, logits_indices, ck_pos, ck_pages,
+            np.asarray(plan.num_computed_tokens) > 0, logits_indices, ck_pos, ck_pages, flags, layout,
         ]
         # Segments another stage of the step asked to travel in this same copy (the
         # sampler's row indices): one host->device copy per step.
@@ -255,10 +270,10 @@ class ModelRunner:
             **ck,
         )
         if len(self._spec):
-            flags = np.zeros(len(seq_lens), dtype=bool)
-            flags[self._spec] = True
-            batch.speculative = torch.from_numpy(flags).to(self.device)
+            batch.speculative = s["speculative"].to(torch.bool)
             batch.speculative_host = self._spec.tolist()
+            if s["verify_layout"].numel():
+                batch.op_plans[VERIFY_LAYOUT] = s["verify_layout"]
             if self.device.type != "cpu":
                 # The runs' layout comes from these host copies: no read back per step.
                 batch.query_start_loc_host = qsl.tolist()

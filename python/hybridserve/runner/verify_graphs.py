@@ -32,7 +32,10 @@ What the graph reads beyond a decode graph's inputs, all in static buffers:
 
 The batch's rows are scattered into their slots before the replay, and the logits
 come back in the batch's own ``logits_indices`` order, the hidden states in its row
-order.
+order. Where the rows go and every slot's attention length are computed on the host
+(:meth:`VerifyGraphs.host_layout`) from the plan's arrays, and the runner sends them in
+the step's one staging copy (``op_plans[VERIFY_LAYOUT]``), so a replay adds no
+host-to-device transfer of its own.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ import torch
 from hybridserve.model.batch import ForwardBatch
 from hybridserve.model.native_buffers import DECODE_ROWS
 from hybridserve.runner.cuda_graphs import DecodeGraphs
+
+# ForwardBatch.op_plans key: the step's staged host_layout (a device int64 view).
+VERIFY_LAYOUT = "verify_layout"
 
 
 class VerifyGraphs(DecodeGraphs):
@@ -111,14 +117,19 @@ class VerifyGraphs(DecodeGraphs):
         qsl = batch.host_query_start_loc()
         return all(1 <= qsl[i + 1] - qsl[i] <= r for i in range(n))
 
-    def _fill(self, batch: ForwardBatch, n: int) -> None:
-        r = self.rows
-        t, slots = batch.num_tokens, n * r
-        # On the host: each row's slot, the slots no row fills, and every slot's
-        # attention length (row j of a run of m rows over L tokens sees L - m + 1 + j).
-        qsl = np.asarray(batch.host_query_start_loc(), dtype=np.int64)
-        lens = np.asarray(batch.host_seq_lens(), dtype=np.int64)
+    def host_layout(self, query_start_loc: np.ndarray, seq_lens: np.ndarray) -> np.ndarray | None:
+        """Where a step's rows go, as one int64 host array: each row's slot (``[T]``),
+        then the slots no row fills, then every slot's attention length (``[n (k + 1)]``;
+        row ``j`` of a run of ``m`` rows over ``L`` tokens sees ``L - m + 1 + j``).
+        None where no graph takes the step's shape (too many sequences, or a run of
+        more than ``k + 1`` rows or none)."""
+        qsl = np.asarray(query_start_loc, dtype=np.int64)
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        n, r = len(qsl) - 1, self.rows
         m = np.diff(qsl)
+        if not (0 < n <= self.buckets[-1]) or m.min() < 1 or m.max() > r:
+            return None
+        t, slots = int(qsl[-1]), n * r
         seq = np.repeat(np.arange(n), m)
         j = np.arange(t) - qsl[:-1][seq]
         slot_of = seq * r + j
@@ -126,8 +137,16 @@ class VerifyGraphs(DecodeGraphs):
         row_lens[slot_of] = lens[seq] - m[seq] + 1 + j
         empty = np.ones(slots, dtype=bool)
         empty[slot_of] = False
-        host = torch.from_numpy(np.concatenate([slot_of, np.nonzero(empty)[0], row_lens]))
-        dev = host.to(self.device)
+        return np.concatenate([slot_of, np.nonzero(empty)[0], row_lens])
+
+    def _fill(self, batch: ForwardBatch, n: int) -> None:
+        r = self.rows
+        t, slots = batch.num_tokens, n * r
+        dev = batch.op_plans.get(VERIFY_LAYOUT)
+        if dev is None:
+            # A caller that staged nothing (the runner stages it): computed and sent here.
+            host = self.host_layout(batch.host_query_start_loc(), batch.host_seq_lens())
+            dev = torch.from_numpy(host).to(self.device)
         self._slot_of = slot_of_t = dev[:t]
         self.input_ids[:slots].zero_()
         self.input_ids.index_copy_(0, slot_of_t, batch.input_ids)
@@ -155,4 +174,4 @@ class VerifyGraphs(DecodeGraphs):
         return logits[:batch.num_tokens], hidden.index_select(0, self._slot_of)
 
 
-__all__ = ["VerifyGraphs"]
+__all__ = ["VerifyGraphs", "VERIFY_LAYOUT"]
