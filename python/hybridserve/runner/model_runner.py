@@ -19,8 +19,9 @@ plan tells it, in this order each step:
    only for the rows that sample this step.
 
 Everything the step sends to the device (block-table updates, copy lists, token ids,
-positions, slot mapping, ..., and the sampler's row indices the engine hands over in
-``extra_segments``) is written into one host staging buffer (pinned on CUDA) and copied
+positions, slot mapping, ..., a verify step's speculative flags and verify-graph slot
+layout, and the sampler's row indices the engine hands over in ``extra_segments``) is
+written into one host staging buffer (pinned on CUDA) and copied
 once (:class:`hybridserve.staging.StagingBuffer`); index ranges are checked
 on the host arrays before they travel, so no step reads device data back. Pure-decode
 steps run from captured CUDA graphs when ``graphs`` is set (see
