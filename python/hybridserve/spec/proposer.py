@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from hybridserve.model.batch import ForwardBatch
+from hybridserve.model.native_decode import NATIVE_STEP
 
 # The reduced draft vocabulary: drafts come from the LM head's first rows only, the
 # token ids below ``draft_vocab_size``. BPE tokenizers number their tokens in merge
@@ -215,8 +216,6 @@ class MTPProposer:
             return [[]]
         if num_drafts <= 0:
             return None  # (the MTP prefill alone: the general path)
-        from hybridserve.model.native_decode import NATIVE_STEP
-
         fast = batch.op_plans.get(NATIVE_STEP) or self.model._usable_native_step()
         if fast is None:
             return None
@@ -224,9 +223,14 @@ class MTPProposer:
         ids_host = np.empty(committed, dtype=np.int64)
         ids_host[:-1] = batch.input_ids.numpy()[start + 1:end]
         ids_host[-1] = next_token
-        tables = np.broadcast_to(self.block_table_buf.numpy()[table_row], (committed,) + self.block_table_buf.shape[1:])
+        positions = batch.positions.numpy()[start:end]
+        # The sequence's block-table row once per row, only the columns the passes reach
+        # (the last chained pass writes num_drafts - 1 positions past the last row): one
+        # numpy call, no broadcast view for mtp_draft to copy.
+        width = min(self.block_table_buf.shape[1], (int(positions[-1]) + num_drafts - 1) // self.block_size + 1)
+        tables = np.repeat(self.block_table_buf.numpy()[table_row:table_row + 1, :width], committed, axis=0)
         h = hidden if start == 0 and end == hidden.shape[0] else hidden[start:end]
-        out = fast.mtp_draft(h, ids_host, batch.positions.numpy()[start:end], batch.slot_mapping.numpy()[start:end],
+        out = fast.mtp_draft(h, ids_host, positions, batch.slot_mapping.numpy()[start:end],
                              tables, self._last(committed), num_drafts, self.cache, self.draft_vocab)
         if out is None:
             return None
@@ -250,8 +254,6 @@ class MTPProposer:
         need = drafting[want]
         if not bool((need == need[0]).all()):
             return None
-        from hybridserve.model.native_decode import NATIVE_STEP
-
         # (The native step that ran the step's forward: its weights' views were checked then.)
         fast = batch.op_plans.get(NATIVE_STEP) or self.model._usable_native_step()
         if fast is None:
