@@ -45,9 +45,12 @@ def test_gpu_check_dry_run_on_the_cpu():
     assert [c["status"] for c in na(by_name["seed"], "bandwidth floor")] == ["not applicable"]
     assert [c["status"] for c in na(by_name["fidelity"], "CUDA graphs")] == ["not applicable"]
     spec = by_name["spec"]
-    assert [c["status"] for c in spec["criteria"]] == ["pass", "not applicable", "not applicable"]
+    assert [c["status"] for c in spec["criteria"]] == ["pass", "not applicable", "not applicable", "not applicable"]
     assert [c["identical"] for c in spec["cases"] if "identical" in c] == [True] * 4
     assert [c["draft_tokens"] > 0 for c in spec["cases"] if "draft_tokens" in c] == [True] * 2
+    # The staging-copy count the device criterion reads works here too (no verify graphs on the CPU).
+    assert [(c["most_staging_copies_per_step"], c["verify_fills"]) for c in spec["cases"] if "draft_tokens" in c] \
+        == [(1, 0)] * 2
     assert "sync" in by_name["summary"]["not_applicable"]
     # Tensor parallelism needs two GPUs: not applicable here, never ok; its comparison
     # still ran over gloo on the CPU, and TP=2 matched one process.
