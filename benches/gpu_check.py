@@ -47,8 +47,9 @@ status is 1 when any check fails. Checks:
   (float32 logits, greedy tokens eager and with CUDA graphs).
 * ``spec``: speculative decoding with the MTP drafter (k = 3) on the trained default
   model and a random-weight tiny checkpoint, at batch 4 and 1: greedy tokens identical
-  with speculation on and off, eager and with CUDA graphs, and the verify steps
-  replayed the verify graphs; wall times on and off reported.
+  with speculation on and off, eager and with CUDA graphs, the verify steps
+  replayed the verify graphs, and every step made one staging copy that carried the
+  verify graphs' slot layout; wall times on and off reported.
 
 Every check states its pass criteria (``criteria``: name, status, what was compared)
 and its ``status`` follows from them: ``"fail"`` if any criterion failed, ``"pass"`` if
