@@ -269,17 +269,16 @@ def _check_supported(config: ModelConfig) -> None:
         raise ConfigError("linear_conv_kernel_dim must be at least 2")
 
 
-# Per row count n: (query_start_loc of n one-row entries, n zeros, 0 .. n-1), the
-# read-only index tensors of a batch-1 verify step's layout (see Qwen3_5ForServing._open_ring).
-_ONE_RUN: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+# Per row count n: (query_start_loc of n one-row entries, 0 .. n-1), the read-only
+# index tensors of a batch-1 verify step's layout (see Qwen3_5ForServing._open_ring).
+_ONE_RUN: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _one_run_layout(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _one_run_layout(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     got = _ONE_RUN.get(n)
     if got is None:
         with torch.inference_mode(False):
-            got = _ONE_RUN[n] = (torch.arange(n + 1, dtype=torch.int32), torch.zeros(n, dtype=torch.int64),
-                                 torch.arange(n, dtype=torch.int64))
+            got = _ONE_RUN[n] = (torch.arange(n + 1, dtype=torch.int32), torch.arange(n, dtype=torch.int64))
     return got
 
 
@@ -510,12 +509,13 @@ class Qwen3_5ForServing(nn.Module):
             if flags == [True]:
                 # Batch 1: one speculative run of every row.
                 n = batch.num_tokens
-                length = int(batch.seq_lens[0])
-                q_e, zeros, rows = _one_run_layout(n)
-                # (rows_as_decodes of this run: row j sees length - (n-1-j) positions.)
+                length = int(batch.seq_lens.numpy()[0])
+                q_e, rows = _one_run_layout(n)
+                # (rows_as_decodes of this run: row j sees length - (n-1-j) positions,
+                # through the sequence's block-table row, repeated by numpy: no torch op.)
                 batch.op_plans[DECODE_ROWS] = (q_e, torch.from_numpy(np.arange(length - n + 1, length + 1,
                                                                                 dtype=np.int32)),
-                                               batch.block_tables.index_select(0, zeros))
+                                               torch.from_numpy(np.repeat(batch.block_tables.numpy()[:1], n, 0)))
                 batch.spec_ring = {"seqs": [0], "lens": [n], "rows": rows, "all": True}
                 return
             seqs = [b for b, f in enumerate(flags) if f]
