@@ -246,8 +246,8 @@ type Tile<const C: usize> = [[f32; C]; MR];
 /// rounding): the same [`from_f32`] per value as element by element. Compiled into the
 /// caller, so the vector rounding needs a caller built for the CPU's vector features
 /// (`avx512::put`, [`put_avx2`]): in baseline x86-64 code the rounding of a tile row
-/// runs value by value, which at 3-5 rows made a bfloat16 output cost about a third
-/// more than a float32 one.
+/// runs value by value, a cost of the order of the tile's own arithmetic at 3-5 rows
+/// and small `K` (benches/RESULTS.md, "The bfloat16 GEMM's output rounding").
 ///
 /// # Safety
 /// As for [`OutPtr::put`], for every element written.
