@@ -183,7 +183,9 @@ class ModelRunner:
             flags = np.zeros(len(qsl) - 1, dtype=np.int64)
             flags[spec] = 1
             g = self.verify_graphs
-            if g is not None and not len(all_positions) and not len(ck_pos):
+            # (What VerifyGraphs.can_run asks of the batch: every row samples, no
+            # checkpoint; host_layout checks the shape.)
+            if g is not None and len(logits_indices) == qsl[-1] and not len(all_positions) and not len(ck_pos):
                 layout = g.host_layout(qsl, np.asarray(plan.seq_lens, dtype=np.int64))
                 if layout is None:
                     layout = _EMPTY
